@@ -1,0 +1,73 @@
+// DoubleBufferManager: the design note's token exchange, made into a real pipeline.
+//
+// Two sets of symmetric buffers, each holding a send and a receive buffer of
+// n_tokens x token_size bytes and one signal per token. Round r uses set r % 2:
+//   fill send_buffer(r % 2)  ->  exchange()  ->  wait(r)  ->  read recv_buffer(r % 2)
+// exchange() puts every token into the peer's receive buffer and raises that token's signal;
+// round r + 1 can be filled and exchanged while round r is still in flight. Flow control: the
+// put of round r waits (on the device) until the receiving PE has called exchange() for round r
+// itself, which declares its receive buffer of round r - 2 free. So a receive buffer stays valid
+// until its owner calls exchange() for two rounds later.
+//
+// All calls except init/cleanup/test_bandwidth are stream-ordered on the stream passed in.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace pydatacopy {
+
+class DoubleBufferManager {
+ public:
+  DoubleBufferManager() = default;
+  // Never collective: a manager destroyed without cleanup() leaves its symmetric memory allocated
+  // (freeing it would need every PE) until NVSHMEM is finalised.
+  ~DoubleBufferManager() = default;
+  DoubleBufferManager(const DoubleBufferManager&) = delete;
+  DoubleBufferManager& operator=(const DoubleBufferManager&) = delete;
+
+  // Collective and blocking: allocates both buffer sets on every PE.
+  void init(int64_t n_tokens, int64_t token_size);
+  // Collective and blocking; harmless when not initialised.
+  void cleanup();
+
+  // The note's benchmark: one round with the default peers, blocking until this PE's tokens have
+  // been delivered and the peer's have arrived. Returns GB/s sent by this PE (10^9 bytes/s).
+  double test_bandwidth(int rank, int world_size, cudaStream_t stream = nullptr);
+
+  bool initialized() const { return base_ != nullptr; }
+  int64_t n_tokens() const { return n_tokens_; }
+  int64_t token_size() const { return token_size_; }
+  int64_t buffer_bytes() const { return n_tokens_ * token_size_; }
+  // Rounds exchanged so far; the next exchange() is round `round()` and uses set round() % 2.
+  int64_t round() const { return next_round_; }
+  int64_t last_waited_round() const { return last_waited_round_; }
+  uint8_t* send_buffer(int set) const;
+  uint8_t* recv_buffer(int set) const;
+
+  // Default peers: 1 PE: itself; an even number: pairs (pe ^ 1); odd: a ring, sending to
+  // pe + 1 and receiving from pe - 1.
+  static int default_dst_pe(int pe, int n_pes);
+  static int default_src_pe(int pe, int n_pes);
+
+  // Puts this round's send buffer to dst_pe and releases this PE's receive set of two rounds
+  // ago to src_pe (the PE that sends to us). Returns the round number. Stream-ordered.
+  int64_t exchange(int dst_pe, int src_pe, cudaStream_t stream, double timeout_seconds);
+  // Waits on `stream` until every token of `round` from src_pe has arrived. Stream-ordered: a
+  // timeout is reported by check_device_errors() (blocking callers check it for you).
+  void wait(int64_t round, int src_pe, cudaStream_t stream, double timeout_seconds);
+
+ private:
+  uint64_t* signals(int set) const;
+  uint64_t* credits(int set) const;
+  void require_initialized(const char* what) const;
+
+  uint8_t* base_ = nullptr;  // one symmetric allocation holding everything
+  int64_t n_tokens_ = 0;
+  int64_t token_size_ = 0;
+  int64_t next_round_ = 0;
+  int64_t last_waited_round_ = -1;
+};
+
+}  // namespace pydatacopy

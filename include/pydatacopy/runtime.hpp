@@ -1,0 +1,58 @@
+// pydatacopy runtime: NVSHMEM start-up from a unique ID, PE queries, versions, timeouts.
+//
+// Usable from C++ without Python: the caller moves the 128-byte ID between processes by any
+// means (the Python layer uses torch.distributed), then every process calls init_nvshmem().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pydatacopy {
+
+// Size of nvshmemx_uniqueid_t; checked against the header at compile time in runtime.cu.
+constexpr std::size_t kUniqueIdBytes = 128;
+
+// Creates a fresh NVSHMEM unique ID. Needs no GPU; call it on one process (rank 0) only.
+std::vector<uint8_t> get_unique_id();
+
+// Joins the NVSHMEM job named by `root_unique_id` as `rank` of `world_size` on CUDA `device`
+// (device < 0: keep the calling thread's current device). Collective over all ranks.
+// Returns this process's PE (equal to rank). Calling it again with the same ID is harmless;
+// with another ID it throws. If NVSHMEM was already initialised by someone else in this process
+// (for example torch's symmetric memory), it checks that rank and world size agree and joins.
+int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world_size,
+                 int device = -1);
+
+// Collective: every PE must call it. Harmless when not initialised. Does nothing to an NVSHMEM
+// that this library did not start (it belongs to whoever did).
+void finalize();
+
+bool is_initialized();
+int my_pe();
+int n_pes();
+int cuda_device();  // the CUDA device bound at init
+
+struct Version {
+  int major = 0, minor = 0, patch = 0;
+  std::string str() const;
+};
+Version built_nvshmem_version();   // headers this library was compiled against
+Version loaded_nvshmem_version();  // libnvshmem_host loaded in this process
+// Throws naming both versions when they differ in major or minor.
+void check_nvshmem_version();
+
+// Seconds a blocking wait may take before it raises TimeoutError: PYDATACOPY_TIMEOUT_S, else 60.
+double default_timeout_seconds();
+
+// Throws the first error a device-side wait reported (a TimeoutError naming the operation and
+// the peer). Errors are sticky: after a peer timed out, NVSHMEM's state cannot be trusted.
+void check_device_errors();
+
+// Throws unless init_nvshmem() has run in this process; `what` names the caller's operation.
+void require_initialized(const char* what);
+
+// Throws unless 0 <= pe < n_pes(); `what` names the argument.
+void require_valid_pe(int pe, const char* what);
+
+}  // namespace pydatacopy

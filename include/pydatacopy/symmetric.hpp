@@ -1,0 +1,29 @@
+// Symmetric memory: allocations on the NVSHMEM heap that every PE holds at the same offset.
+#pragma once
+
+#include <cstddef>
+
+namespace pydatacopy {
+
+// Collective: every PE calls it with the same size, in the same order. Throws (naming
+// NVSHMEM_SYMMETRIC_SIZE and the bytes needed) when the heap is too small. Never returns null.
+void* symmetric_malloc(std::size_t bytes);
+
+// Collective: waits for this PE's device work to finish, then frees on every PE.
+void symmetric_free(void* ptr);
+
+// True when [ptr, ptr + bytes) lies inside one live pydatacopy symmetric allocation.
+bool is_symmetric(const void* ptr, std::size_t bytes);
+
+// Address at which this process can load/store `pe`'s copy of the symmetric `ptr`, or null when
+// `pe` is not directly reachable (another node, or PYDATACOPY_FORCE_RMA=1).
+void* peer_pointer(const void* ptr, int pe);
+
+// PYDATACOPY_FORCE_RMA=1 makes every path behave as if no peer were directly reachable, so the
+// NVSHMEM RMA path a peer on another server takes is exercised on one machine.
+bool rma_forced();
+
+// Number of streaming multiprocessors of the bound device (cached).
+int multiprocessor_count();
+
+}  // namespace pydatacopy

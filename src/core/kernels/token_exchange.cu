@@ -1,0 +1,81 @@
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "../device_status.cuh"
+#include "api.cuh"
+#include "copy.cuh"
+#include "pydatacopy/error.hpp"
+
+namespace pydatacopy::kernels {
+namespace {
+
+constexpr int kExchangeThreads = 512;  // 16 warps, each moving whole tokens
+constexpr int kWaitThreads = 256;
+
+__global__ void __launch_bounds__(kExchangeThreads)
+    token_exchange_kernel(const TokenExchangeArgs args) {
+  const uint64_t deadline = detail::globaltimer_ns() + args.timeout_ns;
+  // Tell the PE that sends to us that our receive set for this round is free.
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    nvshmemx_signal_op(args.credits + args.my_pe, args.round_value, NVSHMEM_SIGNAL_SET,
+                       args.src_pe);
+  // Do not write into dst before it has freed its receive set for this round.
+  __shared__ int credit_ok;
+  if (threadIdx.x == 0)
+    credit_ok = detail::wait_until_at_least(args.credits + args.dst_pe, args.round_value, deadline,
+                                            args.status, detail::WaitOp::kTokenCredit, args.dst_pe,
+                                            args.my_pe);
+  __syncthreads();
+  if (!credit_ok) return;
+
+  const int lane = threadIdx.x % 32;
+  const int64_t warps_total = static_cast<int64_t>(gridDim.x) * (kExchangeThreads / 32);
+  const int64_t first_warp = static_cast<int64_t>(blockIdx.x) * (kExchangeThreads / 32) +
+                             threadIdx.x / 32;
+  for (int64_t token = first_warp; token < args.n_tokens; token += warps_total) {
+    const int64_t offset = token * args.token_bytes;
+    if (args.peer_recv != nullptr) {
+      // Direct stores over NVLink, then one release store of the token's signal.
+      warp_copy(args.peer_recv + offset, args.send + offset, args.token_bytes, lane);
+      __syncwarp();
+      if (lane == 0) {
+        __threadfence_system();
+        store_release_sys(args.peer_signals + token, args.round_value);
+      }
+    } else {
+      nvshmemx_putmem_signal_warp(args.recv + offset, args.send + offset,
+                                  static_cast<size_t>(args.token_bytes), args.signals + token,
+                                  args.round_value, NVSHMEM_SIGNAL_SET, args.dst_pe);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kWaitThreads)
+    token_wait_kernel(const uint64_t* signals, int64_t n_tokens, uint64_t round_value, int my_pe,
+                      int src_pe, uint64_t timeout_ns, detail::DeviceStatus* status) {
+  const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       token < n_tokens; token += stride) {
+    if (!detail::wait_until_at_least(signals + token, round_value, deadline, status,
+                                     detail::WaitOp::kTokenArrival, src_pe, my_pe))
+      return;
+  }
+}
+
+}  // namespace
+
+void launch_token_exchange(const TokenExchangeArgs& args, int num_blocks, cudaStream_t stream) {
+  token_exchange_kernel<<<num_blocks, kExchangeThreads, 0, stream>>>(args);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_token_wait(const uint64_t* signals, int64_t n_tokens, uint64_t round_value, int my_pe,
+                       int src_pe, uint64_t timeout_ns, detail::DeviceStatus* status,
+                       int num_blocks, cudaStream_t stream) {
+  token_wait_kernel<<<num_blocks, kWaitThreads, 0, stream>>>(signals, n_tokens, round_value, my_pe,
+                                                             src_pe, timeout_ns, status);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace pydatacopy::kernels
