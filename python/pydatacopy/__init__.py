@@ -1,0 +1,61 @@
+"""pydatacopy: move GPU data between processes, GPUs and servers over NVSHMEM.
+
+Start it from torch.distributed (no MPI)::
+
+    import torch.distributed as dist, pydatacopy
+    dist.init_process_group("nccl")
+    pydatacopy.init()                       # rank 0's NVSHMEM ID travels through torch.distributed
+    dbm = pydatacopy.DoubleBufferManager()
+    dbm.init(n_tokens=4096, token_size=7168)
+    ...
+    dbm.cleanup(); pydatacopy.finalize()
+"""
+
+from __future__ import annotations
+
+from . import _C
+from ._double_buffer import DoubleBufferManager
+from ._runtime import (
+    UNIQUE_ID_BYTES,
+    check_errors,
+    choose_device,
+    finalize,
+    get_unique_id,
+    init,
+    init_nvshmem,
+    is_initialized,
+    my_pe,
+    n_pes,
+    share_unique_id,
+)
+
+__version__: str = _C.__version__
+
+#: The one exception type of pydatacopy (a RuntimeError subclass).
+Error = _C.Error
+#: A blocking wait ran past its timeout; a subclass of Error.
+TimeoutError = _C.TimeoutError  # noqa: A001 - the project's own, deliberately named
+
+
+def nvshmem_versions() -> dict[str, str]:
+    """The NVSHMEM version compiled in and the one loaded in this process."""
+    return {"built": _C.built_nvshmem_version(), "loaded": _C.loaded_nvshmem_version()}
+
+
+__all__ = [
+    "DoubleBufferManager",
+    "Error",
+    "TimeoutError",
+    "UNIQUE_ID_BYTES",
+    "check_errors",
+    "choose_device",
+    "finalize",
+    "get_unique_id",
+    "init",
+    "init_nvshmem",
+    "is_initialized",
+    "my_pe",
+    "n_pes",
+    "nvshmem_versions",
+    "share_unique_id",
+]

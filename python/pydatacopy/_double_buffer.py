@@ -1,0 +1,179 @@
+"""DoubleBufferManager: the design note's class, with a real token exchange around it."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
+
+Error = _C.Error
+
+
+class DoubleBufferManager:
+    """Two sets of symmetric send/receive buffers of ``[n_tokens, token_size]`` bytes.
+
+    Round ``r`` uses buffer set ``r % 2``. A round::
+
+        dbm.send_buffer.copy_(tokens)       # fill this round's send set
+        r = dbm.exchange()                  # put every token to the peer, one signal per token
+        received = dbm.wait(r)              # stream-ordered wait for the peer's round r
+        use(received)                       # valid until you call exchange() twice more
+
+    While round ``r`` is in flight the next round's ``send_buffer`` (the other set) can be
+    filled and exchanged. Everything is ordered on torch's current stream (or ``stream=``);
+    ``init``, ``cleanup`` and ``test_bandwidth`` block, as the note uses them.
+
+    Peers: with two PEs, the other one. With more, by default PEs pair up (``pe ^ 1``) when
+    their number is even and form a ring (send to ``pe + 1``, receive from ``pe - 1``) when it
+    is odd; ``peer=`` (both directions) or ``dst_pe=``/``src_pe=`` choose explicitly, and every
+    PE must make matching choices.
+    """
+
+    def __init__(self) -> None:
+        self._core = _C.DoubleBufferManager()
+        self._send: list[torch.Tensor] = []
+        self._recv: list[torch.Tensor] = []
+        self._src_of_round: dict[int, int] = {}
+
+    # ---- the note's API -------------------------------------------------------------------
+    def init(self, n_tokens: int, token_size: int) -> None:
+        """Allocate both buffer sets on every PE (collective, blocking). token_size is in bytes."""
+        check_int("n_tokens", n_tokens, 1)
+        check_int("token_size", token_size, 1)
+        self._core.init(n_tokens, token_size)
+        device = _C.cuda_device()
+        shape = (n_tokens, token_size)
+        self._send = [tensor_from_address(self._core.send_buffer(s), shape, torch.uint8, device, self)
+                      for s in (0, 1)]
+        self._recv = [tensor_from_address(self._core.recv_buffer(s), shape, torch.uint8, device, self)
+                      for s in (0, 1)]
+        self._src_of_round.clear()
+
+    def cleanup(self) -> None:
+        """Free both buffer sets on every PE (collective, blocking); harmless twice.
+
+        Tensors obtained from this manager must not be used afterwards.
+        """
+        self._send, self._recv = [], []
+        self._src_of_round.clear()
+        self._core.cleanup()
+
+    def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
+        """One round with the default peers, blocking until this PE's tokens are delivered and
+        the peer's have arrived. Returns this PE's send rate in GB/s (10^9 bytes per second)."""
+        check_int("rank", rank, 0)
+        check_int("world_size", world_size, 1)
+        self._require_init("test_bandwidth")
+        round_ = self._core.round
+        gbps = self._core.test_bandwidth(rank, world_size, stream_handle(stream, _C.cuda_device()))
+        self._src_of_round[round_] = _C.DoubleBufferManager.default_src_pe(rank, world_size)
+        return gbps
+
+    # ---- the token exchange -----------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        return self._core.n_tokens
+
+    @property
+    def token_size(self) -> int:
+        return self._core.token_size
+
+    @property
+    def round(self) -> int:
+        """The number of rounds exchanged so far: the next exchange() is this round."""
+        return self._core.round
+
+    @property
+    def current_set(self) -> int:
+        """The buffer set (0 or 1) the next exchange() sends from."""
+        return self._core.round % 2
+
+    @property
+    def send_buffer(self) -> torch.Tensor:
+        """``[n_tokens, token_size]`` uint8: what the next exchange() sends. Fill it first."""
+        self._require_init("send_buffer")
+        return self._send[self.current_set]
+
+    def send_buffer_of(self, round_: int) -> torch.Tensor:
+        self._require_init("send_buffer_of")
+        return self._send[check_int("round", round_, 0) % 2]
+
+    def recv_buffer(self, round_: int | None = None) -> torch.Tensor:
+        """``[n_tokens, token_size]`` uint8 receiving `round_` (default: the last exchanged).
+        Read it only after wait(round_)."""
+        self._require_init("recv_buffer")
+        if round_ is None:
+            round_ = self._last_round("recv_buffer")
+        return self._recv[check_int("round", round_, 0) % 2]
+
+    def exchange(self, peer: int | None = None, *, dst_pe: int | None = None,
+                 src_pe: int | None = None, stream=None, timeout: float | None = None) -> int:
+        """Send this round's ``send_buffer`` to the peer and switch to the other buffer set.
+
+        Stream-ordered; returns the round number to pass to wait(). Calling it for round r
+        declares this PE's receive buffer of round r - 2 free (the peer may overwrite it), so
+        round r - 2 must have been waited for.
+        """
+        self._require_init("exchange")
+        dst, src = self._peers(peer, dst_pe, src_pe)
+        round_ = self._core.exchange(dst, src, stream_handle(stream, _C.cuda_device()),
+                                     timeout_seconds(timeout))
+        self._src_of_round[round_] = src
+        self._src_of_round.pop(round_ - 3, None)
+        return round_
+
+    def wait(self, round_: int | None = None, *, stream=None, timeout: float | None = None,
+             blocking: bool = False) -> torch.Tensor:
+        """Wait until every token of `round_` (default: the last exchanged) has arrived.
+
+        Stream-ordered: work queued on the stream afterwards sees the data. With
+        ``blocking=True`` the call also synchronises the stream and raises TimeoutError here if
+        the peer did not deliver in time; otherwise a timeout surfaces at the next call (or
+        ``pydatacopy.check_errors()``). Returns the round's receive buffer.
+        """
+        self._require_init("wait")
+        if round_ is None:
+            round_ = self._last_round("wait")
+        check_int("round", round_, 0)
+        src = self._src_of_round.get(round_, self._default_src())
+        handle = stream_handle(stream, _C.cuda_device())
+        self._core.wait(round_, src, handle, timeout_seconds(timeout))
+        if blocking:
+            torch.cuda.ExternalStream(handle).synchronize()
+            _C.check_device_errors()
+        return self._recv[round_ % 2]
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _require_init(self, what: str) -> None:
+        if not self._core.initialized:
+            raise Error(f"DoubleBufferManager.{what}: call init(n_tokens, token_size) first "
+                        "(or it was cleaned up)")
+
+    def _last_round(self, what: str) -> int:
+        if self._core.round == 0:
+            raise Error(f"DoubleBufferManager.{what}: no round has been exchanged yet")
+        return self._core.round - 1
+
+    def _default_src(self) -> int:
+        return _C.DoubleBufferManager.default_src_pe(_C.my_pe(), _C.n_pes())
+
+    def _peers(self, peer, dst_pe, src_pe) -> tuple[int, int]:
+        me, n = _C.my_pe(), _C.n_pes()
+        if peer is not None:
+            if dst_pe is not None or src_pe is not None:
+                raise Error("give either peer= or dst_pe=/src_pe=, not both")
+            dst = src = check_int("peer", peer, 0)
+        else:
+            dst = _C.DoubleBufferManager.default_dst_pe(me, n) if dst_pe is None else check_int("dst_pe", dst_pe, 0)
+            src = _C.DoubleBufferManager.default_src_pe(me, n) if src_pe is None else check_int("src_pe", src_pe, 0)
+        for name, pe in (("dst_pe", dst), ("src_pe", src)):
+            if pe >= n:
+                raise Error(f"{name}={pe} is out of range: there are {n} PEs")
+        return dst, src
+
+    def __repr__(self) -> str:
+        if not self._core.initialized:
+            return "DoubleBufferManager(uninitialised)"
+        return (f"DoubleBufferManager(n_tokens={self.n_tokens}, token_size={self.token_size}, "
+                f"round={self.round})")

@@ -1,0 +1,67 @@
+"""Torch-side helpers: streams, devices and tensors over raw device pointers."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C
+
+Error = _C.Error
+
+
+class _CudaArray:
+    """A device buffer described by __cuda_array_interface__, so torch can view it zero-copy.
+
+    torch keeps this object alive as long as the tensor lives; it owns nothing itself.
+    """
+
+    __slots__ = ("__cuda_array_interface__", "owner")
+
+    def __init__(self, address: int, num_bytes: int, owner: object):
+        self.__cuda_array_interface__ = {
+            "shape": (num_bytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+        self.owner = owner
+
+
+def tensor_from_address(address: int, shape: tuple[int, ...], dtype: torch.dtype,
+                        device: int, owner: object = None) -> torch.Tensor:
+    """A torch tensor viewing `address` (no copy)."""
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    num_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    flat = torch.as_tensor(_CudaArray(address, max(num_bytes, 1), owner), device=f"cuda:{device}")
+    return flat[:num_bytes].view(dtype).view(shape)
+
+
+def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
+    """The cudaStream_t of `stream`, torch's current stream on `device` when None."""
+    if stream is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    if isinstance(stream, int):
+        return stream
+    if isinstance(stream, (torch.cuda.Stream, torch.cuda.ExternalStream)):
+        return stream.cuda_stream
+    raise Error(f"stream must be a torch.cuda.Stream, a raw cudaStream_t int or None, got {type(stream).__name__}")
+
+
+def timeout_seconds(timeout: float | None) -> float:
+    if timeout is None:
+        return _C.default_timeout_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise Error(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def check_int(name: str, value: object, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Error(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise Error(f"{name} must be at least {minimum}, got {value}")
+    return value
