@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build from the working tree and run the multi-GPU tests and the benchmark, in one call:
+#   device run (kind nvidia-h200-x2):  bash scripts/gpu-check.sh
+# Logs go to $OUT (or ./gpu-check-out); the summary table is printed last.
+set -uo pipefail
+# NVLink multicast can take the shared GPUs down: keep it off everywhere.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYDATACOPY_TIMEOUT_S=${PYDATACOPY_TIMEOUT_S:-30}
+OUT=${OUT:-$PWD/gpu-check-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+NGPU=$(nvidia-smi -L | wc -l)
+declare -a SUMMARY
+
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail and seconds
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  SUMMARY+=("$(printf '%-28s %-6s %5ss' "$name" "$([ $rc = 0 ] && echo PASS || echo FAIL:$rc)" $((SECONDS - start)))")
+  return $rc
+}
+
+nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
+step cpu-tests $PY -m pytest tests/test_cpu.py -q
+step gpu2-tests timeout 900 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -x -p no:cacheprovider
+step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
+step bench timeout 600 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
+
+echo
+echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+printf '%s\n' "${SUMMARY[@]}"
+grep -h "passed\|failed" "$OUT/cpu-tests.log" "$OUT/gpu2-tests.log" | tail -n 3
+grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
+sed -n '/^path/,$p' "$OUT/bench.log"
+! printf '%s\n' "${SUMMARY[@]}" | grep -q FAIL

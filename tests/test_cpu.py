@@ -1,0 +1,189 @@
+"""Tests that need no GPU: import, IDs, argument checks, errors, the ID broadcast over gloo."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pydatacopy
+from pydatacopy import _C
+
+NO_GPU = torch.cuda.device_count() == 0
+
+
+def test_public_names_resolve():
+    for name in pydatacopy.__all__:
+        assert hasattr(pydatacopy, name), name
+    assert issubclass(pydatacopy.Error, RuntimeError)
+    assert issubclass(pydatacopy.TimeoutError, pydatacopy.Error)
+
+
+def test_nvshmem_version_built_matches_loaded():
+    versions = pydatacopy.nvshmem_versions()
+    assert versions["built"] == versions["loaded"]
+    assert versions["built"].count(".") == 2
+
+
+def test_unique_id_is_128_picklable_bytes():
+    first, second = pydatacopy.get_unique_id(), pydatacopy.get_unique_id()
+    assert len(first) == pydatacopy.UNIQUE_ID_BYTES == 128
+    assert all(isinstance(v, int) and 0 <= v <= 255 for v in first)
+    assert pickle.loads(pickle.dumps(first)) == first
+    assert first != second, "two IDs must name two different jobs"
+
+
+@pytest.mark.parametrize(
+    "bad_id, words",
+    [
+        (b"\x01" * 127, "128 bytes"),
+        (list(range(129)), "128 bytes"),
+        ([], "128 bytes"),
+        ([256] * 128, "ints in [0, 255]"),
+        ([True] * 128, "ints in [0, 255]"),
+        ("x" * 128, "bytes, bytearray, a list of ints or a uint8 tensor"),
+        (None, "bytes, bytearray, a list of ints or a uint8 tensor"),
+        (torch.zeros(128, dtype=torch.int32), "uint8"),
+        (torch.zeros(64, dtype=torch.uint8), "128 bytes"),
+    ],
+)
+def test_init_nvshmem_rejects_bad_ids(bad_id, words):
+    with pytest.raises(pydatacopy.Error, match=None) as info:
+        pydatacopy.init_nvshmem(bad_id, 0, 1)
+    assert words in str(info.value)
+
+
+def test_core_rejects_all_zero_id():
+    with pytest.raises(pydatacopy.Error, match="all zeros"):
+        _C.init_nvshmem([0] * 128, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "rank, world_size, words",
+    [(0, 0, "world_size must be at least 1"), (-1, 2, "rank must be at least 0"),
+     (2, 2, "rank must be in [0, world_size=2)"), (0.0, 2, "rank must be an int"),
+     (0, "2", "world_size must be an int")],
+)
+def test_init_nvshmem_rejects_bad_rank_and_world_size(rank, world_size, words):
+    uid = pydatacopy.get_unique_id()
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.init_nvshmem(uid, rank, world_size)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("id_type", [list, bytes, bytearray, lambda v: torch.tensor(v, dtype=torch.uint8)])
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
+def test_init_nvshmem_without_gpu_says_so(id_type):
+    uid = id_type(pydatacopy.get_unique_id())
+    with pytest.raises(pydatacopy.Error, match="no CUDA device is visible"):
+        pydatacopy.init_nvshmem(uid, 0, 1)
+    assert not pydatacopy.is_initialized()
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
+def test_core_init_without_gpu_names_the_driver():
+    with pytest.raises(pydatacopy.Error, match="NVIDIA GPU and driver") as info:
+        _C.init_nvshmem(pydatacopy.get_unique_id(), 0, 1, -1)
+    assert "runtime.cu:" in str(info.value), "core errors carry file:line"
+
+
+def test_calls_before_init_raise_the_project_error():
+    assert not pydatacopy.is_initialized()
+    pydatacopy.finalize()  # harmless when not initialised
+    pydatacopy.finalize()
+    for call in (pydatacopy.my_pe, pydatacopy.n_pes):
+        with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+            call()
+    dbm = pydatacopy.DoubleBufferManager()
+    with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+        dbm.init(4, 16)
+    with pytest.raises(pydatacopy.Error, match="init\\(n_tokens, token_size\\) first"):
+        dbm.exchange()
+    with pytest.raises(pydatacopy.Error, match="init\\(n_tokens, token_size\\) first"):
+        _ = dbm.send_buffer
+    with pytest.raises(pydatacopy.Error, match="init\\(n_tokens, token_size\\) first"):
+        dbm.test_bandwidth(0, 1)
+    dbm.cleanup()  # harmless when never initialised
+    pydatacopy.check_errors()  # nothing reported
+
+
+@pytest.mark.parametrize("n_tokens, token_size", [(0, 16), (-1, 16), (4, 0), (4, -8), (2.5, 16), (4, "16")])
+def test_double_buffer_rejects_bad_sizes(n_tokens, token_size):
+    with pytest.raises(pydatacopy.Error, match="n_tokens|token_size"):
+        pydatacopy.DoubleBufferManager().init(n_tokens, token_size)
+
+
+def test_core_double_buffer_checks_sizes_after_init_check():
+    with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+        _C.DoubleBufferManager().init(0, 0)
+
+
+def test_default_peers():
+    assert [_C.DoubleBufferManager.default_dst_pe(p, 2) for p in range(2)] == [1, 0]
+    assert [_C.DoubleBufferManager.default_dst_pe(p, 4) for p in range(4)] == [1, 0, 3, 2]
+    assert [_C.DoubleBufferManager.default_dst_pe(p, 3) for p in range(3)] == [1, 2, 0]
+    assert [_C.DoubleBufferManager.default_src_pe(p, 3) for p in range(3)] == [2, 0, 1]
+    assert _C.DoubleBufferManager.default_dst_pe(0, 1) == 0
+
+
+def test_timeout_environment_variable(monkeypatch):
+    monkeypatch.setenv("PYDATACOPY_TIMEOUT_S", "2.5")
+    assert _C.default_timeout_seconds() == 2.5
+    monkeypatch.setenv("PYDATACOPY_TIMEOUT_S", "soon")
+    with pytest.raises(pydatacopy.Error, match="PYDATACOPY_TIMEOUT_S"):
+        _C.default_timeout_seconds()
+    monkeypatch.delenv("PYDATACOPY_TIMEOUT_S")
+    assert _C.default_timeout_seconds() == 60.0
+
+
+def test_init_without_torch_distributed_says_what_to_do():
+    assert not dist.is_initialized()
+    with pytest.raises(pydatacopy.Error, match="init_process_group"):
+        pydatacopy.init()
+    with pytest.raises(pydatacopy.Error, match="init_process_group"):
+        pydatacopy.share_unique_id()
+
+
+def test_choose_device_without_gpu():
+    if not NO_GPU:
+        pytest.skip("checks the no-GPU error")
+    with pytest.raises(pydatacopy.Error, match="no CUDA device"):
+        pydatacopy.choose_device(0)
+
+
+# ---- the ID broadcast through a real two-process gloo group ----------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_worker(rank: int, world_size: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        shared = pydatacopy.share_unique_id()
+        error = ""
+        try:
+            pydatacopy.init()  # no GPU here: must fail cleanly after the broadcast machinery
+        except pydatacopy.Error as e:
+            error = str(e)
+        results[rank] = (shared, error)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unique_id_broadcast_over_two_process_gloo_group():
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.spawn(_gloo_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    (id0, err0), (id1, err1) = results[0], results[1]
+    assert len(id0) == 128 and id0 == id1, "both ranks must hold rank 0's ID"
+    if NO_GPU:
+        assert "no CUDA device" in err0 and "no CUDA device" in err1
