@@ -89,7 +89,7 @@ def test_init_nvshmem_without_gpu_says_so(id_type):
 def test_core_init_without_gpu_names_the_driver():
     with pytest.raises(pydatacopy.Error, match="NVIDIA GPU and driver") as info:
         _C.init_nvshmem(pydatacopy.get_unique_id(), 0, 1, -1)
-    assert "runtime.cu:" in str(info.value), "core errors carry file:line"
+    assert "runtime.cpp:" in str(info.value), "core errors carry file:line"
 
 
 def test_calls_before_init_raise_the_project_error():

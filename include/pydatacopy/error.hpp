@@ -31,7 +31,7 @@ namespace detail {
   throw Error(text.str());
 }
 
-// Defined in src/core/error.cu so that this header stays free of the CUDA runtime headers.
+// Defined in src/core/error.cpp so that this header stays free of the CUDA runtime headers.
 [[noreturn]] void throw_cuda_error(const char* file, int line, const char* call, int code);
 
 }  // namespace detail

@@ -10,7 +10,7 @@
 
 namespace pydatacopy {
 
-// Size of nvshmemx_uniqueid_t; checked against the header at compile time in runtime.cu.
+// Size of nvshmemx_uniqueid_t; checked against the header at compile time in runtime.cpp.
 constexpr std::size_t kUniqueIdBytes = 128;
 
 // Creates a fresh NVSHMEM unique ID. Needs no GPU; call it on one process (rank 0) only.

@@ -2,7 +2,7 @@
 //
 // A wait on a peer must never hang: device code polls with a deadline taken from %globaltimer
 // and, when it passes, records what it was waiting for in a host-mapped status word that the
-// host checks (runtime.cu: check_device_errors). The kernel then returns instead of spinning.
+// host checks (runtime.cpp: check_device_errors). The kernel then returns instead of spinning.
 #pragma once
 
 #include <cstdint>
