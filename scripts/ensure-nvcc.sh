@@ -26,6 +26,7 @@ PY
 )
 # CMake's CUDA support wants lib64 and the static runtime beside nvcc, as in a toolkit install.
 [ -e "$root/lib64" ] || ln -s lib "$root/lib64"
+[ -e "$root/lib/libcudart.so" ] || ln -s libcudart.so.13 "$root/lib/libcudart.so"
 printf 'export CUDACXX=%s/bin/nvcc\nexport CUDAToolkit_ROOT=%s\nexport PATH=%s/bin:$PATH\n' \
   "$root" "$root" "$root" > .cuda-env
 echo "== nvcc from wheels at $root"
