@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 
 import pytest
 import torch
@@ -158,15 +156,10 @@ def test_choose_device_without_gpu():
 
 # ---- the ID broadcast through a real two-process gloo group ----------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_worker(rank: int, world_size: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def _gloo_worker(rank: int, world_size: int, store_file: str, results) -> None:
+    # A file rendezvous: no port to race for.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=world_size)
     try:
         shared = pydatacopy.share_unique_id()
         error = ""
@@ -179,11 +172,50 @@ def _gloo_worker(rank: int, world_size: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_unique_id_broadcast_over_two_process_gloo_group():
+def test_unique_id_broadcast_over_two_process_gloo_group(tmp_path):
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    mp.spawn(_gloo_worker, args=(2, _free_port(), results), nprocs=2, join=True)
+    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
     (id0, err0), (id1, err1) = results[0], results[1]
     assert len(id0) == 128 and id0 == id1, "both ranks must hold rank 0's ID"
     if NO_GPU:
         assert "no CUDA device" in err0 and "no CUDA device" in err1
+
+
+# ---- data-movement calls before init -------------------------------------------------------
+
+@pytest.mark.parametrize("call", [
+    lambda: pydatacopy.empty(16),
+    lambda: pydatacopy.free(torch.zeros(1)),
+    lambda: pydatacopy.put(torch.zeros(1), torch.zeros(1), 0),
+    lambda: pydatacopy.get(torch.zeros(1), torch.zeros(1), 0),
+    lambda: pydatacopy.send(torch.zeros(1), 0),
+    lambda: pydatacopy.recv(torch.zeros(1), 0),
+    lambda: pydatacopy.put_many([], [], 0),
+    lambda: pydatacopy.quiet(),
+    lambda: pydatacopy.barrier(),
+    lambda: pydatacopy.setup_send_recv(),
+])
+def test_data_movement_before_init_says_to_init(call):
+    with pytest.raises(pydatacopy.Error, match="init"):
+        call()
+
+
+def test_core_transfer_calls_before_init_raise():
+    with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+        _C.put(0, 0, 16, 0, 0, 0)
+    with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+        _C.symmetric_malloc(16)
+    with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+        _C.SendRecvEngine().init(1 << 20, 4, 8)
+    with pytest.raises(pydatacopy.Error, match="path must be"):
+        _C.put(0, 0, 16, 0, 0, 7)
+
+
+def test_path_choice():
+    assert _C.resolve_path(0, True, 1 << 30) == "copy_engine"
+    assert _C.resolve_path(0, True, 4096) == "sm"
+    assert _C.resolve_path(0, False, 1 << 30) == "rma"
+    assert _C.resolve_path(2, True, 1 << 30) == "sm"
+    with pytest.raises(pydatacopy.Error, match="directly reachable"):
+        _C.resolve_path(1, False, 4096)

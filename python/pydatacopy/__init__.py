@@ -15,6 +15,25 @@ from __future__ import annotations
 
 from . import _C
 from ._double_buffer import DoubleBufferManager
+from ._transfer import (
+    barrier,
+    empty,
+    free,
+    get,
+    group,
+    is_symmetric,
+    peer_view,
+    put,
+    put_many,
+    put_signal,
+    quiet,
+    recv,
+    send,
+    sendrecv,
+    setup_send_recv,
+    signal_set,
+    signal_wait,
+)
 from ._runtime import (
     UNIQUE_ID_BYTES,
     check_errors,
@@ -44,6 +63,23 @@ def nvshmem_versions() -> dict[str, str]:
 
 __all__ = [
     "DoubleBufferManager",
+    "barrier",
+    "empty",
+    "free",
+    "get",
+    "group",
+    "is_symmetric",
+    "peer_view",
+    "put",
+    "put_many",
+    "put_signal",
+    "quiet",
+    "recv",
+    "send",
+    "sendrecv",
+    "setup_send_recv",
+    "signal_set",
+    "signal_wait",
     "Error",
     "TimeoutError",
     "UNIQUE_ID_BYTES",

@@ -8,7 +8,7 @@ from typing import Sequence, Union
 
 import torch
 
-from . import _C
+from . import _C, _transfer
 from ._torch_utils import check_int
 
 Error = _C.Error
@@ -97,7 +97,9 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
         check_int("device", device, 0)
     if torch.cuda.device_count() > device:
         torch.cuda.set_device(device)  # torch's current device and stream follow ours
-    return _C.init_nvshmem(values, rank, world_size, device)
+    pe = _C.init_nvshmem(values, rank, world_size, device)
+    _transfer.setup_send_recv()  # collective, like the init itself
+    return pe
 
 
 def share_unique_id(group=None) -> list[int]:
@@ -153,7 +155,11 @@ def init(group=None, *, device: int | None = None) -> int:
 
 
 def finalize() -> None:
-    """Collective NVSHMEM teardown; harmless when not initialised or called twice."""
+    """Collective teardown: send/recv staging, tensors from empty(), then NVSHMEM. Harmless when
+    not initialised or called twice. DoubleBufferManagers must be cleaned up before."""
+    if _C.is_initialized():
+        _transfer.teardown_send_recv()
+        _transfer.free_all_symmetric()
     _C.finalize()
 
 

@@ -30,13 +30,14 @@ class _CudaArray:
 
 
 def tensor_from_address(address: int, shape: tuple[int, ...], dtype: torch.dtype,
-                        device: int, owner: object = None) -> torch.Tensor:
-    """A torch tensor viewing `address` (no copy)."""
+                        device: int | None, owner: object = None) -> torch.Tensor:
+    """A torch tensor viewing `address` (no copy); device None: the device owning the memory."""
     numel = 1
     for extent in shape:
         numel *= extent
     num_bytes = numel * torch.empty((), dtype=dtype).element_size()
-    flat = torch.as_tensor(_CudaArray(address, max(num_bytes, 1), owner), device=f"cuda:{device}")
+    array = _CudaArray(address, max(num_bytes, 1), owner)
+    flat = torch.as_tensor(array) if device is None else torch.as_tensor(array, device=f"cuda:{device}")
     return flat[:num_bytes].view(dtype).view(shape)
 
 

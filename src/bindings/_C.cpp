@@ -4,11 +4,14 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/send_recv.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "pydatacopy/transfer.hpp"
 
 namespace py = pybind11;
 using namespace pydatacopy;
@@ -19,6 +22,10 @@ cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStre
 template <typename T>
 T* as_pointer(std::uintptr_t address) { return reinterpret_cast<T*>(address); }
 std::uintptr_t as_address(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr); }
+Path as_path(int path) {
+  PDC_REQUIRE(path >= 0 && path <= 3, "path must be one of auto, copy_engine, sm, rma");
+  return static_cast<Path>(path);
+}
 
 }  // namespace
 
@@ -105,4 +112,59 @@ PYBIND11_MODULE(_C, m) {
                   py::arg("n_pes"))
       .def_static("default_src_pe", &DoubleBufferManager::default_src_pe, py::arg("pe"),
                   py::arg("n_pes"));
+
+  // One-sided operations (addresses as ints; the Python layer checks tensors).
+  m.def("put", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe,
+                  std::uintptr_t stream, int path) {
+          put(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, as_stream(stream), as_path(path));
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+  m.def("get", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe,
+                  std::uintptr_t stream, int path) {
+          get(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, as_stream(stream), as_path(path));
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+  m.def("put_signal", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t signal,
+                         uint64_t value, int pe, std::uintptr_t stream) {
+          put_signal(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_pointer<uint64_t>(signal),
+                     value, pe, as_stream(stream));
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("signal"), py::arg("value"), py::arg("pe"),
+        py::arg("stream"));
+  m.def("signal_set", [](std::uintptr_t signal, uint64_t value, int pe, std::uintptr_t stream) {
+          signal_set(as_pointer<uint64_t>(signal), value, pe, as_stream(stream));
+        }, py::arg("signal"), py::arg("value"), py::arg("pe"), py::arg("stream"));
+  m.def("signal_wait", [](std::uintptr_t signal, uint64_t value, std::uintptr_t stream, double timeout) {
+          signal_wait(as_pointer<const uint64_t>(signal), value, as_stream(stream), timeout);
+        }, py::arg("signal"), py::arg("value"), py::arg("stream"), py::arg("timeout"));
+  m.def("quiet", [](std::uintptr_t stream) { quiet(as_stream(stream)); }, py::arg("stream"));
+  m.def("barrier", [](std::uintptr_t stream) { barrier(as_stream(stream)); }, py::arg("stream"));
+  m.def("put_many", [](const std::vector<std::uintptr_t>& dsts, const std::vector<std::uintptr_t>& srcs,
+                       const std::vector<std::size_t>& bytes, int pe, std::uintptr_t stream, int path) {
+          PDC_REQUIRE(dsts.size() == srcs.size() && srcs.size() == bytes.size(),
+                      "put_many: dsts, srcs and bytes must have the same length");
+          std::vector<TransferDescriptor> table(dsts.size());
+          for (std::size_t i = 0; i < table.size(); ++i) table[i] = {dsts[i], srcs[i], bytes[i]};
+          put_many(table.data(), static_cast<int>(table.size()), pe, as_stream(stream), as_path(path));
+        }, py::arg("dsts"), py::arg("srcs"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+  m.def("resolve_path", [](int path, bool reachable, std::size_t bytes) {
+          return std::string(path_name(resolve_path(as_path(path), reachable, bytes)));
+        }, py::arg("path"), py::arg("peer_reachable"), py::arg("bytes"));
+
+  // Two-sided copies through symmetric staging.
+  py::class_<SendRecvEngine>(m, "SendRecvEngine")
+      .def(py::init<>())
+      .def("init", &SendRecvEngine::init, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"),
+           release_gil())
+      .def("cleanup", &SendRecvEngine::cleanup, release_gil())
+      .def_property_readonly("initialized", &SendRecvEngine::initialized)
+      .def_property_readonly("chunk_bytes", &SendRecvEngine::chunk_bytes)
+      .def_property_readonly("num_chunks", &SendRecvEngine::num_chunks)
+      .def_property_readonly("blocks", &SendRecvEngine::blocks)
+      .def_property_readonly("symmetric_bytes", &SendRecvEngine::symmetric_bytes)
+      .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,
+                      std::uintptr_t stream, double timeout) {
+             self.send(as_pointer<const void>(src), bytes, dst_pe, as_stream(stream), timeout);
+           }, py::arg("src"), py::arg("bytes"), py::arg("dst_pe"), py::arg("stream"), py::arg("timeout"))
+      .def("recv", [](SendRecvEngine& self, std::uintptr_t dst, std::size_t bytes, int src_pe,
+                      std::uintptr_t stream, double timeout) {
+             self.recv(as_pointer<void>(dst), bytes, src_pe, as_stream(stream), timeout);
+           }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"));
 }

@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "../device_status.cuh"
@@ -31,5 +32,47 @@ void launch_token_exchange(const TokenExchangeArgs& args, int num_blocks, cudaSt
 void launch_token_wait(const uint64_t* signals, int64_t n_tokens, uint64_t round_value,
                        int my_pe, int src_pe, uint64_t timeout_ns, detail::DeviceStatus* status,
                        int num_blocks, cudaStream_t stream);
+
+}  // namespace pydatacopy::kernels
+
+namespace pydatacopy::kernels {
+
+// SM-store copy of `bytes` from src to dst (dst may be a peer's memory through nvshmem_ptr).
+void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
+
+// One launch for many puts to `pe`: direct stores where nvshmem_ptr reaches the peer (unless
+// force_rma), NVSHMEM RMA otherwise.
+void launch_put_many(const void* device_descriptors, int count, int pe, bool force_rma,
+                     cudaStream_t stream);
+
+void launch_signal_wait(const uint64_t* signal, uint64_t value, int my_pe, uint64_t timeout_ns,
+                        detail::DeviceStatus* status, cudaStream_t stream);
+
+}  // namespace pydatacopy::kernels
+
+namespace pydatacopy::kernels {
+
+// One message of a send/recv channel (see send_recv.hpp). Addresses are this PE's symmetric
+// ones; the peer_* pointers are the peer's copies through nvshmem_ptr, or null for NVSHMEM RMA.
+struct ChunkStreamArgs {
+  const uint8_t* src;        // send: the user's buffer
+  uint8_t* dst;              // recv: the user's buffer
+  int64_t bytes;
+  int64_t chunk_bytes;
+  int num_slots;
+  uint64_t first_chunk;      // sequence number of the message's first chunk on this channel
+  uint8_t* staging;          // [num_slots][chunk_bytes] of this channel, at the receiver
+  uint8_t* peer_staging;
+  uint64_t* arrivals;        // [num_slots][blocks] at the receiver: chunks landed
+  uint64_t* peer_arrivals;
+  uint64_t* credits;         // [num_slots][blocks] at the sender: chunks drained
+  uint64_t* peer_credits;
+  int my_pe, peer;
+  uint64_t timeout_ns;
+  detail::DeviceStatus* status;
+};
+
+void launch_chunk_send(const ChunkStreamArgs& args, int blocks, cudaStream_t stream);
+void launch_chunk_recv(const ChunkStreamArgs& args, int blocks, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels

@@ -1,36 +1,52 @@
-// Warp-cooperative byte copies used by the direct-store paths.
+// Cooperative byte copies used by the direct-store (SM) paths.
 #pragma once
 
 #include <cstdint>
 
 namespace pydatacopy::kernels {
 
-// Copies `bytes` from src to dst with the 32 lanes of a warp. dst and src must have the same
-// alignment modulo 16 (true for equal offsets into 256-byte-aligned buffers): the unaligned head
-// and tail go byte by byte, the body in 16-byte vectors, four in flight per lane.
-__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes,
-                                          int lane) {
-  const int64_t head = static_cast<int64_t>((16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15);
+// Copies `bytes` with `threads` cooperating threads (this one is `thread`), in the widest vector
+// both pointers allow: 16 bytes when dst and src share their alignment modulo 16 (equal offsets
+// into 256-byte-aligned buffers, the usual case), else 8, 4 or 1. The unaligned head and the tail
+// go byte by byte; the body keeps four vectors in flight per thread.
+template <typename Vector>
+__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t bytes,
+                                             int thread, int threads) {
+  constexpr int64_t kWidth = sizeof(Vector);
+  const int64_t head = static_cast<int64_t>(
+      (kWidth - (reinterpret_cast<uintptr_t>(dst) & (kWidth - 1))) & (kWidth - 1));
   const int64_t head_bytes = head < bytes ? head : bytes;
-  if (lane < head_bytes) dst[lane] = src[lane];
+  for (int64_t b = thread; b < head_bytes; b += threads) dst[b] = src[b];
   dst += head_bytes;
   src += head_bytes;
   bytes -= head_bytes;
-  const int64_t vectors = bytes / 16;
-  auto* dst4 = reinterpret_cast<int4*>(dst);
-  const auto* src4 = reinterpret_cast<const int4*>(src);
+  const int64_t vectors = bytes / kWidth;
+  auto* dst_v = reinterpret_cast<Vector*>(dst);
+  const auto* src_v = reinterpret_cast<const Vector*>(src);
   constexpr int kUnroll = 4;
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < vectors; i += 32 * kUnroll) {
-    int4 v[kUnroll];
+  int64_t i = thread;
+  for (; i + static_cast<int64_t>(threads) * (kUnroll - 1) < vectors; i += threads * kUnroll) {
+    Vector v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = __ldg(src4 + i + 32 * u);
+    for (int u = 0; u < kUnroll; ++u) v[u] = src_v[i + static_cast<int64_t>(threads) * u];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst4[i + 32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u) dst_v[i + static_cast<int64_t>(threads) * u] = v[u];
   }
-  for (; i < vectors; i += 32) dst4[i] = __ldg(src4 + i);
-  const int64_t tail_start = vectors * 16;
-  for (int64_t b = tail_start + lane; b < bytes; b += 32) dst[b] = src[b];
+  for (; i < vectors; i += threads) dst_v[i] = src_v[i];
+  for (int64_t b = vectors * kWidth + thread; b < bytes; b += threads) dst[b] = src[b];
+}
+
+__device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t bytes,
+                                           int thread, int threads) {
+  const uintptr_t misalignment = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
+  if ((misalignment & 15) == 0) copy_vectors<int4>(dst, src, bytes, thread, threads);
+  else if ((misalignment & 7) == 0) copy_vectors<uint64_t>(dst, src, bytes, thread, threads);
+  else if ((misalignment & 3) == 0) copy_vectors<uint32_t>(dst, src, bytes, thread, threads);
+  else copy_vectors<uint8_t>(dst, src, bytes, thread, threads);
+}
+
+__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+  copy_bytes(dst, src, bytes, lane, 32);
 }
 
 __device__ __forceinline__ void store_release_sys(uint64_t* address, uint64_t value) {

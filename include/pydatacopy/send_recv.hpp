@@ -1,0 +1,56 @@
+// Two-sided copies of any device buffer, neither side needing symmetric memory.
+//
+// A message streams through `num_chunks` symmetric staging chunks per sending peer, held at the
+// receiver, with flow control: the sender's blocks put chunk k into slot k % num_chunks and raise
+// its arrival signal; the receiver's blocks copy the slot out and return a credit, so the put of
+// chunk k + 1 overlaps the receiver draining chunk k. Each of `blocks` thread blocks owns one
+// slice of every chunk and its own signals, so no grid-wide synchronisation is needed.
+//
+// Both sides must move the same number of bytes, in the same order per peer pair. send() and
+// recv() are stream-ordered and each runs until its whole message has moved, so a PE that sends
+// and receives at once must issue them on different streams (the Python layer's group() does).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace pydatacopy {
+
+class SendRecvEngine {
+ public:
+  SendRecvEngine() = default;
+  ~SendRecvEngine() = default;  // never collective: call cleanup() on every PE
+  SendRecvEngine(const SendRecvEngine&) = delete;
+  SendRecvEngine& operator=(const SendRecvEngine&) = delete;
+
+  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks.
+  void init(std::size_t chunk_bytes, int num_chunks, int blocks);
+  void cleanup();  // collective and blocking; harmless twice
+  bool initialized() const { return base_ != nullptr; }
+  std::size_t chunk_bytes() const { return chunk_bytes_; }
+  int num_chunks() const { return num_chunks_; }
+  int blocks() const { return blocks_; }
+  // Symmetric bytes one PE holds for staging and signals.
+  std::size_t symmetric_bytes() const { return symmetric_bytes_; }
+
+  void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
+            double timeout_seconds);
+  void recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
+
+ private:
+  void require_ready(const char* what, int pe) const;
+  uint8_t* staging(int src_pe) const;
+  uint64_t* arrivals(int src_pe) const;
+  uint64_t* credits(int dst_pe) const;
+
+  uint8_t* base_ = nullptr;
+  std::size_t chunk_bytes_ = 0, symmetric_bytes_ = 0;
+  int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
+  std::vector<uint64_t> chunks_sent_;      // per destination PE
+  std::vector<uint64_t> chunks_received_;  // per source PE
+};
+
+}  // namespace pydatacopy

@@ -1,0 +1,374 @@
+"""Tensor data movement: symmetric tensors, one-sided put/get/signals, send/recv of any tensor.
+
+Everything here is stream-ordered on torch's current stream unless ``stream=`` says otherwise,
+and checks its arguments before touching the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+from . import _C
+from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
+
+Error = _C.Error
+
+PATHS = {"auto": 0, "copy_engine": 1, "sm": 2, "rma": 3}
+
+# ---- symmetric tensors ---------------------------------------------------------------------
+
+_allocations: dict[int, int] = {}  # base address -> bytes, of tensors made by empty()
+
+
+def _require_init(what: str) -> None:
+    if not _C.is_initialized():
+        raise Error(f"{what} needs NVSHMEM: call pydatacopy.init() (or init_nvshmem) first")
+
+
+def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor on the NVSHMEM symmetric heap (collective: every PE calls it with the same size,
+    in the same order). Free it with ``free()``, also collective; the garbage collector never
+    frees it."""
+    _require_init("empty")
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    for extent in shape:
+        check_int("shape entries", extent, 0)
+    if not isinstance(dtype, torch.dtype):
+        raise Error(f"dtype must be a torch.dtype, got {dtype!r}")
+    numel = 1
+    for extent in shape:
+        numel *= extent
+    num_bytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    address = _C.symmetric_malloc(num_bytes)
+    _allocations[address] = num_bytes
+    return tensor_from_address(address, shape, dtype, _C.cuda_device())
+
+
+def free(tensor: torch.Tensor) -> None:
+    """Release a tensor made by ``empty()`` on every PE (collective, blocking). Views of it must
+    not be used afterwards."""
+    _require_init("free")
+    if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() not in _allocations:
+        raise Error("free() takes a tensor returned by pydatacopy.empty() (not a view or slice of it)")
+    address = tensor.data_ptr()
+    del _allocations[address]
+    _C.symmetric_free(address)
+
+
+def is_symmetric(tensor: torch.Tensor) -> bool:
+    """True if the tensor's bytes lie in a live pydatacopy symmetric allocation."""
+    return (isinstance(tensor, torch.Tensor) and tensor.is_cuda
+            and _C.is_symmetric(tensor.data_ptr(), _nbytes(tensor)))
+
+
+def peer_view(tensor: torch.Tensor, pe: int) -> torch.Tensor | None:
+    """PE `pe`'s copy of a symmetric tensor, as a tensor this process can read and write directly
+    (through NVLink), or None when the peer is not directly reachable (another server, or
+    PYDATACOPY_FORCE_RMA=1). torch places the view on the device that owns the memory."""
+    _check_tensor(tensor, "tensor", symmetric=True)
+    _check_pe(pe)
+    address = _C.peer_pointer(tensor.data_ptr(), pe)
+    if address == 0:
+        return None
+    if pe == _C.my_pe():
+        return tensor
+    return tensor_from_address(address, tuple(tensor.shape), tensor.dtype, None)
+
+
+def free_all_symmetric() -> None:
+    """Collective: free every tensor made by empty() (finalize() calls it)."""
+    for address in list(_allocations):
+        del _allocations[address]
+        _C.symmetric_free(address)
+
+
+# ---- checks --------------------------------------------------------------------------------
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _check_tensor(tensor: object, name: str, symmetric: bool = False) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise Error(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_cuda:
+        raise Error(f"{name} is on {tensor.device}; pydatacopy moves CUDA tensors: use .cuda() first")
+    if tensor.device.index != _C.cuda_device():
+        raise Error(f"{name} is on {tensor.device}, but this process runs pydatacopy on "
+                    f"cuda:{_C.cuda_device()}; move it there first")
+    if not tensor.is_contiguous():
+        raise Error(f"{name} must be contiguous (call .contiguous() first)")
+    if symmetric and not _C.is_symmetric(tensor.data_ptr(), max(_nbytes(tensor), 1)):
+        raise Error(f"{name} must be a symmetric tensor (from pydatacopy.empty()), or a slice of one")
+    return tensor
+
+
+def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> int:
+    if dst.dtype != src.dtype:
+        raise Error(f"dtype mismatch: dst is {dst.dtype}, src is {src.dtype}")
+    if dst.numel() != src.numel():
+        raise Error(f"size mismatch: dst has {dst.numel()} elements, src has {src.numel()}")
+    return _nbytes(src)
+
+
+def _check_pe(pe: object) -> int:
+    _require_init("this operation")
+    check_int("pe", pe)
+    if not 0 <= pe < _C.n_pes():
+        raise Error(f"PE {pe} is out of range: there are {_C.n_pes()} PEs")
+    return pe
+
+
+def _path(path: str) -> int:
+    if path not in PATHS:
+        raise Error(f"path must be one of {sorted(PATHS)}, got {path!r}")
+    return PATHS[path]
+
+
+def _stream(stream) -> int:
+    return stream_handle(stream, _C.cuda_device())
+
+
+def _check_signal(signal: torch.Tensor) -> torch.Tensor:
+    _check_tensor(signal, "signal", symmetric=True)
+    if signal.dtype not in (torch.uint64, torch.int64) or signal.numel() != 1:
+        raise Error("signal must be a one-element uint64 (or int64) symmetric tensor, e.g. "
+                    "pydatacopy.empty(1, dtype=torch.uint64)")
+    return signal
+
+
+# ---- one-sided operations ------------------------------------------------------------------
+
+def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
+    """Write local `src` into PE `pe`'s copy of symmetric `dst` (stream-ordered).
+
+    ``src`` may be any CUDA tensor on this device. The data is visible at the peer once a later
+    ``quiet()`` on the same stream has completed; ``put_signal`` or ``barrier`` tell the peer.
+    ``path``: auto (copy engine for large, SM stores for small, NVSHMEM RMA when the peer is not
+    directly reachable), copy_engine, sm or rma.
+    """
+    _check_pe(pe)
+    _check_tensor(dst, "dst", symmetric=True)
+    _check_tensor(src, "src")
+    nbytes = _check_pair(dst, src)
+    _C.put(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
+
+
+def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
+    """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered)."""
+    _check_pe(pe)
+    _check_tensor(dst, "dst")
+    _check_tensor(src, "src", symmetric=True)
+    nbytes = _check_pair(dst, src)
+    _C.get(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
+
+
+def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tensor, value: int,
+               *, stream=None) -> None:
+    """``put``, then set PE `pe`'s copy of `signal` to `value` once the data is visible there."""
+    _check_pe(pe)
+    _check_tensor(dst, "dst", symmetric=True)
+    _check_tensor(src, "src")
+    nbytes = _check_pair(dst, src)
+    _check_signal(signal)
+    check_int("value", value, 0)
+    _C.put_signal(dst.data_ptr(), src.data_ptr(), nbytes, signal.data_ptr(), value, pe, _stream(stream))
+
+
+def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> None:
+    """Set PE `pe`'s copy of `signal` to `value` after this stream's earlier puts are visible."""
+    _check_pe(pe)
+    _check_signal(signal)
+    check_int("value", value, 0)
+    _C.signal_set(signal.data_ptr(), value, pe, _stream(stream))
+
+
+def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float | None = None,
+                blocking: bool = False) -> None:
+    """Stream-ordered wait until the local `signal` is >= `value`. With ``blocking=True`` it also
+    synchronises the stream and raises TimeoutError here when the deadline passed."""
+    _require_init("signal_wait")
+    _check_signal(signal)
+    check_int("value", value, 0)
+    handle = _stream(stream)
+    _C.signal_wait(signal.data_ptr(), value, handle, timeout_seconds(timeout))
+    if blocking:
+        torch.cuda.ExternalStream(handle).synchronize()
+        _C.check_device_errors()
+
+
+def quiet(*, stream=None) -> None:
+    """Complete this PE's puts issued on the stream: delivered at the peers when it completes."""
+    _require_init("quiet")
+    _C.quiet(_stream(stream))
+
+
+def barrier(*, stream=None) -> None:
+    """quiet, then wait for every PE to reach the barrier (stream-ordered, collective)."""
+    _require_init("barrier")
+    _C.barrier(_stream(stream))
+
+
+def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,
+             stream=None, path: str = "auto") -> None:
+    """Many puts to one PE in a single kernel launch (KV-cache blocks, expert tokens).
+
+    dsts[i] (symmetric) receives srcs[i]; each pair is checked as in ``put``. Visibility as in
+    ``put``. ``path``: auto or sm (direct stores where the peer is reachable), or rma.
+    """
+    _check_pe(pe)
+    if len(dsts) != len(srcs):
+        raise Error(f"put_many: {len(dsts)} destinations but {len(srcs)} sources")
+    if path not in ("auto", "sm", "rma"):
+        raise Error("put_many: path must be auto, sm or rma")
+    dst_addresses, src_addresses, sizes = [], [], []
+    for i, (dst, src) in enumerate(zip(dsts, srcs)):
+        _check_tensor(dst, f"dsts[{i}]", symmetric=True)
+        _check_tensor(src, f"srcs[{i}]")
+        sizes.append(_check_pair(dst, src))
+        dst_addresses.append(dst.data_ptr())
+        src_addresses.append(src.data_ptr())
+    _C.put_many(dst_addresses, src_addresses, sizes, pe, _stream(stream), _path(path))
+
+
+# ---- send / recv ---------------------------------------------------------------------------
+
+_engine: "_C.SendRecvEngine | None" = None
+_state = threading.local()
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise Error(f"{name}={text!r} is not an integer") from None
+
+
+def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = None,
+                    blocks: int | None = None) -> None:
+    """(Re)create the send/recv staging (collective; init() calls it with the defaults).
+
+    Defaults: PYDATACOPY_CHUNK_BYTES (4 MiB), PYDATACOPY_NUM_CHUNKS (4 per peer),
+    PYDATACOPY_SEND_BLOCKS (32 thread blocks per send or recv).
+    """
+    global _engine
+    _require_init("setup_send_recv")
+    chunk_bytes = _env_int("PYDATACOPY_CHUNK_BYTES", 4 << 20) if chunk_bytes is None else chunk_bytes
+    num_chunks = _env_int("PYDATACOPY_NUM_CHUNKS", 4) if num_chunks is None else num_chunks
+    blocks = _env_int("PYDATACOPY_SEND_BLOCKS", 32) if blocks is None else blocks
+    check_int("chunk_bytes", chunk_bytes, 1)
+    check_int("num_chunks", num_chunks, 2)
+    check_int("blocks", blocks, 1)
+    teardown_send_recv()
+    engine = _C.SendRecvEngine()
+    engine.init(chunk_bytes, num_chunks, blocks)
+    _engine = engine
+
+
+def teardown_send_recv() -> None:
+    """Collective: release the send/recv staging (finalize() calls it)."""
+    global _engine
+    if _engine is not None:
+        engine, _engine = _engine, None
+        engine.cleanup()
+
+
+def _require_engine() -> "_C.SendRecvEngine":
+    _require_init("send/recv")
+    if _engine is None:
+        raise Error("send/recv staging is not set up: pydatacopy.init()/init_nvshmem() do it, "
+                    "or call pydatacopy.setup_send_recv() on every PE")
+    return _engine
+
+
+def _side_stream(kind: str, peer: int) -> torch.cuda.Stream:
+    streams = getattr(_state, "streams", None)
+    if streams is None:
+        streams = _state.streams = {}
+    key = (kind, peer, _C.cuda_device())
+    if key not in streams:
+        streams[key] = torch.cuda.Stream(device=_C.cuda_device())
+    return streams[key]
+
+
+def _launch(ops: list, stream) -> None:
+    """Run send/recv ops concurrently on side streams, ordered after and joined into `stream`."""
+    user = torch.cuda.ExternalStream(_stream(stream), device=_C.cuda_device()) if stream is not None \
+        else torch.cuda.current_stream(_C.cuda_device())
+    if len(ops) == 1:
+        ops[0][2](user.cuda_stream)
+        return
+    ready = torch.cuda.Event()
+    ready.record(user)
+    used = []
+    for kind, peer, run, tensor in ops:
+        side = _side_stream(kind, peer)
+        side.wait_event(ready)
+        run(side.cuda_stream)
+        tensor.record_stream(side)  # the caching allocator must not reuse it before side is done
+        used.append(side)
+    for side in used:
+        user.wait_stream(side)
+
+
+def _submit(kind: str, peer: int, run, tensor: torch.Tensor, stream) -> None:
+    pending = getattr(_state, "pending", None)
+    if pending is not None:
+        if pending["stream"] != stream:
+            raise Error("all operations inside one group() must use the same stream")
+        pending["ops"].append((kind, peer, run, tensor))
+    else:
+        _launch([(kind, peer, run, tensor)], stream)
+
+
+@contextlib.contextmanager
+def group(*, stream=None) -> Iterator[None]:
+    """Issue the send()/recv() calls inside together, so that they run at the same time (a PE
+    that sends to and receives from a peer must group the two, as with NCCL's group calls).
+    The group is ordered after earlier work on the stream, and later work waits for all of it."""
+    if getattr(_state, "pending", None) is not None:
+        raise Error("group() cannot be nested")
+    _state.pending = {"stream": stream, "ops": []}
+    try:
+        yield
+        ops = _state.pending["ops"]
+    finally:
+        _state.pending = None
+    if ops:
+        _launch(ops, stream)
+
+
+def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
+    """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
+    tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
+    To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
+    engine = _require_engine()
+    _check_pe(dst_pe)
+    _check_tensor(tensor, "tensor")
+    nbytes, address, seconds = _nbytes(tensor), tensor.data_ptr(), timeout_seconds(timeout)
+    _submit("send", dst_pe, lambda s: engine.send(address, nbytes, dst_pe, s, seconds), tensor, stream)
+
+
+def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
+    """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
+    engine = _require_engine()
+    _check_pe(src_pe)
+    _check_tensor(tensor, "tensor")
+    nbytes, address, seconds = _nbytes(tensor), tensor.data_ptr(), timeout_seconds(timeout)
+    _submit("recv", src_pe, lambda s: engine.recv(address, nbytes, src_pe, s, seconds), tensor, stream)
+
+
+def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
+             stream=None, timeout: float | None = None) -> None:
+    """send() and recv() at the same time (a grouped pair)."""
+    with group(stream=stream):
+        send(send_tensor, dst_pe, stream=stream, timeout=timeout)
+        recv(recv_tensor, src_pe, stream=stream, timeout=timeout)

@@ -1,0 +1,104 @@
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "../device_status.cuh"
+#include "api.cuh"
+#include "copy.cuh"
+#include "pydatacopy/error.hpp"
+
+namespace pydatacopy::kernels {
+namespace {
+
+constexpr int kThreads = 512;
+
+struct Slice {
+  int64_t offset, length;  // of this block's part of chunk i
+};
+
+__device__ __forceinline__ Slice block_slice(const ChunkStreamArgs& a, int64_t chunk_index) {
+  const int64_t chunk_start = chunk_index * a.chunk_bytes;
+  const int64_t chunk_length = min(a.chunk_bytes, a.bytes - chunk_start);
+  int64_t slice = (chunk_length + gridDim.x - 1) / gridDim.x;
+  slice = (slice + 15) / 16 * 16;  // 16-byte-aligned slices inside the staging slot
+  const int64_t offset = slice * blockIdx.x;
+  const int64_t length = offset < chunk_length ? min(slice, chunk_length - offset) : 0;
+  return {offset, length};
+}
+
+// Thread 0 waits; the whole block learns whether the wait succeeded.
+__device__ __forceinline__ bool block_wait(const uint64_t* address, uint64_t expected,
+                                           uint64_t deadline, const ChunkStreamArgs& a,
+                                           detail::WaitOp op) {
+  __shared__ int ok;
+  if (threadIdx.x == 0)
+    ok = detail::wait_until_at_least(address, expected, deadline, a.status, op, a.peer, a.my_pe);
+  __syncthreads();
+  const bool result = ok != 0;
+  __syncthreads();  // `ok` is reused by the next wait
+  return result;
+}
+
+__global__ void __launch_bounds__(kThreads) chunk_send_kernel(const ChunkStreamArgs a) {
+  const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
+  const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const uint64_t k = a.first_chunk + i;
+    const int64_t slot = static_cast<int64_t>(k % a.num_slots);
+    const int64_t signal = slot * gridDim.x + blockIdx.x;
+    // The slot is free once the receiver drained the chunk that used it num_slots ago.
+    if (k >= static_cast<uint64_t>(a.num_slots) &&
+        !block_wait(a.credits + signal, k - a.num_slots + 1, deadline, a, detail::WaitOp::kChunkCredit))
+      return;
+    const Slice s = block_slice(a, i);
+    const uint8_t* from = a.src + i * a.chunk_bytes + s.offset;
+    const int64_t to = slot * a.chunk_bytes + s.offset;
+    if (a.peer_staging != nullptr) {
+      copy_bytes(a.peer_staging + to, from, s.length, threadIdx.x, blockDim.x);
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence_system();
+        store_release_sys(a.peer_arrivals + signal, k + 1);
+      }
+    } else {
+      nvshmemx_putmem_signal_block(a.staging + to, from, static_cast<size_t>(s.length),
+                                   a.arrivals + signal, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) chunk_recv_kernel(const ChunkStreamArgs a) {
+  const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
+  const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const uint64_t k = a.first_chunk + i;
+    const int64_t slot = static_cast<int64_t>(k % a.num_slots);
+    const int64_t signal = slot * gridDim.x + blockIdx.x;
+    if (!block_wait(a.arrivals + signal, k + 1, deadline, a, detail::WaitOp::kChunkArrival)) return;
+    const Slice s = block_slice(a, i);
+    copy_bytes(a.dst + i * a.chunk_bytes + s.offset, a.staging + slot * a.chunk_bytes + s.offset,
+               s.length, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // Our reads of the slot are done: the sender may overwrite it.
+      __threadfence_system();
+      if (a.peer_credits != nullptr)
+        store_release_sys(a.peer_credits + signal, k + 1);
+      else
+        nvshmemx_signal_op(a.credits + signal, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_chunk_send(const ChunkStreamArgs& args, int blocks, cudaStream_t stream) {
+  chunk_send_kernel<<<blocks, kThreads, 0, stream>>>(args);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_chunk_recv(const ChunkStreamArgs& args, int blocks, cudaStream_t stream) {
+  chunk_recv_kernel<<<blocks, kThreads, 0, stream>>>(args);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace pydatacopy::kernels

@@ -1,0 +1,80 @@
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+
+#include "../device_status.cuh"
+#include "api.cuh"
+#include "copy.cuh"
+#include "pydatacopy/error.hpp"
+#include "pydatacopy/symmetric.hpp"
+#include "pydatacopy/transfer.hpp"
+
+namespace pydatacopy::kernels {
+namespace {
+
+constexpr int kCopyThreads = 512;
+constexpr int64_t kBytesPerBlock = 64 << 10;  // below this a block would idle on launch overhead
+
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_kernel(uint8_t* dst, const uint8_t* src, int64_t bytes) {
+  // Each block takes one contiguous span so that its stores stay sequential.
+  const int64_t span = (bytes + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = span * blockIdx.x;
+  const int64_t end = begin + span < bytes ? begin + span : bytes;
+  if (begin < end) copy_bytes(dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
+}
+
+__global__ void __launch_bounds__(kCopyThreads)
+    put_many_kernel(const TransferDescriptor* descriptors, int count, int pe, bool force_rma) {
+  // One warp per descriptor: small tensors of a KV-cache block list each get a warp.
+  const int lane = threadIdx.x % 32;
+  const int warps = gridDim.x * (kCopyThreads / 32);
+  for (int i = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; i < count; i += warps) {
+    const TransferDescriptor d = descriptors[i];
+    void* dst = reinterpret_cast<void*>(d.dst);
+    const void* src = reinterpret_cast<const void*>(d.src);
+    void* peer = force_rma ? nullptr : nvshmem_ptr(dst, pe);
+    if (peer != nullptr)
+      warp_copy(static_cast<uint8_t*>(peer), static_cast<const uint8_t*>(src),
+                static_cast<int64_t>(d.bytes), lane);
+    else
+      nvshmemx_putmem_warp(dst, src, d.bytes, pe);
+  }
+}
+
+__global__ void signal_wait_kernel(const uint64_t* signal, uint64_t value, int my_pe,
+                                   uint64_t timeout_ns, detail::DeviceStatus* status) {
+  const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
+  detail::wait_until_at_least(signal, value, deadline, status, detail::WaitOp::kSignal, my_pe, my_pe);
+}
+
+}  // namespace
+
+void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) return;
+  const int64_t wanted = (static_cast<int64_t>(bytes) + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int blocks = static_cast<int>(std::min<int64_t>(wanted, multiprocessor_count()));
+  copy_kernel<<<blocks, kCopyThreads, 0, stream>>>(static_cast<uint8_t*>(dst),
+                                                   static_cast<const uint8_t*>(src),
+                                                   static_cast<int64_t>(bytes));
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_put_many(const void* device_descriptors, int count, int pe, bool force_rma,
+                     cudaStream_t stream) {
+  if (count == 0) return;
+  const int warps_per_block = kCopyThreads / 32;
+  const int blocks = std::min((count + warps_per_block - 1) / warps_per_block, multiprocessor_count());
+  put_many_kernel<<<blocks, kCopyThreads, 0, stream>>>(
+      static_cast<const TransferDescriptor*>(device_descriptors), count, pe, force_rma);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_signal_wait(const uint64_t* signal, uint64_t value, int my_pe, uint64_t timeout_ns,
+                        detail::DeviceStatus* status, cudaStream_t stream) {
+  signal_wait_kernel<<<1, 1, 0, stream>>>(signal, value, my_pe, timeout_ns, status);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace pydatacopy::kernels

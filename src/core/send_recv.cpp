@@ -1,0 +1,137 @@
+#include "pydatacopy/send_recv.hpp"
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+
+#include <cmath>
+
+#include "device_status.cuh"
+#include "kernels/api.cuh"
+#include "pydatacopy/error.hpp"
+#include "pydatacopy/runtime.hpp"
+#include "pydatacopy/symmetric.hpp"
+
+namespace pydatacopy {
+namespace {
+
+constexpr std::size_t kAlignment = 256;
+std::size_t align_up(std::size_t value, std::size_t to) { return (value + to - 1) / to * to; }
+
+}  // namespace
+
+void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
+  require_initialized("SendRecvEngine.init");
+  PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
+  PDC_REQUIRE(num_chunks >= 2, "num_chunks must be at least 2 (one drains while the next fills), got "
+                                   << num_chunks);
+  PDC_REQUIRE(blocks >= 1 && blocks <= 1024, "blocks must be in [1, 1024], got " << blocks);
+  PDC_REQUIRE(chunk_bytes >= 1, "chunk_bytes must be positive, got " << chunk_bytes);
+  chunk_bytes = align_up(chunk_bytes, 16 * static_cast<std::size_t>(blocks));
+  const int pes = n_pes();
+  const std::size_t staging_bytes = static_cast<std::size_t>(pes) * num_chunks * chunk_bytes;
+  const std::size_t signal_bytes =
+      align_up(static_cast<std::size_t>(pes) * num_chunks * blocks * sizeof(uint64_t), kAlignment);
+  const std::size_t total = align_up(staging_bytes, kAlignment) + 2 * signal_bytes;
+  void* base = symmetric_malloc(total);
+  PDC_CHECK_CUDA(cudaMemset(base, 0, total));
+  PDC_CHECK_CUDA(cudaDeviceSynchronize());
+  nvshmem_barrier_all();  // nobody signals into memory a peer has not zeroed yet
+  base_ = static_cast<uint8_t*>(base);
+  chunk_bytes_ = chunk_bytes;
+  num_chunks_ = num_chunks;
+  blocks_ = blocks;
+  n_pes_ = pes;
+  symmetric_bytes_ = total;
+  chunks_sent_.assign(pes, 0);
+  chunks_received_.assign(pes, 0);
+}
+
+void SendRecvEngine::cleanup() {
+  if (base_ == nullptr) return;
+  require_initialized("SendRecvEngine.cleanup");
+  PDC_CHECK_CUDA(cudaDeviceSynchronize());
+  nvshmem_barrier_all();
+  symmetric_free(base_);
+  base_ = nullptr;
+  chunks_sent_.clear();
+  chunks_received_.clear();
+}
+
+uint8_t* SendRecvEngine::staging(int src_pe) const {
+  return base_ + static_cast<std::size_t>(src_pe) * num_chunks_ * chunk_bytes_;
+}
+
+uint64_t* SendRecvEngine::arrivals(int src_pe) const {
+  const std::size_t staging_bytes =
+      align_up(static_cast<std::size_t>(n_pes_) * num_chunks_ * chunk_bytes_, kAlignment);
+  return reinterpret_cast<uint64_t*>(base_ + staging_bytes) +
+         static_cast<std::size_t>(src_pe) * num_chunks_ * blocks_;
+}
+
+uint64_t* SendRecvEngine::credits(int dst_pe) const {
+  const std::size_t signal_bytes = align_up(
+      static_cast<std::size_t>(n_pes_) * num_chunks_ * blocks_ * sizeof(uint64_t), kAlignment);
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(arrivals(0)) + signal_bytes) +
+         static_cast<std::size_t>(dst_pe) * num_chunks_ * blocks_;
+}
+
+void SendRecvEngine::require_ready(const char* what, int pe) const {
+  require_valid_pe(pe, what);
+  PDC_REQUIRE(base_ != nullptr, what << ": the send/recv engine is not set up (pydatacopy.init() "
+                                        "does it; from C++ call SendRecvEngine::init)");
+  check_device_errors();
+}
+
+void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
+                          double timeout_seconds) {
+  require_ready("send", dst_pe);
+  PDC_REQUIRE(timeout_seconds > 0 && std::isfinite(timeout_seconds),
+              "timeout must be a positive number of seconds, got " << timeout_seconds);
+  if (bytes == 0) return;
+  const int me = my_pe();
+  kernels::ChunkStreamArgs a{};
+  a.src = static_cast<const uint8_t*>(src);
+  a.bytes = static_cast<int64_t>(bytes);
+  a.chunk_bytes = static_cast<int64_t>(chunk_bytes_);
+  a.num_slots = num_chunks_;
+  a.first_chunk = chunks_sent_[dst_pe];
+  a.staging = staging(me);
+  a.arrivals = arrivals(me);
+  a.credits = credits(dst_pe);
+  a.peer_staging = static_cast<uint8_t*>(peer_pointer(a.staging, dst_pe));
+  a.peer_arrivals = static_cast<uint64_t*>(peer_pointer(a.arrivals, dst_pe));
+  if (a.peer_staging == nullptr || a.peer_arrivals == nullptr) a.peer_staging = nullptr, a.peer_arrivals = nullptr;
+  a.my_pe = me;
+  a.peer = dst_pe;
+  a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
+  a.status = detail::device_status();
+  kernels::launch_chunk_send(a, blocks_, stream);
+  chunks_sent_[dst_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
+}
+
+void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
+                          double timeout_seconds) {
+  require_ready("recv", src_pe);
+  PDC_REQUIRE(timeout_seconds > 0 && std::isfinite(timeout_seconds),
+              "timeout must be a positive number of seconds, got " << timeout_seconds);
+  if (bytes == 0) return;
+  const int me = my_pe();
+  kernels::ChunkStreamArgs a{};
+  a.dst = static_cast<uint8_t*>(dst);
+  a.bytes = static_cast<int64_t>(bytes);
+  a.chunk_bytes = static_cast<int64_t>(chunk_bytes_);
+  a.num_slots = num_chunks_;
+  a.first_chunk = chunks_received_[src_pe];
+  a.staging = staging(src_pe);
+  a.arrivals = arrivals(src_pe);
+  a.credits = credits(me);
+  a.peer_credits = static_cast<uint64_t*>(peer_pointer(a.credits, src_pe));
+  a.my_pe = me;
+  a.peer = src_pe;
+  a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
+  a.status = detail::device_status();
+  kernels::launch_chunk_recv(a, blocks_, stream);
+  chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
+}
+
+}  // namespace pydatacopy

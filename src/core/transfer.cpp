@@ -1,0 +1,144 @@
+#include "pydatacopy/transfer.hpp"
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cmath>
+
+#include "device_status.cuh"
+#include "kernels/api.cuh"
+#include "pydatacopy/error.hpp"
+#include "pydatacopy/runtime.hpp"
+#include "pydatacopy/symmetric.hpp"
+
+namespace pydatacopy {
+namespace {
+
+// Below this the copy engine's start-up dominates and SM stores finish first (issue 4 tunes it).
+constexpr std::size_t kCopyEngineMinBytes = 256 << 10;
+
+uint64_t to_ns(double seconds) {
+  PDC_REQUIRE(seconds > 0 && std::isfinite(seconds),
+              "timeout must be a positive number of seconds, got " << seconds);
+  return static_cast<uint64_t>(seconds * 1e9);
+}
+
+void require_symmetric(const void* ptr, std::size_t bytes, const char* what) {
+  PDC_REQUIRE(is_symmetric(ptr, bytes),
+              what << " must lie in symmetric memory (pydatacopy.empty / symmetric_malloc): "
+                   << bytes << " bytes at " << ptr << " do not");
+}
+
+}  // namespace
+
+const char* path_name(Path path) {
+  switch (path) {
+    case Path::kAuto: return "auto";
+    case Path::kCopyEngine: return "copy_engine";
+    case Path::kSM: return "sm";
+    case Path::kRMA: return "rma";
+  }
+  return "unknown";
+}
+
+Path resolve_path(Path requested, bool peer_reachable, std::size_t bytes) {
+  if (!peer_reachable) {
+    PDC_REQUIRE(requested == Path::kAuto || requested == Path::kRMA,
+                "path '" << path_name(requested)
+                         << "' needs a directly reachable peer (nvshmem_ptr), and this one is not "
+                            "(another node, or PYDATACOPY_FORCE_RMA=1); use path='auto' or 'rma'");
+    return Path::kRMA;
+  }
+  if (requested != Path::kAuto) return requested;
+  return bytes >= kCopyEngineMinBytes ? Path::kCopyEngine : Path::kSM;
+}
+
+void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
+  require_valid_pe(pe, "put");
+  check_device_errors();
+  require_symmetric(dst, bytes, "put: dst");
+  if (bytes == 0) return;
+  void* peer = peer_pointer(dst, pe);
+  switch (resolve_path(path, peer != nullptr, bytes)) {
+    case Path::kCopyEngine:
+      PDC_CHECK_CUDA(cudaMemcpyAsync(peer, src, bytes, cudaMemcpyDeviceToDevice, stream));
+      break;
+    case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
+    default: nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream); break;
+  }
+}
+
+void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
+  require_valid_pe(pe, "get");
+  check_device_errors();
+  require_symmetric(src, bytes, "get: src");
+  if (bytes == 0) return;
+  const void* peer = peer_pointer(src, pe);
+  switch (resolve_path(path, peer != nullptr, bytes)) {
+    case Path::kCopyEngine:
+      PDC_CHECK_CUDA(cudaMemcpyAsync(dst, peer, bytes, cudaMemcpyDeviceToDevice, stream));
+      break;
+    case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
+    default: nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream); break;
+  }
+}
+
+void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal, uint64_t value,
+                int pe, cudaStream_t stream) {
+  require_valid_pe(pe, "put_signal");
+  check_device_errors();
+  require_symmetric(dst, bytes, "put_signal: dst");
+  require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
+  nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
+}
+
+void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream) {
+  require_valid_pe(pe, "signal_set");
+  check_device_errors();
+  require_symmetric(signal, sizeof(uint64_t), "signal_set: signal");
+  nvshmemx_quiet_on_stream(stream);
+  nvshmemx_signal_op_on_stream(signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
+}
+
+void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds) {
+  require_initialized("signal_wait");
+  check_device_errors();
+  require_symmetric(signal, sizeof(uint64_t), "signal_wait: signal");
+  kernels::launch_signal_wait(signal, value, my_pe(), to_ns(timeout_seconds),
+                              detail::device_status(), stream);
+}
+
+void quiet(cudaStream_t stream) {
+  require_initialized("quiet");
+  nvshmemx_quiet_on_stream(stream);
+}
+
+void barrier(cudaStream_t stream) {
+  require_initialized("barrier");
+  check_device_errors();
+  nvshmemx_barrier_all_on_stream(stream);
+}
+
+void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,
+              Path path) {
+  require_valid_pe(pe, "put_many");
+  check_device_errors();
+  PDC_REQUIRE(count >= 0, "put_many: count must not be negative, got " << count);
+  PDC_REQUIRE(path == Path::kAuto || path == Path::kSM || path == Path::kRMA,
+              "put_many moves many small tensors in one kernel: path must be auto, sm or rma");
+  for (int i = 0; i < count; ++i)
+    require_symmetric(reinterpret_cast<const void*>(descriptors[i].dst), descriptors[i].bytes,
+                      "put_many: every dst");
+  if (count == 0) return;
+  // Stream-ordered upload: cudaMemcpyAsync from pageable memory has copied the descriptors out
+  // by the time it returns, so the caller's array may go at once.
+  const std::size_t table_bytes = sizeof(TransferDescriptor) * static_cast<std::size_t>(count);
+  void* table = nullptr;
+  PDC_CHECK_CUDA(cudaMallocAsync(&table, table_bytes, stream));
+  PDC_CHECK_CUDA(cudaMemcpyAsync(table, descriptors, table_bytes, cudaMemcpyHostToDevice, stream));
+  kernels::launch_put_many(table, count, pe, path == Path::kRMA || rma_forced(), stream);
+  PDC_CHECK_CUDA(cudaFreeAsync(table, stream));
+}
+
+}  // namespace pydatacopy

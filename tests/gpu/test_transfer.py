@@ -1,0 +1,268 @@
+"""Byte-exact data movement on two GPUs: put/get on every path, signals, send/recv of any tensor,
+batched puts, the forced RMA path, and argument errors (see conftest.py for how to run)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.bool]
+
+
+def _bytes(pe: int, tag: int, nbytes: int) -> torch.Tensor:
+    """Random bytes that PE `pe` sends under `tag`; the receiver regenerates them to compare."""
+    generator = torch.Generator(device="cuda").manual_seed((pe + 1) * 1_000_003 + tag)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=generator)
+
+
+def _as(tensor_bytes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return (tensor_bytes & 1).view(torch.bool)
+    return tensor_bytes.view(dtype)
+
+
+@pytest.fixture
+def peer(world):
+    rank, _, _ = world
+    return 1 - rank
+
+
+@pytest.fixture
+def force_rma():
+    os.environ["PYDATACOPY_FORCE_RMA"] = "1"
+    yield
+    del os.environ["PYDATACOPY_FORCE_RMA"]
+
+
+SIZES = [1, 3, 4096, 65537, 1 << 20, (64 << 20) + 5]
+
+
+@pytest.mark.parametrize("path", ["auto", "copy_engine", "sm", "rma"])
+def test_put_and_get_byte_exact_every_path(world, peer, path):
+    rank, _, _ = world
+    symmetric = pydatacopy.empty((64 << 20) + 64, dtype=torch.uint8)
+    try:
+        for tag, nbytes in enumerate(SIZES):
+            offset = tag % 7  # odd offsets into the symmetric tensor
+            dst = symmetric[offset:offset + nbytes]
+            src = _bytes(rank, tag, nbytes)
+            pydatacopy.put(dst, src, peer, path=path)  # both PEs put at once
+            pydatacopy.barrier()
+            torch.testing.assert_close(dst, _bytes(peer, tag, nbytes), rtol=0, atol=0)
+            # get: read back what we wrote into the peer's copy
+            fetched = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            pydatacopy.get(fetched, dst, peer, path=path)
+            torch.testing.assert_close(fetched, src, rtol=0, atol=0)
+            pydatacopy.barrier()
+    finally:
+        pydatacopy.free(symmetric)
+
+
+def test_symmetric_tensors_every_dtype_and_peer_view(world, peer):
+    rank, _, _ = world
+    for tag, dtype in enumerate(DTYPES):
+        tensor = pydatacopy.empty((33, 5), dtype=dtype)
+        assert tensor.dtype == dtype and tensor.shape == (33, 5) and pydatacopy.is_symmetric(tensor)
+        source = _as(_bytes(rank, 100 + tag, 33 * 5 * tensor.element_size()), dtype).view(33, 5)
+        pydatacopy.put(tensor, source, peer)
+        pydatacopy.barrier()
+        expected = _as(_bytes(peer, 100 + tag, 33 * 5 * tensor.element_size()), dtype).view(33, 5)
+        assert torch.equal(tensor.view(torch.uint8) if dtype != torch.bool else tensor, 
+                           expected.view(torch.uint8) if dtype != torch.bool else expected)
+        view = pydatacopy.peer_view(tensor, peer)
+        assert view is not None and view.shape == tensor.shape
+        pydatacopy.barrier()
+        pydatacopy.free(tensor)
+    assert not pydatacopy.is_symmetric(torch.zeros(4, device="cuda"))
+
+
+def test_put_signal_and_signal_wait(world, peer):
+    rank, _, _ = world
+    data = pydatacopy.empty(1 << 20, dtype=torch.uint8)
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    signal.zero_()
+    pydatacopy.barrier()
+    torch.cuda.synchronize()
+    try:
+        for value in range(1, 6):
+            pydatacopy.put_signal(data, _bytes(rank, 200 + value, 1 << 20), peer, signal, value)
+            pydatacopy.signal_wait(signal, value, blocking=True, timeout=20)
+            torch.testing.assert_close(data, _bytes(peer, 200 + value, 1 << 20), rtol=0, atol=0)
+            pydatacopy.barrier()  # the peer has read before we overwrite
+        pydatacopy.signal_set(signal, 99, peer)
+        pydatacopy.signal_wait(signal, 99, blocking=True, timeout=20)
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(signal)
+        pydatacopy.free(data)
+
+
+SEND_SIZES = [1, 7, 4096, 1 << 20, 4 << 20, (4 << 20) + 1, (64 << 20) + 3]
+
+
+@pytest.mark.parametrize("nbytes", SEND_SIZES)
+def test_sendrecv_both_ways_byte_exact(world, peer, nbytes):
+    rank, _, _ = world
+    base = torch.empty(nbytes + 1, dtype=torch.uint8, device="cuda")
+    received = base[1:]  # an odd offset on the receiving side
+    outgoing = _bytes(rank, nbytes, nbytes)
+    pydatacopy.sendrecv(outgoing, peer, received, peer)
+    torch.testing.assert_close(received, _bytes(peer, nbytes, nbytes), rtol=0, atol=0)
+
+
+def test_send_recv_beyond_one_gib_and_the_heap(world, peer):
+    """1 GiB + 13 bytes: larger than the staging and than NVSHMEM's default 1 GiB heap."""
+    rank, _, _ = world
+    nbytes = (1 << 30) + 13
+    outgoing = _bytes(rank, 7777, nbytes)
+    received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    with pydatacopy.group():
+        pydatacopy.recv(received, peer)
+        pydatacopy.send(outgoing, peer)
+    assert torch.equal(received, _bytes(peer, 7777, nbytes))
+    del outgoing, received
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_send_recv_every_dtype(world, peer, dtype):
+    rank, _, _ = world
+    shape = (257, 3)
+    element = torch.empty((), dtype=dtype).element_size()
+    outgoing = _as(_bytes(rank, 300, 257 * 3 * element), dtype).view(shape)
+    received = torch.empty(shape, dtype=dtype, device="cuda")
+    pydatacopy.sendrecv(outgoing, peer, received, peer)
+    expected = _as(_bytes(peer, 300, 257 * 3 * element), dtype).view(shape)
+    assert torch.equal(received, expected)
+
+
+def test_one_direction_send_recv(world, peer):
+    rank, _, _ = world
+    nbytes = (20 << 20) + 11
+    if rank == 0:
+        pydatacopy.send(_bytes(rank, 400, nbytes), peer)
+    else:
+        received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        pydatacopy.recv(received, peer)
+        assert torch.equal(received, _bytes(peer, 400, nbytes))
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def test_1000_random_rounds_mixing_sizes_and_paths(world, peer):
+    rank, _, _ = world
+    rng = random.Random(2026)  # same sequence on both PEs
+    symmetric = pydatacopy.empty(4 << 20, dtype=torch.uint8)
+    checked = 0
+    try:
+        for round_ in range(1000):
+            nbytes = rng.choice([1, 2, 3, 15, 16, 17, 255, 4096, 12345, 1 << 16, 777777, 3 << 20])
+            offset = rng.randrange(0, 64)
+            kind = rng.choice(["sendrecv", "put", "put_sm", "put_rma"])
+            outgoing = _bytes(rank, 10_000 + round_, nbytes)
+            if kind == "sendrecv":
+                base = torch.empty(nbytes + offset, dtype=torch.uint8, device="cuda")
+                received = base[offset:]
+                pydatacopy.sendrecv(outgoing[: nbytes], peer, received, peer)
+            else:
+                received = symmetric[offset:offset + nbytes]
+                path = {"put": "auto", "put_sm": "sm", "put_rma": "rma"}[kind]
+                pydatacopy.put(received, outgoing, peer, path=path)
+                pydatacopy.barrier()
+            assert torch.equal(received, _bytes(peer, 10_000 + round_, nbytes)), (round_, kind, nbytes)
+            if kind != "sendrecv":
+                pydatacopy.barrier()
+            checked += 1
+    finally:
+        pydatacopy.free(symmetric)
+    assert checked == 1000
+
+
+@pytest.mark.parametrize("count", [1, 17, 1024, 4096])
+@pytest.mark.parametrize("path", ["auto", "rma"])
+def test_put_many_batched(world, peer, count, path):
+    rank, _, _ = world
+    rng = random.Random(count)
+    sizes = [rng.randrange(1, 4097) for _ in range(count)]
+    pool = pydatacopy.empty(sum(sizes) + 16 * count, dtype=torch.uint8)
+    try:
+        dsts, srcs, offset = [], [], 0
+        for i, size in enumerate(sizes):
+            dsts.append(pool[offset:offset + size])
+            srcs.append(_bytes(rank, 50_000 + i, size))
+            offset += size + (i % 16)
+        pydatacopy.put_many(dsts, srcs, peer, path=path)
+        pydatacopy.barrier()
+        for i, size in enumerate(sizes):
+            assert torch.equal(dsts[i], _bytes(peer, 50_000 + i, size)), i
+        pydatacopy.barrier()
+    finally:
+        pydatacopy.free(pool)
+
+
+def test_forced_rma_path_runs_everything(world, peer, force_rma):
+    rank, _, _ = world
+    symmetric = pydatacopy.empty(1 << 20, dtype=torch.uint8)
+    try:
+        assert pydatacopy.peer_view(symmetric, peer) is None
+        with pytest.raises(pydatacopy.Error, match="directly reachable"):
+            pydatacopy.put(symmetric, symmetric, peer, path="copy_engine")
+        pydatacopy.put(symmetric, _bytes(rank, 600, 1 << 20), peer)
+        pydatacopy.barrier()
+        assert torch.equal(symmetric, _bytes(peer, 600, 1 << 20))
+        for nbytes in [5, 4 << 20, (9 << 20) + 3]:
+            received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            pydatacopy.sendrecv(_bytes(rank, 601, nbytes), peer, received, peer)
+            assert torch.equal(received, _bytes(peer, 601, nbytes))
+        dbm = pydatacopy.DoubleBufferManager()
+        dbm.init(300, 1001)
+        for round_ in range(6):
+            dbm.send_buffer.copy_(_bytes(rank, 700 + round_, 300 * 1001).view(300, 1001))
+            received = dbm.wait(dbm.exchange())
+            assert torch.equal(received, _bytes(peer, 700 + round_, 300 * 1001).view(300, 1001))
+        dbm.cleanup()
+        pydatacopy.barrier()
+    finally:
+        pydatacopy.free(symmetric)
+
+
+def test_bad_inputs_raise_the_project_error(world, peer):
+    symmetric = pydatacopy.empty(1024, dtype=torch.float32)
+    local = torch.zeros(1024, dtype=torch.float32, device="cuda")
+    other_device = torch.zeros(1024, dtype=torch.float32, device=f"cuda:{peer}")
+    cases = [
+        (lambda: pydatacopy.put(symmetric, local.cpu(), peer), "use .cuda"),
+        (lambda: pydatacopy.put(symmetric, other_device, peer), "move it there"),
+        (lambda: pydatacopy.put(symmetric, local[:10], peer), "size mismatch"),
+        (lambda: pydatacopy.put(symmetric, local.int(), peer), "dtype mismatch"),
+        (lambda: pydatacopy.put(symmetric.view(32, 32).t(), local.view(32, 32), peer), "contiguous"),
+        (lambda: pydatacopy.put(local, symmetric, peer), "symmetric"),
+        (lambda: pydatacopy.get(local, local, peer), "symmetric"),
+        (lambda: pydatacopy.put(symmetric, local, 2), "out of range"),
+        (lambda: pydatacopy.put(symmetric, local, -1), "out of range"),
+        (lambda: pydatacopy.put(symmetric, local, peer, path="warp"), "path must be"),
+        (lambda: pydatacopy.send(local.cpu(), peer), "use .cuda"),
+        (lambda: pydatacopy.recv(local.view(32, 32).t(), peer), "contiguous"),
+        (lambda: pydatacopy.send(local, 5), "out of range"),
+        (lambda: pydatacopy.free(local), "returned by pydatacopy.empty"),
+        (lambda: pydatacopy.signal_wait(symmetric, 1), "uint64"),
+        (lambda: pydatacopy.put_many([symmetric], [], peer), "destinations"),
+        (lambda: pydatacopy.put_many([local], [local], peer), "symmetric"),
+        (lambda: pydatacopy.empty((4, -1)), "at least 0"),
+        (lambda: pydatacopy.empty(4, dtype="float"), "torch.dtype"),
+    ]
+    try:
+        for call, words in cases:
+            with pytest.raises(pydatacopy.Error) as info:
+                call()
+            assert words in str(info.value), (words, str(info.value))
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(symmetric)
