@@ -6,6 +6,8 @@ set -uo pipefail
 # NVLink multicast can take the shared GPUs down: keep it off everywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYDATACOPY_TIMEOUT_S=${PYDATACOPY_TIMEOUT_S:-30}
+# The benchmark puts up to 1 GiB into symmetric memory, beside the send/recv staging.
+export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -28,7 +30,7 @@ step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || 
 step cpu-tests $PY -m pytest tests/test_cpu.py -q
 step gpu2-tests timeout 900 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -x -p no:cacheprovider
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
-step bench timeout 600 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:-}
+step bench timeout 600 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 
 echo
 echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"

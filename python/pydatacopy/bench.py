@@ -1,8 +1,11 @@
 """pydatacopy benchmark: torchrun --nproc_per_node=2 -m pydatacopy.bench [options]
 
-Times each path with CUDA events after warm-up, takes the median of repeats, checks the data
-of every configuration (the `ok` column) and prints one table. Ratios against the baselines in
-the same run decide; absolute figures move with the shared GPUs.
+Sweeps message sizes like nccl-tests (-b/-e/-f, -n iterations, -w warm-up) for each pydatacopy
+path and, in the same run, the baselines: the copy engine writing straight into the peer's
+memory (cudaMemcpyAsync, the practical limit) and NCCL send/recv through torch.distributed.
+Times are CUDA events after warm-up, the median of repeats, the slower of the two PEs; data is
+fresh and non-zero, and every row is checked (`ok`). Ratios between rows of one run decide:
+the GPUs are shared and absolute figures move.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -19,56 +23,135 @@ import torch.distributed as dist
 import pydatacopy
 
 
-def _parse_shape(text: str) -> tuple[int, int]:
-    n_tokens, token_size = text.lower().split("x")
-    return int(n_tokens), int(token_size)
+def _size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().rstrip("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
-def _fill(tensor: torch.Tensor, pe: int, round_: int) -> None:
-    generator = torch.Generator(device=tensor.device).manual_seed(7 + 131 * pe + 1_000_003 * round_)
-    tensor.copy_(torch.randint(1, 256, tensor.shape, dtype=torch.uint8, device=tensor.device,
-                               generator=generator))
+def _human(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
 
 
-def bench_token_exchange(n_tokens: int, token_size: int, iterations: int, warmup: int,
-                         repeats: int) -> dict:
-    """DoubleBufferManager exchange, both directions at once, pipelined over `iterations` rounds."""
+def _fill(tensor: torch.Tensor, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=tensor.device).manual_seed(seed)
+    flat = tensor.view(torch.uint8).view(-1)
+    flat.copy_(torch.randint(1, 256, flat.shape, dtype=torch.uint8, device=tensor.device,
+                             generator=generator))
+    return tensor
+
+
+def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> float:
+    """Seconds per operation: median over repeats, the slower PE."""
+    for _ in range(warmup):
+        run()
+    samples = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        start.record()
+        for _ in range(iterations):
+            run()
+        stop.record()
+        stop.synchronize()
+        pydatacopy.check_errors()
+        samples.append(start.elapsed_time(stop) / 1e3 / iterations)
+    seconds = torch.tensor([statistics.median(samples)], dtype=torch.float64, device="cuda")
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item())
+
+
+def _agree(ok: bool) -> bool:
+    flag = torch.tensor([1 if ok else 0], device="cuda")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class Sweep:
+    """The one-directional (rank 0 -> rank 1) and bidirectional cases of one message size."""
+
+    def __init__(self, nbytes: int, both: bool, args):
+        self.nbytes, self.both, self.args = nbytes, both, args
+        self.me = pydatacopy.my_pe()
+        self.peer = 1 - self.me
+        self.sends = both or self.me == 0
+        self.receives = both or self.me == 1
+        self.src = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.me)
+        self.expected = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.peer)
+        self.out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+
+    def measure(self, run, check) -> tuple[float, bool]:
+        seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats)
+        torch.cuda.synchronize()
+        dist.barrier()
+        return seconds, _agree(check())
+
+    def put(self, path: str):
+        symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
+        symmetric.zero_()
+        pydatacopy.barrier()
+
+        def run():
+            if self.sends:
+                pydatacopy.put(symmetric, self.src, self.peer, path=path)
+                pydatacopy.quiet()
+
+        try:
+            return self.measure(run, lambda: not self.receives or torch.equal(symmetric, self.expected))
+        finally:
+            pydatacopy.barrier()
+            pydatacopy.free(symmetric)
+
+    def sendrecv(self):
+        def run():
+            with pydatacopy.group():
+                if self.sends:
+                    pydatacopy.send(self.src, self.peer)
+                if self.receives:
+                    pydatacopy.recv(self.out, self.peer)
+
+        return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
+
+    def nccl(self):
+        def run():
+            ops = []
+            if self.sends:
+                ops.append(dist.P2POp(dist.isend, self.src, self.peer))
+            if self.receives:
+                ops.append(dist.P2POp(dist.irecv, self.out, self.peer))
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        self.out.zero_()
+        return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
+
+
+def bench_token_exchange(n_tokens: int, token_size: int, args) -> dict:
+    """DoubleBufferManager exchange, both directions at once, rounds back to back."""
     me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
     peer = pydatacopy._C.DoubleBufferManager.default_src_pe(me, n)
     dbm = pydatacopy.DoubleBufferManager()
     dbm.init(n_tokens, token_size)
     try:
-        # Fresh non-zero data in both sets; round r sends set r % 2.
         for s in (0, 1):
-            _fill(dbm.send_buffer_of(s), me, s)
+            _fill(dbm.send_buffer_of(s), 1000 * me + s)
+
+        def run():
+            dbm.wait(dbm.exchange())
+
+        seconds = _time(run, args.iters, args.warmup, args.repeats)
         ok = True
-
-        def run(rounds: int) -> None:
-            for _ in range(rounds):
-                r = dbm.exchange()
-                dbm.wait(r)
-
-        run(warmup)
-        times = []
-        for _ in range(repeats):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            dist.barrier()
-            torch.cuda.synchronize()
-            start.record()
-            run(iterations)
-            stop.record()
-            stop.synchronize()
-            pydatacopy.check_errors()
-            times.append(start.elapsed_time(stop) / 1e3 / iterations)
-        # Correctness: the last two rounds' receive sets hold the peer's two sets.
         expected = torch.empty((n_tokens, token_size), dtype=torch.uint8, device="cuda")
         for r in (dbm.round - 2, dbm.round - 1):
-            _fill(expected, peer, r % 2)
+            _fill(expected, 1000 * peer + r % 2)
             ok = ok and torch.equal(dbm.recv_buffer(r), expected)
-        seconds = statistics.median(times)
-        return {"path": "DoubleBufferManager exchange (both ways)",
-                "bytes": n_tokens * token_size, "shape": f"{n_tokens}x{token_size}",
-                "us": seconds * 1e6, "gbps": n_tokens * token_size / seconds / 1e9, "ok": ok}
+        return {"op": "token_exchange", "path": "DoubleBufferManager", "direction": "both",
+                "bytes": n_tokens * token_size, "size": f"{n_tokens}x{token_size}",
+                "us": seconds * 1e6, "gbps": n_tokens * token_size / seconds / 1e9, "ok": _agree(ok)}
     finally:
         dbm.cleanup()
 
@@ -76,13 +159,18 @@ def bench_token_exchange(n_tokens: int, token_size: int, iterations: int, warmup
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", nargs="*", type=_parse_shape,
-                        default=[(1024, 4096), (4096, 7168), (16384, 14336)],
-                        help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
-    parser.add_argument("-n", "--iters", type=int, default=20, help="rounds per timing")
+    parser.add_argument("-b", "--minbytes", type=_size, default=_size("4K"))
+    parser.add_argument("-e", "--maxbytes", type=_size, default=_size("1G"))
+    parser.add_argument("-f", "--stepfactor", type=int, default=16)
+    parser.add_argument("-n", "--iters", type=int, default=20, help="operations per timing")
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-r", "--repeats", type=int, default=5)
-    parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one")
+    parser.add_argument("--ops", default="put_ce,put_sm,put_rma,sendrecv,nccl,tokens",
+                        help="comma-separated subset of put_ce,put_sm,put_rma,sendrecv,nccl,tokens")
+    parser.add_argument("--tokens", nargs="*", default=["1024x4096", "4096x7168", "16384x14336"],
+                        help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
+    parser.add_argument("--json", help="write all rows to this JSON file (rank 0)")
     args = parser.parse_args(argv)
 
     if "RANK" not in os.environ:
@@ -91,16 +179,52 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     pydatacopy.init()
-    rows = [bench_token_exchange(n, t, args.iters, args.warmup, args.repeats) for n, t in args.tokens]
+    if pydatacopy.n_pes() != 2:
+        print("the size sweep runs on exactly 2 PEs", file=sys.stderr)
+        return 2
+    ops = set(args.ops.split(","))
+    directions = ["one", "both"] if args.direction == "all" else [args.direction]
+    rows = []
+    size = args.minbytes
+    sizes = []
+    while size <= args.maxbytes:
+        sizes.append(size)
+        size *= args.stepfactor
+    labels = {"put_ce": ("put", "copy_engine"), "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
+              "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL")}
+    for direction in directions:
+        for nbytes in sizes:
+            sweep = Sweep(nbytes, direction == "both", args)
+            for op in ("put_ce", "put_sm", "put_rma", "sendrecv", "nccl"):
+                if op not in ops:
+                    continue
+                seconds, ok = (sweep.put(labels[op][1]) if op.startswith("put") else
+                               sweep.sendrecv() if op == "sendrecv" else sweep.nccl())
+                rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
+                             "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,
+                             "gbps": nbytes / seconds / 1e9, "ok": ok})
+                if pydatacopy.my_pe() == 0:
+                    r = rows[-1]
+                    print(f"  {r['op']:<10} {r['path']:<12} {r['direction']:<4} {r['size']:>6} "
+                          f"{r['gbps']:8.1f} GB/s", file=sys.stderr, flush=True)
+            del sweep
+    if "tokens" in ops:
+        for shape in args.tokens:
+            n_tokens, token_size = (int(v) for v in shape.lower().split("x"))
+            rows.append(bench_token_exchange(n_tokens, token_size, args))
+
     if pydatacopy.my_pe() == 0:
-        print(f"\n{'path':<42} {'shape':>12} {'bytes':>12} {'us':>10} {'GB/s':>8}  ok")
-        for row in rows:
-            print(f"{row['path']:<42} {row['shape']:>12} {row['bytes']:>12} {row['us']:>10.1f} "
-                  f"{row['gbps']:>8.1f}  {'yes' if row['ok'] else 'NO'}")
+        print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6}  ok")
+        nccl = {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == "NCCL"}
+        for r in rows:
+            base = nccl.get((r["direction"], r["bytes"]))
+            ratio = f"{r['gbps'] / base:6.2f}" if base else "     -"
+            print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
+                  f"{r['gbps']:>8.1f} {ratio}  {'yes' if r['ok'] else 'NO'}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-    all_ok = all(row["ok"] for row in rows)
+    all_ok = all(r["ok"] for r in rows)
     pydatacopy.finalize()
     dist.destroy_process_group()
     return 0 if all_ok else 1
