@@ -28,9 +28,9 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
 step cpu-tests $PY -m pytest tests/test_cpu.py -q
-step gpu2-tests timeout 900 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -x -p no:cacheprovider
+step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
-step bench timeout 600 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
+step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 
 echo
 echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
