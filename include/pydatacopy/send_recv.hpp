@@ -18,6 +18,9 @@
 #include <vector>
 
 namespace pydatacopy {
+namespace kernels {
+struct ChunkStreamArgs;
+}
 
 class SendRecvEngine {
  public:
@@ -26,13 +29,18 @@ class SendRecvEngine {
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
 
-  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks.
-  void init(std::size_t chunk_bytes, int num_chunks, int blocks);
+  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks. Messages of
+  // at least copy_engine_min_bytes (0: never) to a directly reachable peer move chunk by chunk on
+  // the copy engine; smaller ones, and every message over NVSHMEM RMA, on `blocks` SM blocks.
+  void init(std::size_t chunk_bytes, int num_chunks, int blocks,
+            std::size_t copy_engine_min_bytes = kDefaultCopyEngineMinBytes);
+  static constexpr std::size_t kDefaultCopyEngineMinBytes = std::size_t{16} << 20;
   void cleanup();  // collective and blocking; harmless twice
   bool initialized() const { return base_ != nullptr; }
   std::size_t chunk_bytes() const { return chunk_bytes_; }
   int num_chunks() const { return num_chunks_; }
   int blocks() const { return blocks_; }
+  std::size_t copy_engine_min_bytes() const { return copy_engine_min_bytes_; }
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const { return symmetric_bytes_; }
 
@@ -42,12 +50,15 @@ class SendRecvEngine {
 
  private:
   void require_ready(const char* what, int pe) const;
+  bool uses_copy_engine(std::size_t bytes, bool peer_reachable) const;
+  void send_by_copy_engine(const kernels::ChunkStreamArgs& args, cudaStream_t stream);
+  void recv_by_copy_engine(const kernels::ChunkStreamArgs& args, cudaStream_t stream);
   uint8_t* staging(int src_pe) const;
   uint64_t* arrivals(int src_pe) const;
   uint64_t* credits(int dst_pe) const;
 
   uint8_t* base_ = nullptr;
-  std::size_t chunk_bytes_ = 0, symmetric_bytes_ = 0;
+  std::size_t chunk_bytes_ = 0, symmetric_bytes_ = 0, copy_engine_min_bytes_ = 0;
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
   std::vector<uint64_t> chunks_sent_;      // per destination PE
   std::vector<uint64_t> chunks_received_;  // per source PE

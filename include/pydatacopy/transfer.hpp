@@ -50,4 +50,9 @@ struct TransferDescriptor {
 void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,
               Path path = Path::kAuto);
 
+// Latency probe (the benchmark's): one GPU thread bounces an 8-byte signal with `peer`
+// `iterations` times; the initiator sends first. `signal` is symmetric and zero on both PEs.
+void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
+                     cudaStream_t stream, double timeout_seconds);
+
 }  // namespace pydatacopy

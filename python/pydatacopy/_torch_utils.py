@@ -41,9 +41,15 @@ def tensor_from_address(address: int, shape: tuple[int, ...], dtype: torch.dtype
     return flat[:num_bytes].view(dtype).view(shape)
 
 
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
     """The cudaStream_t of `stream`, torch's current stream on `device` when None."""
     if stream is None:
+        # The raw handle, without building a Stream object: this sits on every call's hot path.
+        if _current_raw_stream is not None:
+            return _current_raw_stream(device)
         return torch.cuda.current_stream(device).cuda_stream
     if isinstance(stream, int):
         return stream

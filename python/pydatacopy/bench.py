@@ -156,6 +156,86 @@ def bench_token_exchange(n_tokens: int, token_size: int, args) -> dict:
         dbm.cleanup()
 
 
+def bench_latency(args, iterations: int = 20000) -> dict:
+    """8-byte ping-pong between the two GPUs, device side: one-way latency."""
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    try:
+        signal.zero_()
+        torch.cuda.synchronize()
+        pydatacopy.barrier()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pydatacopy._C.bench_pingpong(signal.data_ptr(), 1 - pydatacopy.my_pe(), iterations,
+                                     pydatacopy.my_pe() == 0,
+                                     torch.cuda.current_stream().cuda_stream, 60.0)
+        stop.record()
+        stop.synchronize()
+        pydatacopy.check_errors()
+        ok = _agree(int(signal.item()) == iterations)
+        us = start.elapsed_time(stop) * 1e3 / iterations / 2
+        return {"op": "latency", "path": "8B signal ping-pong", "direction": "one-way",
+                "bytes": 8, "size": "8", "us": us, "gbps": 8 / us / 1e3, "ok": ok}
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(signal)
+
+
+def bench_host_overhead(args, calls: int = 2000) -> list[dict]:
+    """Host time of one 4 KiB put from Python (no synchronisation inside the loop)."""
+    import time
+
+    rows = []
+    symmetric = pydatacopy.empty(4096, dtype=torch.uint8)
+    src = _fill(torch.empty(4096, dtype=torch.uint8, device="cuda"), 5)
+    try:
+        for path in ("auto", "copy_engine"):
+            for _ in range(50):
+                pydatacopy.put(symmetric, src, 1 - pydatacopy.my_pe(), path=path)
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            for _ in range(calls):
+                pydatacopy.put(symmetric, src, 1 - pydatacopy.my_pe(), path=path)
+            host_us = (time.perf_counter() - begin) / calls * 1e6
+            torch.cuda.synchronize()
+            pydatacopy.barrier()
+            torch.cuda.synchronize()
+            ok = _agree(torch.equal(symmetric, _fill(torch.empty_like(src), 5)))
+            rows.append({"op": "host_per_call", "path": f"put 4K ({path})", "direction": "both",
+                         "bytes": 4096, "size": "4K", "us": host_us, "gbps": 4096 / host_us / 1e3,
+                         "ok": ok})
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(symmetric)
+    return rows
+
+
+def bench_put_many(args, count: int = 1024, tensor_bytes: int = 4096) -> dict:
+    """`count` tensors of `tensor_bytes` in one put_many call, rank 0 -> rank 1."""
+    me = pydatacopy.my_pe()
+    pool = pydatacopy.empty(count * tensor_bytes, dtype=torch.uint8)
+    source = _fill(torch.empty(count * tensor_bytes, dtype=torch.uint8, device="cuda"), 77)
+    dsts = list(pool.view(count, tensor_bytes))
+    srcs = list(source.view(count, tensor_bytes))
+    try:
+        def run():
+            if me == 0:
+                pydatacopy.put_many(dsts, srcs, 1)
+                pydatacopy.quiet()
+
+        seconds = _time(run, args.iters, args.warmup, args.repeats)
+        torch.cuda.synchronize()
+        dist.barrier()
+        ok = _agree(me == 0 or torch.equal(pool, source))
+        return {"op": "put_many", "path": f"{count} x {tensor_bytes}B", "direction": "one",
+                "bytes": count * tensor_bytes, "size": _human(count * tensor_bytes),
+                "us": seconds * 1e6, "gbps": count * tensor_bytes / seconds / 1e9, "ok": ok}
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(pool)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-r", "--repeats", type=int, default=5)
     parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one")
-    parser.add_argument("--ops", default="put_ce,put_sm,put_rma,sendrecv,nccl,tokens",
-                        help="comma-separated subset of put_ce,put_sm,put_rma,sendrecv,nccl,tokens")
+    parser.add_argument("--ops", default="put_ce,put_sm,put_rma,sendrecv,nccl,tokens,latency,host,put_many",
+                        help="comma-separated subset of put_ce,put_sm,put_rma,sendrecv,nccl,tokens,"
+                             "latency,host,put_many")
     parser.add_argument("--tokens", nargs="*", default=["1024x4096", "4096x7168", "16384x14336"],
                         help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
     parser.add_argument("--json", help="write all rows to this JSON file (rank 0)")
@@ -208,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {r['op']:<10} {r['path']:<12} {r['direction']:<4} {r['size']:>6} "
                           f"{r['gbps']:8.1f} GB/s", file=sys.stderr, flush=True)
             del sweep
+    if "latency" in ops:
+        rows.append(bench_latency(args))
+    if "host" in ops:
+        rows.extend(bench_host_overhead(args))
+    if "put_many" in ops:
+        rows.append(bench_put_many(args))
     if "tokens" in ops:
         for shape in args.tokens:
             n_tokens, token_size = (int(v) for v in shape.lower().split("x"))

@@ -148,11 +148,20 @@ PYBIND11_MODULE(_C, m) {
           return std::string(path_name(resolve_path(as_path(path), reachable, bytes)));
         }, py::arg("path"), py::arg("peer_reachable"), py::arg("bytes"));
 
+  // Benchmark probe: 8-byte signal ping-pong between this PE and `peer` (device-side latency).
+  m.def("bench_pingpong", [](std::uintptr_t signal, int peer, int iterations, bool initiator,
+                             std::uintptr_t stream, double timeout) {
+          signal_pingpong(as_pointer<uint64_t>(signal), peer, iterations, initiator, as_stream(stream),
+                          timeout);
+        }, py::arg("signal"), py::arg("peer"), py::arg("iterations"), py::arg("initiator"),
+        py::arg("stream"), py::arg("timeout"));
+
   // Two-sided copies through symmetric staging.
   py::class_<SendRecvEngine>(m, "SendRecvEngine")
       .def(py::init<>())
       .def("init", &SendRecvEngine::init, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"),
-           release_gil())
+           py::arg("copy_engine_min_bytes") = SendRecvEngine::kDefaultCopyEngineMinBytes, release_gil())
+      .def_property_readonly("copy_engine_min_bytes", &SendRecvEngine::copy_engine_min_bytes)
       .def("cleanup", &SendRecvEngine::cleanup, release_gil())
       .def_property_readonly("initialized", &SendRecvEngine::initialized)
       .def_property_readonly("chunk_bytes", &SendRecvEngine::chunk_bytes)

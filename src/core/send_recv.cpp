@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "device_status.cuh"
@@ -19,7 +20,8 @@ std::size_t align_up(std::size_t value, std::size_t to) { return (value + to - 1
 
 }  // namespace
 
-void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
+void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks,
+                          std::size_t copy_engine_min_bytes) {
   require_initialized("SendRecvEngine.init");
   PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
   PDC_REQUIRE(num_chunks >= 2, "num_chunks must be at least 2 (one drains while the next fills), got "
@@ -40,6 +42,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
+  copy_engine_min_bytes_ = copy_engine_min_bytes;
   n_pes_ = pes;
   symmetric_bytes_ = total;
   chunks_sent_.assign(pes, 0);
@@ -82,6 +85,43 @@ void SendRecvEngine::require_ready(const char* what, int pe) const {
   check_device_errors();
 }
 
+bool SendRecvEngine::uses_copy_engine(std::size_t bytes, bool peer_reachable) const {
+  // Both sides decide alike: same byte count, and direct reachability is mutual on one node.
+  return peer_reachable && copy_engine_min_bytes_ > 0 && bytes >= copy_engine_min_bytes_;
+}
+
+// Large messages: the copy engine moves each chunk (the fastest path over NVLink), and tiny
+// kernels keep the same signals the SM path uses, one per block slice, so both paths interleave
+// freely on a channel. Each wait has the same deadline semantics as the kernels' own waits.
+void SendRecvEngine::send_by_copy_engine(const kernels::ChunkStreamArgs& a, cudaStream_t stream) {
+  const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const uint64_t k = a.first_chunk + i;
+    const int64_t slot = static_cast<int64_t>(k % a.num_slots);
+    if (k >= static_cast<uint64_t>(a.num_slots))
+      kernels::launch_wait_span(a.credits + slot * blocks_, blocks_, k - a.num_slots + 1, a.my_pe,
+                                a.peer, detail::WaitOp::kChunkCredit, a.timeout_ns, a.status, stream);
+    const int64_t length = std::min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
+    PDC_CHECK_CUDA(cudaMemcpyAsync(a.peer_staging + slot * a.chunk_bytes, a.src + i * a.chunk_bytes,
+                                   static_cast<std::size_t>(length), cudaMemcpyDeviceToDevice, stream));
+    kernels::launch_signal_span(a.peer_arrivals + slot * blocks_, blocks_, k + 1, stream);
+  }
+}
+
+void SendRecvEngine::recv_by_copy_engine(const kernels::ChunkStreamArgs& a, cudaStream_t stream) {
+  const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const uint64_t k = a.first_chunk + i;
+    const int64_t slot = static_cast<int64_t>(k % a.num_slots);
+    kernels::launch_wait_span(a.arrivals + slot * blocks_, blocks_, k + 1, a.my_pe, a.peer,
+                              detail::WaitOp::kChunkArrival, a.timeout_ns, a.status, stream);
+    const int64_t length = std::min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
+    PDC_CHECK_CUDA(cudaMemcpyAsync(a.dst + i * a.chunk_bytes, a.staging + slot * a.chunk_bytes,
+                                   static_cast<std::size_t>(length), cudaMemcpyDeviceToDevice, stream));
+    kernels::launch_signal_span(a.peer_credits + slot * blocks_, blocks_, k + 1, stream);
+  }
+}
+
 void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
                           double timeout_seconds) {
   require_ready("send", dst_pe);
@@ -105,7 +145,10 @@ void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaSt
   a.peer = dst_pe;
   a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
   a.status = detail::device_status();
-  kernels::launch_chunk_send(a, blocks_, stream);
+  if (uses_copy_engine(bytes, a.peer_staging != nullptr))
+    send_by_copy_engine(a, stream);
+  else
+    kernels::launch_chunk_send(a, blocks_, stream);
   chunks_sent_[dst_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
 }
 
@@ -130,7 +173,10 @@ void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t
   a.peer = src_pe;
   a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
   a.status = detail::device_status();
-  kernels::launch_chunk_recv(a, blocks_, stream);
+  if (uses_copy_engine(bytes, a.peer_credits != nullptr))
+    recv_by_copy_engine(a, stream);
+  else
+    kernels::launch_chunk_recv(a, blocks_, stream);
   chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
 }
 

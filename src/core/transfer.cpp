@@ -141,4 +141,14 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
   PDC_CHECK_CUDA(cudaFreeAsync(table, stream));
 }
 
+void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
+                     cudaStream_t stream, double timeout_seconds) {
+  require_valid_pe(peer, "signal_pingpong");
+  check_device_errors();
+  require_symmetric(signal, sizeof(uint64_t), "signal_pingpong: signal");
+  PDC_REQUIRE(iterations > 0, "iterations must be positive, got " << iterations);
+  kernels::launch_pingpong(signal, my_pe(), peer, iterations, initiator, to_ns(timeout_seconds),
+                           detail::device_status(), stream);
+}
+
 }  // namespace pydatacopy

@@ -270,3 +270,12 @@ def test_bad_inputs_raise_the_project_error(world, peer):
     finally:
         pydatacopy.barrier()
         pydatacopy.free(symmetric)
+
+
+def test_send_recv_alternating_copy_engine_and_sm_paths(world, peer):
+    """Messages above and below the copy-engine threshold share one channel's slots and signals."""
+    rank, _, _ = world
+    for tag, nbytes in enumerate([(20 << 20) + 1, 1 << 20, 3, (40 << 20) + 7, 5 << 20, (17 << 20)]):
+        received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        pydatacopy.sendrecv(_bytes(rank, 900 + tag, nbytes), peer, received, peer)
+        assert torch.equal(received, _bytes(peer, 900 + tag, nbytes)), nbytes

@@ -89,7 +89,34 @@ __global__ void __launch_bounds__(kThreads) chunk_recv_kernel(const ChunkStreamA
   }
 }
 
+__global__ void signal_span_kernel(uint64_t* signals, int count, uint64_t value) {
+  __threadfence_system();
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x)
+    store_release_sys(signals + i, value);
+}
+
+__global__ void wait_span_kernel(const uint64_t* signals, int count, uint64_t value, int my_pe,
+                                 int peer, detail::WaitOp op, uint64_t timeout_ns,
+                                 detail::DeviceStatus* status) {
+  const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
+  for (int i = threadIdx.x; i < count; i += blockDim.x)
+    if (!detail::wait_until_at_least(signals + i, value, deadline, status, op, peer, my_pe)) return;
+}
+
 }  // namespace
+
+void launch_signal_span(uint64_t* signals, int count, uint64_t value, cudaStream_t stream) {
+  const int blocks = count > 4096 ? 32 : 1;
+  signal_span_kernel<<<blocks, 128, 0, stream>>>(signals, count, value);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_wait_span(const uint64_t* signals, int count, uint64_t value, int my_pe, int peer,
+                      detail::WaitOp op, uint64_t timeout_ns, detail::DeviceStatus* status,
+                      cudaStream_t stream) {
+  wait_span_kernel<<<1, 128, 0, stream>>>(signals, count, value, my_pe, peer, op, timeout_ns, status);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
 
 void launch_chunk_send(const ChunkStreamArgs& args, int blocks, cudaStream_t stream) {
   chunk_send_kernel<<<blocks, kThreads, 0, stream>>>(args);
