@@ -30,6 +30,8 @@ step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || 
 step cpu-tests $PY -m pytest tests/test_cpu.py -q
 step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
+step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
+step kill-check timeout 300 $PY tests/stress/kill_check.py --timeout 5
 step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 
 echo
@@ -37,5 +39,7 @@ echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-
 printf '%s\n' "${SUMMARY[@]}"
 grep -h "passed\|failed" "$OUT/cpu-tests.log" "$OUT/gpu2-tests.log" | tail -n 3
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
+grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3
+grep -h "^kill-check" "$OUT/kill-check.log"
 sed -n '/^path/,$p' "$OUT/bench.log"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAIL
