@@ -41,5 +41,5 @@ grep -h "passed\|failed" "$OUT/cpu-tests.log" "$OUT/gpu2-tests.log" | tail -n 3
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
 grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3
 grep -h "^kill-check" "$OUT/kill-check.log"
-sed -n '/^path/,$p' "$OUT/bench.log"
+sed -n '/^op /,$p' "$OUT/bench.log"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAIL
