@@ -49,6 +49,10 @@ double default_timeout_seconds();
 // the peer). Errors are sticky: after a peer timed out, NVSHMEM's state cannot be trusted.
 void check_device_errors();
 
+// True once a device-side wait has timed out: a peer is presumed dead, so collective teardown
+// (barriers, nvshmem_free, nvshmem_finalize) is skipped instead of waiting on it forever.
+bool peer_failed();
+
 // Throws unless init_nvshmem() has run in this process; `what` names the caller's operation.
 void require_initialized(const char* what);
 

@@ -29,9 +29,10 @@ class SendRecvEngine {
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
 
-  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks. Messages of
-  // at least copy_engine_min_bytes (0: never) to a directly reachable peer move chunk by chunk on
-  // the copy engine; smaller ones, and every message over NVSHMEM RMA, on `blocks` SM blocks.
+  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks. The sender
+  // of a message of at least copy_engine_min_bytes (0: never) to a directly reachable peer moves
+  // it chunk by chunk on the copy engine; smaller ones, and all over NVSHMEM RMA, go on `blocks`
+  // SM blocks. The receiver always drains with `blocks` SM blocks.
   void init(std::size_t chunk_bytes, int num_chunks, int blocks,
             std::size_t copy_engine_min_bytes = kDefaultCopyEngineMinBytes);
   static constexpr std::size_t kDefaultCopyEngineMinBytes = std::size_t{16} << 20;
@@ -52,7 +53,6 @@ class SendRecvEngine {
   void require_ready(const char* what, int pe) const;
   bool uses_copy_engine(std::size_t bytes, bool peer_reachable) const;
   void send_by_copy_engine(const kernels::ChunkStreamArgs& args, cudaStream_t stream);
-  void recv_by_copy_engine(const kernels::ChunkStreamArgs& args, cudaStream_t stream);
   uint8_t* staging(int src_pe) const;
   uint64_t* arrivals(int src_pe) const;
   uint64_t* credits(int dst_pe) const;

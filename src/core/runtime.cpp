@@ -171,8 +171,7 @@ void finalize() {
   s.initialized = false;
   // After a peer timed out, NVSHMEM's collective finalize would wait on the dead peer forever:
   // leave NVSHMEM as it is and let process exit reclaim it.
-  const bool peer_failed = s.status_host != nullptr && s.status_host->code != 0;
-  if (s.owns_nvshmem && !peer_failed) nvshmem_finalize();
+  if (s.owns_nvshmem && !peer_failed()) nvshmem_finalize();
   s.owns_nvshmem = false;
   s.unique_id.clear();
   s.my_pe = -1;
@@ -180,6 +179,11 @@ void finalize() {
 }
 
 bool is_initialized() { return state().initialized; }
+
+bool peer_failed() {
+  const volatile detail::DeviceStatus* status = state().status_host;
+  return status != nullptr && status->code != 0;
+}
 
 void require_initialized(const char* what) {
   PDC_REQUIRE(state().initialized, what << " needs NVSHMEM: call pydatacopy.init() (or "

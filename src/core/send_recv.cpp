@@ -53,7 +53,7 @@ void SendRecvEngine::cleanup() {
   if (base_ == nullptr) return;
   require_initialized("SendRecvEngine.cleanup");
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
-  nvshmem_barrier_all();
+  if (!peer_failed()) nvshmem_barrier_all();  // never wait on a dead peer
   symmetric_free(base_);
   base_ = nullptr;
   chunks_sent_.clear();
@@ -86,13 +86,12 @@ void SendRecvEngine::require_ready(const char* what, int pe) const {
 }
 
 bool SendRecvEngine::uses_copy_engine(std::size_t bytes, bool peer_reachable) const {
-  // Both sides decide alike: same byte count, and direct reachability is mutual on one node.
   return peer_reachable && copy_engine_min_bytes_ > 0 && bytes >= copy_engine_min_bytes_;
 }
 
-// Large messages: the copy engine moves each chunk (the fastest path over NVLink), and tiny
-// kernels keep the same signals the SM path uses, one per block slice, so both paths interleave
-// freely on a channel. Each wait has the same deadline semantics as the kernels' own waits.
+// Large messages: the copy engine moves each chunk over NVLink, and tiny kernels keep the same
+// per-block-slice signals the SM path uses, so the receiver's SM drain serves both paths and
+// both interleave freely on a channel. Each wait has the kernels' deadline semantics.
 void SendRecvEngine::send_by_copy_engine(const kernels::ChunkStreamArgs& a, cudaStream_t stream) {
   const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
   for (int64_t i = 0; i < chunks; ++i) {
@@ -105,20 +104,6 @@ void SendRecvEngine::send_by_copy_engine(const kernels::ChunkStreamArgs& a, cuda
     PDC_CHECK_CUDA(cudaMemcpyAsync(a.peer_staging + slot * a.chunk_bytes, a.src + i * a.chunk_bytes,
                                    static_cast<std::size_t>(length), cudaMemcpyDeviceToDevice, stream));
     kernels::launch_signal_span(a.peer_arrivals + slot * blocks_, blocks_, k + 1, stream);
-  }
-}
-
-void SendRecvEngine::recv_by_copy_engine(const kernels::ChunkStreamArgs& a, cudaStream_t stream) {
-  const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
-  for (int64_t i = 0; i < chunks; ++i) {
-    const uint64_t k = a.first_chunk + i;
-    const int64_t slot = static_cast<int64_t>(k % a.num_slots);
-    kernels::launch_wait_span(a.arrivals + slot * blocks_, blocks_, k + 1, a.my_pe, a.peer,
-                              detail::WaitOp::kChunkArrival, a.timeout_ns, a.status, stream);
-    const int64_t length = std::min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
-    PDC_CHECK_CUDA(cudaMemcpyAsync(a.dst + i * a.chunk_bytes, a.staging + slot * a.chunk_bytes,
-                                   static_cast<std::size_t>(length), cudaMemcpyDeviceToDevice, stream));
-    kernels::launch_signal_span(a.peer_credits + slot * blocks_, blocks_, k + 1, stream);
   }
 }
 
@@ -173,10 +158,9 @@ void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t
   a.peer = src_pe;
   a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
   a.status = detail::device_status();
-  if (uses_copy_engine(bytes, a.peer_credits != nullptr))
-    recv_by_copy_engine(a, stream);
-  else
-    kernels::launch_chunk_recv(a, blocks_, stream);
+  // Whichever path the sender takes, the receiver drains with SM blocks: a local copy at HBM
+  // speed, one launch per message (a copy-engine drain measured slower, docs/perf-notes.md).
+  kernels::launch_chunk_recv(a, blocks_, stream);
   chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
 }
 

@@ -54,6 +54,7 @@ void symmetric_free(void* ptr) {
                 "symmetric_free: " << ptr << " is not a live pydatacopy symmetric allocation");
     allocations().live.erase(it);
   }
+  if (peer_failed()) return;  // nvshmem_free is collective: it would wait on the dead peer
   // The caller's streams may still read or write the buffer; nvshmem_free synchronises PEs but
   // not this device's queued work.
   PDC_CHECK_CUDA(cudaDeviceSynchronize());

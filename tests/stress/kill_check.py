@@ -75,7 +75,10 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
         return ok, (f"survivor exit code {procs[0].returncode} {elapsed:.1f} s after SIGKILL "
                     f"(timeout {timeout:.0f} s); " + " | ".join(tail)[:400])
     except subprocess.TimeoutExpired:
-        return False, "the survivor did not exit in time (hang)"
+        procs[0].kill()
+        output = procs[0].communicate()[0] or ""
+        return False, "the survivor did not exit in time (hang); its last lines: " + \
+            " | ".join(output.splitlines()[-4:])[:600]
     finally:
         for p in procs:
             if p.poll() is None:
