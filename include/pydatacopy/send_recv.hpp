@@ -17,10 +17,13 @@
 #include <cstdint>
 #include <vector>
 
+#include "pydatacopy/cuda_handles.hpp"
+
 namespace pydatacopy {
 namespace kernels {
 struct ChunkStreamArgs;
 }
+
 
 class SendRecvEngine {
  public:
@@ -48,10 +51,16 @@ class SendRecvEngine {
   void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
             double timeout_seconds);
   void recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
+  // Both at once on one stream (a fused launch, or a fork onto an internal stream and back).
+  void sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
+                std::size_t recv_bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
 
  private:
   void require_ready(const char* what, int pe) const;
   bool uses_copy_engine(std::size_t bytes, bool peer_reachable) const;
+  int active_blocks(std::size_t bytes) const;
+  kernels::ChunkStreamArgs prepare_send(const void* src, std::size_t bytes, int dst_pe, double timeout);
+  kernels::ChunkStreamArgs prepare_recv(void* dst, std::size_t bytes, int src_pe, double timeout);
   void send_by_copy_engine(const kernels::ChunkStreamArgs& args, cudaStream_t stream);
   uint8_t* staging(int src_pe) const;
   uint64_t* arrivals(int src_pe) const;
@@ -62,6 +71,8 @@ class SendRecvEngine {
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
   std::vector<uint64_t> chunks_sent_;      // per destination PE
   std::vector<uint64_t> chunks_received_;  // per source PE
+  detail::Stream side_stream_;             // for sendrecv with a copy-engine sender
+  detail::Event fork_, join_;
 };
 
 }  // namespace pydatacopy

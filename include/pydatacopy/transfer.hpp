@@ -50,6 +50,14 @@ struct TransferDescriptor {
 void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,
               Path path = Path::kAuto);
 
+// KV-cache blocks in one launch: block dst_indices[i] of PE `pe`'s copy of the symmetric
+// dst_pool (dst_blocks blocks of block_bytes) receives block src_indices[i] of the local src_pool
+// (src_blocks blocks). The index arrays are int64 in device memory; an index out of range is
+// skipped and reported by check_device_errors() (a pydatacopy::Error).
+void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_t src_blocks,
+                std::size_t block_bytes, const int64_t* dst_indices, const int64_t* src_indices,
+                int64_t count, int pe, cudaStream_t stream, Path path = Path::kAuto);
+
 // Latency probe (the benchmark's): one GPU thread bounces an 8-byte signal with `peer`
 // `iterations` times; the initiator sends first. `signal` is symmetric and zero on both PEs.
 void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,

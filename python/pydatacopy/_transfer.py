@@ -94,11 +94,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def _check_tensor(tensor: object, name: str, symmetric: bool = False) -> torch.Tensor:
+    """Type, device and layout; `symmetric` also checks the heap here (the core checks it again
+    for put/get, whose hot path therefore skips it)."""
     if not isinstance(tensor, torch.Tensor):
         raise Error(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_cuda:
-        raise Error(f"{name} is on {tensor.device}; pydatacopy moves CUDA tensors: use .cuda() first")
-    if tensor.device.index != _C.cuda_device():
+    if tensor.get_device() != _C.cuda_device():  # -1 for CPU tensors
+        if not tensor.is_cuda:
+            raise Error(f"{name} is on {tensor.device}; pydatacopy moves CUDA tensors: use .cuda() first")
         raise Error(f"{name} is on {tensor.device}, but this process runs pydatacopy on "
                     f"cuda:{_C.cuda_device()}; move it there first")
     if not tensor.is_contiguous():
@@ -152,8 +154,8 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     ``path``: auto (copy engine for large, SM stores for small, NVSHMEM RMA when the peer is not
     directly reachable), copy_engine, sm or rma.
     """
-    _check_pe(pe)
-    _check_tensor(dst, "dst", symmetric=True)
+    check_int("pe", pe)
+    _check_tensor(dst, "dst")  # the core checks that dst is symmetric and pe in range
     _check_tensor(src, "src")
     nbytes = _check_pair(dst, src)
     _C.put(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
@@ -161,9 +163,9 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
     """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered)."""
-    _check_pe(pe)
+    check_int("pe", pe)
     _check_tensor(dst, "dst")
-    _check_tensor(src, "src", symmetric=True)
+    _check_tensor(src, "src")  # the core checks that src is symmetric and pe in range
     nbytes = _check_pair(dst, src)
     _C.get(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
 
@@ -234,6 +236,42 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
         dst_addresses.append(dst.data_ptr())
         src_addresses.append(src.data_ptr())
     _C.put_many(dst_addresses, src_addresses, sizes, pe, _stream(stream), _path(path))
+
+
+def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torch.Tensor,
+               src_indices: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
+    """KV-cache style, one launch: row ``dst_indices[i]`` of PE `pe`'s copy of the symmetric
+    ``dst_pool`` receives row ``src_indices[i]`` of the local ``src_pool``.
+
+    Pools are contiguous ``[num_blocks, ...]`` tensors of one dtype and row size; indices are
+    int64 CUDA tensors of equal length (they stay on the GPU: nothing synchronises). An index
+    out of range is skipped and raises pydatacopy.Error at the next call or check_errors().
+    Visibility as in ``put``.
+    """
+    check_int("pe", pe)
+    _check_tensor(dst_pool, "dst_pool", symmetric=True)
+    _check_tensor(src_pool, "src_pool")
+    if dst_pool.dim() < 1 or src_pool.dim() < 1:
+        raise Error("put_blocks: pools must have a leading block dimension")
+    if dst_pool.dtype != src_pool.dtype:
+        raise Error(f"dtype mismatch: dst_pool is {dst_pool.dtype}, src_pool is {src_pool.dtype}")
+    if dst_pool.shape[1:] != src_pool.shape[1:]:
+        raise Error(f"size mismatch: dst_pool blocks are {tuple(dst_pool.shape[1:])}, src_pool "
+                    f"blocks {tuple(src_pool.shape[1:])}")
+    for name, index in (("dst_indices", dst_indices), ("src_indices", src_indices)):
+        _check_tensor(index, name)
+        if index.dtype != torch.int64 or index.dim() != 1:
+            raise Error(f"{name} must be a 1-D int64 CUDA tensor")
+    if dst_indices.numel() != src_indices.numel():
+        raise Error(f"size mismatch: {dst_indices.numel()} dst_indices but {src_indices.numel()} src_indices")
+    if path not in ("auto", "sm", "rma"):
+        raise Error("put_blocks: path must be auto, sm or rma")
+    block_bytes = _nbytes(src_pool) // max(src_pool.shape[0], 1)
+    if block_bytes == 0:
+        return
+    _C.put_blocks(dst_pool.data_ptr(), dst_pool.shape[0], src_pool.data_ptr(), src_pool.shape[0],
+                  block_bytes, dst_indices.data_ptr(), src_indices.data_ptr(), dst_indices.numel(),
+                  pe, _stream(stream), _path(path))
 
 
 # ---- send / recv ---------------------------------------------------------------------------
@@ -373,7 +411,14 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
              stream=None, timeout: float | None = None) -> None:
-    """send() and recv() at the same time (a grouped pair)."""
-    with group(stream=stream):
-        send(send_tensor, dst_pe, stream=stream, timeout=timeout)
-        recv(recv_tensor, src_pe, stream=stream, timeout=timeout)
+    """send() and recv() at the same time, in one launch where it can (the core forks onto an
+    internal stream when the send goes by copy engine)."""
+    engine = _require_engine()
+    if getattr(_state, "pending", None) is not None:
+        raise Error("sendrecv() runs its pair itself: call it outside group()")
+    _check_pe(dst_pe)
+    _check_pe(src_pe)
+    _check_tensor(send_tensor, "send_tensor")
+    _check_tensor(recv_tensor, "recv_tensor")
+    engine.sendrecv(send_tensor.data_ptr(), _nbytes(send_tensor), dst_pe, recv_tensor.data_ptr(),
+                    _nbytes(recv_tensor), src_pe, _stream(stream), timeout_seconds(timeout))

@@ -108,11 +108,12 @@ class Sweep:
 
     def sendrecv(self):
         def run():
-            with pydatacopy.group():
-                if self.sends:
-                    pydatacopy.send(self.src, self.peer)
-                if self.receives:
-                    pydatacopy.recv(self.out, self.peer)
+            if self.both:
+                pydatacopy.sendrecv(self.src, self.peer, self.out, self.peer)
+            elif self.sends:
+                pydatacopy.send(self.src, self.peer)
+            else:
+                pydatacopy.recv(self.out, self.peer)
 
         return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
 
@@ -211,29 +212,42 @@ def bench_host_overhead(args, calls: int = 2000) -> list[dict]:
     return rows
 
 
-def bench_put_many(args, count: int = 1024, tensor_bytes: int = 4096) -> dict:
-    """`count` tensors of `tensor_bytes` in one put_many call, rank 0 -> rank 1."""
+def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dict]:
+    """`count` tensors of `tensor_bytes` in one call, rank 0 -> rank 1: put_many (a list of
+    tensors, checked one by one on the host) and put_blocks (pools + device index tensors)."""
     me = pydatacopy.my_pe()
-    pool = pydatacopy.empty(count * tensor_bytes, dtype=torch.uint8)
-    source = _fill(torch.empty(count * tensor_bytes, dtype=torch.uint8, device="cuda"), 77)
-    dsts = list(pool.view(count, tensor_bytes))
-    srcs = list(source.view(count, tensor_bytes))
+    pool = pydatacopy.empty((count, tensor_bytes), dtype=torch.uint8)
+    source = _fill(torch.empty((count, tensor_bytes), dtype=torch.uint8, device="cuda"), 77)
+    order = torch.randperm(count, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    identity = torch.arange(count, device="cuda")
+    dsts, srcs = list(pool), list(source)
+    rows = []
     try:
-        def run():
-            if me == 0:
-                pydatacopy.put_many(dsts, srcs, 1)
+        for name in ("put_many", "put_blocks"):
+            pool.zero_()
+            pydatacopy.barrier()
+
+            def run():
+                if me != 0:
+                    return
+                if name == "put_many":
+                    pydatacopy.put_many(dsts, srcs, 1)
+                else:
+                    pydatacopy.put_blocks(pool, source, order, identity, 1)
                 pydatacopy.quiet()
 
-        seconds = _time(run, args.iters, args.warmup, args.repeats)
-        torch.cuda.synchronize()
-        dist.barrier()
-        ok = _agree(me == 0 or torch.equal(pool, source))
-        return {"op": "put_many", "path": f"{count} x {tensor_bytes}B", "direction": "one",
-                "bytes": count * tensor_bytes, "size": _human(count * tensor_bytes),
-                "us": seconds * 1e6, "gbps": count * tensor_bytes / seconds / 1e9, "ok": ok}
+            seconds = _time(run, args.iters, args.warmup, args.repeats)
+            torch.cuda.synchronize()
+            dist.barrier()
+            expected = source if name == "put_many" else torch.empty_like(source).index_copy_(0, order, source)
+            ok = _agree(me == 0 or torch.equal(pool, expected))
+            rows.append({"op": name, "path": f"{count} x {tensor_bytes}B", "direction": "one",
+                         "bytes": count * tensor_bytes, "size": _human(count * tensor_bytes),
+                         "us": seconds * 1e6, "gbps": count * tensor_bytes / seconds / 1e9, "ok": ok})
     finally:
         pydatacopy.barrier()
         pydatacopy.free(pool)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if "host" in ops:
         rows.extend(bench_host_overhead(args))
     if "put_many" in ops:
-        rows.append(bench_put_many(args))
+        rows.extend(bench_batched(args))
     if "tokens" in ops:
         for shape in args.tokens:
             n_tokens, token_size = (int(v) for v in shape.lower().split("x"))

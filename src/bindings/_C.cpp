@@ -144,6 +144,15 @@ PYBIND11_MODULE(_C, m) {
           for (std::size_t i = 0; i < table.size(); ++i) table[i] = {dsts[i], srcs[i], bytes[i]};
           put_many(table.data(), static_cast<int>(table.size()), pe, as_stream(stream), as_path(path));
         }, py::arg("dsts"), py::arg("srcs"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+  m.def("put_blocks", [](std::uintptr_t dst_pool, int64_t dst_blocks, std::uintptr_t src_pool,
+                         int64_t src_blocks, std::size_t block_bytes, std::uintptr_t dst_indices,
+                         std::uintptr_t src_indices, int64_t count, int pe, std::uintptr_t stream, int path) {
+          put_blocks(as_pointer<void>(dst_pool), dst_blocks, as_pointer<const void>(src_pool), src_blocks,
+                     block_bytes, as_pointer<const int64_t>(dst_indices), as_pointer<const int64_t>(src_indices),
+                     count, pe, as_stream(stream), as_path(path));
+        }, py::arg("dst_pool"), py::arg("dst_blocks"), py::arg("src_pool"), py::arg("src_blocks"),
+        py::arg("block_bytes"), py::arg("dst_indices"), py::arg("src_indices"), py::arg("count"),
+        py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
   m.def("resolve_path", [](int path, bool reachable, std::size_t bytes) {
           return std::string(path_name(resolve_path(as_path(path), reachable, bytes)));
         }, py::arg("path"), py::arg("peer_reachable"), py::arg("bytes"));
@@ -175,5 +184,12 @@ PYBIND11_MODULE(_C, m) {
       .def("recv", [](SendRecvEngine& self, std::uintptr_t dst, std::size_t bytes, int src_pe,
                       std::uintptr_t stream, double timeout) {
              self.recv(as_pointer<void>(dst), bytes, src_pe, as_stream(stream), timeout);
-           }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"));
+           }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+      .def("sendrecv", [](SendRecvEngine& self, std::uintptr_t src, std::size_t send_bytes, int dst_pe,
+                          std::uintptr_t dst, std::size_t recv_bytes, int src_pe, std::uintptr_t stream,
+                          double timeout) {
+             self.sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst),
+                           recv_bytes, src_pe, as_stream(stream), timeout);
+           }, py::arg("src"), py::arg("send_bytes"), py::arg("dst_pe"), py::arg("dst"),
+           py::arg("recv_bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"));
 }

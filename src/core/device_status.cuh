@@ -16,12 +16,13 @@ enum class WaitOp : int {
   kSignal = 3,        // signal_wait
   kChunkCredit = 4,   // send(): the receiver freeing a staging chunk
   kChunkArrival = 5,  // recv(): the sender filling a staging chunk
+  kBlockIndex = 6,    // put_blocks(): an index out of range (code 2, not a timeout)
 };
 
 const char* wait_op_name(WaitOp op);
 
 struct DeviceStatus {
-  int code;  // 0: no error; 1: a wait timed out
+  int code;  // 0: no error; 1: a wait timed out; 2: bad input found on the device
   int op;    // WaitOp
   int peer;  // the PE waited on
   int pe;    // the PE that waited
@@ -69,6 +70,18 @@ __device__ __forceinline__ bool wait_until_at_least(const uint64_t* address, uin
     seen = load_acquire_sys(address);
   }
   return true;
+}
+// Records a bad-input error found on the device (the first one wins).
+__device__ __forceinline__ void report_bad_input(DeviceStatus* status, WaitOp op, int my_pe,
+                                                 uint64_t value, uint64_t limit) {
+  if (atomicCAS(&status->code, 0, 2) == 0) {
+    status->op = static_cast<int>(op);
+    status->pe = my_pe;
+    status->peer = my_pe;
+    status->expected = value;
+    status->seen = limit;
+    __threadfence_system();
+  }
 }
 #endif
 

@@ -64,6 +64,7 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kSignal: return "signal_wait";
     case WaitOp::kChunkCredit: return "send (waiting for the receiver to free a staging chunk)";
     case WaitOp::kChunkArrival: return "recv (waiting for the sender's next chunk)";
+    case WaitOp::kBlockIndex: return "put_blocks";
     default: return "wait";
   }
 }
@@ -182,7 +183,7 @@ bool is_initialized() { return state().initialized; }
 
 bool peer_failed() {
   const volatile detail::DeviceStatus* status = state().status_host;
-  return status != nullptr && status->code != 0;
+  return status != nullptr && status->code == 1;
 }
 
 void require_initialized(const char* what) {
@@ -227,6 +228,15 @@ void check_device_errors() {
   if (status == nullptr) return;
   const volatile detail::DeviceStatus* live = status;
   if (live->code == 0) return;
+  if (live->code == 2) {
+    // Bad input found on the device: NVSHMEM is fine, so report it once and carry on.
+    std::ostringstream bad;
+    bad << "put_blocks on PE " << live->pe << ": block index " << static_cast<int64_t>(live->expected)
+        << " is out of range [0, " << live->seen << "); that block was skipped. Check the index "
+           "tensors";
+    state().status_host->code = 0;
+    throw Error(bad.str());
+  }
   std::ostringstream text;
   text << "PE " << live->pe << " timed out in "
        << detail::wait_op_name(static_cast<detail::WaitOp>(live->op)) << " on PE " << live->peer

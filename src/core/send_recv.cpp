@@ -107,12 +107,19 @@ void SendRecvEngine::send_by_copy_engine(const kernels::ChunkStreamArgs& a, cuda
   }
 }
 
-void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
-                          double timeout_seconds) {
+int SendRecvEngine::active_blocks(std::size_t bytes) const {
+  // Small messages move on few blocks: each must carry at least kMinBytesPerBlock of a chunk.
+  constexpr std::size_t kMinBytesPerBlock = 64 << 10;
+  const std::size_t chunk = std::min(bytes, chunk_bytes_);
+  const std::size_t wanted = (chunk + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
+  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, blocks_)));
+}
+
+kernels::ChunkStreamArgs SendRecvEngine::prepare_send(const void* src, std::size_t bytes,
+                                                      int dst_pe, double timeout_seconds) {
   require_ready("send", dst_pe);
   PDC_REQUIRE(timeout_seconds > 0 && std::isfinite(timeout_seconds),
               "timeout must be a positive number of seconds, got " << timeout_seconds);
-  if (bytes == 0) return;
   const int me = my_pe();
   kernels::ChunkStreamArgs a{};
   a.src = static_cast<const uint8_t*>(src);
@@ -126,23 +133,21 @@ void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaSt
   a.peer_staging = static_cast<uint8_t*>(peer_pointer(a.staging, dst_pe));
   a.peer_arrivals = static_cast<uint64_t*>(peer_pointer(a.arrivals, dst_pe));
   if (a.peer_staging == nullptr || a.peer_arrivals == nullptr) a.peer_staging = nullptr, a.peer_arrivals = nullptr;
+  a.total_blocks = blocks_;
+  a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
   a.peer = dst_pe;
   a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
   a.status = detail::device_status();
-  if (uses_copy_engine(bytes, a.peer_staging != nullptr))
-    send_by_copy_engine(a, stream);
-  else
-    kernels::launch_chunk_send(a, blocks_, stream);
   chunks_sent_[dst_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  return a;
 }
 
-void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
-                          double timeout_seconds) {
+kernels::ChunkStreamArgs SendRecvEngine::prepare_recv(void* dst, std::size_t bytes, int src_pe,
+                                                      double timeout_seconds) {
   require_ready("recv", src_pe);
   PDC_REQUIRE(timeout_seconds > 0 && std::isfinite(timeout_seconds),
               "timeout must be a positive number of seconds, got " << timeout_seconds);
-  if (bytes == 0) return;
   const int me = my_pe();
   kernels::ChunkStreamArgs a{};
   a.dst = static_cast<uint8_t*>(dst);
@@ -154,14 +159,61 @@ void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t
   a.arrivals = arrivals(src_pe);
   a.credits = credits(me);
   a.peer_credits = static_cast<uint64_t*>(peer_pointer(a.credits, src_pe));
+  a.total_blocks = blocks_;
+  a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
   a.peer = src_pe;
   a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
   a.status = detail::device_status();
+  chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  return a;
+}
+
+void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
+                          double timeout_seconds) {
+  if (bytes == 0) return require_ready("send", dst_pe);
+  const kernels::ChunkStreamArgs a = prepare_send(src, bytes, dst_pe, timeout_seconds);
+  if (uses_copy_engine(bytes, a.peer_staging != nullptr))
+    send_by_copy_engine(a, stream);
+  else
+    kernels::launch_chunk_send(a, stream);
+}
+
+void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
+                          double timeout_seconds) {
+  if (bytes == 0) return require_ready("recv", src_pe);
   // Whichever path the sender takes, the receiver drains with SM blocks: a local copy at HBM
   // speed, one launch per message (a copy-engine drain measured slower, docs/perf-notes.md).
-  kernels::launch_chunk_recv(a, blocks_, stream);
-  chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  kernels::launch_chunk_recv(prepare_recv(dst, bytes, src_pe, timeout_seconds), stream);
+}
+
+void SendRecvEngine::sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
+                              std::size_t recv_bytes, int src_pe, cudaStream_t stream,
+                              double timeout_seconds) {
+  if (send_bytes == 0 || recv_bytes == 0) {  // one side is empty: nothing to overlap
+    send(src, send_bytes, dst_pe, stream, timeout_seconds);
+    recv(dst, recv_bytes, src_pe, stream, timeout_seconds);
+    return;
+  }
+  const kernels::ChunkStreamArgs out = prepare_send(src, send_bytes, dst_pe, timeout_seconds);
+  const kernels::ChunkStreamArgs in = prepare_recv(dst, recv_bytes, src_pe, timeout_seconds);
+  if (!uses_copy_engine(send_bytes, out.peer_staging != nullptr)) {
+    kernels::launch_chunk_sendrecv(out, in, stream);  // one launch, both roles
+    return;
+  }
+  // The copy-engine sender is a chain of operations on one stream: the receive runs beside it
+  // on the engine's side stream, forked from and joined back into the caller's stream.
+  if (!side_stream_) {
+    side_stream_ = detail::Stream::create();
+    fork_ = detail::Event::create();
+    join_ = detail::Event::create();
+  }
+  PDC_CHECK_CUDA(cudaEventRecord(fork_.get(), stream));
+  PDC_CHECK_CUDA(cudaStreamWaitEvent(side_stream_.get(), fork_.get(), 0));
+  kernels::launch_chunk_recv(in, side_stream_.get());
+  send_by_copy_engine(out, stream);
+  PDC_CHECK_CUDA(cudaEventRecord(join_.get(), side_stream_.get()));
+  PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, join_.get(), 0));
 }
 
 }  // namespace pydatacopy

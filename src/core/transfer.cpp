@@ -141,6 +141,33 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
   PDC_CHECK_CUDA(cudaFreeAsync(table, stream));
 }
 
+void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_t src_blocks,
+                std::size_t block_bytes, const int64_t* dst_indices, const int64_t* src_indices,
+                int64_t count, int pe, cudaStream_t stream, Path path) {
+  require_valid_pe(pe, "put_blocks");
+  check_device_errors();
+  PDC_REQUIRE(count >= 0 && dst_blocks >= 0 && src_blocks >= 0,
+              "put_blocks: counts must not be negative");
+  PDC_REQUIRE(block_bytes > 0, "put_blocks: block_bytes must be positive");
+  PDC_REQUIRE(path == Path::kAuto || path == Path::kSM || path == Path::kRMA,
+              "put_blocks moves many small blocks in one kernel: path must be auto, sm or rma");
+  require_symmetric(dst_pool, static_cast<std::size_t>(dst_blocks) * block_bytes, "put_blocks: dst_pool");
+  kernels::BlockCopyArgs a{};
+  a.dst_pool = static_cast<uint8_t*>(dst_pool);
+  a.src_pool = static_cast<const uint8_t*>(src_pool);
+  a.block_bytes = static_cast<int64_t>(block_bytes);
+  a.dst_indices = dst_indices;
+  a.src_indices = src_indices;
+  a.count = count;
+  a.dst_blocks = dst_blocks;
+  a.src_blocks = src_blocks;
+  a.pe = pe;
+  a.my_pe = my_pe();
+  a.force_rma = path == Path::kRMA || rma_forced();
+  a.status = detail::device_status();
+  kernels::launch_put_blocks(a, stream);
+}
+
 void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
                      cudaStream_t stream, double timeout_seconds) {
   require_valid_pe(peer, "signal_pingpong");

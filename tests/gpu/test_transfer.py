@@ -279,3 +279,45 @@ def test_send_recv_alternating_copy_engine_and_sm_paths(world, peer):
         received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         pydatacopy.sendrecv(_bytes(rank, 900 + tag, nbytes), peer, received, peer)
         assert torch.equal(received, _bytes(peer, 900 + tag, nbytes)), nbytes
+
+
+@pytest.mark.parametrize("count", [1, 300, 4096])
+@pytest.mark.parametrize("path", ["auto", "rma"])
+def test_put_blocks_kv_cache_style(world, peer, count, path):
+    rank, _, _ = world
+    block = (3, 37)  # 111 float32 = 444 bytes per block
+    dst_pool = pydatacopy.empty((count + 5, *block), dtype=torch.float32)
+    dst_pool.zero_()
+    src_pool = _as(_bytes(rank, 8000 + count, (count + 2) * 444), torch.float32).view(count + 2, *block)
+    generator = torch.Generator(device="cuda").manual_seed(count)
+    dst_indices = torch.randperm(count + 5, device="cuda", generator=generator)[:count]
+    src_indices = torch.randint(0, count + 2, (count,), device="cuda", generator=generator)
+    pydatacopy.barrier()
+    try:
+        pydatacopy.put_blocks(dst_pool, src_pool, dst_indices, src_indices, peer, path=path)
+        pydatacopy.barrier()
+        peer_pool = _as(_bytes(peer, 8000 + count, (count + 2) * 444), torch.float32).view(count + 2, *block)
+        expected = torch.zeros_like(dst_pool)
+        expected[dst_indices] = peer_pool[src_indices]
+        assert torch.equal(_raw(dst_pool), _raw(expected))
+        pydatacopy.check_errors()
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(dst_pool)
+
+
+def test_put_blocks_bad_index_is_reported(world, peer):
+    dst_pool = pydatacopy.empty((8, 64), dtype=torch.uint8)
+    src_pool = torch.zeros((8, 64), dtype=torch.uint8, device="cuda")
+    try:
+        bad = torch.tensor([0, 9], dtype=torch.int64, device="cuda")
+        pydatacopy.put_blocks(dst_pool, src_pool, bad, torch.tensor([0, 1], device="cuda"), peer)
+        torch.cuda.synchronize()
+        with pytest.raises(pydatacopy.Error, match="out of range"):
+            pydatacopy.check_errors()
+        pydatacopy.check_errors()  # reported once; NVSHMEM stays usable
+        with pytest.raises(pydatacopy.Error, match="int64"):
+            pydatacopy.put_blocks(dst_pool, src_pool, bad.int(), bad, peer)
+    finally:
+        pydatacopy.barrier()
+        pydatacopy.free(dst_pool)

@@ -67,13 +67,18 @@ struct ChunkStreamArgs {
   uint64_t* peer_arrivals;
   uint64_t* credits;         // [num_slots][blocks] at the sender: chunks drained
   uint64_t* peer_credits;
+  int total_blocks;          // signals per slot (the engine's block count)
+  int active_blocks;         // blocks moving this message (<= total_blocks), from its size
   int my_pe, peer;
   uint64_t timeout_ns;
   detail::DeviceStatus* status;
 };
 
-void launch_chunk_send(const ChunkStreamArgs& args, int blocks, cudaStream_t stream);
-void launch_chunk_recv(const ChunkStreamArgs& args, int blocks, cudaStream_t stream);
+void launch_chunk_send(const ChunkStreamArgs& args, cudaStream_t stream);
+void launch_chunk_recv(const ChunkStreamArgs& args, cudaStream_t stream);
+// Both roles in one launch (a PE sending and receiving at once, neither on the copy engine).
+void launch_chunk_sendrecv(const ChunkStreamArgs& send, const ChunkStreamArgs& recv,
+                           cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels
 
@@ -96,5 +101,25 @@ namespace pydatacopy::kernels {
 // `iterations` times (the initiator starts). Symmetric `signal` starts at zero on both.
 void launch_pingpong(uint64_t* signal, int my_pe, int peer, int iterations, bool initiator,
                      uint64_t timeout_ns, detail::DeviceStatus* status, cudaStream_t stream);
+
+}  // namespace pydatacopy::kernels
+
+namespace pydatacopy::kernels {
+
+// KV-cache style: block dst_indices[i] of the peer's dst_pool receives block src_indices[i] of
+// src_pool, all blocks `block_bytes` long, one launch. Indices are device int64; one out of
+// range is skipped and reported (status code 2).
+struct BlockCopyArgs {
+  uint8_t* dst_pool;         // symmetric, this PE's address
+  const uint8_t* src_pool;
+  int64_t block_bytes;
+  const int64_t* dst_indices;
+  const int64_t* src_indices;
+  int64_t count, dst_blocks, src_blocks;
+  int pe, my_pe;
+  bool force_rma;
+  detail::DeviceStatus* status;
+};
+void launch_put_blocks(const BlockCopyArgs& args, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels

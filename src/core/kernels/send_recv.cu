@@ -15,78 +15,112 @@ struct Slice {
   int64_t offset, length;  // of this block's part of chunk i
 };
 
-__device__ __forceinline__ Slice block_slice(const ChunkStreamArgs& a, int64_t chunk_index) {
+// A message moves on `active_blocks` blocks, which both sides derive from its size; every slot
+// still has `total_blocks` signals (the engine's block count), so that messages of any size can
+// share the slots: block b owns signals b, b + active, b + 2 * active, ...
+__device__ __forceinline__ Slice block_slice(const ChunkStreamArgs& a, int64_t chunk_index, int block) {
   const int64_t chunk_start = chunk_index * a.chunk_bytes;
   const int64_t chunk_length = min(a.chunk_bytes, a.bytes - chunk_start);
-  int64_t slice = (chunk_length + gridDim.x - 1) / gridDim.x;
+  int64_t slice = (chunk_length + a.active_blocks - 1) / a.active_blocks;
   slice = (slice + 15) / 16 * 16;  // 16-byte-aligned slices inside the staging slot
-  const int64_t offset = slice * blockIdx.x;
+  const int64_t offset = slice * block;
   const int64_t length = offset < chunk_length ? min(slice, chunk_length - offset) : 0;
   return {offset, length};
 }
 
-// Thread 0 waits; the whole block learns whether the wait succeeded.
-__device__ __forceinline__ bool block_wait(const uint64_t* address, uint64_t expected,
+// Thread 0 waits for every signal the block owns in `slot`; the whole block learns the outcome.
+__device__ __forceinline__ bool block_wait(const uint64_t* slot_signals, int block, uint64_t expected,
                                            uint64_t deadline, const ChunkStreamArgs& a,
                                            detail::WaitOp op) {
   __shared__ int ok;
-  if (threadIdx.x == 0)
-    ok = detail::wait_until_at_least(address, expected, deadline, a.status, op, a.peer, a.my_pe);
+  if (threadIdx.x == 0) {
+    ok = 1;
+    for (int j = block; j < a.total_blocks && ok; j += a.active_blocks)
+      ok = detail::wait_until_at_least(slot_signals + j, expected, deadline, a.status, op, a.peer, a.my_pe);
+  }
   __syncthreads();
   const bool result = ok != 0;
   __syncthreads();  // `ok` is reused by the next wait
   return result;
 }
 
-__global__ void __launch_bounds__(kThreads) chunk_send_kernel(const ChunkStreamArgs a) {
+// Thread 0 raises every signal the block owns in `slot`, after the block's copy is visible.
+__device__ __forceinline__ void block_signal(uint64_t* peer_slot_signals, uint64_t* slot_signals,
+                                             int block, uint64_t value, const ChunkStreamArgs& a) {
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  for (int j = block; j < a.total_blocks; j += a.active_blocks) {
+    if (peer_slot_signals != nullptr)
+      store_release_sys(peer_slot_signals + j, value);
+    else
+      nvshmemx_signal_op(slot_signals + j, value, NVSHMEM_SIGNAL_SET, a.peer);
+  }
+}
+
+__device__ void send_role(const ChunkStreamArgs& a, int block) {
   const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
   const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
   for (int64_t i = 0; i < chunks; ++i) {
     const uint64_t k = a.first_chunk + i;
     const int64_t slot = static_cast<int64_t>(k % a.num_slots);
-    const int64_t signal = slot * gridDim.x + blockIdx.x;
+    const int64_t signals = slot * a.total_blocks;
     // The slot is free once the receiver drained the chunk that used it num_slots ago.
     if (k >= static_cast<uint64_t>(a.num_slots) &&
-        !block_wait(a.credits + signal, k - a.num_slots + 1, deadline, a, detail::WaitOp::kChunkCredit))
+        !block_wait(a.credits + signals, block, k - a.num_slots + 1, deadline, a, detail::WaitOp::kChunkCredit))
       return;
-    const Slice s = block_slice(a, i);
+    const Slice s = block_slice(a, i, block);
     const uint8_t* from = a.src + i * a.chunk_bytes + s.offset;
     const int64_t to = slot * a.chunk_bytes + s.offset;
     if (a.peer_staging != nullptr) {
       copy_bytes(a.peer_staging + to, from, s.length, threadIdx.x, blockDim.x);
       __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence_system();
-        store_release_sys(a.peer_arrivals + signal, k + 1);
-      }
+      block_signal(a.peer_arrivals + signals, a.arrivals + signals, block, k + 1, a);
     } else {
+      // NVSHMEM RMA: the put's own signal (signal `block`) guarantees the data; the block's
+      // other signals only keep the slot's bookkeeping.
       nvshmemx_putmem_signal_block(a.staging + to, from, static_cast<size_t>(s.length),
-                                   a.arrivals + signal, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
+                                   a.arrivals + signals + block, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
+      if (threadIdx.x == 0)
+        for (int j = block + a.active_blocks; j < a.total_blocks; j += a.active_blocks)
+          nvshmemx_signal_op(a.arrivals + signals + j, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
     }
   }
 }
 
-__global__ void __launch_bounds__(kThreads) chunk_recv_kernel(const ChunkStreamArgs a) {
+__device__ void recv_role(const ChunkStreamArgs& a, int block) {
   const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
   const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
   for (int64_t i = 0; i < chunks; ++i) {
     const uint64_t k = a.first_chunk + i;
     const int64_t slot = static_cast<int64_t>(k % a.num_slots);
-    const int64_t signal = slot * gridDim.x + blockIdx.x;
-    if (!block_wait(a.arrivals + signal, k + 1, deadline, a, detail::WaitOp::kChunkArrival)) return;
-    const Slice s = block_slice(a, i);
+    const int64_t signals = slot * a.total_blocks;
+    if (!block_wait(a.arrivals + signals, block, k + 1, deadline, a, detail::WaitOp::kChunkArrival))
+      return;
+    const Slice s = block_slice(a, i, block);
     copy_bytes(a.dst + i * a.chunk_bytes + s.offset, a.staging + slot * a.chunk_bytes + s.offset,
                s.length, threadIdx.x, blockDim.x);
     __syncthreads();
-    if (threadIdx.x == 0) {
-      // Our reads of the slot are done: the sender may overwrite it.
-      __threadfence_system();
-      if (a.peer_credits != nullptr)
-        store_release_sys(a.peer_credits + signal, k + 1);
-      else
-        nvshmemx_signal_op(a.credits + signal, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
-    }
+    // Our reads of the slot are done: the sender may overwrite it.
+    block_signal(a.peer_credits == nullptr ? nullptr : a.peer_credits + signals, a.credits + signals,
+                 block, k + 1, a);
   }
+}
+
+__global__ void __launch_bounds__(kThreads) chunk_send_kernel(const ChunkStreamArgs a) {
+  send_role(a, blockIdx.x);
+}
+
+__global__ void __launch_bounds__(kThreads) chunk_recv_kernel(const ChunkStreamArgs a) {
+  recv_role(a, blockIdx.x);
+}
+
+// send and recv in one launch: the first send.active_blocks blocks send, the rest receive.
+__global__ void __launch_bounds__(kThreads)
+    chunk_sendrecv_kernel(const ChunkStreamArgs send, const ChunkStreamArgs recv) {
+  if (static_cast<int>(blockIdx.x) < send.active_blocks)
+    send_role(send, blockIdx.x);
+  else
+    recv_role(recv, blockIdx.x - send.active_blocks);
 }
 
 __global__ void signal_span_kernel(uint64_t* signals, int count, uint64_t value) {
@@ -118,13 +152,19 @@ void launch_wait_span(const uint64_t* signals, int count, uint64_t value, int my
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
-void launch_chunk_send(const ChunkStreamArgs& args, int blocks, cudaStream_t stream) {
-  chunk_send_kernel<<<blocks, kThreads, 0, stream>>>(args);
+void launch_chunk_send(const ChunkStreamArgs& args, cudaStream_t stream) {
+  chunk_send_kernel<<<args.active_blocks, kThreads, 0, stream>>>(args);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
-void launch_chunk_recv(const ChunkStreamArgs& args, int blocks, cudaStream_t stream) {
-  chunk_recv_kernel<<<blocks, kThreads, 0, stream>>>(args);
+void launch_chunk_recv(const ChunkStreamArgs& args, cudaStream_t stream) {
+  chunk_recv_kernel<<<args.active_blocks, kThreads, 0, stream>>>(args);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_chunk_sendrecv(const ChunkStreamArgs& send, const ChunkStreamArgs& recv,
+                           cudaStream_t stream) {
+  chunk_sendrecv_kernel<<<send.active_blocks + recv.active_blocks, kThreads, 0, stream>>>(send, recv);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 

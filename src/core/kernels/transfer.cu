@@ -43,6 +43,28 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+__global__ void __launch_bounds__(kCopyThreads) put_blocks_kernel(const BlockCopyArgs a) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kCopyThreads / 32);
+  uint8_t* peer_pool = a.force_rma ? nullptr : static_cast<uint8_t*>(nvshmem_ptr(a.dst_pool, a.pe));
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * (kCopyThreads / 32) + threadIdx.x / 32;
+       i < a.count; i += warps) {
+    const int64_t d = a.dst_indices[i], s = a.src_indices[i];
+    if (d < 0 || d >= a.dst_blocks || s < 0 || s >= a.src_blocks) {
+      if (lane == 0)
+        detail::report_bad_input(a.status, detail::WaitOp::kBlockIndex, a.my_pe,
+                                 static_cast<uint64_t>(d < 0 || d >= a.dst_blocks ? d : s),
+                                 static_cast<uint64_t>(d < 0 || d >= a.dst_blocks ? a.dst_blocks : a.src_blocks));
+      continue;
+    }
+    const uint8_t* from = a.src_pool + s * a.block_bytes;
+    if (peer_pool != nullptr)
+      warp_copy(peer_pool + d * a.block_bytes, from, a.block_bytes, lane);
+    else
+      nvshmemx_putmem_warp(a.dst_pool + d * a.block_bytes, from, static_cast<size_t>(a.block_bytes), a.pe);
+  }
+}
+
 __global__ void signal_wait_kernel(const uint64_t* signal, uint64_t value, int my_pe,
                                    uint64_t timeout_ns, detail::DeviceStatus* status) {
   const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
@@ -68,6 +90,15 @@ void launch_put_many(const void* device_descriptors, int count, int pe, bool for
   const int blocks = std::min((count + warps_per_block - 1) / warps_per_block, multiprocessor_count());
   put_many_kernel<<<blocks, kCopyThreads, 0, stream>>>(
       static_cast<const TransferDescriptor*>(device_descriptors), count, pe, force_rma);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_put_blocks(const BlockCopyArgs& args, cudaStream_t stream) {
+  if (args.count == 0) return;
+  const int64_t warps_per_block = kCopyThreads / 32;
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((args.count + warps_per_block - 1) / warps_per_block, multiprocessor_count()));
+  put_blocks_kernel<<<blocks, kCopyThreads, 0, stream>>>(args);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
