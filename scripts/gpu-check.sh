@@ -32,6 +32,14 @@ step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
 step kill-check timeout 300 $PY tests/stress/kill_check.py --timeout 5
+if [ "${SANITIZE:-1}" = 1 ]; then
+  # A representative subset under compute-sanitizer (slow: device puts drop to a few GB/s).
+  for tool in memcheck racecheck; do
+    step sanitizer-$tool timeout 300 torchrun --nproc_per_node=2 --no-python compute-sanitizer \
+      --tool $tool --error-exitcode 9 --print-limit 20 $PY -m pytest tests/gpu -q -p no:cacheprovider \
+      -k "byte_exact_both_ways and 3-7 or put_and_get_byte_exact_every_path and sm or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or one_direction"
+  done
+fi
 step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 
 echo
@@ -41,5 +49,6 @@ grep -h "passed\|failed" "$OUT/cpu-tests.log" "$OUT/gpu2-tests.log" | tail -n 3
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
 grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3
 grep -h "^kill-check" "$OUT/kill-check.log"
+grep -h "ERROR SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 sed -n '/^op /,$p' "$OUT/bench.log"
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAIL
