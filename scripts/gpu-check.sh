@@ -36,7 +36,7 @@ if [ "${SANITIZE:-1}" = 1 ]; then
   # A representative subset under compute-sanitizer (slow: device puts drop to a few GB/s).
   for tool in memcheck racecheck; do
     step sanitizer-$tool timeout 300 torchrun --nproc_per_node=2 --no-python compute-sanitizer \
-      --tool $tool --error-exitcode 9 --print-limit 20 $PY -m pytest tests/gpu -q -p no:cacheprovider \
+      --tool $tool --error-exitcode 9 --print-limit 40 $PY -m pytest tests/gpu -q -p no:cacheprovider \
       -k "byte_exact_both_ways and 3-7 or put_and_get_byte_exact_every_path and sm or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or one_direction"
   done
 fi
@@ -51,4 +51,6 @@ grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3
 grep -h "^kill-check" "$OUT/kill-check.log"
 grep -h "ERROR SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 sed -n '/^op /,$p' "$OUT/bench.log"
+# At most 8 files come back from the device tool: keep the summary, pack the logs.
+(cd "$OUT" && tar czf logs.tgz *.log && find . -name '*.log' ! -name gpu-check.log -delete) 2>/dev/null
 ! printf '%s\n' "${SUMMARY[@]}" | grep -q FAIL

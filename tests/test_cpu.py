@@ -214,7 +214,7 @@ def test_core_transfer_calls_before_init_raise():
 
 def test_path_choice():
     assert _C.resolve_path(0, True, 1 << 30) == "copy_engine"
-    assert _C.resolve_path(0, True, 4096) == "sm"
+    assert _C.resolve_path(0, True, 4096) == "copy_engine"
     assert _C.resolve_path(0, False, 1 << 30) == "rma"
     assert _C.resolve_path(2, True, 1 << 30) == "sm"
     with pytest.raises(pydatacopy.Error, match="directly reachable"):

@@ -17,8 +17,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "pydatacopy/cuda_handles.hpp"
-
 namespace pydatacopy {
 namespace kernels {
 struct ChunkStreamArgs;
@@ -32,47 +30,38 @@ class SendRecvEngine {
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
 
-  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks. The sender
-  // of a message of at least copy_engine_min_bytes (0: never) to a directly reachable peer moves
-  // it chunk by chunk on the copy engine; smaller ones, and all over NVSHMEM RMA, go on `blocks`
-  // SM blocks. The receiver always drains with `blocks` SM blocks.
-  void init(std::size_t chunk_bytes, int num_chunks, int blocks,
-            std::size_t copy_engine_min_bytes = kDefaultCopyEngineMinBytes);
-  static constexpr std::size_t kDefaultCopyEngineMinBytes = std::size_t{16} << 20;
+  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks; a message
+  // moves on up to `blocks` thread blocks on each side (fewer for small messages).
+  void init(std::size_t chunk_bytes, int num_chunks, int blocks);
   void cleanup();  // collective and blocking; harmless twice
   bool initialized() const { return base_ != nullptr; }
   std::size_t chunk_bytes() const { return chunk_bytes_; }
   int num_chunks() const { return num_chunks_; }
   int blocks() const { return blocks_; }
-  std::size_t copy_engine_min_bytes() const { return copy_engine_min_bytes_; }
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const { return symmetric_bytes_; }
 
   void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
             double timeout_seconds);
   void recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
-  // Both at once on one stream (a fused launch, or a fork onto an internal stream and back).
+  // Both at once on one stream, in one launch.
   void sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
                 std::size_t recv_bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
 
  private:
   void require_ready(const char* what, int pe) const;
-  bool uses_copy_engine(std::size_t bytes, bool peer_reachable) const;
   int active_blocks(std::size_t bytes) const;
   kernels::ChunkStreamArgs prepare_send(const void* src, std::size_t bytes, int dst_pe, double timeout);
   kernels::ChunkStreamArgs prepare_recv(void* dst, std::size_t bytes, int src_pe, double timeout);
-  void send_by_copy_engine(const kernels::ChunkStreamArgs& args, cudaStream_t stream);
   uint8_t* staging(int src_pe) const;
   uint64_t* arrivals(int src_pe) const;
   uint64_t* credits(int dst_pe) const;
 
   uint8_t* base_ = nullptr;
-  std::size_t chunk_bytes_ = 0, symmetric_bytes_ = 0, copy_engine_min_bytes_ = 0;
+  std::size_t chunk_bytes_ = 0, symmetric_bytes_ = 0;
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
   std::vector<uint64_t> chunks_sent_;      // per destination PE
   std::vector<uint64_t> chunks_received_;  // per source PE
-  detail::Stream side_stream_;             // for sendrecv with a copy-engine sender
-  detail::Event fork_, join_;
 };
 
 }  // namespace pydatacopy

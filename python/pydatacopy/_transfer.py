@@ -291,13 +291,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = None,
-                    blocks: int | None = None, copy_engine_min_bytes: int | None = None) -> None:
+                    blocks: int | None = None) -> None:
     """(Re)create the send/recv staging (collective; init() calls it with the defaults).
 
     Defaults: PYDATACOPY_CHUNK_BYTES (8 MiB), PYDATACOPY_NUM_CHUNKS (4 per peer),
-    PYDATACOPY_SEND_BLOCKS (32 thread blocks per send or recv on the SM path),
-    PYDATACOPY_CE_MIN_BYTES (16 MiB: larger messages to a directly reachable peer move on the
-    copy engine, chunk by chunk; 0 turns that off). Every PE must use the same settings.
+    PYDATACOPY_SEND_BLOCKS (32: the most thread blocks one send or recv uses). Every PE must use
+    the same settings.
     """
     global _engine
     _require_init("setup_send_recv")
@@ -306,13 +305,10 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     blocks = _env_int("PYDATACOPY_SEND_BLOCKS", 32) if blocks is None else blocks
     check_int("chunk_bytes", chunk_bytes, 1)
     check_int("num_chunks", num_chunks, 2)
-    if copy_engine_min_bytes is None:
-        copy_engine_min_bytes = _env_int("PYDATACOPY_CE_MIN_BYTES", 16 << 20)
     check_int("blocks", blocks, 1)
-    check_int("copy_engine_min_bytes", copy_engine_min_bytes, 0)
     teardown_send_recv()
     engine = _C.SendRecvEngine()
-    engine.init(chunk_bytes, num_chunks, blocks, copy_engine_min_bytes)
+    engine.init(chunk_bytes, num_chunks, blocks)
     _engine = engine
 
 
@@ -411,8 +407,7 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
              stream=None, timeout: float | None = None) -> None:
-    """send() and recv() at the same time, in one launch where it can (the core forks onto an
-    internal stream when the send goes by copy engine)."""
+    """send() and recv() at the same time, in one kernel launch."""
     engine = _require_engine()
     if getattr(_state, "pending", None) is not None:
         raise Error("sendrecv() runs its pair itself: call it outside group()")

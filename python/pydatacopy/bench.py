@@ -260,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-r", "--repeats", type=int, default=5)
     parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one")
-    parser.add_argument("--ops", default="put_ce,put_sm,put_rma,sendrecv,sendrecv_sm,nccl,tokens,"
+    parser.add_argument("--ops", default="put_ce,put_sm,put_rma,sendrecv,nccl,tokens,"
                         "latency,host,put_many",
-                        help="comma-separated subset of put_ce,put_sm,put_rma,sendrecv,sendrecv_sm,"
+                        help="comma-separated subset of put_ce,put_sm,put_rma,sendrecv,"
                              "nccl,tokens,latency,host,put_many")
     parser.add_argument("--tokens", nargs="*", default=["1024x4096", "4096x7168", "16384x14336"],
                         help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
@@ -287,20 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(size)
         size *= args.stepfactor
     labels = {"put_ce": ("put", "copy_engine"), "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
-              "sendrecv": ("send/recv", "pipeline"), "sendrecv_sm": ("send/recv", "pipeline, SM only"),
-              "nccl": ("send/recv", "NCCL")}
+              "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL")}
     for direction in directions:
         for nbytes in sizes:
             sweep = Sweep(nbytes, direction == "both", args)
-            for op in ("put_ce", "put_sm", "put_rma", "sendrecv", "sendrecv_sm", "nccl"):
+            for op in ("put_ce", "put_sm", "put_rma", "sendrecv", "nccl"):
                 if op not in ops:
                     continue
-                if op == "sendrecv_sm":  # the same pipeline with the copy-engine sender turned off
-                    pydatacopy.setup_send_recv(copy_engine_min_bytes=0)
                 seconds, ok = (sweep.put(labels[op][1]) if op.startswith("put") else
-                               sweep.sendrecv() if op.startswith("sendrecv") else sweep.nccl())
-                if op == "sendrecv_sm":
-                    pydatacopy.setup_send_recv()
+                               sweep.sendrecv() if op == "sendrecv" else sweep.nccl())
                 rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
                              "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,
                              "gbps": nbytes / seconds / 1e9, "ok": ok})

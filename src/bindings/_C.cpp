@@ -169,8 +169,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<SendRecvEngine>(m, "SendRecvEngine")
       .def(py::init<>())
       .def("init", &SendRecvEngine::init, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"),
-           py::arg("copy_engine_min_bytes") = SendRecvEngine::kDefaultCopyEngineMinBytes, release_gil())
-      .def_property_readonly("copy_engine_min_bytes", &SendRecvEngine::copy_engine_min_bytes)
+           release_gil())
       .def("cleanup", &SendRecvEngine::cleanup, release_gil())
       .def_property_readonly("initialized", &SendRecvEngine::initialized)
       .def_property_readonly("chunk_bytes", &SendRecvEngine::chunk_bytes)

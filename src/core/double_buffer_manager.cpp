@@ -18,9 +18,6 @@ namespace pydatacopy {
 namespace {
 
 constexpr int64_t kAlignment = 256;
-// From this round size up the copy engine beats warp-per-token stores (docs/perf-notes.md:
-// 370 vs 354 GB/s at 235 MB, but 223 vs 299 at 29 MiB, where its launch chain costs more).
-constexpr int64_t kCopyEngineMinBytes = int64_t{64} << 20;
 
 int64_t align_up(int64_t value) { return (value + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -149,22 +146,9 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   args.src_pe = src_pe;
   args.timeout_ns = timeout_to_ns(timeout_seconds);
   args.status = detail::device_status();
-  // Large rounds to a directly reachable peer: the copy engine moves the whole (contiguous) send
-  // set, then one small kernel raises every token's signal. The credit handshake is the same.
-  uint64_t* credit_at_src = static_cast<uint64_t*>(peer_pointer(args.credits + args.my_pe, src_pe));
-  if (args.peer_recv != nullptr && credit_at_src != nullptr &&
-      buffer_bytes() >= kCopyEngineMinBytes) {
-    kernels::launch_signal_span(credit_at_src, 1, args.round_value, stream);
-    kernels::launch_wait_span(args.credits + dst_pe, 1, args.round_value, args.my_pe, dst_pe,
-                              detail::WaitOp::kTokenCredit, args.timeout_ns, args.status, stream);
-    PDC_CHECK_CUDA(cudaMemcpyAsync(args.peer_recv, args.send, static_cast<std::size_t>(buffer_bytes()),
-                                   cudaMemcpyDeviceToDevice, stream));
-    kernels::launch_signal_span(args.peer_signals, static_cast<int>(n_tokens_), args.round_value, stream);
-  } else {
-    const int64_t warps_needed = (n_tokens_ + 15) / 16;
-    const int blocks = static_cast<int>(std::min<int64_t>(warps_needed, multiprocessor_count()));
-    kernels::launch_token_exchange(args, blocks, stream);
-  }
+  const int64_t warps_needed = (n_tokens_ + 15) / 16;
+  const int blocks = static_cast<int>(std::min<int64_t>(warps_needed, multiprocessor_count()));
+  kernels::launch_token_exchange(args, blocks, stream);
   next_round_ = round + 1;
   return round;
 }

@@ -20,8 +20,7 @@ std::size_t align_up(std::size_t value, std::size_t to) { return (value + to - 1
 
 }  // namespace
 
-void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks,
-                          std::size_t copy_engine_min_bytes) {
+void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   require_initialized("SendRecvEngine.init");
   PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
   PDC_REQUIRE(num_chunks >= 2, "num_chunks must be at least 2 (one drains while the next fills), got "
@@ -42,7 +41,6 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks,
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
-  copy_engine_min_bytes_ = copy_engine_min_bytes;
   n_pes_ = pes;
   symmetric_bytes_ = total;
   chunks_sent_.assign(pes, 0);
@@ -83,28 +81,6 @@ void SendRecvEngine::require_ready(const char* what, int pe) const {
   PDC_REQUIRE(base_ != nullptr, what << ": the send/recv engine is not set up (pydatacopy.init() "
                                         "does it; from C++ call SendRecvEngine::init)");
   check_device_errors();
-}
-
-bool SendRecvEngine::uses_copy_engine(std::size_t bytes, bool peer_reachable) const {
-  return peer_reachable && copy_engine_min_bytes_ > 0 && bytes >= copy_engine_min_bytes_;
-}
-
-// Large messages: the copy engine moves each chunk over NVLink, and tiny kernels keep the same
-// per-block-slice signals the SM path uses, so the receiver's SM drain serves both paths and
-// both interleave freely on a channel. Each wait has the kernels' deadline semantics.
-void SendRecvEngine::send_by_copy_engine(const kernels::ChunkStreamArgs& a, cudaStream_t stream) {
-  const int64_t chunks = (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
-  for (int64_t i = 0; i < chunks; ++i) {
-    const uint64_t k = a.first_chunk + i;
-    const int64_t slot = static_cast<int64_t>(k % a.num_slots);
-    if (k >= static_cast<uint64_t>(a.num_slots))
-      kernels::launch_wait_span(a.credits + slot * blocks_, blocks_, k - a.num_slots + 1, a.my_pe,
-                                a.peer, detail::WaitOp::kChunkCredit, a.timeout_ns, a.status, stream);
-    const int64_t length = std::min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
-    PDC_CHECK_CUDA(cudaMemcpyAsync(a.peer_staging + slot * a.chunk_bytes, a.src + i * a.chunk_bytes,
-                                   static_cast<std::size_t>(length), cudaMemcpyDeviceToDevice, stream));
-    kernels::launch_signal_span(a.peer_arrivals + slot * blocks_, blocks_, k + 1, stream);
-  }
 }
 
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
@@ -172,18 +148,12 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare_recv(void* dst, std::size_t byt
 void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
                           double timeout_seconds) {
   if (bytes == 0) return require_ready("send", dst_pe);
-  const kernels::ChunkStreamArgs a = prepare_send(src, bytes, dst_pe, timeout_seconds);
-  if (uses_copy_engine(bytes, a.peer_staging != nullptr))
-    send_by_copy_engine(a, stream);
-  else
-    kernels::launch_chunk_send(a, stream);
+  kernels::launch_chunk_send(prepare_send(src, bytes, dst_pe, timeout_seconds), stream);
 }
 
 void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
                           double timeout_seconds) {
   if (bytes == 0) return require_ready("recv", src_pe);
-  // Whichever path the sender takes, the receiver drains with SM blocks: a local copy at HBM
-  // speed, one launch per message (a copy-engine drain measured slower, docs/perf-notes.md).
   kernels::launch_chunk_recv(prepare_recv(dst, bytes, src_pe, timeout_seconds), stream);
 }
 
@@ -197,23 +167,7 @@ void SendRecvEngine::sendrecv(const void* src, std::size_t send_bytes, int dst_p
   }
   const kernels::ChunkStreamArgs out = prepare_send(src, send_bytes, dst_pe, timeout_seconds);
   const kernels::ChunkStreamArgs in = prepare_recv(dst, recv_bytes, src_pe, timeout_seconds);
-  if (!uses_copy_engine(send_bytes, out.peer_staging != nullptr)) {
-    kernels::launch_chunk_sendrecv(out, in, stream);  // one launch, both roles
-    return;
-  }
-  // The copy-engine sender is a chain of operations on one stream: the receive runs beside it
-  // on the engine's side stream, forked from and joined back into the caller's stream.
-  if (!side_stream_) {
-    side_stream_ = detail::Stream::create();
-    fork_ = detail::Event::create();
-    join_ = detail::Event::create();
-  }
-  PDC_CHECK_CUDA(cudaEventRecord(fork_.get(), stream));
-  PDC_CHECK_CUDA(cudaStreamWaitEvent(side_stream_.get(), fork_.get(), 0));
-  kernels::launch_chunk_recv(in, side_stream_.get());
-  send_by_copy_engine(out, stream);
-  PDC_CHECK_CUDA(cudaEventRecord(join_.get(), side_stream_.get()));
-  PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, join_.get(), 0));
+  kernels::launch_chunk_sendrecv(out, in, stream);  // one launch, both roles
 }
 
 }  // namespace pydatacopy

@@ -15,8 +15,9 @@
 namespace pydatacopy {
 namespace {
 
-// Below this the copy engine's start-up dominates and SM stores finish first (issue 4 tunes it).
-constexpr std::size_t kCopyEngineMinBytes = 256 << 10;
+// The copy engine won at every size measured, 4 KiB to 1 GiB (docs/perf-notes.md, v3), and costs
+// the least host time per call; SM stores remain a choice (path="sm").
+constexpr std::size_t kCopyEngineMinBytes = 0;
 
 uint64_t to_ns(double seconds) {
   PDC_REQUIRE(seconds > 0 && std::isfinite(seconds),

@@ -84,19 +84,6 @@ void launch_chunk_sendrecv(const ChunkStreamArgs& send, const ChunkStreamArgs& r
 
 namespace pydatacopy::kernels {
 
-// Sets `count` consecutive signals (possibly a peer's, through nvshmem_ptr) to `value`, after
-// everything earlier on the stream (a copy-engine chunk, say) is complete and visible.
-void launch_signal_span(uint64_t* signals, int count, uint64_t value, cudaStream_t stream);
-
-// Waits until `count` consecutive local signals are all >= value, with a deadline.
-void launch_wait_span(const uint64_t* signals, int count, uint64_t value, int my_pe, int peer,
-                      detail::WaitOp op, uint64_t timeout_ns, detail::DeviceStatus* status,
-                      cudaStream_t stream);
-
-}  // namespace pydatacopy::kernels
-
-namespace pydatacopy::kernels {
-
 // Latency probe for the benchmark: one thread bounces an 8-byte signal between two PEs
 // `iterations` times (the initiator starts). Symmetric `signal` starts at zero on both.
 void launch_pingpong(uint64_t* signal, int my_pe, int peer, int iterations, bool initiator,

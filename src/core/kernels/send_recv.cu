@@ -28,33 +28,30 @@ __device__ __forceinline__ Slice block_slice(const ChunkStreamArgs& a, int64_t c
   return {offset, length};
 }
 
-// Thread 0 waits for every signal the block owns in `slot`; the whole block learns the outcome.
+// Every signal the block owns in `slot` gets its own thread: waits and stores run in parallel
+// (one by one they cost a system-scope round trip each). All threads of the block must call.
+// block < 0 waits for all of the slot's signals.
 __device__ __forceinline__ bool block_wait(const uint64_t* slot_signals, int block, uint64_t expected,
                                            uint64_t deadline, const ChunkStreamArgs& a,
                                            detail::WaitOp op) {
-  __shared__ int ok;
-  if (threadIdx.x == 0) {
-    ok = 1;
-    for (int j = block; j < a.total_blocks && ok; j += a.active_blocks)
-      ok = detail::wait_until_at_least(slot_signals + j, expected, deadline, a.status, op, a.peer, a.my_pe);
-  }
-  __syncthreads();
-  const bool result = ok != 0;
-  __syncthreads();  // `ok` is reused by the next wait
-  return result;
+  const int j = block < 0 ? static_cast<int>(threadIdx.x)
+                          : block + static_cast<int>(threadIdx.x) * a.active_blocks;
+  int ok = 1;
+  if (j < a.total_blocks)
+    ok = detail::wait_until_at_least(slot_signals + j, expected, deadline, a.status, op, a.peer, a.my_pe);
+  return __syncthreads_and(ok) != 0;
 }
 
-// Thread 0 raises every signal the block owns in `slot`, after the block's copy is visible.
+// After the block's copy (and a __syncthreads): raise every signal the block owns in `slot`.
 __device__ __forceinline__ void block_signal(uint64_t* peer_slot_signals, uint64_t* slot_signals,
                                              int block, uint64_t value, const ChunkStreamArgs& a) {
-  if (threadIdx.x != 0) return;
-  __threadfence_system();
-  for (int j = block; j < a.total_blocks; j += a.active_blocks) {
-    if (peer_slot_signals != nullptr)
-      store_release_sys(peer_slot_signals + j, value);
-    else
-      nvshmemx_signal_op(slot_signals + j, value, NVSHMEM_SIGNAL_SET, a.peer);
-  }
+  const int j = block + static_cast<int>(threadIdx.x) * a.active_blocks;
+  if (j >= a.total_blocks) return;
+  __threadfence_system();  // cumulative: covers the block's stores seen through the barrier
+  if (peer_slot_signals != nullptr)
+    store_release_sys(peer_slot_signals + j, value);
+  else
+    nvshmemx_signal_op(slot_signals + j, value, NVSHMEM_SIGNAL_SET, a.peer);
 }
 
 __device__ void send_role(const ChunkStreamArgs& a, int block) {
@@ -64,9 +61,10 @@ __device__ void send_role(const ChunkStreamArgs& a, int block) {
     const uint64_t k = a.first_chunk + i;
     const int64_t slot = static_cast<int64_t>(k % a.num_slots);
     const int64_t signals = slot * a.total_blocks;
-    // The slot is free once the receiver drained the chunk that used it num_slots ago.
+    // The slot is free once the receiver drained the chunk that used it num_slots ago. That
+    // message may have been cut into other slices, so wait for the whole slot, not our slice.
     if (k >= static_cast<uint64_t>(a.num_slots) &&
-        !block_wait(a.credits + signals, block, k - a.num_slots + 1, deadline, a, detail::WaitOp::kChunkCredit))
+        !block_wait(a.credits + signals, -1, k - a.num_slots + 1, deadline, a, detail::WaitOp::kChunkCredit))
       return;
     const Slice s = block_slice(a, i, block);
     const uint8_t* from = a.src + i * a.chunk_bytes + s.offset;
@@ -80,9 +78,9 @@ __device__ void send_role(const ChunkStreamArgs& a, int block) {
       // other signals only keep the slot's bookkeeping.
       nvshmemx_putmem_signal_block(a.staging + to, from, static_cast<size_t>(s.length),
                                    a.arrivals + signals + block, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
-      if (threadIdx.x == 0)
-        for (int j = block + a.active_blocks; j < a.total_blocks; j += a.active_blocks)
-          nvshmemx_signal_op(a.arrivals + signals + j, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
+      const int j = block + (static_cast<int>(threadIdx.x) + 1) * a.active_blocks;
+      if (j < a.total_blocks)
+        nvshmemx_signal_op(a.arrivals + signals + j, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
     }
   }
 }
@@ -123,34 +121,7 @@ __global__ void __launch_bounds__(kThreads)
     recv_role(recv, blockIdx.x - send.active_blocks);
 }
 
-__global__ void signal_span_kernel(uint64_t* signals, int count, uint64_t value) {
-  __threadfence_system();
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += gridDim.x * blockDim.x)
-    store_release_sys(signals + i, value);
-}
-
-__global__ void wait_span_kernel(const uint64_t* signals, int count, uint64_t value, int my_pe,
-                                 int peer, detail::WaitOp op, uint64_t timeout_ns,
-                                 detail::DeviceStatus* status) {
-  const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
-  for (int i = threadIdx.x; i < count; i += blockDim.x)
-    if (!detail::wait_until_at_least(signals + i, value, deadline, status, op, peer, my_pe)) return;
-}
-
 }  // namespace
-
-void launch_signal_span(uint64_t* signals, int count, uint64_t value, cudaStream_t stream) {
-  const int blocks = count > 4096 ? 32 : 1;
-  signal_span_kernel<<<blocks, 128, 0, stream>>>(signals, count, value);
-  PDC_CHECK_CUDA(cudaGetLastError());
-}
-
-void launch_wait_span(const uint64_t* signals, int count, uint64_t value, int my_pe, int peer,
-                      detail::WaitOp op, uint64_t timeout_ns, detail::DeviceStatus* status,
-                      cudaStream_t stream) {
-  wait_span_kernel<<<1, 128, 0, stream>>>(signals, count, value, my_pe, peer, op, timeout_ns, status);
-  PDC_CHECK_CUDA(cudaGetLastError());
-}
 
 void launch_chunk_send(const ChunkStreamArgs& args, cudaStream_t stream) {
   chunk_send_kernel<<<args.active_blocks, kThreads, 0, stream>>>(args);
