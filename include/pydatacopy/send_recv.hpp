@@ -6,9 +6,11 @@
 // chunk k + 1 overlaps the receiver draining chunk k. Each of `blocks` thread blocks owns one
 // slice of every chunk and its own signals, so no grid-wide synchronisation is needed.
 //
-// Both sides must move the same number of bytes, in the same order per peer pair. send() and
-// recv() are stream-ordered and each runs until its whole message has moved, so a PE that sends
-// and receives at once must issue them on different streams (the Python layer's group() does).
+// Both sides must move the same number of bytes, in the same order per peer pair. Every call is
+// stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
+// once issues both in one batch() (or sendrecv()): one kernel launch, in which all of them are
+// guaranteed to run at the same time. Two launches on two streams are not (the hardware may
+// serialise them), which could deadlock.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,7 +46,16 @@ class SendRecvEngine {
   void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
             double timeout_seconds);
   void recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
-  // Both at once on one stream, in one launch.
+
+  struct Operation {
+    bool send;          // true: send `bytes` from `buffer` to `peer`; false: receive into it
+    void* buffer;
+    std::size_t bytes;
+    int peer;
+  };
+  // Up to 16 sends and recvs (any peers) in one launch.
+  void batch(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds);
+  // A send and a recv at once: batch() of the two.
   void sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
                 std::size_t recv_bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
 

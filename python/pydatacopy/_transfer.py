@@ -328,81 +328,50 @@ def _require_engine() -> "_C.SendRecvEngine":
     return _engine
 
 
-def _side_stream(kind: str, peer: int) -> torch.cuda.Stream:
-    streams = getattr(_state, "streams", None)
-    if streams is None:
-        streams = _state.streams = {}
-    key = (kind, peer, _C.cuda_device())
-    if key not in streams:
-        streams[key] = torch.cuda.Stream(device=_C.cuda_device())
-    return streams[key]
-
-
-def _launch(ops: list, stream) -> None:
-    """Run send/recv ops concurrently on side streams, ordered after and joined into `stream`."""
-    user = torch.cuda.ExternalStream(_stream(stream), device=_C.cuda_device()) if stream is not None \
-        else torch.cuda.current_stream(_C.cuda_device())
-    if len(ops) == 1:
-        ops[0][2](user.cuda_stream)
-        return
-    ready = torch.cuda.Event()
-    ready.record(user)
-    used = []
-    for kind, peer, run, tensor in ops:
-        side = _side_stream(kind, peer)
-        side.wait_event(ready)
-        run(side.cuda_stream)
-        tensor.record_stream(side)  # the caching allocator must not reuse it before side is done
-        used.append(side)
-    for side in used:
-        user.wait_stream(side)
-
-
-def _submit(kind: str, peer: int, run, tensor: torch.Tensor, stream) -> None:
+def _submit(is_send: bool, address: int, nbytes: int, peer: int, stream, seconds: float) -> None:
     pending = getattr(_state, "pending", None)
-    if pending is not None:
-        if pending["stream"] != stream:
-            raise Error("all operations inside one group() must use the same stream")
-        pending["ops"].append((kind, peer, run, tensor))
-    else:
-        _launch([(kind, peer, run, tensor)], stream)
+    if pending is None:
+        _require_engine().batch([(is_send, address, nbytes, peer)], _stream(stream), seconds)
+        return
+    if pending["stream"] != stream:
+        raise Error("all operations inside one group() must use the group's stream")
+    pending["ops"].append((is_send, address, nbytes, peer))
+    pending["timeout"] = max(pending["timeout"], seconds)
 
 
 @contextlib.contextmanager
 def group(*, stream=None) -> Iterator[None]:
-    """Issue the send()/recv() calls inside together, so that they run at the same time (a PE
-    that sends to and receives from a peer must group the two, as with NCCL's group calls).
-    The group is ordered after earlier work on the stream, and later work waits for all of it."""
+    """Issue the send()/recv() calls inside together, as one kernel launch, so that they run at
+    the same time: a PE that sends and receives at once must group them (as with NCCL's group
+    calls). Up to 16 operations, any peers. Ordered on the stream like any other call."""
     if getattr(_state, "pending", None) is not None:
         raise Error("group() cannot be nested")
-    _state.pending = {"stream": stream, "ops": []}
+    _state.pending = {"stream": stream, "ops": [], "timeout": 0.0}
     try:
         yield
-        ops = _state.pending["ops"]
+        ops, seconds = _state.pending["ops"], _state.pending["timeout"]
     finally:
         _state.pending = None
     if ops:
-        _launch(ops, stream)
+        _require_engine().batch(ops, _stream(stream), seconds)
 
 
 def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
     tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
     To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
-    engine = _require_engine()
+    _require_engine()
     _check_pe(dst_pe)
     _check_tensor(tensor, "tensor")
-    nbytes, address, seconds = _nbytes(tensor), tensor.data_ptr(), timeout_seconds(timeout)
-    _submit("send", dst_pe, lambda s: engine.send(address, nbytes, dst_pe, s, seconds), tensor, stream)
+    _submit(True, tensor.data_ptr(), _nbytes(tensor), dst_pe, stream, timeout_seconds(timeout))
 
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
-    engine = _require_engine()
+    _require_engine()
     _check_pe(src_pe)
     _check_tensor(tensor, "tensor")
-    nbytes, address, seconds = _nbytes(tensor), tensor.data_ptr(), timeout_seconds(timeout)
-    _submit("recv", src_pe, lambda s: engine.recv(address, nbytes, src_pe, s, seconds), tensor, stream)
+    _submit(False, tensor.data_ptr(), _nbytes(tensor), src_pe, stream, timeout_seconds(timeout))
 
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,

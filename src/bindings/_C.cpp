@@ -190,5 +190,13 @@ PYBIND11_MODULE(_C, m) {
              self.sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst),
                            recv_bytes, src_pe, as_stream(stream), timeout);
            }, py::arg("src"), py::arg("send_bytes"), py::arg("dst_pe"), py::arg("dst"),
-           py::arg("recv_bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"));
+           py::arg("recv_bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+      .def("batch", [](SendRecvEngine& self, const std::vector<std::tuple<bool, std::uintptr_t, std::size_t, int>>& ops,
+                       std::uintptr_t stream, double timeout) {
+             std::vector<SendRecvEngine::Operation> list;
+             for (const auto& [send, buffer, bytes, peer] : ops)
+               list.push_back({send, as_pointer<void>(buffer), bytes, peer});
+             self.batch(list, as_stream(stream), timeout);
+           }, py::arg("ops"), py::arg("stream"), py::arg("timeout"),
+           "ops: (is_send, address, bytes, peer) tuples, run in one launch");
 }

@@ -147,27 +147,37 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare_recv(void* dst, std::size_t byt
 
 void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
                           double timeout_seconds) {
-  if (bytes == 0) return require_ready("send", dst_pe);
-  kernels::launch_chunk_send(prepare_send(src, bytes, dst_pe, timeout_seconds), stream);
+  batch({{true, const_cast<void*>(src), bytes, dst_pe}}, stream, timeout_seconds);
 }
 
 void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
                           double timeout_seconds) {
-  if (bytes == 0) return require_ready("recv", src_pe);
-  kernels::launch_chunk_recv(prepare_recv(dst, bytes, src_pe, timeout_seconds), stream);
+  batch({{false, dst, bytes, src_pe}}, stream, timeout_seconds);
 }
 
 void SendRecvEngine::sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
                               std::size_t recv_bytes, int src_pe, cudaStream_t stream,
                               double timeout_seconds) {
-  if (send_bytes == 0 || recv_bytes == 0) {  // one side is empty: nothing to overlap
-    send(src, send_bytes, dst_pe, stream, timeout_seconds);
-    recv(dst, recv_bytes, src_pe, stream, timeout_seconds);
-    return;
+  const std::vector<Operation> ops = {{true, const_cast<void*>(src), send_bytes, dst_pe},
+                                      {false, dst, recv_bytes, src_pe}};
+  batch(ops, stream, timeout_seconds);
+}
+
+void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t stream,
+                           double timeout_seconds) {
+  PDC_REQUIRE(ops.size() <= static_cast<std::size_t>(kernels::kMaxBatchOps),
+              "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
+                                               << ops.size() << "; split it into several groups");
+  // Check everything before any sequence number moves.
+  for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
+  kernels::ChunkBatch launch{};
+  for (const Operation& op : ops) {
+    if (op.bytes == 0) continue;
+    launch.is_send[launch.count] = op.send;
+    launch.ops[launch.count++] = op.send ? prepare_send(op.buffer, op.bytes, op.peer, timeout_seconds)
+                                         : prepare_recv(op.buffer, op.bytes, op.peer, timeout_seconds);
   }
-  const kernels::ChunkStreamArgs out = prepare_send(src, send_bytes, dst_pe, timeout_seconds);
-  const kernels::ChunkStreamArgs in = prepare_recv(dst, recv_bytes, src_pe, timeout_seconds);
-  kernels::launch_chunk_sendrecv(out, in, stream);  // one launch, both roles
+  kernels::launch_chunk_batch(launch, stream);
 }
 
 }  // namespace pydatacopy

@@ -74,11 +74,15 @@ struct ChunkStreamArgs {
   detail::DeviceStatus* status;
 };
 
-void launch_chunk_send(const ChunkStreamArgs& args, cudaStream_t stream);
-void launch_chunk_recv(const ChunkStreamArgs& args, cudaStream_t stream);
-// Both roles in one launch (a PE sending and receiving at once, neither on the copy engine).
-void launch_chunk_sendrecv(const ChunkStreamArgs& send, const ChunkStreamArgs& recv,
-                           cudaStream_t stream);
+// Several sends and recvs in one launch (passed by value: 16 ops stay far under the 32 KiB
+// kernel-parameter limit).
+constexpr int kMaxBatchOps = 16;
+struct ChunkBatch {
+  ChunkStreamArgs ops[kMaxBatchOps];
+  bool is_send[kMaxBatchOps];
+  int count;
+};
+void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels
 

@@ -104,38 +104,31 @@ __device__ void recv_role(const ChunkStreamArgs& a, int block) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads) chunk_send_kernel(const ChunkStreamArgs a) {
-  send_role(a, blockIdx.x);
-}
-
-__global__ void __launch_bounds__(kThreads) chunk_recv_kernel(const ChunkStreamArgs a) {
-  recv_role(a, blockIdx.x);
-}
-
-// send and recv in one launch: the first send.active_blocks blocks send, the rest receive.
-__global__ void __launch_bounds__(kThreads)
-    chunk_sendrecv_kernel(const ChunkStreamArgs send, const ChunkStreamArgs recv) {
-  if (static_cast<int>(blockIdx.x) < send.active_blocks)
-    send_role(send, blockIdx.x);
-  else
-    recv_role(recv, blockIdx.x - send.active_blocks);
+// Every send and recv of a batch in one launch, each on its own range of blocks: ops that wait
+// on each other must run at once, and only one grid guarantees that (kernels on two streams may
+// be serialised by the hardware queues and then deadlock).
+__global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const ChunkBatch batch) {
+  int first = 0;
+  for (int i = 0; i < batch.count; ++i) {
+    const ChunkStreamArgs& op = batch.ops[i];
+    if (static_cast<int>(blockIdx.x) < first + op.active_blocks) {
+      if (batch.is_send[i])
+        send_role(op, blockIdx.x - first);
+      else
+        recv_role(op, blockIdx.x - first);
+      return;
+    }
+    first += op.active_blocks;
+  }
 }
 
 }  // namespace
 
-void launch_chunk_send(const ChunkStreamArgs& args, cudaStream_t stream) {
-  chunk_send_kernel<<<args.active_blocks, kThreads, 0, stream>>>(args);
-  PDC_CHECK_CUDA(cudaGetLastError());
-}
-
-void launch_chunk_recv(const ChunkStreamArgs& args, cudaStream_t stream) {
-  chunk_recv_kernel<<<args.active_blocks, kThreads, 0, stream>>>(args);
-  PDC_CHECK_CUDA(cudaGetLastError());
-}
-
-void launch_chunk_sendrecv(const ChunkStreamArgs& send, const ChunkStreamArgs& recv,
-                           cudaStream_t stream) {
-  chunk_sendrecv_kernel<<<send.active_blocks + recv.active_blocks, kThreads, 0, stream>>>(send, recv);
+void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
+  int blocks = 0;
+  for (int i = 0; i < batch.count; ++i) blocks += batch.ops[i].active_blocks;
+  if (blocks == 0) return;
+  chunk_batch_kernel<<<blocks, kThreads, 0, stream>>>(batch);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
