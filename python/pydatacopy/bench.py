@@ -250,6 +250,58 @@ def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dic
     return rows
 
 
+def report(rows: list[dict], args) -> None:
+    """The table on the terminal; CSV and PNG files when asked for."""
+    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6}  ok")
+    nccl = {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == "NCCL"}
+    for r in rows:
+        base = nccl.get((r["direction"], r["bytes"]))
+        ratio = f"{r['gbps'] / base:6.2f}" if base else "     -"
+        print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
+              f"{r['gbps']:>8.1f} {ratio}  {'yes' if r['ok'] else 'NO'}")
+    if getattr(args, "csv", None):
+        import csv
+
+        with open(args.csv, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "gbps", "ok"])
+            writer.writeheader()
+            writer.writerows({k: r[k] for k in writer.fieldnames} for r in rows)
+    if getattr(args, "plot", None):
+        plot(rows, args.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """GB/s against message size, one panel per direction, one line per path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return
+    directions = [d for d in ("one", "both") if any(r["direction"] == d for r in rows)]
+    figure, axes = plt.subplots(1, len(directions), figsize=(6.5 * len(directions), 4.8), squeeze=False)
+    for axis, direction in zip(axes[0], directions):
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["direction"] == direction and r["op"] in ("put", "send/recv"):
+                series.setdefault(f"{r['op']} ({r['path']})", []).append((r["bytes"], r["gbps"]))
+        for label, points in series.items():
+            points.sort()
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
+                      label=label, linestyle="--" if "NCCL" in label else "-")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("message size (bytes)")
+        axis.set_ylabel("GB/s per direction")
+        axis.set_title("rank 0 -> rank 1" if direction == "one" else "both directions at once")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -267,8 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", nargs="*", default=["1024x4096", "4096x7168", "16384x14336"],
                         help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
     parser.add_argument("--json", help="write all rows to this JSON file (rank 0)")
+    parser.add_argument("--csv", help="write all rows to this CSV file (rank 0)")
+    parser.add_argument("--plot", help="draw GB/s against size for every path to this PNG (rank 0; "
+                                       "needs matplotlib)")
+    parser.add_argument("--from-json", help="no run: print the table (and write --csv/--plot) "
+                                            "from an earlier --json file")
     args = parser.parse_args(argv)
 
+    if args.from_json:
+        with open(args.from_json) as f:
+            report(json.load(f), args)
+        return 0
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc_per_node=2 -m pydatacopy.bench", file=sys.stderr)
         return 2
@@ -316,13 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(bench_token_exchange(n_tokens, token_size, args))
 
     if pydatacopy.my_pe() == 0:
-        print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6}  ok")
-        nccl = {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == "NCCL"}
-        for r in rows:
-            base = nccl.get((r["direction"], r["bytes"]))
-            ratio = f"{r['gbps'] / base:6.2f}" if base else "     -"
-            print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-                  f"{r['gbps']:>8.1f} {ratio}  {'yes' if r['ok'] else 'NO'}")
+        report(rows, args)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
