@@ -219,3 +219,46 @@ def test_path_choice():
     assert _C.resolve_path(2, True, 1 << 30) == "sm"
     with pytest.raises(pydatacopy.Error, match="directly reachable"):
         _C.resolve_path(1, False, 4096)
+
+
+# ---- network settings and the doctor ----------------------------------------------------------
+
+from pydatacopy import _network, doctor  # noqa: E402
+
+
+def test_nccl_settings_carry_over_to_nvshmem_when_unset():
+    environ = {"NCCL_SOCKET_IFNAME": "eth1", "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+               "NVSHMEM_HCA_LIST": "mlx5_3", "PYDATACOPY_IBGDA": "1"}
+    applied = _network.apply_network_settings(environ)
+    assert environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "eth1"
+    assert environ["NVSHMEM_HCA_LIST"] == "mlx5_3", "a user's NVSHMEM setting wins"
+    assert environ["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+    assert applied == {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth1", "NVSHMEM_IB_ENABLE_IBGDA": "1"}
+
+
+def test_p2p_disabled_without_a_remote_transport_is_refused(monkeypatch):
+    monkeypatch.setattr(_network, "infiniband_devices", lambda: [])
+    with pytest.raises(pydatacopy.Error, match="PYDATACOPY_FORCE_RMA"):
+        _network.check_transport_preconditions(2, {"NVSHMEM_DISABLE_P2P": "1"})
+    _network.check_transport_preconditions(1, {"NVSHMEM_DISABLE_P2P": "1"})
+    _network.check_transport_preconditions(2, {"NVSHMEM_DISABLE_P2P": "1", "NVSHMEM_REMOTE_TRANSPORT": "ucx"})
+    monkeypatch.setattr(_network, "infiniband_devices", lambda: ["mlx5_0"])
+    _network.check_transport_preconditions(2, {"NVSHMEM_DISABLE_P2P": "1"})
+
+
+def test_doctor_runs_without_gpu(capsys):
+    assert doctor.run(["--world-size", "2", "--tokens", "4096x7168"]) == 0
+    out = capsys.readouterr().out
+    for section in ("== software", "== GPUs", "== network", "== symmetric heap", "== environment"):
+        assert section in out
+    assert "NVSHMEM built 3.4.5, loaded 3.4.5" in out
+    if NO_GPU:
+        assert "no CUDA device visible" in out
+
+
+def test_doctor_flags_a_heap_that_is_too_small(monkeypatch, capsys):
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "64M")
+    assert doctor.run(["--world-size", "8", "--tokens", "4096x7168"]) == 1
+    assert "set NVSHMEM_SYMMETRIC_SIZE=" in capsys.readouterr().out
+    assert doctor.symmetric_bytes_needed(2, None) < doctor.symmetric_bytes_needed(2, (16, 16))
+    assert doctor.parse_size("2G") == 2 << 30 and doctor.parse_size("512m") == 512 << 20

@@ -8,7 +8,7 @@ from typing import Sequence, Union
 
 import torch
 
-from . import _C, _transfer
+from . import _C, _network, _transfer
 from ._torch_utils import check_int
 
 Error = _C.Error
@@ -97,6 +97,8 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
         check_int("device", device, 0)
     if torch.cuda.device_count() > device:
         torch.cuda.set_device(device)  # torch's current device and stream follow ours
+    _network.apply_network_settings()
+    _network.check_transport_preconditions(world_size)
     pe = _C.init_nvshmem(values, rank, world_size, device)
     _transfer.setup_send_recv()  # collective, like the init itself
     return pe
