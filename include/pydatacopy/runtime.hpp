@@ -44,6 +44,8 @@ void check_nvshmem_version();
 
 // Seconds a blocking wait may take before it raises TimeoutError: PYDATACOPY_TIMEOUT_S, else 60.
 double default_timeout_seconds();
+// A per-call timeout in nanoseconds for the device-side deadline; throws unless positive and finite.
+uint64_t timeout_nanoseconds(double seconds);
 
 // Throws the first error a device-side wait reported (a TimeoutError naming the operation and
 // the peer). Errors are sticky: after a peer timed out, NVSHMEM's state cannot be trusted.

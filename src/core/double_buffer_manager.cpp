@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cmath>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -20,12 +19,6 @@ namespace {
 constexpr int64_t kAlignment = 256;
 
 int64_t align_up(int64_t value) { return (value + kAlignment - 1) / kAlignment * kAlignment; }
-
-uint64_t timeout_to_ns(double seconds) {
-  PDC_REQUIRE(seconds > 0 && std::isfinite(seconds),
-              "timeout must be a positive number of seconds, got " << seconds);
-  return static_cast<uint64_t>(seconds * 1e9);
-}
 
 // Symmetric layout of one manager, in bytes from base_.
 struct Layout {
@@ -144,7 +137,7 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   args.my_pe = my_pe();
   args.dst_pe = dst_pe;
   args.src_pe = src_pe;
-  args.timeout_ns = timeout_to_ns(timeout_seconds);
+  args.timeout_ns = timeout_nanoseconds(timeout_seconds);
   args.status = detail::device_status();
   const int64_t warps_needed = (n_tokens_ + 15) / 16;
   const int blocks = static_cast<int>(std::min<int64_t>(warps_needed, multiprocessor_count()));
@@ -169,7 +162,7 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
   const int blocks = static_cast<int>(
       std::min<int64_t>((n_tokens_ + 255) / 256, multiprocessor_count()));
   kernels::launch_token_wait(signals(set), n_tokens_, static_cast<uint64_t>(round) + 1, my_pe(),
-                             src_pe, timeout_to_ns(timeout_seconds), detail::device_status(),
+                             src_pe, timeout_nanoseconds(timeout_seconds), detail::device_status(),
                              blocks, stream);
   last_waited_round_ = std::max(last_waited_round_, round);
 }

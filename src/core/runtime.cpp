@@ -2,6 +2,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -221,6 +222,12 @@ double default_timeout_seconds() {
     return seconds;
   }
   return 60.0;
+}
+
+uint64_t timeout_nanoseconds(double seconds) {
+  PDC_REQUIRE(seconds > 0 && std::isfinite(seconds),
+              "timeout must be a positive number of seconds, got " << seconds);
+  return static_cast<uint64_t>(seconds * 1e9);
 }
 
 void check_device_errors() {

@@ -4,7 +4,6 @@
 #include <nvshmem.h>
 
 #include <algorithm>
-#include <cmath>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -94,8 +93,6 @@ int SendRecvEngine::active_blocks(std::size_t bytes) const {
 kernels::ChunkStreamArgs SendRecvEngine::prepare_send(const void* src, std::size_t bytes,
                                                       int dst_pe, double timeout_seconds) {
   require_ready("send", dst_pe);
-  PDC_REQUIRE(timeout_seconds > 0 && std::isfinite(timeout_seconds),
-              "timeout must be a positive number of seconds, got " << timeout_seconds);
   const int me = my_pe();
   kernels::ChunkStreamArgs a{};
   a.src = static_cast<const uint8_t*>(src);
@@ -113,7 +110,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare_send(const void* src, std::size
   a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
   a.peer = dst_pe;
-  a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
+  a.timeout_ns = timeout_nanoseconds(timeout_seconds);
   a.status = detail::device_status();
   chunks_sent_[dst_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
   return a;
@@ -122,8 +119,6 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare_send(const void* src, std::size
 kernels::ChunkStreamArgs SendRecvEngine::prepare_recv(void* dst, std::size_t bytes, int src_pe,
                                                       double timeout_seconds) {
   require_ready("recv", src_pe);
-  PDC_REQUIRE(timeout_seconds > 0 && std::isfinite(timeout_seconds),
-              "timeout must be a positive number of seconds, got " << timeout_seconds);
   const int me = my_pe();
   kernels::ChunkStreamArgs a{};
   a.dst = static_cast<uint8_t*>(dst);
@@ -139,7 +134,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare_recv(void* dst, std::size_t byt
   a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
   a.peer = src_pe;
-  a.timeout_ns = static_cast<uint64_t>(timeout_seconds * 1e9);
+  a.timeout_ns = timeout_nanoseconds(timeout_seconds);
   a.status = detail::device_status();
   chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
   return a;
@@ -169,6 +164,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
               "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
                                                << ops.size() << "; split it into several groups");
   // Check everything before any sequence number moves.
+  timeout_nanoseconds(timeout_seconds);
   for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
   kernels::ChunkBatch launch{};
   for (const Operation& op : ops) {

@@ -4,7 +4,6 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include <cmath>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -18,12 +17,6 @@ namespace {
 // The copy engine won at every size measured, 4 KiB to 1 GiB (docs/perf-notes.md, v3), and costs
 // the least host time per call; SM stores remain a choice (path="sm").
 constexpr std::size_t kCopyEngineMinBytes = 0;
-
-uint64_t to_ns(double seconds) {
-  PDC_REQUIRE(seconds > 0 && std::isfinite(seconds),
-              "timeout must be a positive number of seconds, got " << seconds);
-  return static_cast<uint64_t>(seconds * 1e9);
-}
 
 void require_symmetric(const void* ptr, std::size_t bytes, const char* what) {
   PDC_REQUIRE(is_symmetric(ptr, bytes),
@@ -106,7 +99,7 @@ void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, do
   require_initialized("signal_wait");
   check_device_errors();
   require_symmetric(signal, sizeof(uint64_t), "signal_wait: signal");
-  kernels::launch_signal_wait(signal, value, my_pe(), to_ns(timeout_seconds),
+  kernels::launch_signal_wait(signal, value, my_pe(), timeout_nanoseconds(timeout_seconds),
                               detail::device_status(), stream);
 }
 
@@ -175,7 +168,7 @@ void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
   check_device_errors();
   require_symmetric(signal, sizeof(uint64_t), "signal_pingpong: signal");
   PDC_REQUIRE(iterations > 0, "iterations must be positive, got " << iterations);
-  kernels::launch_pingpong(signal, my_pe(), peer, iterations, initiator, to_ns(timeout_seconds),
+  kernels::launch_pingpong(signal, my_pe(), peer, iterations, initiator, timeout_nanoseconds(timeout_seconds),
                            detail::device_status(), stream);
 }
 
