@@ -27,7 +27,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
-step cpu-tests $PY -m pytest tests/test_cpu.py -q
+step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
 step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}

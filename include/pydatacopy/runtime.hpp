@@ -39,8 +39,9 @@ struct Version {
 };
 Version built_nvshmem_version();   // headers this library was compiled against
 Version loaded_nvshmem_version();  // libnvshmem_host loaded in this process
-// Throws naming both versions when they differ in major or minor.
+// Throws naming both versions when they differ in major or minor (init_nvshmem checks this).
 void check_nvshmem_version();
+void check_nvshmem_versions(const Version& built, const Version& loaded);
 
 // Seconds a blocking wait may take before it raises TimeoutError: PYDATACOPY_TIMEOUT_S, else 60.
 double default_timeout_seconds();

@@ -86,8 +86,9 @@ Version loaded_nvshmem_version() {
   return v;
 }
 
-void check_nvshmem_version() {
-  const Version built = built_nvshmem_version(), loaded = loaded_nvshmem_version();
+void check_nvshmem_version() { check_nvshmem_versions(built_nvshmem_version(), loaded_nvshmem_version()); }
+
+void check_nvshmem_versions(const Version& built, const Version& loaded) {
   PDC_REQUIRE(built.major == loaded.major && built.minor == loaded.minor,
               "pydatacopy was built against NVSHMEM " << built.str() << " but NVSHMEM "
                   << loaded.str() << " is loaded in this process; reinstall pydatacopy against "

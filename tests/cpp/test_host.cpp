@@ -49,6 +49,9 @@ int main() {
   check(get_unique_id() != id, "two unique IDs differ");
   check(built_nvshmem_version().str() == loaded_nvshmem_version().str(), "built == loaded NVSHMEM");
   check(!is_initialized(), "not initialised at start");
+  check_nvshmem_versions({3, 4, 5}, {3, 4, 2});  // a patch difference is compatible
+  check_throws([] { check_nvshmem_versions({3, 4, 5}, {3, 3, 0}); },
+               "built against NVSHMEM 3.4.5 but NVSHMEM 3.3.0 is loaded", "version mismatch names both");
 
   check_throws([&] { init_nvshmem(std::vector<uint8_t>(127, 1), 0, 1); }, "128 bytes", "short ID");
   check_throws([&] { init_nvshmem(std::vector<uint8_t>(128, 0), 0, 1); }, "all zeros", "zero ID");
