@@ -15,11 +15,11 @@ UID = pydatacopy.get_unique_id()
 NO_GPU = torch.cuda.device_count() == 0
 
 
-def _env(name, value):
+def _env(name, value, read=_C.default_timeout_seconds):
     def call():
         with pytest.MonkeyPatch.context() as m:
             m.setenv(name, value)
-            _C.default_timeout_seconds()
+            read()
     return call
 
 
@@ -41,8 +41,8 @@ BAD_INPUTS = [
     ("id: None", lambda: pydatacopy.init_nvshmem(None, 0, 1), "uint8 tensor"),
     ("id: int32 tensor", lambda: pydatacopy.init_nvshmem(torch.zeros(128, dtype=torch.int32), 0, 1), "uint8"),
     ("id: short uint8 tensor", lambda: pydatacopy.init_nvshmem(torch.ones(64, dtype=torch.uint8), 0, 1), "128 bytes"),
-    ("id: all zeros (corrupted)", lambda: _C.init_nvshmem([0] * 128, 0, 1), "all zeros"),
-    ("id: wrong length in the core", lambda: _C.init_nvshmem([1] * 100, 0, 1), "128 bytes"),
+    ("id: all zeros (corrupted)", lambda: _C.init_nvshmem([0] * 128, 0, 1, -1, 10.0), "all zeros"),
+    ("id: wrong length in the core", lambda: _C.init_nvshmem([1] * 100, 0, 1, -1, 10.0), "128 bytes"),
     # rank, world size, device
     ("world size 0", lambda: pydatacopy.init_nvshmem(UID, 0, 0), "world_size must be at least 1"),
     ("negative rank", lambda: pydatacopy.init_nvshmem(UID, -1, 2), "rank must be at least 0"),
@@ -52,7 +52,11 @@ BAD_INPUTS = [
     ("str world size", lambda: pydatacopy.init_nvshmem(UID, 0, "2"), "world_size must be an int"),
     ("negative device", lambda: pydatacopy.init_nvshmem(UID, 0, 1, device=-1), "device must be at least 0"),
     ("str device", lambda: pydatacopy.init_nvshmem(UID, 0, 1, device="0"), "device must be an int"),
-    ("core: rank out of range", lambda: _C.init_nvshmem(UID, 3, 2), "rank must be in"),
+    ("core: rank out of range", lambda: _C.init_nvshmem(UID, 3, 2, -1, 10.0), "rank must be in"),
+    ("init timeout zero", lambda: pydatacopy.init_nvshmem(UID, 0, 1, timeout=0), "positive number of seconds"),
+    ("init timeout negative", lambda: pydatacopy.init_nvshmem(UID, 0, 1, timeout=-5.0), "positive number of seconds"),
+    ("PYDATACOPY_INIT_TIMEOUT_S not a number", _env("PYDATACOPY_INIT_TIMEOUT_S", "later", _C.default_init_timeout_seconds),
+     "PYDATACOPY_INIT_TIMEOUT_S"),
     # start-up without torch.distributed
     ("init() without torch.distributed", lambda: pydatacopy.init(), "init_process_group"),
     ("share_unique_id() without torch.distributed", lambda: pydatacopy.share_unique_id(), "init_process_group"),
@@ -92,6 +96,8 @@ BAD_INPUTS = [
     ("put_many before init", lambda: pydatacopy.put_many([], [], 0), "init"),
     ("quiet before init", lambda: pydatacopy.quiet(), "init"),
     ("barrier before init", lambda: pydatacopy.barrier(), "init"),
+    ("core barrier before init", lambda: _C.barrier(0, 1.0), "call pydatacopy.init"),
+    ("core blocking barrier before init", lambda: _C.barrier_all_blocking("test", 1.0), "call pydatacopy.init"),
     ("signal_wait before init", lambda: pydatacopy.signal_wait(torch.zeros(1), 1), "init"),
     ("setup_send_recv before init", lambda: pydatacopy.setup_send_recv(), "init"),
     ("my_pe before init", lambda: pydatacopy.my_pe(), "call pydatacopy.init"),
@@ -105,7 +111,7 @@ BAD_INPUTS = [
 ]
 if NO_GPU:
     BAD_INPUTS.append(("init on a machine without a GPU", lambda: pydatacopy.init_nvshmem(UID, 0, 1), "no CUDA device is visible"))
-    BAD_INPUTS.append(("core init without a GPU", lambda: _C.init_nvshmem(UID, 0, 1, -1), "NVIDIA GPU and driver"))
+    BAD_INPUTS.append(("core init without a GPU", lambda: _C.init_nvshmem(UID, 0, 1, -1, 10.0), "NVIDIA GPU and driver"))
 
 
 def test_the_table_has_at_least_40_distinct_bad_inputs():

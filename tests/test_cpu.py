@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -48,7 +49,7 @@ def test_init_nvshmem_without_gpu_says_so(id_type):
 @pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
 def test_core_init_without_gpu_names_the_driver():
     with pytest.raises(pydatacopy.Error, match="NVIDIA GPU and driver") as info:
-        _C.init_nvshmem(pydatacopy.get_unique_id(), 0, 1, -1)
+        _C.init_nvshmem(pydatacopy.get_unique_id(), 0, 1, -1, 10.0)
     assert "runtime.cpp:" in str(info.value), "core errors carry file:line"
 
 
@@ -160,6 +161,15 @@ def test_nccl_settings_carry_over_to_nvshmem_when_unset():
     assert environ["NVSHMEM_HCA_LIST"] == "mlx5_3", "a user's NVSHMEM setting wins"
     assert environ["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
     assert applied == {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth1", "NVSHMEM_IB_ENABLE_IBGDA": "1"}
+
+
+def test_unique_id_is_made_after_the_interface_settings(monkeypatch):
+    # The ID carries rank 0's bootstrap address: NCCL_SOCKET_IFNAME must reach NVSHMEM first.
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "unset-below")  # restored after the test
+    monkeypatch.delenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")
+    assert len(pydatacopy.get_unique_id()) == 128
+    assert os.environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "lo"
 
 
 def test_p2p_disabled_without_a_remote_transport_is_refused(monkeypatch):

@@ -4,6 +4,8 @@
 // means (the Python layer uses torch.distributed), then every process calls init_nvshmem().
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -16,17 +18,33 @@ constexpr std::size_t kUniqueIdBytes = 128;
 // Creates a fresh NVSHMEM unique ID. Needs no GPU; call it on one process (rank 0) only.
 std::vector<uint8_t> get_unique_id();
 
+// Seconds init_nvshmem waits for every rank: PYDATACOPY_INIT_TIMEOUT_S, else 300.
+double default_init_timeout_seconds();
+
 // Joins the NVSHMEM job named by `root_unique_id` as `rank` of `world_size` on CUDA `device`
 // (device < 0: keep the calling thread's current device). Collective over all ranks.
 // Returns this process's PE (equal to rank). Calling it again with the same ID is harmless;
 // with another ID it throws. If NVSHMEM was already initialised by someone else in this process
 // (for example torch's symmetric memory), it checks that rank and world size agree and joins.
+// Throws TimeoutError when not every rank joined within `timeout_seconds`; NVSHMEM cannot be
+// started again in that process afterwards (its bootstrap cannot be cancelled): exit it.
 int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world_size,
-                 int device = -1);
+                 int device = -1, double timeout_seconds = default_init_timeout_seconds());
 
 // Collective: every PE must call it. Harmless when not initialised. Does nothing to an NVSHMEM
-// that this library did not start (it belongs to whoever did).
+// that this library did not start (it belongs to whoever did). Meets the peers in a bounded
+// barrier first: when one does not come, it skips NVSHMEM's teardown (which would wait for
+// ever) and throws TimeoutError; the process should then exit.
 void finalize();
+
+// Collective barrier with a deadline, enqueued on `stream`: a device-side wait, reported by
+// check_device_errors() when it times out. Does not quiet (transfer.hpp's barrier() does).
+void enqueue_barrier(cudaStream_t stream, double timeout_seconds);
+
+// Host-blocking collective barrier with a deadline: returns once every PE arrived, else throws
+// TimeoutError naming `what` and the missing PE. Runs before NVSHMEM's own collectives
+// (nvshmem_malloc, nvshmem_free, finalize), which have no deadline.
+void barrier_all_blocking(const char* what, double timeout_seconds);
 
 bool is_initialized();
 int my_pe();

@@ -38,8 +38,9 @@ void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream);
 void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds);
 // Completes this PE's outstanding puts on `stream` (delivered at the peers).
 void quiet(cudaStream_t stream);
-// quiet + all PEs reach the barrier (stream-ordered, collective).
-void barrier(cudaStream_t stream);
+// quiet + all PEs reach the barrier (stream-ordered, collective); a PE that does not arrive
+// within timeout_seconds is reported by check_device_errors() as a TimeoutError.
+void barrier(cudaStream_t stream, double timeout_seconds);
 
 // Many puts to one PE in one kernel launch (descriptors in host memory; every dst checked).
 struct TransferDescriptor {

@@ -9,7 +9,7 @@ from typing import Sequence, Union
 import torch
 
 from . import _C, _network, _transfer
-from ._torch_utils import check_int
+from ._torch_utils import check_int, timeout_seconds
 
 Error = _C.Error
 UNIQUE_ID_BYTES: int = _C.UNIQUE_ID_BYTES
@@ -25,8 +25,11 @@ for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTIC
 def get_unique_id() -> list[int]:
     """A fresh NVSHMEM unique ID: 128 ints in [0, 255] (picklable). Needs no GPU.
 
-    Call it on one rank (rank 0) and send the result to every rank.
+    Call it on one rank (rank 0) and send the result to every rank. The ID carries the address
+    rank 0 listens on for NVSHMEM's bootstrap, so the interface settings (NCCL_SOCKET_IFNAME ->
+    NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME, see _network) are applied first.
     """
+    _network.apply_network_settings()
     return _C.get_unique_id()
 
 
@@ -77,20 +80,31 @@ def choose_device(rank: int) -> int:
     return rank % count
 
 
+def _init_timeout(timeout: float | None) -> float:
+    if timeout is None:
+        return _C.default_init_timeout_seconds()
+    return timeout_seconds(timeout)
+
+
 def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
-                 device: int | None = None) -> int:
+                 device: int | None = None, *, timeout: float | None = None) -> int:
     """Join the NVSHMEM job named by rank 0's unique ID (collective). Returns this PE (== rank).
 
     The design note's entry point: every rank calls it with the same ID. `device` overrides the
     device rule of `choose_device`. Calling it again with the same ID is harmless.
+
+    Raises TimeoutError when not every rank joined within `timeout` seconds (default:
+    PYDATACOPY_INIT_TIMEOUT_S, else 300). NVSHMEM's bootstrap cannot be cancelled, so after that
+    error this process cannot start NVSHMEM again: exit it.
     """
     values = _id_to_list(root_unique_id)
+    init_timeout = _init_timeout(timeout)
     check_int("world_size", world_size, 1)
     check_int("rank", rank, 0)
     if rank >= world_size:
         raise Error(f"rank must be in [0, world_size={world_size}), got {rank}")
     if _C.is_initialized():
-        return _C.init_nvshmem(values, rank, world_size, _C.cuda_device())
+        return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
     if device is None:
         device = choose_device(rank)
     else:
@@ -99,7 +113,7 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
         torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
     _network.check_transport_preconditions(world_size)
-    pe = _C.init_nvshmem(values, rank, world_size, device)
+    pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
     return pe
 
@@ -131,12 +145,13 @@ def share_unique_id(group=None) -> list[int]:
     return unique_id
 
 
-def init(group=None, *, device: int | None = None) -> int:
+def init(group=None, *, device: int | None = None, timeout: float | None = None) -> int:
     """Start NVSHMEM on every rank of a torch.distributed group (collective). Returns this PE.
 
-    Rank 0 of `group` (default: the world) creates the ID; it travels through torch.distributed;
-    every rank checks it and joins. The CUDA device follows `choose_device` unless `device` is
-    given. Calling it again is harmless.
+    Rank 0 of `group` (default: the world) creates the ID; it travels through torch.distributed
+    (under the group's own timeout, set by init_process_group); every rank checks it and joins.
+    The CUDA device follows `choose_device` unless `device` is given. `timeout` bounds NVSHMEM's
+    start (see init_nvshmem). Calling it again is harmless.
     """
     import torch.distributed as dist
 
@@ -153,7 +168,7 @@ def init(group=None, *, device: int | None = None) -> int:
         device = choose_device(rank)
     torch.cuda.set_device(device)
     unique_id = share_unique_id(group)
-    return init_nvshmem(unique_id, rank, world_size, device=device)
+    return init_nvshmem(unique_id, rank, world_size, device=device, timeout=timeout)
 
 
 def finalize() -> None:

@@ -210,10 +210,19 @@ def quiet(*, stream=None) -> None:
     _C.quiet(_stream(stream))
 
 
-def barrier(*, stream=None) -> None:
-    """quiet, then wait for every PE to reach the barrier (stream-ordered, collective)."""
+def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False) -> None:
+    """quiet, then wait for every PE to reach the barrier (stream-ordered, collective).
+
+    A PE that does not arrive within `timeout` seconds (default PYDATACOPY_TIMEOUT_S, else 60)
+    is reported as a TimeoutError naming it: here with ``blocking=True`` (which also
+    synchronises the stream), else by the next call or ``check_errors()``.
+    """
     _require_init("barrier")
-    _C.barrier(_stream(stream))
+    handle = _stream(stream)
+    _C.barrier(handle, timeout_seconds(timeout))
+    if blocking:
+        torch.cuda.ExternalStream(handle).synchronize()
+        _C.check_device_errors()
 
 
 def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,

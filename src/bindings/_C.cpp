@@ -52,7 +52,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_unique_id", &get_unique_id,
         "Create an NVSHMEM unique ID (128 bytes, as a list of ints). Needs no GPU.");
   m.def("init_nvshmem", &init_nvshmem, py::arg("root_unique_id"), py::arg("rank"),
-        py::arg("world_size"), py::arg("device") = -1, release_gil(),
+        py::arg("world_size"), py::arg("device") = -1,
+        py::arg("timeout_seconds"), release_gil(),
         "Join the NVSHMEM job named by root_unique_id (collective). Returns this PE.");
   m.def("finalize", &finalize, release_gil(), "Collective NVSHMEM finalize; harmless twice.");
   m.def("is_initialized", &is_initialized);
@@ -63,6 +64,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("loaded_nvshmem_version", [] { return loaded_nvshmem_version().str(); });
   m.def("check_nvshmem_version", &check_nvshmem_version);
   m.def("default_timeout_seconds", &default_timeout_seconds);
+  m.def("default_init_timeout_seconds", &default_init_timeout_seconds);
+  m.def("barrier_all_blocking", &barrier_all_blocking, py::arg("what"), py::arg("timeout_seconds"),
+        release_gil());
   m.def("check_device_errors", &check_device_errors);
 
   // Symmetric memory.
@@ -135,7 +139,8 @@ PYBIND11_MODULE(_C, m) {
           signal_wait(as_pointer<const uint64_t>(signal), value, as_stream(stream), timeout);
         }, py::arg("signal"), py::arg("value"), py::arg("stream"), py::arg("timeout"));
   m.def("quiet", [](std::uintptr_t stream) { quiet(as_stream(stream)); }, py::arg("stream"));
-  m.def("barrier", [](std::uintptr_t stream) { barrier(as_stream(stream)); }, py::arg("stream"));
+  m.def("barrier", [](std::uintptr_t stream, double timeout_seconds) { barrier(as_stream(stream), timeout_seconds); },
+        py::arg("stream"), py::arg("timeout_seconds"));
   m.def("put_many", [](const std::vector<std::uintptr_t>& dsts, const std::vector<std::uintptr_t>& srcs,
                        const std::vector<std::size_t>& bytes, int pe, std::uintptr_t stream, int path) {
           PDC_REQUIRE(dsts.size() == srcs.size() && srcs.size() == bytes.size(),

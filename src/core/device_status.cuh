@@ -17,6 +17,7 @@ enum class WaitOp : int {
   kChunkCredit = 4,   // send(): the receiver freeing a staging chunk
   kChunkArrival = 5,  // recv(): the sender filling a staging chunk
   kBlockIndex = 6,    // put_blocks(): an index out of range (code 2, not a timeout)
+  kBarrier = 7,       // barrier(): a PE not arriving
 };
 
 const char* wait_op_name(WaitOp op);

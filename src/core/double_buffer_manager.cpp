@@ -57,9 +57,9 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
   void* base = symmetric_malloc(static_cast<std::size_t>(layout.total()));
   // Zeroed signals and credits mean "nothing yet"; the barrier keeps peers from writing before.
   PDC_CHECK_CUDA(cudaMemset(base, 0, static_cast<std::size_t>(layout.total())));
-  PDC_CHECK_CUDA(cudaDeviceSynchronize());
-  nvshmem_barrier_all();
   base_ = static_cast<uint8_t*>(base);
+  PDC_CHECK_CUDA(cudaDeviceSynchronize());
+  barrier_all_blocking("DoubleBufferManager.init", default_timeout_seconds());
   n_tokens_ = n_tokens;
   token_size_ = token_size;
   next_round_ = 0;
@@ -69,14 +69,14 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
 void DoubleBufferManager::cleanup() {
   if (base_ == nullptr) return;
   pydatacopy::require_initialized("DoubleBufferManager.cleanup");
-  // Peers may still be putting into our receive buffers: settle every PE before freeing.
-  PDC_CHECK_CUDA(cudaDeviceSynchronize());
-  if (!peer_failed()) nvshmem_barrier_all();  // never wait on a dead peer
-  symmetric_free(base_);
+  // symmetric_free settles every PE (bounded barrier) before freeing: peers may still be
+  // putting into our receive buffers until then.
+  uint8_t* base = base_;
   base_ = nullptr;
   n_tokens_ = token_size_ = 0;
   next_round_ = 0;
   last_waited_round_ = -1;
+  symmetric_free(base);
 }
 
 uint8_t* DoubleBufferManager::send_buffer(int set) const {

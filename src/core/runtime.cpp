@@ -2,12 +2,17 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
+#include <thread>
 
 #include "device_status.cuh"
+#include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
 
@@ -21,12 +26,15 @@ struct RuntimeState {
   std::mutex mutex;
   bool initialized = false;
   bool owns_nvshmem = false;  // false when NVSHMEM was started by someone else in this process
+  bool init_abandoned = false;  // an init timed out: its thread may still sit in NVSHMEM's bootstrap
   int device = -1;
   int my_pe = -1;
   int n_pes = 0;
   std::vector<uint8_t> unique_id;
   detail::DeviceStatus* status_host = nullptr;
   detail::DeviceStatus* status_device = nullptr;
+  uint64_t* barrier_signals = nullptr;  // symmetric [n_pes]: the barrier epoch each PE reached
+  uint64_t barrier_epoch = 0;
 };
 
 RuntimeState& state() {
@@ -52,6 +60,88 @@ void check_init_args(const std::vector<uint8_t>& id, int rank, int world_size, i
                              << " device(s); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
 }
 
+// Starts NVSHMEM (when `start`) and allocates the barrier's signals: both wait on every other
+// rank, and NVSHMEM's bootstrap has no deadline of its own. So the work runs on a helper thread
+// and this one waits at most `timeout_seconds`. On a timeout the helper is left behind (it cannot
+// be cancelled inside NVSHMEM), `abandoned` is set and TimeoutError raised.
+uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int rank,
+                                int world_size, int device, bool start, double timeout_seconds,
+                                bool& abandoned) {
+  struct Task {
+    std::mutex mutex;
+    std::condition_variable done_cv;
+    bool done = false;
+    bool timed_out_inside = false;
+    std::string error;
+    uint64_t* barrier_signals = nullptr;
+  };
+  auto task = std::make_shared<Task>();
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, root_unique_id.data(), kUniqueIdBytes);
+  std::thread helper([task, id, rank, world_size, device, start]() mutable {
+    std::string error;
+    bool timeout_error = false;
+    uint64_t* signals = nullptr;
+    try {
+      PDC_CHECK_CUDA(cudaSetDevice(device));
+      if (start) {
+        nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+        PDC_CHECK_NVSHMEM(nvshmemx_set_attr_uniqueid_args(rank, world_size, &id, &attr));
+        // nvshmemx_init_attr() is an inline wrapper that exit()s on failure; call what it wraps
+        // so that a failure becomes an exception.
+        nvshmemx_init_init_attr_ver_only(attr);
+        int provided = 0;
+        nvshmemi_version_t app_version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
+                                          NVSHMEM_VENDOR_PATCH_VERSION};
+        PDC_CHECK_NVSHMEM(nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided,
+                                               NVSHMEMX_INIT_WITH_UNIQUEID, &attr, app_version));
+        PDC_REQUIRE(nvshmem_my_pe() == rank,
+                    "NVSHMEM made this process PE " << nvshmem_my_pe() << " instead of rank " << rank
+                        << ": every rank must pass its own torch.distributed rank");
+      }
+      const std::size_t bytes = sizeof(uint64_t) * static_cast<std::size_t>(world_size);
+      signals = static_cast<uint64_t*>(nvshmem_malloc(bytes));
+      PDC_REQUIRE(signals != nullptr, "the NVSHMEM symmetric heap has no room for the barrier's "
+                                      << bytes << " bytes: raise NVSHMEM_SYMMETRIC_SIZE");
+      PDC_CHECK_CUDA(cudaMemset(signals, 0, bytes));
+      PDC_CHECK_CUDA(cudaDeviceSynchronize());
+      nvshmem_barrier_all();  // no PE signals into a peer's array before the peer zeroed it
+    } catch (const TimeoutError& e) {
+      error = e.what();
+      timeout_error = true;
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    std::lock_guard<std::mutex> lock(task->mutex);
+    task->done = true;
+    task->error = error;
+    task->timed_out_inside = timeout_error;
+    task->barrier_signals = signals;
+    task->done_cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(task->mutex);
+  const auto limit = std::chrono::duration<double>(timeout_seconds);
+  if (!task->done_cv.wait_for(lock, limit, [&] { return task->done; })) {
+    lock.unlock();
+    helper.detach();
+    abandoned = true;
+    std::ostringstream text;
+    text << "init_nvshmem: rank " << rank << " of " << world_size << " waited " << timeout_seconds
+         << " s and not every rank joined NVSHMEM's bootstrap (a rank crashed, was not started, "
+            "got another unique ID, or cannot reach rank 0's address: check "
+            "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME). NVSHMEM cannot be started again in this process: "
+            "exit it. Raise the limit with timeout= or PYDATACOPY_INIT_TIMEOUT_S.";
+    throw TimeoutError(text.str());
+  }
+  lock.unlock();
+  helper.join();
+  if (!task->error.empty()) {
+    if (task->timed_out_inside) throw TimeoutError(task->error);
+    throw Error(task->error);
+  }
+  return task->barrier_signals;
+}
+
 }  // namespace
 
 namespace detail {
@@ -66,6 +156,7 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kChunkCredit: return "send (waiting for the receiver to free a staging chunk)";
     case WaitOp::kChunkArrival: return "recv (waiting for the sender's next chunk)";
     case WaitOp::kBlockIndex: return "put_blocks";
+    case WaitOp::kBarrier: return "barrier (waiting for the PE to arrive)";
     default: return "wait";
   }
 }
@@ -105,7 +196,8 @@ std::vector<uint8_t> get_unique_id() {
   return bytes;
 }
 
-int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world_size, int device) {
+int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world_size, int device,
+                 double timeout_seconds) {
   RuntimeState& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.initialized) {
@@ -117,38 +209,27 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
                     << ", not rank " << rank << " of " << world_size);
     return s.my_pe;
   }
+  PDC_REQUIRE(!s.init_abandoned,
+              "an earlier init_nvshmem in this process timed out and NVSHMEM may still be waiting "
+              "in its bootstrap: NVSHMEM cannot be started again here; exit this process and "
+              "start a new job");
+  timeout_nanoseconds(timeout_seconds);  // validates it
   check_init_args(root_unique_id, rank, world_size, device);
   check_nvshmem_version();
   if (device >= 0) PDC_CHECK_CUDA(cudaSetDevice(device));
   PDC_CHECK_CUDA(cudaGetDevice(&device));
   PDC_CHECK_CUDA(cudaFree(nullptr));  // create the primary context NVSHMEM will use
 
-  bool owns = false;
-  if (nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {
+  const bool owns = nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED;
+  if (!owns) {
     // Another component (torch's symmetric memory, say) started NVSHMEM: one process has one.
     PDC_REQUIRE(nvshmem_my_pe() == rank && nvshmem_n_pes() == world_size,
                 "NVSHMEM is already running in this process as PE " << nvshmem_my_pe() << " of "
                     << nvshmem_n_pes() << ", which does not match rank " << rank << " of "
                     << world_size);
-  } else {
-    nvshmemx_uniqueid_t id;
-    std::memcpy(&id, root_unique_id.data(), kUniqueIdBytes);
-    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
-    PDC_CHECK_NVSHMEM(nvshmemx_set_attr_uniqueid_args(rank, world_size, &id, &attr));
-    // nvshmemx_init_attr() is an inline wrapper that exit()s on failure; call what it wraps so
-    // that a failure becomes an exception.
-    nvshmemx_init_init_attr_ver_only(attr);
-    int provided = 0;
-    nvshmemi_version_t app_version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
-                                      NVSHMEM_VENDOR_PATCH_VERSION};
-    PDC_CHECK_NVSHMEM(nvshmemi_init_thread(NVSHMEM_THREAD_SERIALIZED, &provided,
-                                           NVSHMEMX_INIT_WITH_UNIQUEID, &attr, app_version));
-    owns = true;
-    PDC_REQUIRE(nvshmem_my_pe() == rank,
-                "NVSHMEM made this process PE " << nvshmem_my_pe() << " instead of rank " << rank
-                    << ": every rank must pass its own torch.distributed rank");
   }
-
+  uint64_t* barrier_signals = start_nvshmem_bounded(root_unique_id, rank, world_size, device, owns,
+                                                   timeout_seconds, s.init_abandoned);
   if (s.status_host == nullptr) {
     void* host = nullptr;
     PDC_CHECK_CUDA(cudaHostAlloc(&host, sizeof(detail::DeviceStatus), cudaHostAllocMapped));
@@ -160,6 +241,8 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
   }
   s.initialized = true;
   s.owns_nvshmem = owns;
+  s.barrier_signals = barrier_signals;
+  s.barrier_epoch = 0;
   s.device = device;
   s.my_pe = rank;
   s.n_pes = world_size;
@@ -167,18 +250,61 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
   return rank;
 }
 
+void enqueue_barrier(cudaStream_t stream, double timeout_seconds) {
+  require_initialized("barrier");
+  RuntimeState& s = state();
+  const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
+  kernels::launch_barrier(s.barrier_signals, ++s.barrier_epoch, s.my_pe, s.n_pes, timeout_ns,
+                          s.status_device, stream);
+}
+
+void barrier_all_blocking(const char* what, double timeout_seconds) {
+  require_initialized(what);
+  check_device_errors();
+  cudaStream_t stream = nullptr;
+  PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  try {
+    enqueue_barrier(stream, timeout_seconds);
+    PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
+  } catch (...) {
+    cudaStreamDestroy(stream);
+    throw;
+  }
+  PDC_CHECK_CUDA(cudaStreamDestroy(stream));
+  try {
+    check_device_errors();
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(std::string(what) + ": " + e.what());
+  }
+}
+
 void finalize() {
   RuntimeState& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (!s.initialized) return;
+  // NVSHMEM's finalize and free wait on every PE without a deadline: meet the peers in a
+  // bounded barrier first, so that a dead or absent one gives TimeoutError, not a hang.
+  bool peers_here = !peer_failed();
+  std::string error;
+  if (peers_here) {
+    try {
+      barrier_all_blocking("finalize", default_timeout_seconds());
+    } catch (const TimeoutError& e) {
+      peers_here = false;
+      error = e.what();
+    }
+  }
   s.initialized = false;
-  // After a peer timed out, NVSHMEM's collective finalize would wait on the dead peer forever:
+  // After a peer timed out, NVSHMEM's collective teardown would wait on the dead peer forever:
   // leave NVSHMEM as it is and let process exit reclaim it.
-  if (s.owns_nvshmem && !peer_failed()) nvshmem_finalize();
+  if (peers_here) nvshmem_free(s.barrier_signals);
+  s.barrier_signals = nullptr;
+  if (s.owns_nvshmem && peers_here) nvshmem_finalize();
   s.owns_nvshmem = false;
   s.unique_id.clear();
   s.my_pe = -1;
   s.n_pes = 0;
+  if (!error.empty()) throw TimeoutError(error + " (finalize skipped NVSHMEM's collective teardown)");
 }
 
 bool is_initialized() { return state().initialized; }
@@ -214,15 +340,23 @@ int cuda_device() {
   return state().device;
 }
 
-double default_timeout_seconds() {
-  if (const char* text = std::getenv("PYDATACOPY_TIMEOUT_S")) {
+namespace {
+double seconds_from_environment(const char* name, double fallback) {
+  if (const char* text = std::getenv(name)) {
     char* end = nullptr;
     const double seconds = std::strtod(text, &end);
-    PDC_REQUIRE(end != text && *end == '\0' && seconds > 0,
-                "PYDATACOPY_TIMEOUT_S must be a positive number of seconds, got '" << text << "'");
+    PDC_REQUIRE(end != text && *end == '\0' && seconds > 0 && std::isfinite(seconds),
+                name << " must be a positive number of seconds, got '" << text << "'");
     return seconds;
   }
-  return 60.0;
+  return fallback;
+}
+}  // namespace
+
+double default_timeout_seconds() { return seconds_from_environment("PYDATACOPY_TIMEOUT_S", 60.0); }
+
+double default_init_timeout_seconds() {
+  return seconds_from_environment("PYDATACOPY_INIT_TIMEOUT_S", 300.0);
 }
 
 uint64_t timeout_nanoseconds(double seconds) {

@@ -34,8 +34,6 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   const std::size_t total = align_up(staging_bytes, kAlignment) + 2 * signal_bytes;
   void* base = symmetric_malloc(total);
   PDC_CHECK_CUDA(cudaMemset(base, 0, total));
-  PDC_CHECK_CUDA(cudaDeviceSynchronize());
-  nvshmem_barrier_all();  // nobody signals into memory a peer has not zeroed yet
   base_ = static_cast<uint8_t*>(base);
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
@@ -44,17 +42,20 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   symmetric_bytes_ = total;
   chunks_sent_.assign(pes, 0);
   chunks_received_.assign(pes, 0);
+  PDC_CHECK_CUDA(cudaDeviceSynchronize());
+  // Nobody signals into memory a peer has not zeroed yet.
+  barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
 }
 
 void SendRecvEngine::cleanup() {
   if (base_ == nullptr) return;
   require_initialized("SendRecvEngine.cleanup");
-  PDC_CHECK_CUDA(cudaDeviceSynchronize());
-  if (!peer_failed()) nvshmem_barrier_all();  // never wait on a dead peer
-  symmetric_free(base_);
+  // symmetric_free settles every PE (bounded barrier) first: peers may still write into staging.
+  uint8_t* base = base_;
   base_ = nullptr;
   chunks_sent_.clear();
   chunks_received_.clear();
+  symmetric_free(base);
 }
 
 uint8_t* SendRecvEngine::staging(int src_pe) const {

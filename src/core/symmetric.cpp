@@ -30,6 +30,8 @@ Allocations& allocations() {
 void* symmetric_malloc(std::size_t bytes) {
   require_initialized("symmetric_malloc");
   PDC_REQUIRE(bytes > 0, "cannot allocate 0 bytes of symmetric memory");
+  // nvshmem_malloc waits for every PE with no deadline: meet them in a bounded barrier first.
+  barrier_all_blocking("symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds());
   void* ptr = nvshmem_malloc(bytes);
   if (ptr == nullptr) {
     const char* configured = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
@@ -58,6 +60,8 @@ void symmetric_free(void* ptr) {
   // The caller's streams may still read or write the buffer; nvshmem_free synchronises PEs but
   // not this device's queued work.
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
+  // Also keeps a peer from writing into the buffer after we free it.
+  barrier_all_blocking("symmetric_free (collective: every PE must free)", default_timeout_seconds());
   nvshmem_free(ptr);
 }
 

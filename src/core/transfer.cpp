@@ -108,10 +108,12 @@ void quiet(cudaStream_t stream) {
   nvshmemx_quiet_on_stream(stream);
 }
 
-void barrier(cudaStream_t stream) {
+void barrier(cudaStream_t stream, double timeout_seconds) {
   require_initialized("barrier");
   check_device_errors();
-  nvshmemx_barrier_all_on_stream(stream);
+  timeout_nanoseconds(timeout_seconds);  // validate before anything is enqueued
+  nvshmemx_quiet_on_stream(stream);
+  enqueue_barrier(stream, timeout_seconds);
 }
 
 void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,

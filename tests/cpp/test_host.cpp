@@ -68,7 +68,9 @@ int main() {
   check_throws([] { put(nullptr, nullptr, 8, 0, nullptr); }, "call pydatacopy.init", "put before init");
   check_throws([] { get(nullptr, nullptr, 8, 0, nullptr); }, "call pydatacopy.init", "get before init");
   check_throws([] { quiet(nullptr); }, "call pydatacopy.init", "quiet before init");
-  check_throws([] { barrier(nullptr); }, "call pydatacopy.init", "barrier before init");
+  check_throws([] { barrier(nullptr, 1.0); }, "call pydatacopy.init", "barrier before init");
+  check_throws([] { barrier_all_blocking("test", 1.0); }, "call pydatacopy.init", "blocking barrier before init");
+  check_throws([&] { init_nvshmem(id, 0, 1, -1, 0.0); }, "positive number of seconds", "init timeout 0");
   check_throws([] { SendRecvEngine().init(1 << 20, 4, 8); }, "call pydatacopy.init", "engine before init");
   check_throws([] { SendRecvEngine().send(nullptr, 8, 0, nullptr, 1.0); }, "call pydatacopy.init", "send before init");
   check_throws([] { DoubleBufferManager().init(4, 16); }, "call pydatacopy.init", "DBM before init");

@@ -107,6 +107,21 @@ def test_put_signal_and_signal_wait(world, peer):
         pydatacopy.free(data)
 
 
+def test_barrier_with_deadline_orders_puts(world, peer):
+    """The bounded barrier (quiet + epoch signals) must make every earlier put visible."""
+    rank, _, _ = world
+    box = pydatacopy.empty(4096, dtype=torch.int64)
+    try:
+        for i in range(200):
+            src = torch.full((4096,), 2 * i + rank, dtype=torch.int64, device="cuda")
+            pydatacopy.put(box, src, peer, path=("auto", "sm", "rma")[i % 3])
+            pydatacopy.barrier(timeout=30, blocking=i % 4 == 0)
+            assert torch.equal(box, torch.full_like(box, 2 * i + peer)), f"round {i}"
+            pydatacopy.barrier(timeout=30)  # the peer has checked before we overwrite
+    finally:
+        pydatacopy.free(box)
+
+
 SEND_SIZES = [1, 7, 4096, 1 << 20, 4 << 20, (4 << 20) + 1, (64 << 20) + 3]
 
 

@@ -1,10 +1,15 @@
-"""Dead-peer check: python tests/stress/kill_check.py [--timeout 5]
+"""Dead- and absent-peer checks: python tests/stress/kill_check.py [--timeout 5]
 
-Starts two worker processes (not under torchrun, whose agent would end the survivor too), lets
-them stream send/recv both ways, SIGKILLs PE 1 mid-transfer and checks that PE 0 raises
-pydatacopy.TimeoutError within the timeout plus a few seconds and then exits without blocking
-on the dead peer. A second scenario exits both workers without finalize() and checks that
-interpreter exit does not hang. Prints one line per scenario; exits non-zero on failure.
+Starts worker processes (not under torchrun, whose agent would end the survivor too):
+- kill: both stream send/recv both ways, PE 1 is SIGKILLed mid-transfer; PE 0 must raise
+  pydatacopy.TimeoutError within the timeout plus a few seconds and exit without blocking on
+  the dead peer;
+- no-finalize: both exit without finalize(); interpreter exit must not hang;
+- absent-barrier / absent-alloc: PE 1 is alive but never calls barrier() / empty(); PE 0 must
+  raise TimeoutError naming the operation and PE 1, then finalize() without waiting for it;
+- absent-init: only rank 0 of 2 starts; init_nvshmem must raise TimeoutError and the
+  interpreter must then exit normally (NVSHMEM's bootstrap thread is left waiting).
+Prints one line per scenario; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -21,10 +26,40 @@ WORKER = r"""
 import os, sys, time, torch, torch.distributed as dist, pydatacopy
 rank = int(os.environ["RANK"]); mode = os.environ["KILL_MODE"]; timeout = float(os.environ["KILL_TIMEOUT"])
 torch.cuda.set_device(rank)
+if mode == "absent-init":
+    begin = time.time()
+    try:
+        pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), 0, 2, timeout=timeout)
+    except pydatacopy.TimeoutError as error:
+        print(f"RAISED {type(error).__name__} after {time.time() - begin:.1f} s: {error}", flush=True)
+        try:
+            pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), 0, 1, timeout=timeout)
+        except pydatacopy.Error as again:
+            print(f"AGAIN {type(again).__name__}: {again}"[:200], flush=True)
+        print("FINALIZED", flush=True)
+        sys.exit(3)  # a normal interpreter exit, with NVSHMEM's bootstrap still waiting
+    sys.exit(1)
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=rank, world_size=2)
 pydatacopy.init()
 outgoing = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
 incoming = torch.empty_like(outgoing)
+if mode.startswith("absent-"):
+    if rank == 1:
+        print("READY", flush=True)
+        time.sleep(4 * timeout)  # alive, but never makes the matching call
+        os._exit(0)
+    begin = time.time()
+    try:
+        if mode == "absent-barrier":
+            pydatacopy.barrier(timeout=timeout, blocking=True)
+        else:
+            pydatacopy.empty(1 << 20)
+    except pydatacopy.TimeoutError as error:
+        print(f"RAISED {type(error).__name__} after {time.time() - begin:.1f} s: {error}", flush=True)
+        pydatacopy.finalize()  # must not wait for the absent peer
+        print("FINALIZED", flush=True)
+        os._exit(3)
+    os._exit(1)
 if mode == "no-finalize":
     pydatacopy.sendrecv(outgoing, 1 - rank, incoming, 1 - rank, timeout=timeout)
     torch.cuda.synchronize()
@@ -45,14 +80,33 @@ except pydatacopy.TimeoutError as error:
 """
 
 
+EXPECTED_WORDS = {"absent-barrier": "barrier", "absent-alloc": "symmetric_malloc",
+                  "absent-init": "not every rank joined"}
+
+
 def run(mode: str, timeout: float) -> tuple[bool, str]:
     store = tempfile.mktemp(prefix="pydatacopy-kill-")
     env = dict(os.environ, KILL_MODE=mode, KILL_TIMEOUT=str(timeout), STORE=store,
                WORLD_SIZE="2", PYTHONUNBUFFERED="1")
+    ranks = [0] if mode == "absent-init" else [0, 1]
     procs = [subprocess.Popen([sys.executable, "-c", WORKER], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+             for r in ranks]
     try:
+        if mode in EXPECTED_WORDS:
+            begin = time.time()
+            output, _ = procs[0].communicate(timeout=timeout + 120)
+            elapsed = time.time() - begin
+            lines = [l for l in output.splitlines() if l.startswith(("RAISED", "AGAIN", "FINALIZED"))]
+            raised = next((l for l in lines if l.startswith("RAISED TimeoutError")), "")
+            waited = float(raised.split(" after ")[1].split(" s")[0]) if raised else float("inf")
+            ok = (EXPECTED_WORDS[mode] in raised and "FINALIZED" in output and
+                  procs[0].returncode == 3 and waited <= timeout + 10)
+            if mode != "absent-init":
+                ok = ok and "PE 1" in raised
+            return ok, (f"PE 0 raised after {waited:.1f} s (timeout {timeout:.0f} s), exit code "
+                        f"{procs[0].returncode}, process done {elapsed:.1f} s after start; "
+                        + " | ".join(lines)[:500])
         # Wait for PE 1 to be mid-transfer.
         line = ""
         deadline = time.time() + 120
@@ -92,7 +146,10 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=5.0)
     args = parser.parse_args()
     results = [("kill PE 1 mid-transfer", *run("kill", args.timeout)),
-               ("exit without finalize()", *run("no-finalize", args.timeout))]
+               ("exit without finalize()", *run("no-finalize", args.timeout)),
+               ("PE 1 skips barrier()", *run("absent-barrier", args.timeout)),
+               ("PE 1 skips empty()", *run("absent-alloc", args.timeout)),
+               ("rank 1 never starts", *run("absent-init", args.timeout))]
     for name, ok, detail in results:
         print(f"kill-check: {name:<26} {'PASS' if ok else 'FAIL'}  {detail}")
     return 0 if all(ok for _, ok, _ in results) else 1

@@ -45,6 +45,11 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 void launch_put_many(const void* device_descriptors, int count, int pe, bool force_rma,
                      cudaStream_t stream);
 
+// Every PE sets its slot `my_pe` of every other PE's `signals` to `epoch`, then waits until all
+// of its own slots reached `epoch` (deadline: timeout_ns). No launch when n_pes == 1.
+void launch_barrier(uint64_t* signals, uint64_t epoch, int my_pe, int n_pes, uint64_t timeout_ns,
+                    detail::DeviceStatus* status, cudaStream_t stream);
+
 void launch_signal_wait(const uint64_t* signal, uint64_t value, int my_pe, uint64_t timeout_ns,
                         detail::DeviceStatus* status, cudaStream_t stream);
 

@@ -71,7 +71,27 @@ __global__ void signal_wait_kernel(const uint64_t* signal, uint64_t value, int m
   detail::wait_until_at_least(signal, value, deadline, status, detail::WaitOp::kSignal, my_pe, my_pe);
 }
 
+__global__ void barrier_kernel(uint64_t* signals, uint64_t epoch, int my_pe, int n_pes,
+                               uint64_t timeout_ns, detail::DeviceStatus* status) {
+  const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
+  for (int pe = threadIdx.x; pe < n_pes; pe += blockDim.x)
+    if (pe != my_pe) nvshmemx_signal_op(signals + my_pe, epoch, NVSHMEM_SIGNAL_SET, pe);
+  for (int pe = threadIdx.x; pe < n_pes; pe += blockDim.x)
+    if (pe != my_pe &&
+        !detail::wait_until_at_least(signals + pe, epoch, deadline, status, detail::WaitOp::kBarrier,
+                                     pe, my_pe))
+      break;
+}
+
 }  // namespace
+
+void launch_barrier(uint64_t* signals, uint64_t epoch, int my_pe, int n_pes, uint64_t timeout_ns,
+                    detail::DeviceStatus* status, cudaStream_t stream) {
+  if (n_pes <= 1) return;
+  const int threads = std::min(1024, (n_pes + 31) / 32 * 32);
+  barrier_kernel<<<1, threads, 0, stream>>>(signals, epoch, my_pe, n_pes, timeout_ns, status);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
 
 void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) return;
