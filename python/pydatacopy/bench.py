@@ -2,7 +2,9 @@
 
 Sweeps message sizes like nccl-tests (-b/-e/-f, -n iterations, -w warm-up) for each pydatacopy
 path and, in the same run, the baselines: the copy engine writing straight into the peer's
-memory (cudaMemcpyAsync, the practical limit) and NCCL send/recv through torch.distributed.
+memory (torch's copy_ into the peer's mapping, a cudaMemcpyAsync: the practical limit), NCCL
+send/recv through torch.distributed, and torch symmetric memory's NVSHMEM put (one direction;
+when this torch has it).
 Times are CUDA events after warm-up, the median of repeats, the slower of the two PEs; data is
 fresh and non-zero, and every row is checked (`ok`). Ratios between rows of one run decide:
 the GPUs are shared and absolute figures move.
@@ -106,6 +108,45 @@ class Sweep:
             pydatacopy.barrier()
             pydatacopy.free(symmetric)
 
+    def memcpy_baseline(self):
+        """cudaMemcpyAsync (torch copy_) into the peer's memory: no pydatacopy code on the path."""
+        symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
+        symmetric.zero_()
+        pydatacopy.barrier()
+        peer_memory = pydatacopy.peer_view(symmetric, self.peer)
+
+        def run():
+            if self.sends:
+                peer_memory.copy_(self.src)
+
+        try:
+            return self.measure(run, lambda: not self.receives or torch.equal(symmetric, self.expected))
+        finally:
+            pydatacopy.barrier()
+            pydatacopy.free(symmetric)
+
+    def torch_symm_mem(self):
+        """torch.ops.symm_mem.nvshmem_put: the tensor goes to the same tensor on the peer."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        tensor = symm_mem.empty(self.nbytes, dtype=torch.uint8, device="cuda")
+        symm_mem.rendezvous(tensor, dist.group.WORLD.group_name)
+        tensor.copy_(self.src if self.sends else torch.zeros_like(self.src))
+        torch.cuda.synchronize()
+        dist.barrier()
+
+        def run():
+            if self.sends:
+                torch.ops.symm_mem.nvshmem_put(tensor, self.peer)
+                pydatacopy.quiet()  # one NVSHMEM in the process: this completes torch's put too
+
+        try:
+            return self.measure(run, lambda: not self.receives or torch.equal(tensor, self.expected))
+        finally:
+            torch.cuda.synchronize()
+            dist.barrier()
+            del tensor
+
     def sendrecv(self):
         def run():
             if self.both:
@@ -129,6 +170,24 @@ class Sweep:
 
         self.out.zero_()
         return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
+
+
+def _torch_symm_mem_ready() -> bool:
+    """Whether torch's symmetric memory runs on NVSHMEM here (decided on every rank alike)."""
+    reason = ""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        if not symm_mem.is_nvshmem_available():
+            reason = "torch reports NVSHMEM unavailable"
+    except Exception as error:  # any torch without it: the baseline is skipped, not the run
+        reason = f"{type(error).__name__}: {error}"
+    ready = _agree(not reason)
+    if not ready and pydatacopy.my_pe() == 0:
+        print(f"  torch symm_mem baseline skipped: {reason or 'not available on every rank'}",
+              file=sys.stderr, flush=True)
+    return ready
 
 
 def bench_token_exchange(n_tokens: int, token_size: int, args) -> dict:
@@ -252,13 +311,19 @@ def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dic
 
 def report(rows: list[dict], args) -> None:
     """The table on the terminal; CSV and PNG files when asked for."""
-    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6}  ok")
+    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6} "
+          f"{'xCE':>6}  ok")
     nccl = {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == "NCCL"}
+    copy_engine = {(r["direction"], r["bytes"]): r["gbps"] for r in rows
+                   if r["path"] == "cudaMemcpyAsync"}
+
+    def ratio(r, baselines):
+        base = baselines.get((r["direction"], r["bytes"]))
+        return f"{r['gbps'] / base:6.2f}" if base else "     -"
+
     for r in rows:
-        base = nccl.get((r["direction"], r["bytes"]))
-        ratio = f"{r['gbps'] / base:6.2f}" if base else "     -"
         print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-              f"{r['gbps']:>8.1f} {ratio}  {'yes' if r['ok'] else 'NO'}")
+              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)}  {'yes' if r['ok'] else 'NO'}")
     if getattr(args, "csv", None):
         import csv
 
@@ -285,7 +350,7 @@ def plot(rows: list[dict], path: str) -> None:
     for axis, direction in zip(axes[0], directions):
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
-            if r["direction"] == direction and r["op"] in ("put", "send/recv"):
+            if r["direction"] == direction and r["op"] in ("put", "send/recv", "baseline"):
                 series.setdefault(f"{r['op']} ({r['path']})", []).append((r["bytes"], r["gbps"]))
         for label, points in series.items():
             points.sort()
@@ -312,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-r", "--repeats", type=int, default=5)
     parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one")
-    parser.add_argument("--ops", default="put_ce,put_sm,put_rma,sendrecv,nccl,tokens,"
-                        "latency,host,put_many",
-                        help="comma-separated subset of put_ce,put_sm,put_rma,sendrecv,"
-                             "nccl,tokens,latency,host,put_many")
+    parser.add_argument("--ops", default="memcpy,put_ce,put_sm,put_rma,torch_symm,sendrecv,nccl,"
+                        "tokens,latency,host,put_many",
+                        help="comma-separated subset of memcpy,put_ce,put_sm,put_rma,torch_symm,"
+                             "sendrecv,nccl,tokens,latency,host,put_many")
     parser.add_argument("--tokens", nargs="*", default=["1024x4096", "4096x7168", "16384x14336"],
                         help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
     parser.add_argument("--json", help="write all rows to this JSON file (rank 0)")
@@ -347,15 +412,21 @@ def main(argv: list[str] | None = None) -> int:
     while size <= args.maxbytes:
         sizes.append(size)
         size *= args.stepfactor
-    labels = {"put_ce": ("put", "copy_engine"), "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
+    labels = {"memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
+              "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
+              "torch_symm": ("baseline", "torch symm_mem"),
               "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL")}
+    if "torch_symm" in ops and not _torch_symm_mem_ready():
+        ops.discard("torch_symm")
     for direction in directions:
         for nbytes in sizes:
             sweep = Sweep(nbytes, direction == "both", args)
-            for op in ("put_ce", "put_sm", "put_rma", "sendrecv", "nccl"):
-                if op not in ops:
-                    continue
-                seconds, ok = (sweep.put(labels[op][1]) if op.startswith("put") else
+            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl"):
+                if op not in ops or (op == "torch_symm" and direction == "both"):
+                    continue  # torch's put reads and writes one tensor: one direction only
+                seconds, ok = (sweep.memcpy_baseline() if op == "memcpy" else
+                               sweep.torch_symm_mem() if op == "torch_symm" else
+                               sweep.put(labels[op][1]) if op.startswith("put") else
                                sweep.sendrecv() if op == "sendrecv" else sweep.nccl())
                 rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
                              "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,

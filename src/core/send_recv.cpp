@@ -85,7 +85,7 @@ void SendRecvEngine::require_ready(const char* what, int pe) const {
 
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
   // Small messages move on few blocks: each must carry at least kMinBytesPerBlock of a chunk.
-  constexpr std::size_t kMinBytesPerBlock = 64 << 10;
+  constexpr std::size_t kMinBytesPerBlock = 32 << 10;
   const std::size_t chunk = std::min(bytes, chunk_bytes_);
   const std::size_t wanted = (chunk + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
   return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, blocks_)));
