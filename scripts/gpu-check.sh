@@ -33,7 +33,7 @@ step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
 step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
-step netns-check timeout 400 $PY tests/stress/netns_check.py --timeout 60
+step netns-check timeout 400 $PY tests/stress/netns_check.py --timeout 30
 if [ "${SANITIZE:-1}" = 1 ]; then
   # A representative subset under compute-sanitizer (slow: device puts drop to a few GB/s).
   for tool in memcheck racecheck; do
