@@ -57,7 +57,7 @@ grep -h "^kill-check" "$OUT/kill-check.log"
 grep -h "^netns-check" "$OUT/netns-check.log"
 cat "$OUT/doctor.log"
 grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
-grep -h "ERROR SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
+grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 sed -n '/^op /,$p' "$OUT/bench.log"
 # At most 8 files come back from the device tool: keep the summary, pack the logs.
 (cd "$OUT" && tar czf logs.tgz *.log && find . -name '*.log' ! -name gpu-check.log -delete) 2>/dev/null

@@ -86,8 +86,9 @@ EXPECTED_WORDS = {"absent-barrier": "barrier", "absent-alloc": "symmetric_malloc
 
 def run(mode: str, timeout: float) -> tuple[bool, str]:
     store = tempfile.mktemp(prefix="pydatacopy-kill-")
+    # PYDATACOPY_TIMEOUT_S bounds the collective allocation (absent-alloc) as well.
     env = dict(os.environ, KILL_MODE=mode, KILL_TIMEOUT=str(timeout), STORE=store,
-               WORLD_SIZE="2", PYTHONUNBUFFERED="1")
+               WORLD_SIZE="2", PYTHONUNBUFFERED="1", PYDATACOPY_TIMEOUT_S=str(timeout))
     ranks = [0] if mode == "absent-init" else [0, 1]
     procs = [subprocess.Popen([sys.executable, "-c", WORKER], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
