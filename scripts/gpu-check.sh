@@ -44,7 +44,7 @@ if [ "${SANITIZE:-1}" = 1 ]; then
       -k "byte_exact_both_ways and 3-7 or put_and_get_byte_exact_every_path and sm or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or one_direction or barrier_with_deadline"
   done
 fi
-step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
+step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
 
 echo

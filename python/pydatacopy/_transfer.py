@@ -304,14 +304,14 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     """(Re)create the send/recv staging (collective; init() calls it with the defaults).
 
     Defaults: PYDATACOPY_CHUNK_BYTES (8 MiB), PYDATACOPY_NUM_CHUNKS (4 per peer),
-    PYDATACOPY_SEND_BLOCKS (32: the most thread blocks one send or recv uses). Every PE must use
-    the same settings.
+    PYDATACOPY_SEND_BLOCKS (64: the most thread blocks one send or recv uses; chosen by
+    scripts/sweep-send-recv.sh, see docs/perf-notes.md v6). Every PE must use the same settings.
     """
     global _engine
     _require_init("setup_send_recv")
     chunk_bytes = _env_int("PYDATACOPY_CHUNK_BYTES", 8 << 20) if chunk_bytes is None else chunk_bytes
     num_chunks = _env_int("PYDATACOPY_NUM_CHUNKS", 4) if num_chunks is None else num_chunks
-    blocks = _env_int("PYDATACOPY_SEND_BLOCKS", 32) if blocks is None else blocks
+    blocks = _env_int("PYDATACOPY_SEND_BLOCKS", 64) if blocks is None else blocks
     check_int("chunk_bytes", chunk_bytes, 1)
     check_int("num_chunks", num_chunks, 2)
     check_int("blocks", blocks, 1)

@@ -50,7 +50,7 @@ def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None) -> i
     """What init() and one DoubleBufferManager of `tokens` take from the symmetric heap."""
     chunk = int(os.environ.get("PYDATACOPY_CHUNK_BYTES", 8 << 20))
     chunks = int(os.environ.get("PYDATACOPY_NUM_CHUNKS", 4))
-    blocks = int(os.environ.get("PYDATACOPY_SEND_BLOCKS", 32))
+    blocks = int(os.environ.get("PYDATACOPY_SEND_BLOCKS", 64))
     need = world_size * chunks * chunk + 2 * world_size * chunks * blocks * 8 + 4096
     if tokens:
         n_tokens, token_size = tokens

@@ -253,7 +253,9 @@ def test_forced_rma_path_runs_everything(world, peer, force_rma):
 
 
 def test_bad_inputs_raise_the_project_error(world, peer):
+    rank, world_size, unique_id = world
     symmetric = pydatacopy.empty(1024, dtype=torch.float32)
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
     local = torch.zeros(1024, dtype=torch.float32, device="cuda")
     other_device = torch.zeros(1024, dtype=torch.float32, device=f"cuda:{peer}")
     cases = [
@@ -276,14 +278,29 @@ def test_bad_inputs_raise_the_project_error(world, peer):
         (lambda: pydatacopy.put_many([local], [local], peer), "symmetric"),
         (lambda: pydatacopy.empty((4, -1)), "at least 0"),
         (lambda: pydatacopy.empty(4, dtype="float"), "torch.dtype"),
+        (lambda: pydatacopy.barrier(timeout=0), "positive number of seconds"),
+        (lambda: pydatacopy.barrier(timeout=-1.0), "positive number of seconds"),
+        (lambda: pydatacopy.barrier(stream="main"), "torch.cuda.Stream"),
+        (lambda: pydatacopy.signal_wait(signal, 1, timeout=0), "positive number of seconds"),
+        (lambda: pydatacopy.send(local, peer, timeout=0), "positive number of seconds"),
+        (lambda: pydatacopy.recv(local, peer, timeout="5"), "positive number of seconds"),
+        (lambda: pydatacopy.peer_view(local, peer), "symmetric"),
+        (lambda: pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), rank, world_size), "another unique ID"),
+        (lambda: pydatacopy.init_nvshmem(unique_id, peer, world_size), "already initialised as rank"),
+        (lambda: pydatacopy.DoubleBufferManager().init(1 << 30, 1 << 20), "larger than 1 TiB"),
     ]
     try:
         for call, words in cases:
             with pytest.raises(pydatacopy.Error) as info:
                 call()
             assert words in str(info.value), (words, str(info.value))
+        # Nothing moved: the send/recv channel is still in step (a refused call took no sequence).
+        received = torch.empty(4097, dtype=torch.uint8, device="cuda")
+        pydatacopy.sendrecv(_bytes(rank, 4242, 4097), peer, received, peer)
+        assert torch.equal(received, _bytes(peer, 4242, 4097))
     finally:
         pydatacopy.barrier()
+        pydatacopy.free(signal)
         pydatacopy.free(symmetric)
 
 
