@@ -32,7 +32,8 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
                  int device = -1, double timeout_seconds = default_init_timeout_seconds());
 
 // Collective: every PE must call it. Harmless when not initialised. Does nothing to an NVSHMEM
-// that this library did not start (it belongs to whoever did). Meets the peers in a bounded
+// that this library did not start (it belongs to whoever did). NVSHMEM cannot start twice in one
+// process: after finalize() has ended it, init_nvshmem() throws. Meets the peers in a bounded
 // barrier first: when one does not come, it skips NVSHMEM's teardown (which would wait for
 // ever) and throws TimeoutError; the process should then exit.
 void finalize();

@@ -337,10 +337,11 @@ def _require_engine() -> "_C.SendRecvEngine":
     return _engine
 
 
-def _submit(is_send: bool, address: int, nbytes: int, peer: int, stream, seconds: float) -> None:
+def _submit(engine, is_send: bool, address: int, nbytes: int, peer: int, stream,
+            seconds: float) -> None:
     pending = getattr(_state, "pending", None)
     if pending is None:
-        _require_engine().batch([(is_send, address, nbytes, peer)], _stream(stream), seconds)
+        engine.batch([(is_send, address, nbytes, peer)], _stream(stream), seconds)
         return
     if pending["stream"] != stream:
         raise Error("all operations inside one group() must use the group's stream")
@@ -369,18 +370,18 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
     """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
     tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
     To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
-    _require_engine()
-    _check_pe(dst_pe)
+    engine = _require_engine()
+    check_int("dst_pe", dst_pe)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
-    _submit(True, tensor.data_ptr(), _nbytes(tensor), dst_pe, stream, timeout_seconds(timeout))
+    _submit(engine, True, tensor.data_ptr(), _nbytes(tensor), dst_pe, stream, timeout_seconds(timeout))
 
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
-    _require_engine()
-    _check_pe(src_pe)
+    engine = _require_engine()
+    check_int("src_pe", src_pe)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
-    _submit(False, tensor.data_ptr(), _nbytes(tensor), src_pe, stream, timeout_seconds(timeout))
+    _submit(engine, False, tensor.data_ptr(), _nbytes(tensor), src_pe, stream, timeout_seconds(timeout))
 
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
@@ -389,8 +390,8 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
     engine = _require_engine()
     if getattr(_state, "pending", None) is not None:
         raise Error("sendrecv() runs its pair itself: call it outside group()")
-    _check_pe(dst_pe)
-    _check_pe(src_pe)
+    check_int("dst_pe", dst_pe)  # the core checks the ranges, with the same words
+    check_int("src_pe", src_pe)
     _check_tensor(send_tensor, "send_tensor")
     _check_tensor(recv_tensor, "recv_tensor")
     engine.sendrecv(send_tensor.data_ptr(), _nbytes(send_tensor), dst_pe, recv_tensor.data_ptr(),

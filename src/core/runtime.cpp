@@ -27,6 +27,7 @@ struct RuntimeState {
   bool initialized = false;
   bool owns_nvshmem = false;  // false when NVSHMEM was started by someone else in this process
   bool init_abandoned = false;  // an init timed out: its thread may still sit in NVSHMEM's bootstrap
+  bool nvshmem_finalized = false;  // we ended NVSHMEM: it cannot start again in this process
   int device = -1;
   int my_pe = -1;
   int n_pes = 0;
@@ -213,6 +214,10 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
               "an earlier init_nvshmem in this process timed out and NVSHMEM may still be waiting "
               "in its bootstrap: NVSHMEM cannot be started again here; exit this process and "
               "start a new job");
+  PDC_REQUIRE(!s.nvshmem_finalized,
+              "finalize() ended NVSHMEM in this process, and NVSHMEM cannot be started twice in "
+              "one process: keep pydatacopy initialised for the process's lifetime, or start a "
+              "new process for the new job");
   timeout_nanoseconds(timeout_seconds);  // validates it
   check_init_args(root_unique_id, rank, world_size, device);
   check_nvshmem_version();
@@ -299,7 +304,10 @@ void finalize() {
   // leave NVSHMEM as it is and let process exit reclaim it.
   if (peers_here) nvshmem_free(s.barrier_signals);
   s.barrier_signals = nullptr;
-  if (s.owns_nvshmem && peers_here) nvshmem_finalize();
+  if (s.owns_nvshmem && peers_here) {
+    nvshmem_finalize();
+    s.nvshmem_finalized = true;
+  }
   s.owns_nvshmem = false;
   s.unique_id.clear();
   s.my_pe = -1;

@@ -8,7 +8,8 @@ Starts worker processes (not under torchrun, whose agent would end the survivor 
 - absent-barrier / absent-alloc: PE 1 is alive but never calls barrier() / empty(); PE 0 must
   raise TimeoutError naming the operation and PE 1, then finalize() without waiting for it;
 - absent-init: only rank 0 of 2 starts; init_nvshmem must raise TimeoutError and the
-  interpreter must then exit normally (NVSHMEM's bootstrap thread is left waiting).
+  interpreter must then exit normally (NVSHMEM's bootstrap thread is left waiting);
+- init-after-finalize: one PE inits, finalizes twice, inits again: a clear pydatacopy.Error.
 Prints one line per scenario; exits non-zero on failure.
 """
 
@@ -26,6 +27,18 @@ WORKER = r"""
 import os, sys, time, torch, torch.distributed as dist, pydatacopy
 rank = int(os.environ["RANK"]); mode = os.environ["KILL_MODE"]; timeout = float(os.environ["KILL_TIMEOUT"])
 torch.cuda.set_device(rank)
+if mode == "init-after-finalize":  # one PE, no peer needed
+    pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), 0, 1)
+    pydatacopy.finalize()
+    pydatacopy.finalize()  # harmless twice
+    try:
+        pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), 0, 1)
+    except pydatacopy.Error as error:
+        print(f"RAISED {type(error).__name__} after 0.0 s: {error}", flush=True)
+        print("FINALIZED", flush=True)
+        sys.exit(3)
+    print("second init worked", flush=True)
+    sys.exit(1)
 if mode == "absent-init":
     begin = time.time()
     try:
@@ -81,7 +94,7 @@ except pydatacopy.TimeoutError as error:
 
 
 EXPECTED_WORDS = {"absent-barrier": "barrier", "absent-alloc": "symmetric_malloc",
-                  "absent-init": "not every rank joined"}
+                  "absent-init": "not every rank joined", "init-after-finalize": "cannot be started twice"}
 
 
 def run(mode: str, timeout: float) -> tuple[bool, str]:
@@ -89,7 +102,7 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
     # PYDATACOPY_TIMEOUT_S bounds the collective allocation (absent-alloc) as well.
     env = dict(os.environ, KILL_MODE=mode, KILL_TIMEOUT=str(timeout), STORE=store,
                WORLD_SIZE="2", PYTHONUNBUFFERED="1", PYDATACOPY_TIMEOUT_S=str(timeout))
-    ranks = [0] if mode == "absent-init" else [0, 1]
+    ranks = [0] if mode in ("absent-init", "init-after-finalize") else [0, 1]
     procs = [subprocess.Popen([sys.executable, "-c", WORKER], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in ranks]
@@ -99,11 +112,12 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
             output, _ = procs[0].communicate(timeout=timeout + 120)
             elapsed = time.time() - begin
             lines = [l for l in output.splitlines() if l.startswith(("RAISED", "AGAIN", "FINALIZED"))]
-            raised = next((l for l in lines if l.startswith("RAISED TimeoutError")), "")
+            wanted = "RAISED Error" if mode == "init-after-finalize" else "RAISED TimeoutError"
+            raised = next((l for l in lines if l.startswith(wanted)), "")
             waited = float(raised.split(" after ")[1].split(" s")[0]) if raised else float("inf")
             ok = (EXPECTED_WORDS[mode] in raised and "FINALIZED" in output and
                   procs[0].returncode == 3 and waited <= timeout + 10)
-            if mode != "absent-init":
+            if mode.startswith("absent-") and mode != "absent-init":
                 ok = ok and "PE 1" in raised
             return ok, (f"PE 0 raised after {waited:.1f} s (timeout {timeout:.0f} s), exit code "
                         f"{procs[0].returncode}, process done {elapsed:.1f} s after start; "
@@ -150,7 +164,8 @@ def main() -> int:
                ("exit without finalize()", *run("no-finalize", args.timeout)),
                ("PE 1 skips barrier()", *run("absent-barrier", args.timeout)),
                ("PE 1 skips empty()", *run("absent-alloc", args.timeout)),
-               ("rank 1 never starts", *run("absent-init", args.timeout))]
+               ("rank 1 never starts", *run("absent-init", args.timeout)),
+               ("init after finalize()", *run("init-after-finalize", args.timeout))]
     for name, ok, detail in results:
         print(f"kill-check: {name:<26} {'PASS' if ok else 'FAIL'}  {detail}")
     return 0 if all(ok for _, ok, _ in results) else 1

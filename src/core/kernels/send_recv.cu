@@ -107,7 +107,17 @@ __device__ void recv_role(const ChunkStreamArgs& a, int block) {
 // Every send and recv of a batch in one launch, each on its own range of blocks: ops that wait
 // on each other must run at once, and only one grid guarantees that (kernels on two streams may
 // be serialised by the hardware queues and then deadlock).
-__global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const ChunkBatch batch) {
+// The batch travels as the kernel's parameter; a one- or two-op batch (send, recv, sendrecv)
+// uses a small copy of it, since a 2 KiB parameter block lengthens every launch.
+template <int kCapacity>
+struct SizedBatch {
+  ChunkStreamArgs ops[kCapacity];
+  bool is_send[kCapacity];
+  int count;
+};
+
+template <int kCapacity>
+__global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
   int first = 0;
   for (int i = 0; i < batch.count; ++i) {
     const ChunkStreamArgs& op = batch.ops[i];
@@ -124,11 +134,25 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const ChunkBatch 
 
 }  // namespace
 
+template <int kCapacity>
+void launch_sized(const ChunkBatch& batch, int blocks, cudaStream_t stream) {
+  SizedBatch<kCapacity> sized{};
+  for (int i = 0; i < batch.count; ++i) {
+    sized.ops[i] = batch.ops[i];
+    sized.is_send[i] = batch.is_send[i];
+  }
+  sized.count = batch.count;
+  chunk_batch_kernel<kCapacity><<<blocks, kThreads, 0, stream>>>(sized);
+}
+
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
   int blocks = 0;
   for (int i = 0; i < batch.count; ++i) blocks += batch.ops[i].active_blocks;
   if (blocks == 0) return;
-  chunk_batch_kernel<<<blocks, kThreads, 0, stream>>>(batch);
+  if (batch.count <= 2)
+    launch_sized<2>(batch, blocks, stream);
+  else
+    launch_sized<kMaxBatchOps>(batch, blocks, stream);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
