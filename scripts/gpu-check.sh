@@ -30,6 +30,8 @@ step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || 
 step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
 step doctor $PY -m pydatacopy.doctor
 step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
+# The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer.
+step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
 step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
@@ -50,7 +52,7 @@ if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
 echo
 echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 printf '%s\n' "${SUMMARY[@]}"
-grep -h "passed\|failed" "$OUT/cpu-tests.log" "$OUT/gpu2-tests.log" | tail -n 3
+for log in cpu-tests gpu2-tests gpu2-tests-rma; do echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"; done
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
 grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3
 grep -h "^kill-check" "$OUT/kill-check.log"

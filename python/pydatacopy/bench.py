@@ -333,6 +333,14 @@ def report(rows: list[dict], args) -> None:
             writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "gbps", "ok"])
             writer.writeheader()
             writer.writerows({k: r[k] for k in writer.fieldnames} for r in rows)
+    if getattr(args, "markdown", None):
+        with open(args.markdown, "w") as f:
+            f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | ok |\n"
+                    "|---|---|---|---:|---:|---:|---:|---:|---|\n")
+            for r in rows:
+                f.write(f"| {r['op']} | {r['path']} | {r['direction']} | {r['size']} | {r['us']:.1f} | "
+                        f"{r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
+                        f"{'yes' if r['ok'] else 'NO'} |\n")
     if getattr(args, "plot", None):
         plot(rows, args.plot)
 
@@ -348,6 +356,8 @@ def plot(rows: list[dict], path: str) -> None:
         print("--plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return
     directions = [d for d in ("one", "both") if any(r["direction"] == d for r in rows)]
+    labels = sorted({f"{r['op']} ({r['path']})" for r in rows if r["op"] in ("put", "send/recv", "baseline")})
+    colours = {label: f"C{i}" for i, label in enumerate(labels)}  # one colour per path in both panels
     figure, axes = plt.subplots(1, len(directions), figsize=(6.5 * len(directions), 4.8), squeeze=False)
     for axis, direction in zip(axes[0], directions):
         series: dict[str, list[tuple[int, float]]] = {}
@@ -357,7 +367,8 @@ def plot(rows: list[dict], path: str) -> None:
         for label, points in series.items():
             points.sort()
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3,
-                      label=label, linestyle="--" if "NCCL" in label else "-")
+                      label=label, color=colours[label],
+                      linestyle="--" if "NCCL" in label or "baseline" in label else "-")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("message size (bytes)")
@@ -389,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", help="write all rows to this CSV file (rank 0)")
     parser.add_argument("--plot", help="draw GB/s against size for every path to this PNG (rank 0; "
                                        "needs matplotlib)")
+    parser.add_argument("--markdown", help="write the table as Markdown to this file (rank 0)")
     parser.add_argument("--from-json", help="no run: print the table (and write --csv/--plot) "
                                             "from an earlier --json file")
     args = parser.parse_args(argv)

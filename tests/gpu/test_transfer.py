@@ -40,9 +40,23 @@ def peer(world):
 
 @pytest.fixture
 def force_rma():
+    before = os.environ.get("PYDATACOPY_FORCE_RMA")
     os.environ["PYDATACOPY_FORCE_RMA"] = "1"
     yield
-    del os.environ["PYDATACOPY_FORCE_RMA"]
+    if before is None:
+        del os.environ["PYDATACOPY_FORCE_RMA"]
+    else:
+        os.environ["PYDATACOPY_FORCE_RMA"] = before
+
+
+def _direct() -> bool:
+    """False when the whole suite runs with PYDATACOPY_FORCE_RMA=1 (scripts/gpu-check.sh runs it
+    both ways): then no peer is directly reachable and the direct-only paths must refuse."""
+    return not pydatacopy._C.rma_forced()
+
+
+def _direct_paths(*paths: str) -> tuple[str, ...]:
+    return paths if _direct() else tuple(p for p in paths if p not in ("copy_engine", "sm"))
 
 
 SIZES = [1, 3, 4096, 65537, 1 << 20, (64 << 20) + 5]
@@ -52,6 +66,13 @@ SIZES = [1, 3, 4096, 65537, 1 << 20, (64 << 20) + 5]
 def test_put_and_get_byte_exact_every_path(world, peer, path):
     rank, _, _ = world
     symmetric = pydatacopy.empty((64 << 20) + 64, dtype=torch.uint8)
+    if path not in _direct_paths(path):
+        try:  # forced RMA: the direct-only paths must refuse, not misbehave
+            with pytest.raises(pydatacopy.Error, match="directly reachable"):
+                pydatacopy.put(symmetric, _bytes(rank, 0, 16), peer, path=path)
+        finally:
+            pydatacopy.free(symmetric)
+        return
     try:
         for tag, nbytes in enumerate(SIZES):
             offset = tag % 7  # odd offsets into the symmetric tensor
@@ -80,7 +101,10 @@ def test_symmetric_tensors_every_dtype_and_peer_view(world, peer):
         expected = _as(_bytes(peer, 100 + tag, 33 * 5 * tensor.element_size()), dtype).view(33, 5)
         assert torch.equal(_raw(tensor), _raw(expected))
         view = pydatacopy.peer_view(tensor, peer)
-        assert view is not None and view.shape == tensor.shape
+        if _direct():
+            assert view is not None and view.shape == tensor.shape
+        else:
+            assert view is None
         pydatacopy.barrier()
         pydatacopy.free(tensor)
     assert not pydatacopy.is_symmetric(torch.zeros(4, device="cuda"))
@@ -114,7 +138,8 @@ def test_barrier_with_deadline_orders_puts(world, peer):
     try:
         for i in range(200):
             src = torch.full((4096,), 2 * i + rank, dtype=torch.int64, device="cuda")
-            pydatacopy.put(box, src, peer, path=("auto", "sm", "rma")[i % 3])
+            paths = _direct_paths("auto", "sm", "rma")
+            pydatacopy.put(box, src, peer, path=paths[i % len(paths)])
             pydatacopy.barrier(timeout=30, blocking=i % 4 == 0)
             assert torch.equal(box, torch.full_like(box, 2 * i + peer)), f"round {i}"
             pydatacopy.barrier(timeout=30)  # the peer has checked before we overwrite
@@ -192,7 +217,7 @@ def test_1000_random_rounds_mixing_sizes_and_paths(world, peer):
                 pydatacopy.sendrecv(outgoing[: nbytes], peer, received, peer)
             else:
                 received = symmetric[offset:offset + nbytes]
-                path = {"put": "auto", "put_sm": "sm", "put_rma": "rma"}[kind]
+                path = {"put": "auto", "put_sm": "sm" if _direct() else "auto", "put_rma": "rma"}[kind]
                 pydatacopy.put(received, outgoing, peer, path=path)
                 pydatacopy.barrier()
             assert torch.equal(received, _bytes(peer, 10_000 + round_, nbytes)), (round_, kind, nbytes)
