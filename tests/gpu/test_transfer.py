@@ -69,7 +69,7 @@ def test_put_and_get_byte_exact_every_path(world, peer, path):
     if path not in _direct_paths(path):
         try:  # forced RMA: the direct-only paths must refuse, not misbehave
             with pytest.raises(pydatacopy.Error, match="directly reachable"):
-                pydatacopy.put(symmetric, _bytes(rank, 0, 16), peer, path=path)
+                pydatacopy.put(symmetric[:16], _bytes(rank, 0, 16), peer, path=path)
         finally:
             pydatacopy.free(symmetric)
         return
