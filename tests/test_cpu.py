@@ -192,6 +192,17 @@ def test_doctor_runs_without_gpu(capsys):
         assert "no CUDA device visible" in out
 
 
+def test_symmetric_layouts_are_the_cores_own():
+    # 2 PEs x 4 chunks x 8 MiB of staging, then arrivals and credits of 2 x 4 x 64 uint64 each.
+    assert _C.SendRecvEngine.symmetric_bytes_needed(2, 8 << 20, 4, 64) == (64 << 20) + 2 * 4096
+    # chunk_bytes rounds up to 16 x blocks: 1000 -> 1024 with 64 blocks
+    assert _C.SendRecvEngine.symmetric_bytes_needed(1, 1000, 2, 64) == 2048 + 2 * 1024
+    # 4 token buffers, 2 signal arrays, 2 credit arrays, each 256-byte aligned
+    assert _C.DoubleBufferManager.symmetric_bytes_needed(3, 100, 2) == 4 * 512 + 2 * 256 + 2 * 256
+    with pytest.raises(pydatacopy.Error, match="must be positive"):
+        _C.SendRecvEngine.symmetric_bytes_needed(2, 8 << 20, 4, 0)
+
+
 def test_doctor_flags_a_heap_that_is_too_small(monkeypatch, capsys):
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "64M")
     assert doctor.run(["--world-size", "8", "--tokens", "4096x7168"]) == 1

@@ -42,6 +42,9 @@ class SendRecvEngine {
   int blocks() const { return blocks_; }
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const { return symmetric_bytes_; }
+  // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).
+  static std::size_t symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
+                                            int blocks);
 
   void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
             double timeout_seconds);

@@ -299,6 +299,13 @@ def _env_int(name: str, default: int) -> int:
         raise Error(f"{name}={text!r} is not an integer") from None
 
 
+def send_recv_settings() -> tuple[int, int, int]:
+    """(chunk_bytes, num_chunks, blocks) from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
+    PYDATACOPY_SEND_BLOCKS, else the defaults (8 MiB, 4, 64)."""
+    return (_env_int("PYDATACOPY_CHUNK_BYTES", 8 << 20), _env_int("PYDATACOPY_NUM_CHUNKS", 4),
+            _env_int("PYDATACOPY_SEND_BLOCKS", 64))
+
+
 def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = None,
                     blocks: int | None = None) -> None:
     """(Re)create the send/recv staging (collective; init() calls it with the defaults).
@@ -309,9 +316,10 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     """
     global _engine
     _require_init("setup_send_recv")
-    chunk_bytes = _env_int("PYDATACOPY_CHUNK_BYTES", 8 << 20) if chunk_bytes is None else chunk_bytes
-    num_chunks = _env_int("PYDATACOPY_NUM_CHUNKS", 4) if num_chunks is None else num_chunks
-    blocks = _env_int("PYDATACOPY_SEND_BLOCKS", 64) if blocks is None else blocks
+    defaults = send_recv_settings()
+    chunk_bytes = defaults[0] if chunk_bytes is None else chunk_bytes
+    num_chunks = defaults[1] if num_chunks is None else num_chunks
+    blocks = defaults[2] if blocks is None else blocks
     check_int("chunk_bytes", chunk_bytes, 1)
     check_int("num_chunks", num_chunks, 2)
     check_int("blocks", blocks, 1)

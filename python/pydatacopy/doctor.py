@@ -47,14 +47,14 @@ def parse_size(text: str) -> int:
 
 
 def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None) -> int:
-    """What init() and one DoubleBufferManager of `tokens` take from the symmetric heap."""
-    chunk = int(os.environ.get("PYDATACOPY_CHUNK_BYTES", 8 << 20))
-    chunks = int(os.environ.get("PYDATACOPY_NUM_CHUNKS", 4))
-    blocks = int(os.environ.get("PYDATACOPY_SEND_BLOCKS", 64))
-    need = world_size * chunks * chunk + 2 * world_size * chunks * blocks * 8 + 4096
+    """What init() and one DoubleBufferManager of `tokens` take from the symmetric heap (the
+    core's own layout arithmetic; NVSHMEM's per-allocation alignment is not counted)."""
+    from ._transfer import send_recv_settings
+
+    need = _C.SendRecvEngine.symmetric_bytes_needed(world_size, *send_recv_settings())
+    need += 8 * world_size  # the barrier's signals
     if tokens:
-        n_tokens, token_size = tokens
-        need += 4 * n_tokens * token_size + 2 * n_tokens * 8 + 2 * world_size * 8 + 4096
+        need += _C.DoubleBufferManager.symmetric_bytes_needed(*tokens, world_size)
     return need
 
 

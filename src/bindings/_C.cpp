@@ -112,6 +112,8 @@ PYBIND11_MODULE(_C, m) {
            [](DoubleBufferManager& self, int64_t round, int src_pe, std::uintptr_t stream,
               double timeout) { self.wait(round, src_pe, as_stream(stream), timeout); },
            py::arg("round"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+      .def_static("symmetric_bytes_needed", &DoubleBufferManager::symmetric_bytes_needed,
+                  py::arg("n_tokens"), py::arg("token_size"), py::arg("n_pes"))
       .def_static("default_dst_pe", &DoubleBufferManager::default_dst_pe, py::arg("pe"),
                   py::arg("n_pes"))
       .def_static("default_src_pe", &DoubleBufferManager::default_src_pe, py::arg("pe"),
@@ -186,6 +188,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_chunks", &SendRecvEngine::num_chunks)
       .def_property_readonly("blocks", &SendRecvEngine::blocks)
       .def_property_readonly("symmetric_bytes", &SendRecvEngine::symmetric_bytes)
+      .def_static("symmetric_bytes_needed", &SendRecvEngine::symmetric_bytes_needed, py::arg("n_pes"),
+                  py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"))
       .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,
                       std::uintptr_t stream, double timeout) {
              self.send(as_pointer<const void>(src), bytes, dst_pe, as_stream(stream), timeout);

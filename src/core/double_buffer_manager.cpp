@@ -43,6 +43,10 @@ void DoubleBufferManager::require_initialized(const char* what) const {
                                         "(or it was cleaned up)");
 }
 
+std::size_t DoubleBufferManager::symmetric_bytes_needed(int64_t n_tokens, int64_t token_size, int n_pes) {
+  return static_cast<std::size_t>(Layout(n_tokens, token_size, n_pes).total());
+}
+
 void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
   pydatacopy::require_initialized("DoubleBufferManager.init");
   PDC_REQUIRE(base_ == nullptr,
@@ -53,10 +57,10 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
   PDC_REQUIRE(n_tokens <= (int64_t{1} << 40) / token_size,
               "n_tokens x token_size = " << n_tokens << " x " << token_size
                                          << " is larger than 1 TiB per buffer");
-  const Layout layout(n_tokens, token_size, n_pes());
-  void* base = symmetric_malloc(static_cast<std::size_t>(layout.total()));
+  const std::size_t total = symmetric_bytes_needed(n_tokens, token_size, n_pes());
+  void* base = symmetric_malloc(total);
   // Zeroed signals and credits mean "nothing yet"; the barrier keeps peers from writing before.
-  PDC_CHECK_CUDA(cudaMemset(base, 0, static_cast<std::size_t>(layout.total())));
+  PDC_CHECK_CUDA(cudaMemset(base, 0, total));
   base_ = static_cast<uint8_t*>(base);
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   barrier_all_blocking("DoubleBufferManager.init", default_timeout_seconds());

@@ -19,6 +19,24 @@ std::size_t align_up(std::size_t value, std::size_t to) { return (value + to - 1
 
 }  // namespace
 
+namespace {
+// Staging: [n_pes][num_chunks][chunk]; then arrivals and credits, [n_pes][num_chunks][blocks] each.
+std::size_t signal_array_bytes(int n_pes, int num_chunks, int blocks) {
+  return align_up(static_cast<std::size_t>(n_pes) * num_chunks * blocks * sizeof(uint64_t), kAlignment);
+}
+std::size_t staging_array_bytes(int n_pes, int num_chunks, std::size_t chunk_bytes) {
+  return align_up(static_cast<std::size_t>(n_pes) * num_chunks * chunk_bytes, kAlignment);
+}
+}  // namespace
+
+std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
+                                                   int blocks) {
+  PDC_REQUIRE(n_pes >= 1 && num_chunks >= 1 && blocks >= 1 && chunk_bytes >= 1,
+              "symmetric_bytes_needed: n_pes, chunk_bytes, num_chunks and blocks must be positive");
+  chunk_bytes = align_up(chunk_bytes, 16 * static_cast<std::size_t>(blocks));
+  return staging_array_bytes(n_pes, num_chunks, chunk_bytes) + 2 * signal_array_bytes(n_pes, num_chunks, blocks);
+}
+
 void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   require_initialized("SendRecvEngine.init");
   PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
@@ -26,12 +44,9 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
                                    << num_chunks);
   PDC_REQUIRE(blocks >= 1 && blocks <= 1024, "blocks must be in [1, 1024], got " << blocks);
   PDC_REQUIRE(chunk_bytes >= 1, "chunk_bytes must be positive, got " << chunk_bytes);
-  chunk_bytes = align_up(chunk_bytes, 16 * static_cast<std::size_t>(blocks));
   const int pes = n_pes();
-  const std::size_t staging_bytes = static_cast<std::size_t>(pes) * num_chunks * chunk_bytes;
-  const std::size_t signal_bytes =
-      align_up(static_cast<std::size_t>(pes) * num_chunks * blocks * sizeof(uint64_t), kAlignment);
-  const std::size_t total = align_up(staging_bytes, kAlignment) + 2 * signal_bytes;
+  const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);
+  chunk_bytes = align_up(chunk_bytes, 16 * static_cast<std::size_t>(blocks));
   void* base = symmetric_malloc(total);
   PDC_CHECK_CUDA(cudaMemset(base, 0, total));
   base_ = static_cast<uint8_t*>(base);
@@ -63,16 +78,13 @@ uint8_t* SendRecvEngine::staging(int src_pe) const {
 }
 
 uint64_t* SendRecvEngine::arrivals(int src_pe) const {
-  const std::size_t staging_bytes =
-      align_up(static_cast<std::size_t>(n_pes_) * num_chunks_ * chunk_bytes_, kAlignment);
-  return reinterpret_cast<uint64_t*>(base_ + staging_bytes) +
+  return reinterpret_cast<uint64_t*>(base_ + staging_array_bytes(n_pes_, num_chunks_, chunk_bytes_)) +
          static_cast<std::size_t>(src_pe) * num_chunks_ * blocks_;
 }
 
 uint64_t* SendRecvEngine::credits(int dst_pe) const {
-  const std::size_t signal_bytes = align_up(
-      static_cast<std::size_t>(n_pes_) * num_chunks_ * blocks_ * sizeof(uint64_t), kAlignment);
-  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(arrivals(0)) + signal_bytes) +
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(arrivals(0)) +
+                                     signal_array_bytes(n_pes_, num_chunks_, blocks_)) +
          static_cast<std::size_t>(dst_pe) * num_chunks_ * blocks_;
 }
 
