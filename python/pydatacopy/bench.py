@@ -92,40 +92,47 @@ class Sweep:
         dist.barrier()
         return seconds, _agree(check())
 
-    def put(self, path: str):
+    def _into_symmetric(self, make_run) -> tuple[float, bool]:
+        """Time make_run(symmetric)'s operation into a fresh zeroed symmetric tensor on the
+        receiver, then check what arrived there."""
         symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
         symmetric.zero_()
         pydatacopy.barrier()
-
-        def run():
-            if self.sends:
-                pydatacopy.put(symmetric, self.src, self.peer, path=path)
-                pydatacopy.quiet()
-
         try:
-            return self.measure(run, lambda: not self.receives or torch.equal(symmetric, self.expected))
+            return self.measure(make_run(symmetric),
+                                lambda: not self.receives or torch.equal(symmetric, self.expected))
         finally:
             pydatacopy.barrier()
             pydatacopy.free(symmetric)
+
+    def put(self, path: str):
+        def make_run(symmetric):
+            def run():
+                if self.sends:
+                    pydatacopy.put(symmetric, self.src, self.peer, path=path)
+                    pydatacopy.quiet()
+            return run
+
+        return self._into_symmetric(make_run)
 
     def memcpy_baseline(self):
         """A bare cudaMemcpyAsync into the peer's memory: no pydatacopy code on the path (torch's
         copy_ would add its own host cost: 1-2 ms per call into a peer mapping, measured)."""
-        symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
-        symmetric.zero_()
-        pydatacopy.barrier()
-        peer_address = pydatacopy.peer_view(symmetric, self.peer).data_ptr()
         stream = torch.cuda.current_stream().cuda_stream
 
-        def run():
-            if self.sends:
-                pydatacopy._C.bench_memcpy(peer_address, self.src.data_ptr(), self.nbytes, stream)
+        def make_run(symmetric):
+            peer_memory = pydatacopy.peer_view(symmetric, self.peer)
+            if peer_memory is None:
+                raise pydatacopy.Error("the memcpy baseline needs a peer reachable by load/store "
+                                       "(NVLink/PCIe): leave memcpy out of --ops")
+            peer_address = peer_memory.data_ptr()
 
-        try:
-            return self.measure(run, lambda: not self.receives or torch.equal(symmetric, self.expected))
-        finally:
-            pydatacopy.barrier()
-            pydatacopy.free(symmetric)
+            def run():
+                if self.sends:
+                    pydatacopy._C.bench_memcpy(peer_address, self.src.data_ptr(), self.nbytes, stream)
+            return run
+
+        return self._into_symmetric(make_run)
 
     def torch_symm_mem(self):
         """torch.ops.symm_mem.nvshmem_put: the tensor goes to the same tensor on the peer."""
