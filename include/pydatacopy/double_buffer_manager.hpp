@@ -46,10 +46,10 @@ class DoubleBufferManager {
   uint8_t* send_buffer(int set) const;
   uint8_t* recv_buffer(int set) const;
 
-  // Default peers: 1 PE: itself; an even number: pairs (pe ^ 1); odd: a ring, sending to
-  // pe + 1 and receiving from pe - 1.
   // Symmetric bytes init(n_tokens, token_size) takes on each of n_pes PEs (no GPU needed).
   static std::size_t symmetric_bytes_needed(int64_t n_tokens, int64_t token_size, int n_pes);
+  // Default peers: 1 PE: itself; an even number: pairs (pe ^ 1); odd: a ring, sending to
+  // pe + 1 and receiving from pe - 1.
   static int default_dst_pe(int pe, int n_pes);
   static int default_src_pe(int pe, int n_pes);
 

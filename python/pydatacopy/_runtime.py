@@ -173,11 +173,22 @@ def init(group=None, *, device: int | None = None, timeout: float | None = None)
 
 def finalize() -> None:
     """Collective teardown: send/recv staging, tensors from empty(), then NVSHMEM. Harmless when
-    not initialised or called twice. DoubleBufferManagers must be cleaned up before."""
+    not initialised or called twice. DoubleBufferManagers must be cleaned up before.
+
+    Every collective step first meets the peers in a barrier bounded by PYDATACOPY_TIMEOUT_S:
+    when one does not come, the rest is released locally only and TimeoutError is raised; the
+    process should then exit. NVSHMEM cannot be started again in this process afterwards."""
+    timed_out = None
     if _C.is_initialized():
-        _transfer.teardown_send_recv()
-        _transfer.free_all_symmetric()
-    _C.finalize()
+        try:
+            _transfer.teardown_send_recv()
+            _transfer.free_all_symmetric()
+        except _C.TimeoutError as error:  # a peer did not come to the collective frees
+            timed_out = error
+            _transfer.free_all_symmetric()  # now local only: nothing waits on the peer
+    _C.finalize()  # after a timeout it skips NVSHMEM's collective teardown
+    if timed_out is not None:
+        raise timed_out
 
 
 def is_initialized() -> bool:

@@ -33,7 +33,8 @@ def _require_init(what: str) -> None:
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A tensor on the NVSHMEM symmetric heap (collective: every PE calls it with the same size,
     in the same order). Free it with ``free()``, also collective; the garbage collector never
-    frees it."""
+    frees it. Both wait for every PE at most PYDATACOPY_TIMEOUT_S (60 s) and then raise
+    TimeoutError naming the PE that did not come."""
     _require_init("empty")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     for extent in shape:

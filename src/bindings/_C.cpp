@@ -164,12 +164,12 @@ PYBIND11_MODULE(_C, m) {
           return std::string(path_name(resolve_path(as_path(path), reachable, bytes)));
         }, py::arg("path"), py::arg("peer_reachable"), py::arg("bytes"));
 
-  // Benchmark probe: 8-byte signal ping-pong between this PE and `peer` (device-side latency).
   // The benchmark's copy-engine baseline: a bare cudaMemcpyAsync, no pydatacopy logic on the path.
   m.def("bench_memcpy", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream) {
           PDC_CHECK_CUDA(cudaMemcpyAsync(as_pointer<void>(dst), as_pointer<const void>(src), bytes,
                                          cudaMemcpyDeviceToDevice, as_stream(stream)));
         }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"));
+  // Benchmark probe: 8-byte signal ping-pong between this PE and `peer` (device-side latency).
   m.def("bench_pingpong", [](std::uintptr_t signal, int peer, int iterations, bool initiator,
                              std::uintptr_t stream, double timeout) {
           signal_pingpong(as_pointer<uint64_t>(signal), peer, iterations, initiator, as_stream(stream),

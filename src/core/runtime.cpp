@@ -72,7 +72,6 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
     std::mutex mutex;
     std::condition_variable done_cv;
     bool done = false;
-    bool timed_out_inside = false;
     std::string error;
     uint64_t* barrier_signals = nullptr;
   };
@@ -81,7 +80,6 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
   std::memcpy(&id, root_unique_id.data(), kUniqueIdBytes);
   std::thread helper([task, id, rank, world_size, device, start]() mutable {
     std::string error;
-    bool timeout_error = false;
     uint64_t* signals = nullptr;
     try {
       PDC_CHECK_CUDA(cudaSetDevice(device));
@@ -107,16 +105,12 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
       PDC_CHECK_CUDA(cudaMemset(signals, 0, bytes));
       PDC_CHECK_CUDA(cudaDeviceSynchronize());
       nvshmem_barrier_all();  // no PE signals into a peer's array before the peer zeroed it
-    } catch (const TimeoutError& e) {
-      error = e.what();
-      timeout_error = true;
     } catch (const std::exception& e) {
       error = e.what();
     }
     std::lock_guard<std::mutex> lock(task->mutex);
     task->done = true;
     task->error = error;
-    task->timed_out_inside = timeout_error;
     task->barrier_signals = signals;
     task->done_cv.notify_all();
   });
@@ -136,10 +130,7 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
   }
   lock.unlock();
   helper.join();
-  if (!task->error.empty()) {
-    if (task->timed_out_inside) throw TimeoutError(task->error);
-    throw Error(task->error);
-  }
+  if (!task->error.empty()) throw Error(task->error);
   return task->barrier_signals;
 }
 
