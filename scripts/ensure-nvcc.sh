@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Make sure a CUDA 13.0 nvcc exists for the build. If none is on PATH or in /usr/local/cuda,
-# install the toolkit's compiler pieces from PyPI wheels into the active Python environment
-# and write .cuda-env (CUDACXX, PATH) for the caller to source.
+# install the toolkit's compiler pieces from PyPI wheels into the active Python environment.
+# Always writes .cuda-env for the caller to source (CUDACXX, PATH; only a comment when nvcc is
+# already on PATH): bash scripts/ensure-nvcc.sh && . ./.cuda-env
 # PYDATACOPY_PIP_CUDA=1 forces the wheel route (to test it on a machine that has nvcc).
 set -euo pipefail
 rm -f .cuda-env
 if [ "${PYDATACOPY_PIP_CUDA:-0}" != 1 ]; then
-  if command -v nvcc > /dev/null; then exit 0; fi
+  if command -v nvcc > /dev/null; then
+    printf '# nvcc is on PATH: %s\n' "$(command -v nvcc)" > .cuda-env
+    exit 0
+  fi
   if [ -x /usr/local/cuda/bin/nvcc ]; then
     printf 'export CUDACXX=/usr/local/cuda/bin/nvcc\nexport PATH=/usr/local/cuda/bin:$PATH\n' > .cuda-env
     exit 0
