@@ -10,6 +10,11 @@
 // until its owner calls exchange() for two rounds later.
 //
 // All calls except init/cleanup/test_bandwidth are stream-ordered on the stream passed in.
+// How often each set has been exchanged is counted on the device, so exchange() and wait()
+// captured in a CUDA graph make a fresh round at every replay. exchange() and wait() may use
+// different streams: wait() orders its stream after the round's exchange(), and exchange()
+// orders its stream after the work enqueued so far on the stream that waited for the set's
+// previous round (its consumer), before it frees that receive buffer to the peer.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -65,7 +70,16 @@ class DoubleBufferManager {
   uint64_t* credits(int set) const;
   void require_initialized(const char* what) const;
 
+  void order_after(cudaStream_t stream, cudaStream_t other, cudaEvent_t event);
+
   uint8_t* base_ = nullptr;  // one symmetric allocation holding everything
+  uint64_t* uses_ = nullptr;          // device [2]: exchanges of each set so far
+  unsigned int* done_ = nullptr;      // device [2]: blocks finished in the exchange in flight
+  cudaEvent_t exchanged_[2] = {};     // recorded after each set's last exchange
+  cudaEvent_t consumed_[2] = {};      // recorded on the waiting stream before a set is freed
+  cudaStream_t exchange_stream_[2] = {};
+  cudaStream_t wait_stream_[2] = {};
+  bool waited_[2] = {false, false};
   int64_t n_tokens_ = 0;
   int64_t token_size_ = 0;
   int64_t next_round_ = 0;

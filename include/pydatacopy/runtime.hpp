@@ -44,8 +44,10 @@ void enqueue_barrier(cudaStream_t stream, double timeout_seconds);
 
 // Host-blocking collective barrier with a deadline: returns once every PE arrived, else throws
 // TimeoutError naming `what` and the missing PE. Runs before NVSHMEM's own collectives
-// (nvshmem_malloc, nvshmem_free, finalize), which have no deadline.
-void barrier_all_blocking(const char* what, double timeout_seconds);
+// (nvshmem_malloc, nvshmem_free, finalize), which have no deadline. Every PE contributes `vote`
+// and gets back every PE's vote, indexed by PE (so that all can take the same decision). Its
+// arrivals are counted apart from the stream-ordered barrier's, so neither satisfies the other.
+std::vector<uint64_t> barrier_all_blocking(const char* what, double timeout_seconds, uint64_t vote = 0);
 
 bool is_initialized();
 int my_pe();
@@ -67,8 +69,11 @@ double default_timeout_seconds();
 // A per-call timeout in nanoseconds for the device-side deadline; throws unless positive and finite.
 uint64_t timeout_nanoseconds(double seconds);
 
-// Throws the first error a device-side wait reported (a TimeoutError naming the operation and
-// the peer). Errors are sticky: after a peer timed out, NVSHMEM's state cannot be trusted.
+// Throws the TimeoutError a device-side wait reported (naming the operation and the peer). Sticky:
+// after a peer timed out, NVSHMEM's state cannot be trusted.
+void check_timeouts();
+// check_timeouts(), then the bad input a kernel found on the device (an index out of range),
+// which is reported once and cleared.
 void check_device_errors();
 
 // True once a device-side wait has timed out: a peer is presumed dead, so collective teardown

@@ -2,9 +2,12 @@
 //
 // A message streams through `num_chunks` symmetric staging chunks per sending peer, held at the
 // receiver, with flow control: the sender's blocks put chunk k into slot k % num_chunks and raise
-// its arrival signal; the receiver's blocks copy the slot out and return a credit, so the put of
-// chunk k + 1 overlaps the receiver draining chunk k. Each of `blocks` thread blocks owns one
-// slice of every chunk and its own signals, so no grid-wide synchronisation is needed.
+// its arrival signals; the receiver's blocks copy the slot out and return credits, so the put of
+// chunk k + 1 overlaps the receiver draining chunk k. Slots are cut into 32 KiB pages with a
+// signal each; a block owns a fixed set of pages and waits only for their signals, so no block
+// needs any other block of either launch to be resident (any block count, any free SM count).
+// Chunk sequence numbers are counted on the device, so a call captured in a CUDA graph moves a
+// fresh message at every replay, and replays mix freely with eager calls on the same channel.
 //
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
@@ -32,8 +35,8 @@ class SendRecvEngine {
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
 
-  // Collective and blocking. chunk_bytes is rounded up to a multiple of 16 * blocks; a message
-  // moves on up to `blocks` thread blocks on each side (fewer for small messages).
+  // Collective and blocking. chunk_bytes is rounded up to a multiple of the 32 KiB page; a
+  // message moves on up to `blocks` thread blocks on each side (fewer for small messages).
   void init(std::size_t chunk_bytes, int num_chunks, int blocks);
   void cleanup();  // collective and blocking; harmless twice
   bool initialized() const { return base_ != nullptr; }
@@ -65,17 +68,17 @@ class SendRecvEngine {
  private:
   void require_ready(const char* what, int pe) const;
   int active_blocks(std::size_t bytes) const;
-  kernels::ChunkStreamArgs prepare_send(const void* src, std::size_t bytes, int dst_pe, double timeout);
-  kernels::ChunkStreamArgs prepare_recv(void* dst, std::size_t bytes, int src_pe, double timeout);
+  kernels::ChunkStreamArgs prepare(bool send, void* buffer, std::size_t bytes, int peer, double timeout);
+  int pages() const { return static_cast<int>(chunk_bytes_ / page_bytes_); }
   uint8_t* staging(int src_pe) const;
   uint64_t* arrivals(int src_pe) const;
   uint64_t* credits(int dst_pe) const;
 
   uint8_t* base_ = nullptr;
-  std::size_t chunk_bytes_ = 0, symmetric_bytes_ = 0;
+  std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
-  std::vector<uint64_t> chunks_sent_;      // per destination PE
-  std::vector<uint64_t> chunks_received_;  // per source PE
+  uint64_t* sequences_ = nullptr;  // device [2][n_pes]: next chunk of each send / recv channel
+  unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
 };
 
 }  // namespace pydatacopy

@@ -12,6 +12,7 @@
 #include "pydatacopy/send_recv.hpp"
 #include "pydatacopy/symmetric.hpp"
 #include "pydatacopy/transfer.hpp"
+#include "../core/kernels/api.cuh"
 
 namespace py = pybind11;
 using namespace pydatacopy;
@@ -65,9 +66,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("check_nvshmem_version", &check_nvshmem_version);
   m.def("default_timeout_seconds", &default_timeout_seconds);
   m.def("default_init_timeout_seconds", &default_init_timeout_seconds);
-  m.def("barrier_all_blocking", &barrier_all_blocking, py::arg("what"), py::arg("timeout_seconds"),
-        release_gil());
+  m.def("barrier_all_blocking",
+        [](const std::string& what, double timeout_seconds, uint64_t vote) {
+          return barrier_all_blocking(what.c_str(), timeout_seconds, vote);
+        }, py::arg("what"), py::arg("timeout_seconds"), py::arg("vote") = 0, release_gil());
   m.def("check_device_errors", &check_device_errors);
+  m.def("check_timeouts", &check_timeouts);
+  m.def("is_capturing", [](std::uintptr_t stream) {
+          cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+          PDC_CHECK_CUDA(cudaStreamIsCapturing(as_stream(stream), &status));
+          return status != cudaStreamCaptureStatusNone;
+        }, py::arg("stream"), "True while `stream` is being captured into a CUDA graph.");
 
   // Symmetric memory.
   m.def("symmetric_malloc", [](std::size_t bytes) { return as_address(symmetric_malloc(bytes)); },
@@ -176,6 +185,15 @@ PYBIND11_MODULE(_C, m) {
                           timeout);
         }, py::arg("signal"), py::arg("peer"), py::arg("iterations"), py::arg("initiator"),
         py::arg("stream"), py::arg("timeout"));
+
+  // Test support (tests/gpu): a kernel that holds most SMs until a flag is set or a deadline.
+  m.def("_test_occupy_sms", [](int blocks, int threads, std::size_t shared_bytes, std::uintptr_t release,
+                               std::uintptr_t released_by_flag, double seconds, std::uintptr_t stream) {
+          kernels::launch_occupy_sms(blocks, threads, shared_bytes, as_pointer<const int>(release),
+                                     as_pointer<int>(released_by_flag), timeout_nanoseconds(seconds),
+                                     as_stream(stream));
+        }, py::arg("blocks"), py::arg("threads"), py::arg("shared_bytes"), py::arg("release"),
+        py::arg("released_by_flag"), py::arg("seconds"), py::arg("stream"));
 
   // Two-sided copies through symmetric staging.
   py::class_<SendRecvEngine>(m, "SendRecvEngine")

@@ -22,13 +22,24 @@ enum class WaitOp : int {
 
 const char* wait_op_name(WaitOp op);
 
-struct DeviceStatus {
-  int code;  // 0: no error; 1: a wait timed out; 2: bad input found on the device
+// One error record. `code` is claimed with a compare-and-swap (0 -> kWriting), the fields are
+// written, then `code` is published; the host clears a published bad-input record with a
+// compare-and-swap too, so that no update is lost to a plain store.
+struct ErrorRecord {
+  int code;  // 0: none; kWriting: being filled; kTimedOut or kBadInput: published
   int op;    // WaitOp
   int peer;  // the PE waited on
   int pe;    // the PE that waited
-  unsigned long long expected;  // the value waited for
-  unsigned long long seen;      // the last value read
+  unsigned long long expected;  // the value waited for (bad input: the value found)
+  unsigned long long seen;      // the last value read (bad input: the limit)
+};
+constexpr int kWriting = 3, kTimedOut = 1, kBadInput = 2;
+
+// Timeouts and bad inputs are kept apart: a bad index reported by put_blocks must not cancel a
+// wait in flight on another stream, and clearing it must not lose a timeout.
+struct DeviceStatus {
+  ErrorRecord timeout;    // sticky: a peer did not answer in time
+  ErrorRecord bad_input;  // reported once, by the next put_blocks or check_errors()
 };
 
 // Host-mapped status of this process (valid after init_nvshmem).
@@ -47,42 +58,39 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* address) {
   return value;
 }
 
-// Spins until *address >= expected. Returns false (after recording the error once) when the
-// deadline passes or another thread of this process already recorded an error.
+// Records an error unless one of its kind is already recorded (the first one wins).
+__device__ __forceinline__ void record_error(ErrorRecord* record, int code, WaitOp op, int peer,
+                                             int my_pe, uint64_t expected, uint64_t seen) {
+  if (atomicCAS(&record->code, 0, kWriting) != 0) return;
+  record->op = static_cast<int>(op);
+  record->peer = peer;
+  record->pe = my_pe;
+  record->expected = expected;
+  record->seen = seen;
+  __threadfence_system();
+  atomicExch(&record->code, code);
+}
+
+// Spins until *address >= expected. Returns false (after recording the timeout) when this
+// wait's own deadline passes; other calls' errors never end it early.
 __device__ __forceinline__ bool wait_until_at_least(const uint64_t* address, uint64_t expected,
                                                     uint64_t deadline_ns, DeviceStatus* status,
                                                     WaitOp op, int peer, int my_pe) {
   uint64_t seen = load_acquire_sys(address);
   for (uint32_t spins = 0; seen < expected; ++spins) {
-    if ((spins & 1023u) == 1023u) {
-      if (*reinterpret_cast<volatile int*>(&status->code) != 0) return false;
-      if (globaltimer_ns() > deadline_ns) {
-        if (atomicCAS(&status->code, 0, 1) == 0) {
-          status->op = static_cast<int>(op);
-          status->peer = peer;
-          status->pe = my_pe;
-          status->expected = expected;
-          status->seen = seen;
-          __threadfence_system();
-        }
-        return false;
-      }
+    if ((spins & 1023u) == 1023u && globaltimer_ns() > deadline_ns) {
+      record_error(&status->timeout, kTimedOut, op, peer, my_pe, expected, seen);
+      return false;
     }
     seen = load_acquire_sys(address);
   }
   return true;
 }
-// Records a bad-input error found on the device (the first one wins).
+
+// Records a bad-input error found on the device (the first one wins until it is reported).
 __device__ __forceinline__ void report_bad_input(DeviceStatus* status, WaitOp op, int my_pe,
                                                  uint64_t value, uint64_t limit) {
-  if (atomicCAS(&status->code, 0, 2) == 0) {
-    status->op = static_cast<int>(op);
-    status->pe = my_pe;
-    status->peer = my_pe;
-    status->expected = value;
-    status->seen = limit;
-    __threadfence_system();
-  }
+  record_error(&status->bad_input, kBadInput, op, my_pe, my_pe, value, limit);
 }
 #endif
 

@@ -58,7 +58,24 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
               "n_tokens x token_size = " << n_tokens << " x " << token_size
                                          << " is larger than 1 TiB per buffer");
   const std::size_t total = symmetric_bytes_needed(n_tokens, token_size, n_pes());
-  void* base = symmetric_malloc(total);
+  void* counters = nullptr;
+  PDC_CHECK_CUDA(cudaMalloc(&counters, 2 * (sizeof(uint64_t) + sizeof(unsigned int))));
+  PDC_CHECK_CUDA(cudaMemset(counters, 0, 2 * (sizeof(uint64_t) + sizeof(unsigned int))));
+  void* base = nullptr;
+  try {
+    base = symmetric_malloc(total);
+  } catch (...) {
+    cudaFree(counters);
+    throw;
+  }
+  uses_ = static_cast<uint64_t*>(counters);
+  done_ = reinterpret_cast<unsigned int*>(uses_ + 2);
+  for (int set = 0; set < 2; ++set) {
+    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&exchanged_[set], cudaEventDisableTiming));
+    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&consumed_[set], cudaEventDisableTiming));
+    exchange_stream_[set] = wait_stream_[set] = nullptr;
+    waited_[set] = false;
+  }
   // Zeroed signals and credits mean "nothing yet"; the barrier keeps peers from writing before.
   PDC_CHECK_CUDA(cudaMemset(base, 0, total));
   base_ = static_cast<uint8_t*>(base);
@@ -80,7 +97,21 @@ void DoubleBufferManager::cleanup() {
   n_tokens_ = token_size_ = 0;
   next_round_ = 0;
   last_waited_round_ = -1;
-  symmetric_free(base);
+  symmetric_free(base);  // synchronises the device first: no kernel still uses the counters
+  // Local releases; a failure here leaves nothing a later call depends on.
+  cudaFree(uses_);
+  uses_ = nullptr;
+  done_ = nullptr;
+  for (int set = 0; set < 2; ++set) {
+    cudaEventDestroy(exchanged_[set]);
+    cudaEventDestroy(consumed_[set]);
+    exchanged_[set] = consumed_[set] = nullptr;
+  }
+}
+
+void DoubleBufferManager::order_after(cudaStream_t stream, cudaStream_t other, cudaEvent_t event) {
+  if (other == stream) return;
+  PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, event, 0));
 }
 
 uint8_t* DoubleBufferManager::send_buffer(int set) const {
@@ -118,7 +149,7 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   require_initialized("exchange");
   require_valid_pe(dst_pe, "DoubleBufferManager.exchange dst_pe");
   require_valid_pe(src_pe, "DoubleBufferManager.exchange src_pe");
-  check_device_errors();
+  check_timeouts();
   const int64_t round = next_round_;
   // Our receive set of round - 2 is released by this call: it must have been waited for.
   PDC_REQUIRE(round - 2 <= last_waited_round_,
@@ -126,6 +157,12 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
                   << " was never waited for; call wait() for a round before exchanging two "
                      "rounds past it (its receive buffer would be overwritten)");
   const int set = static_cast<int>(round % 2);
+  // This frees our receive set of two rounds ago to the peer: its consumer, enqueued on the
+  // stream that waited for it, must be done first.
+  if (waited_[set] && wait_stream_[set] != stream) {
+    PDC_CHECK_CUDA(cudaEventRecord(consumed_[set], wait_stream_[set]));
+    order_after(stream, wait_stream_[set], consumed_[set]);
+  }
   kernels::TokenExchangeArgs args{};
   args.send = send_buffer(set);
   args.recv = recv_buffer(set);
@@ -137,7 +174,8 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
     args.peer_recv = nullptr, args.peer_signals = nullptr;
   args.n_tokens = n_tokens_;
   args.token_bytes = token_size_;
-  args.round_value = static_cast<uint64_t>(round) + 1;
+  args.uses = uses_ + set;
+  args.done = done_ + set;
   args.my_pe = my_pe();
   args.dst_pe = dst_pe;
   args.src_pe = src_pe;
@@ -146,6 +184,9 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   const int64_t warps_needed = (n_tokens_ + 15) / 16;
   const int blocks = static_cast<int>(std::min<int64_t>(warps_needed, multiprocessor_count()));
   kernels::launch_token_exchange(args, blocks, stream);
+  PDC_CHECK_CUDA(cudaEventRecord(exchanged_[set], stream));
+  exchange_stream_[set] = stream;
+  waited_[set] = false;
   next_round_ = round + 1;
   return round;
 }
@@ -154,7 +195,7 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
                                double timeout_seconds) {
   require_initialized("wait");
   require_valid_pe(src_pe, "DoubleBufferManager.wait src_pe");
-  check_device_errors();
+  check_timeouts();
   PDC_REQUIRE(round >= 0 && round < next_round_,
               "DoubleBufferManager.wait: round " << round << " has not been exchanged (rounds 0.."
                                                  << next_round_ - 1 << " have)");
@@ -163,11 +204,15 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
                   << " is too old; its buffer set has been reused (only the last two rounds can "
                      "be waited for)");
   const int set = static_cast<int>(round % 2);
+  const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
+  // The wait reads the set's use count, which the round's exchange() advances on the device.
+  order_after(stream, exchange_stream_[set], exchanged_[set]);
   const int blocks = static_cast<int>(
       std::min<int64_t>((n_tokens_ + 255) / 256, multiprocessor_count()));
-  kernels::launch_token_wait(signals(set), n_tokens_, static_cast<uint64_t>(round) + 1, my_pe(),
-                             src_pe, timeout_nanoseconds(timeout_seconds), detail::device_status(),
-                             blocks, stream);
+  kernels::launch_token_wait(signals(set), n_tokens_, uses_ + set, my_pe(), src_pe, timeout_ns,
+                             detail::device_status(), blocks, stream);
+  wait_stream_[set] = stream;
+  waited_[set] = true;
   last_waited_round_ = std::max(last_waited_round_, round);
 }
 
@@ -199,7 +244,7 @@ double DoubleBufferManager::test_bandwidth(int rank, int world_size, cudaStream_
   }
   PDC_CHECK_CUDA(cudaEventDestroy(start));
   PDC_CHECK_CUDA(cudaEventDestroy(stop));
-  check_device_errors();
+  check_timeouts();
   return static_cast<double>(buffer_bytes()) / (static_cast<double>(milliseconds) * 1e6);
 }
 

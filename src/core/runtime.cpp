@@ -34,8 +34,13 @@ struct RuntimeState {
   std::vector<uint8_t> unique_id;
   detail::DeviceStatus* status_host = nullptr;
   detail::DeviceStatus* status_device = nullptr;
-  uint64_t* barrier_signals = nullptr;  // symmetric [n_pes]: the barrier epoch each PE reached
-  uint64_t barrier_epoch = 0;
+  // Symmetric [3][n_pes]: arrivals of stream-ordered barriers, arrivals of host-blocking
+  // barriers, and the values PEs vote with in a blocking barrier. The two kinds of barrier
+  // count apart, so that one can never satisfy the other.
+  uint64_t* barrier_signals = nullptr;
+  // Device [2]: how many stream-ordered / blocking barriers this PE has entered. Kernels take
+  // their epoch from it with an atomic, so replays of a CUDA graph each get a fresh one.
+  uint64_t* barrier_epochs = nullptr;
 };
 
 RuntimeState& state() {
@@ -98,7 +103,7 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
                     "NVSHMEM made this process PE " << nvshmem_my_pe() << " instead of rank " << rank
                         << ": every rank must pass its own torch.distributed rank");
       }
-      const std::size_t bytes = sizeof(uint64_t) * static_cast<std::size_t>(world_size);
+      const std::size_t bytes = 3 * sizeof(uint64_t) * static_cast<std::size_t>(world_size);
       signals = static_cast<uint64_t*>(nvshmem_malloc(bytes));
       PDC_REQUIRE(signals != nullptr, "the NVSHMEM symmetric heap has no room for the barrier's "
                                       << bytes << " bytes: raise NVSHMEM_SYMMETRIC_SIZE");
@@ -235,10 +240,16 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
     s.status_host = static_cast<detail::DeviceStatus*>(host);
     s.status_device = static_cast<detail::DeviceStatus*>(dev);
   }
+  if (s.barrier_epochs == nullptr) {
+    void* epochs = nullptr;
+    PDC_CHECK_CUDA(cudaMalloc(&epochs, 2 * sizeof(uint64_t)));
+    s.barrier_epochs = static_cast<uint64_t*>(epochs);
+  }
+  PDC_CHECK_CUDA(cudaMemset(s.barrier_epochs, 0, 2 * sizeof(uint64_t)));
+  PDC_CHECK_CUDA(cudaDeviceSynchronize());
   s.initialized = true;
   s.owns_nvshmem = owns;
   s.barrier_signals = barrier_signals;
-  s.barrier_epoch = 0;
   s.device = device;
   s.my_pe = rank;
   s.n_pes = world_size;
@@ -249,29 +260,38 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
 void enqueue_barrier(cudaStream_t stream, double timeout_seconds) {
   require_initialized("barrier");
   RuntimeState& s = state();
-  const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
-  kernels::launch_barrier(s.barrier_signals, ++s.barrier_epoch, s.my_pe, s.n_pes, timeout_ns,
-                          s.status_device, stream);
+  kernels::launch_barrier(s.barrier_signals, s.barrier_epochs, nullptr, 0, s.my_pe, s.n_pes,
+                          timeout_nanoseconds(timeout_seconds), s.status_device, stream);
 }
 
-void barrier_all_blocking(const char* what, double timeout_seconds) {
+std::vector<uint64_t> barrier_all_blocking(const char* what, double timeout_seconds, uint64_t vote) {
   require_initialized(what);
-  check_device_errors();
+  check_timeouts();  // a pending bad-input report stays pending: collectives must not split PEs
+  RuntimeState& s = state();
+  const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
+  uint64_t* votes = s.barrier_signals + 2 * s.n_pes;
   cudaStream_t stream = nullptr;
   PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<uint64_t> votes_seen(s.n_pes, vote);
   try {
-    enqueue_barrier(stream, timeout_seconds);
+    kernels::launch_barrier(s.barrier_signals + s.n_pes, s.barrier_epochs + 1, votes, vote, s.my_pe,
+                            s.n_pes, timeout_ns, s.status_device, stream);
     PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
+    if (s.n_pes > 1)
+      PDC_CHECK_CUDA(cudaMemcpy(votes_seen.data(), votes, sizeof(uint64_t) * s.n_pes,
+                                cudaMemcpyDeviceToHost));
+    votes_seen[s.my_pe] = vote;
   } catch (...) {
     cudaStreamDestroy(stream);
     throw;
   }
   PDC_CHECK_CUDA(cudaStreamDestroy(stream));
   try {
-    check_device_errors();
+    check_timeouts();
   } catch (const TimeoutError& e) {
     throw TimeoutError(std::string(what) + ": " + e.what());
   }
+  return votes_seen;
 }
 
 void finalize() {
@@ -295,6 +315,8 @@ void finalize() {
   // leave NVSHMEM as it is and let process exit reclaim it.
   if (peers_here) nvshmem_free(s.barrier_signals);
   s.barrier_signals = nullptr;
+  if (s.barrier_epochs != nullptr) cudaFree(s.barrier_epochs);  // local; an error here changes nothing
+  s.barrier_epochs = nullptr;
   if (s.owns_nvshmem && peers_here) {
     nvshmem_finalize();
     s.nvshmem_finalized = true;
@@ -309,8 +331,8 @@ void finalize() {
 bool is_initialized() { return state().initialized; }
 
 bool peer_failed() {
-  const volatile detail::DeviceStatus* status = state().status_host;
-  return status != nullptr && status->code == 1;
+  const detail::DeviceStatus* status = state().status_host;
+  return status != nullptr && __atomic_load_n(&status->timeout.code, __ATOMIC_ACQUIRE) == detail::kTimedOut;
 }
 
 void require_initialized(const char* what) {
@@ -364,27 +386,33 @@ uint64_t timeout_nanoseconds(double seconds) {
   return static_cast<uint64_t>(seconds * 1e9);
 }
 
-void check_device_errors() {
+void check_timeouts() {
   const detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
-  const volatile detail::DeviceStatus* live = status;
-  if (live->code == 0) return;
-  if (live->code == 2) {
-    // Bad input found on the device: NVSHMEM is fine, so report it once and carry on.
-    std::ostringstream bad;
-    bad << "put_blocks on PE " << live->pe << ": block index " << static_cast<int64_t>(live->expected)
-        << " is out of range [0, " << live->seen << "); that block was skipped. Check the index "
-           "tensors";
-    state().status_host->code = 0;
-    throw Error(bad.str());
-  }
+  if (__atomic_load_n(&status->timeout.code, __ATOMIC_ACQUIRE) != detail::kTimedOut) return;
+  const detail::ErrorRecord& r = status->timeout;
   std::ostringstream text;
-  text << "PE " << live->pe << " timed out in "
-       << detail::wait_op_name(static_cast<detail::WaitOp>(live->op)) << " on PE " << live->peer
-       << " (expected signal >= " << live->expected << ", saw " << live->seen
+  text << "PE " << r.pe << " timed out in " << detail::wait_op_name(static_cast<detail::WaitOp>(r.op))
+       << " on PE " << r.peer << " (expected signal >= " << r.expected << ", saw " << r.seen
        << "). The peer may have died, hung, or not made the matching call. NVSHMEM state is no "
           "longer usable in this process: exit it (finalize() will not wait on the peer).";
   throw TimeoutError(text.str());
+}
+
+void check_device_errors() {
+  check_timeouts();
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  detail::ErrorRecord& r = status->bad_input;
+  if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) != detail::kBadInput) return;
+  // Bad input found on the device: NVSHMEM is fine, so report it once and carry on.
+  std::ostringstream bad;
+  bad << "put_blocks on PE " << r.pe << ": block index " << static_cast<int64_t>(r.expected)
+      << " is out of range [0, " << r.seen << "); that block was skipped. Check the index "
+         "tensors";
+  int published = detail::kBadInput;
+  __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  throw Error(bad.str());
 }
 
 }  // namespace pydatacopy

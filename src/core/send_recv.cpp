@@ -20,9 +20,17 @@ std::size_t align_up(std::size_t value, std::size_t to) { return (value + to - 1
 }  // namespace
 
 namespace {
-// Staging: [n_pes][num_chunks][chunk]; then arrivals and credits, [n_pes][num_chunks][blocks] each.
-std::size_t signal_array_bytes(int n_pes, int num_chunks, int blocks) {
-  return align_up(static_cast<std::size_t>(n_pes) * num_chunks * blocks * sizeof(uint64_t), kAlignment);
+// A slot's page: the unit each block signals for (32 KiB, or the whole chunk when smaller).
+constexpr std::size_t kPageBytes = 32 << 10;
+std::size_t page_bytes_for(std::size_t chunk_bytes) {
+  return std::min(kPageBytes, align_up(chunk_bytes, 16));
+}
+std::size_t chunk_bytes_for(std::size_t chunk_bytes) {
+  return align_up(chunk_bytes, page_bytes_for(chunk_bytes));
+}
+// Staging: [n_pes][num_chunks][chunk]; then arrivals and credits, [n_pes][num_chunks][pages] each.
+std::size_t signal_array_bytes(int n_pes, int num_chunks, std::size_t pages) {
+  return align_up(static_cast<std::size_t>(n_pes) * num_chunks * pages * sizeof(uint64_t), kAlignment);
 }
 std::size_t staging_array_bytes(int n_pes, int num_chunks, std::size_t chunk_bytes) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * chunk_bytes, kAlignment);
@@ -33,8 +41,10 @@ std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_
                                                    int blocks) {
   PDC_REQUIRE(n_pes >= 1 && num_chunks >= 1 && blocks >= 1 && chunk_bytes >= 1,
               "symmetric_bytes_needed: n_pes, chunk_bytes, num_chunks and blocks must be positive");
-  chunk_bytes = align_up(chunk_bytes, 16 * static_cast<std::size_t>(blocks));
-  return staging_array_bytes(n_pes, num_chunks, chunk_bytes) + 2 * signal_array_bytes(n_pes, num_chunks, blocks);
+  const std::size_t page = page_bytes_for(chunk_bytes);
+  chunk_bytes = chunk_bytes_for(chunk_bytes);
+  return staging_array_bytes(n_pes, num_chunks, chunk_bytes) +
+         2 * signal_array_bytes(n_pes, num_chunks, chunk_bytes / page);
 }
 
 void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
@@ -46,17 +56,30 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   PDC_REQUIRE(chunk_bytes >= 1, "chunk_bytes must be positive, got " << chunk_bytes);
   const int pes = n_pes();
   const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);
-  chunk_bytes = align_up(chunk_bytes, 16 * static_cast<std::size_t>(blocks));
-  void* base = symmetric_malloc(total);
-  PDC_CHECK_CUDA(cudaMemset(base, 0, total));
+  page_bytes_ = page_bytes_for(chunk_bytes);
+  chunk_bytes = chunk_bytes_for(chunk_bytes);
+  // Per channel (send to / receive from each PE): the next chunk's sequence number and the
+  // blocks finished in the launch in flight. On the device, so that graph replays advance them.
+  void* counters = nullptr;
+  const std::size_t counter_bytes = 2 * pes * (sizeof(uint64_t) + sizeof(unsigned int));
+  PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
+  PDC_CHECK_CUDA(cudaMemset(counters, 0, counter_bytes));
+  void* base = nullptr;
+  try {
+    base = symmetric_malloc(total);
+    PDC_CHECK_CUDA(cudaMemset(base, 0, total));
+  } catch (...) {
+    cudaFree(counters);
+    throw;
+  }
   base_ = static_cast<uint8_t*>(base);
+  sequences_ = static_cast<uint64_t*>(counters);
+  done_ = reinterpret_cast<unsigned int*>(sequences_ + 2 * pes);
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
   n_pes_ = pes;
   symmetric_bytes_ = total;
-  chunks_sent_.assign(pes, 0);
-  chunks_received_.assign(pes, 0);
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   // Nobody signals into memory a peer has not zeroed yet.
   barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
@@ -68,9 +91,10 @@ void SendRecvEngine::cleanup() {
   // symmetric_free settles every PE (bounded barrier) first: peers may still write into staging.
   uint8_t* base = base_;
   base_ = nullptr;
-  chunks_sent_.clear();
-  chunks_received_.clear();
-  symmetric_free(base);
+  symmetric_free(base);  // synchronises the device first: no kernel still uses the counters
+  if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
+  sequences_ = nullptr;
+  done_ = nullptr;
 }
 
 uint8_t* SendRecvEngine::staging(int src_pe) const {
@@ -79,20 +103,20 @@ uint8_t* SendRecvEngine::staging(int src_pe) const {
 
 uint64_t* SendRecvEngine::arrivals(int src_pe) const {
   return reinterpret_cast<uint64_t*>(base_ + staging_array_bytes(n_pes_, num_chunks_, chunk_bytes_)) +
-         static_cast<std::size_t>(src_pe) * num_chunks_ * blocks_;
+         static_cast<std::size_t>(src_pe) * num_chunks_ * pages();
 }
 
 uint64_t* SendRecvEngine::credits(int dst_pe) const {
   return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(arrivals(0)) +
-                                     signal_array_bytes(n_pes_, num_chunks_, blocks_)) +
-         static_cast<std::size_t>(dst_pe) * num_chunks_ * blocks_;
+                                     signal_array_bytes(n_pes_, num_chunks_, pages())) +
+         static_cast<std::size_t>(dst_pe) * num_chunks_ * pages();
 }
 
 void SendRecvEngine::require_ready(const char* what, int pe) const {
   require_valid_pe(pe, what);
   PDC_REQUIRE(base_ != nullptr, what << ": the send/recv engine is not set up (pydatacopy.init() "
                                         "does it; from C++ call SendRecvEngine::init)");
-  check_device_errors();
+  check_timeouts();
 }
 
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
@@ -100,56 +124,41 @@ int SendRecvEngine::active_blocks(std::size_t bytes) const {
   constexpr std::size_t kMinBytesPerBlock = 32 << 10;
   const std::size_t chunk = std::min(bytes, chunk_bytes_);
   const std::size_t wanted = (chunk + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
-  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, blocks_)));
+  const std::size_t limit = std::min<std::size_t>(blocks_, pages());  // a block owns >= 1 page
+  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
 }
 
-kernels::ChunkStreamArgs SendRecvEngine::prepare_send(const void* src, std::size_t bytes,
-                                                      int dst_pe, double timeout_seconds) {
-  require_ready("send", dst_pe);
+kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::size_t bytes,
+                                                 int peer, double timeout_seconds) {
   const int me = my_pe();
   kernels::ChunkStreamArgs a{};
-  a.src = static_cast<const uint8_t*>(src);
   a.bytes = static_cast<int64_t>(bytes);
   a.chunk_bytes = static_cast<int64_t>(chunk_bytes_);
+  a.page_bytes = static_cast<int64_t>(page_bytes_);
+  a.pages = pages();
   a.num_slots = num_chunks_;
-  a.first_chunk = chunks_sent_[dst_pe];
-  a.staging = staging(me);
-  a.arrivals = arrivals(me);
-  a.credits = credits(dst_pe);
-  a.peer_staging = static_cast<uint8_t*>(peer_pointer(a.staging, dst_pe));
-  a.peer_arrivals = static_cast<uint64_t*>(peer_pointer(a.arrivals, dst_pe));
-  if (a.peer_staging == nullptr || a.peer_arrivals == nullptr) a.peer_staging = nullptr, a.peer_arrivals = nullptr;
-  a.total_blocks = blocks_;
+  a.sequence = sequences_ + (send ? 0 : n_pes_) + peer;
+  a.done = done_ + (send ? 0 : n_pes_) + peer;
   a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
-  a.peer = dst_pe;
+  a.peer = peer;
   a.timeout_ns = timeout_nanoseconds(timeout_seconds);
   a.status = detail::device_status();
-  chunks_sent_[dst_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
-  return a;
-}
-
-kernels::ChunkStreamArgs SendRecvEngine::prepare_recv(void* dst, std::size_t bytes, int src_pe,
-                                                      double timeout_seconds) {
-  require_ready("recv", src_pe);
-  const int me = my_pe();
-  kernels::ChunkStreamArgs a{};
-  a.dst = static_cast<uint8_t*>(dst);
-  a.bytes = static_cast<int64_t>(bytes);
-  a.chunk_bytes = static_cast<int64_t>(chunk_bytes_);
-  a.num_slots = num_chunks_;
-  a.first_chunk = chunks_received_[src_pe];
-  a.staging = staging(src_pe);
-  a.arrivals = arrivals(src_pe);
-  a.credits = credits(me);
-  a.peer_credits = static_cast<uint64_t*>(peer_pointer(a.credits, src_pe));
-  a.total_blocks = blocks_;
-  a.active_blocks = active_blocks(bytes);
-  a.my_pe = me;
-  a.peer = src_pe;
-  a.timeout_ns = timeout_nanoseconds(timeout_seconds);
-  a.status = detail::device_status();
-  chunks_received_[src_pe] += (bytes + chunk_bytes_ - 1) / chunk_bytes_;
+  if (send) {
+    a.src = static_cast<const uint8_t*>(buffer);
+    a.staging = staging(me);
+    a.arrivals = arrivals(me);
+    a.credits = credits(peer);
+    a.peer_staging = static_cast<uint8_t*>(peer_pointer(a.staging, peer));
+    a.peer_arrivals = static_cast<uint64_t*>(peer_pointer(a.arrivals, peer));
+    if (a.peer_staging == nullptr || a.peer_arrivals == nullptr) a.peer_staging = nullptr, a.peer_arrivals = nullptr;
+  } else {
+    a.dst = static_cast<uint8_t*>(buffer);
+    a.staging = staging(peer);
+    a.arrivals = arrivals(peer);
+    a.credits = credits(me);
+    a.peer_credits = static_cast<uint64_t*>(peer_pointer(a.credits, peer));
+  }
   return a;
 }
 
@@ -183,8 +192,20 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   for (const Operation& op : ops) {
     if (op.bytes == 0) continue;
     launch.is_send[launch.count] = op.send;
-    launch.ops[launch.count++] = op.send ? prepare_send(op.buffer, op.bytes, op.peer, timeout_seconds)
-                                         : prepare_recv(op.buffer, op.bytes, op.peer, timeout_seconds);
+    launch.ops[launch.count++] = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
+  }
+  // Several ops of the batch on one channel (direction and peer) follow each other in the
+  // channel's sequence: each learns its offset, and all learn the channel's totals.
+  for (int i = 0; i < launch.count; ++i) {
+    kernels::ChunkStreamArgs& op = launch.ops[i];
+    for (int j = 0; j < launch.count; ++j) {
+      const kernels::ChunkStreamArgs& other = launch.ops[j];
+      if (other.sequence != op.sequence) continue;
+      const uint64_t chunks = (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_;
+      if (j < i) op.offset_chunks += chunks;
+      op.channel_chunks += chunks;
+      op.channel_blocks += other.active_blocks;
+    }
   }
   kernels::launch_chunk_batch(launch, stream);
 }

@@ -2,7 +2,11 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <sstream>
+#include <string>
+#include <vector>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -25,13 +29,74 @@ Allocations& allocations() {
   return a;
 }
 
+constexpr std::size_t kGiB = std::size_t{1} << 30;
+
+// NVSHMEM_SYMMETRIC_SIZE in bytes (NVSHMEM's default, 1 GiB, when unset or unreadable: the
+// Python layer rejects bad values before NVSHMEM starts).
+std::size_t configured_heap_bytes() {
+  const char* text = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
+  if (text == nullptr || *text == '\0') return kGiB;
+  char* end = nullptr;
+  const double value = std::strtod(text, &end);
+  if (end == text || !(value > 0)) return kGiB;
+  double scale = 1;
+  switch (*end) {
+    case 'k': case 'K': scale = 1024.0; break;
+    case 'm': case 'M': scale = 1024.0 * 1024; break;
+    case 'g': case 'G': scale = 1024.0 * 1024 * 1024; break;
+    case 't': case 'T': scale = 1024.0 * 1024 * 1024 * 1024; break;
+    default: break;
+  }
+  return static_cast<std::size_t>(value * scale);
+}
+
+std::size_t live_symmetric_bytes() {
+  std::lock_guard<std::mutex> lock(allocations().mutex);
+  std::size_t total = 0;
+  for (const auto& entry : allocations().live) total += entry.second;
+  return total;
+}
+
+std::string gib(std::size_t bytes) {
+  std::ostringstream text;
+  text.precision(3);
+  text << static_cast<double>(bytes) / static_cast<double>(kGiB) << " GiB";
+  return text.str();
+}
+
 }  // namespace
 
 void* symmetric_malloc(std::size_t bytes) {
   require_initialized("symmetric_malloc");
   PDC_REQUIRE(bytes > 0, "cannot allocate 0 bytes of symmetric memory");
   // nvshmem_malloc waits for every PE with no deadline: meet them in a bounded barrier first.
-  barrier_all_blocking("symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds());
+  // In that barrier every PE also says how much GPU memory it has free. NVSHMEM grows its heap
+  // into free GPU memory, and when it cannot it ends every process (seen asking for 200 GiB and
+  // 1 TiB), so a request that some PE cannot hold is refused here, on every PE alike.
+  std::size_t free_bytes = 0, total_bytes = 0;
+  PDC_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const std::vector<uint64_t> free_per_pe = barrier_all_blocking(
+      "symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds(), free_bytes);
+  const std::size_t heap = configured_heap_bytes(), live = live_symmetric_bytes();
+  const std::size_t heap_room = heap > live ? heap - live : 0;
+  // Headroom for NVSHMEM's growth granularity and the CUDA context.
+  const std::size_t reserve = std::max<std::size_t>(kGiB, total_bytes / 50);
+  uint64_t least_free = free_per_pe.empty() ? free_bytes : free_per_pe[0];
+  for (uint64_t f : free_per_pe) least_free = std::min<uint64_t>(least_free, f);
+  const std::size_t room = heap_room + (least_free > reserve ? least_free - reserve : 0);
+  if (bytes > room) {
+    std::ostringstream text;
+    text << "pydatacopy.empty / symmetric_malloc: " << bytes << " bytes (" << gib(bytes)
+         << ") of symmetric memory asked, and not every PE can hold them: the NVSHMEM heap is "
+         << gib(heap) << " (NVSHMEM_SYMMETRIC_SIZE) with " << gib(live)
+         << " in live symmetric allocations, and beyond it grows into GPU memory free:";
+    for (std::size_t pe = 0; pe < free_per_pe.size(); ++pe)
+      text << (pe ? "," : "") << " " << gib(free_per_pe[pe]) << " on PE " << pe;
+    text << " (keeping " << gib(reserve) << " spare). Nothing was allocated on any PE. Ask for "
+            "less, free symmetric tensors (pydatacopy.free), or release GPU memory "
+            "(torch.cuda.empty_cache()) on every PE";
+    PDC_REQUIRE(false, text.str());
+  }
   void* ptr = nvshmem_malloc(bytes);
   if (ptr == nullptr) {
     const char* configured = std::getenv("NVSHMEM_SYMMETRIC_SIZE");

@@ -50,7 +50,7 @@ Path resolve_path(Path requested, bool peer_reachable, std::size_t bytes) {
 
 void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "put");
-  check_device_errors();
+  check_timeouts();
   require_symmetric(dst, bytes, "put: dst");
   if (bytes == 0) return;
   void* peer = peer_pointer(dst, pe);
@@ -65,7 +65,7 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
 
 void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "get");
-  check_device_errors();
+  check_timeouts();
   require_symmetric(src, bytes, "get: src");
   if (bytes == 0) return;
   const void* peer = peer_pointer(src, pe);
@@ -81,7 +81,7 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
 void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal, uint64_t value,
                 int pe, cudaStream_t stream) {
   require_valid_pe(pe, "put_signal");
-  check_device_errors();
+  check_timeouts();
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
@@ -89,7 +89,7 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
 
 void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream) {
   require_valid_pe(pe, "signal_set");
-  check_device_errors();
+  check_timeouts();
   require_symmetric(signal, sizeof(uint64_t), "signal_set: signal");
   nvshmemx_quiet_on_stream(stream);
   nvshmemx_signal_op_on_stream(signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
@@ -97,7 +97,7 @@ void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream) {
 
 void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds) {
   require_initialized("signal_wait");
-  check_device_errors();
+  check_timeouts();
   require_symmetric(signal, sizeof(uint64_t), "signal_wait: signal");
   kernels::launch_signal_wait(signal, value, my_pe(), timeout_nanoseconds(timeout_seconds),
                               detail::device_status(), stream);
@@ -110,7 +110,7 @@ void quiet(cudaStream_t stream) {
 
 void barrier(cudaStream_t stream, double timeout_seconds) {
   require_initialized("barrier");
-  check_device_errors();
+  check_timeouts();
   timeout_nanoseconds(timeout_seconds);  // validate before anything is enqueued
   nvshmemx_quiet_on_stream(stream);
   enqueue_barrier(stream, timeout_seconds);
@@ -119,7 +119,7 @@ void barrier(cudaStream_t stream, double timeout_seconds) {
 void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,
               Path path) {
   require_valid_pe(pe, "put_many");
-  check_device_errors();
+  check_timeouts();
   PDC_REQUIRE(count >= 0, "put_many: count must not be negative, got " << count);
   PDC_REQUIRE(path == Path::kAuto || path == Path::kSM || path == Path::kRMA,
               "put_many moves many small tensors in one kernel: path must be auto, sm or rma");
@@ -141,7 +141,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
                 std::size_t block_bytes, const int64_t* dst_indices, const int64_t* src_indices,
                 int64_t count, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "put_blocks");
-  check_device_errors();
+  check_device_errors();  // reports a bad index of an earlier put_blocks
   PDC_REQUIRE(count >= 0 && dst_blocks >= 0 && src_blocks >= 0,
               "put_blocks: counts must not be negative");
   PDC_REQUIRE(block_bytes > 0, "put_blocks: block_bytes must be positive");
@@ -167,7 +167,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
 void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
                      cudaStream_t stream, double timeout_seconds) {
   require_valid_pe(peer, "signal_pingpong");
-  check_device_errors();
+  check_timeouts();
   require_symmetric(signal, sizeof(uint64_t), "signal_pingpong: signal");
   PDC_REQUIRE(iterations > 0, "iterations must be positive, got " << iterations);
   kernels::launch_pingpong(signal, my_pe(), peer, iterations, initiator, timeout_nanoseconds(timeout_seconds),

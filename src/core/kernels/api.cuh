@@ -21,7 +21,8 @@ struct TokenExchangeArgs {
   uint64_t* peer_signals;   // likewise for the signals
   int64_t n_tokens;
   int64_t token_bytes;
-  uint64_t round_value;     // round + 1, so that zeroed signals mean "nothing yet"
+  uint64_t* uses;           // device: exchanges of this set so far; this one is uses + 1
+  unsigned int* done;       // device: blocks finished in this launch
   int my_pe, dst_pe, src_pe;
   uint64_t timeout_ns;
   detail::DeviceStatus* status;
@@ -29,7 +30,8 @@ struct TokenExchangeArgs {
 
 void launch_token_exchange(const TokenExchangeArgs& args, int num_blocks, cudaStream_t stream);
 
-void launch_token_wait(const uint64_t* signals, int64_t n_tokens, uint64_t round_value,
+// Waits until every token's signal reached *uses (the set's use count, as its last exchange left it).
+void launch_token_wait(const uint64_t* signals, int64_t n_tokens, const uint64_t* uses,
                        int my_pe, int src_pe, uint64_t timeout_ns, detail::DeviceStatus* status,
                        int num_blocks, cudaStream_t stream);
 
@@ -45,10 +47,13 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 void launch_put_many(const void* device_descriptors, int count, int pe, bool force_rma,
                      cudaStream_t stream);
 
-// Every PE sets its slot `my_pe` of every other PE's `signals` to `epoch`, then waits until all
-// of its own slots reached `epoch` (deadline: timeout_ns). No launch when n_pes == 1.
-void launch_barrier(uint64_t* signals, uint64_t epoch, int my_pe, int n_pes, uint64_t timeout_ns,
-                    detail::DeviceStatus* status, cudaStream_t stream);
+// Every PE takes its next epoch from the device counter *epoch_counter, adds one to its slot
+// `my_pe` of every other PE's `signals`, then waits until each of its own slots reached the
+// epoch (deadline: timeout_ns). With `votes`, each PE's `vote` lands in slot my_pe of every
+// PE's votes before its arrival does. No launch when n_pes == 1.
+void launch_barrier(uint64_t* signals, uint64_t* epoch_counter, uint64_t* votes, uint64_t vote,
+                    int my_pe, int n_pes, uint64_t timeout_ns, detail::DeviceStatus* status,
+                    cudaStream_t stream);
 
 void launch_signal_wait(const uint64_t* signal, uint64_t value, int my_pe, uint64_t timeout_ns,
                         detail::DeviceStatus* status, cudaStream_t stream);
@@ -59,21 +64,28 @@ namespace pydatacopy::kernels {
 
 // One message of a send/recv channel (see send_recv.hpp). Addresses are this PE's symmetric
 // ones; the peer_* pointers are the peer's copies through nvshmem_ptr, or null for NVSHMEM RMA.
+// Sequence numbers live on the device (`sequence`), so a captured CUDA graph replays as fresh
+// messages; the launch carries only offsets within its batch.
 struct ChunkStreamArgs {
   const uint8_t* src;        // send: the user's buffer
   uint8_t* dst;              // recv: the user's buffer
   int64_t bytes;
-  int64_t chunk_bytes;
+  int64_t chunk_bytes;       // a multiple of page_bytes
+  int64_t page_bytes;
+  int pages;                 // per slot: chunk_bytes / page_bytes, each with its own signals
   int num_slots;
-  uint64_t first_chunk;      // sequence number of the message's first chunk on this channel
+  uint64_t* sequence;        // device: this channel's next chunk sequence number
+  unsigned int* done;        // device: blocks of this channel finished in the current launch
+  uint64_t offset_chunks;    // chunks of earlier ops of this batch on the same channel
+  uint64_t channel_chunks;   // chunks of all ops of this batch on the channel
+  int channel_blocks;        // blocks of all ops of this batch on the channel
   uint8_t* staging;          // [num_slots][chunk_bytes] of this channel, at the receiver
   uint8_t* peer_staging;
-  uint64_t* arrivals;        // [num_slots][blocks] at the receiver: chunks landed
+  uint64_t* arrivals;        // [num_slots][pages] at the receiver: chunks landed
   uint64_t* peer_arrivals;
-  uint64_t* credits;         // [num_slots][blocks] at the sender: chunks drained
+  uint64_t* credits;         // [num_slots][pages] at the sender: chunks drained
   uint64_t* peer_credits;
-  int total_blocks;          // signals per slot (the engine's block count)
-  int active_blocks;         // blocks moving this message (<= total_blocks), from its size
+  int active_blocks;         // blocks moving this message (<= pages), from its size
   int my_pe, peer;
   uint64_t timeout_ns;
   detail::DeviceStatus* status;
@@ -117,5 +129,15 @@ struct BlockCopyArgs {
   detail::DeviceStatus* status;
 };
 void launch_put_blocks(const BlockCopyArgs& args, cudaStream_t stream);
+
+}  // namespace pydatacopy::kernels
+
+namespace pydatacopy::kernels {
+
+// Test support: `blocks` blocks of `threads` threads and `shared_bytes` of dynamic shared memory
+// spin until *release != 0 or max_ns pass; *released_by_flag (set to 1 by the caller) drops to 0
+// when a block had to give up at the deadline.
+void launch_occupy_sms(int blocks, int threads, std::size_t shared_bytes, const int* release,
+                       int* released_by_flag, uint64_t max_ns, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels

@@ -12,17 +12,38 @@ namespace {
 constexpr int kExchangeThreads = 512;  // 16 warps, each moving whole tokens
 constexpr int kWaitThreads = 256;
 
+__device__ void exchange_tokens(const TokenExchangeArgs& args, uint64_t round_value);
+
 __global__ void __launch_bounds__(kExchangeThreads)
     token_exchange_kernel(const TokenExchangeArgs args) {
+  // This use of the set: one more than the device count, which the last block moves on (every
+  // block reads it before it counts itself done), so a replayed graph makes a fresh round.
+  __shared__ uint64_t base;
+  if (threadIdx.x == 0) base = *reinterpret_cast<volatile uint64_t*>(args.uses);
+  __syncthreads();
+  const uint64_t round_value = base + 1;
+  exchange_tokens(args, round_value);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(args.done, 1u) + 1 == gridDim.x) {
+      *args.done = 0;
+      *reinterpret_cast<volatile uint64_t*>(args.uses) = round_value;
+      __threadfence();
+    }
+  }
+}
+
+__device__ void exchange_tokens(const TokenExchangeArgs& args, uint64_t round_value) {
   const uint64_t deadline = detail::globaltimer_ns() + args.timeout_ns;
   // Tell the PE that sends to us that our receive set for this round is free.
   if (blockIdx.x == 0 && threadIdx.x == 0)
-    nvshmemx_signal_op(args.credits + args.my_pe, args.round_value, NVSHMEM_SIGNAL_SET,
+    nvshmemx_signal_op(args.credits + args.my_pe, round_value, NVSHMEM_SIGNAL_SET,
                        args.src_pe);
   // Do not write into dst before it has freed its receive set for this round.
   __shared__ int credit_ok;
   if (threadIdx.x == 0)
-    credit_ok = detail::wait_until_at_least(args.credits + args.dst_pe, args.round_value, deadline,
+    credit_ok = detail::wait_until_at_least(args.credits + args.dst_pe, round_value, deadline,
                                             args.status, detail::WaitOp::kTokenCredit, args.dst_pe,
                                             args.my_pe);
   __syncthreads();
@@ -40,19 +61,20 @@ __global__ void __launch_bounds__(kExchangeThreads)
       __syncwarp();
       if (lane == 0) {
         __threadfence_system();
-        store_release_sys(args.peer_signals + token, args.round_value);
+        store_release_sys(args.peer_signals + token, round_value);
       }
     } else {
       nvshmemx_putmem_signal_warp(args.recv + offset, args.send + offset,
                                   static_cast<size_t>(args.token_bytes), args.signals + token,
-                                  args.round_value, NVSHMEM_SIGNAL_SET, args.dst_pe);
+                                  round_value, NVSHMEM_SIGNAL_SET, args.dst_pe);
     }
   }
 }
 
 __global__ void __launch_bounds__(kWaitThreads)
-    token_wait_kernel(const uint64_t* signals, int64_t n_tokens, uint64_t round_value, int my_pe,
+    token_wait_kernel(const uint64_t* signals, int64_t n_tokens, const uint64_t* uses, int my_pe,
                       int src_pe, uint64_t timeout_ns, detail::DeviceStatus* status) {
+  const uint64_t round_value = *reinterpret_cast<const volatile uint64_t*>(uses);
   const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -70,10 +92,10 @@ void launch_token_exchange(const TokenExchangeArgs& args, int num_blocks, cudaSt
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
-void launch_token_wait(const uint64_t* signals, int64_t n_tokens, uint64_t round_value, int my_pe,
+void launch_token_wait(const uint64_t* signals, int64_t n_tokens, const uint64_t* uses, int my_pe,
                        int src_pe, uint64_t timeout_ns, detail::DeviceStatus* status,
                        int num_blocks, cudaStream_t stream) {
-  token_wait_kernel<<<num_blocks, kWaitThreads, 0, stream>>>(signals, n_tokens, round_value, my_pe,
+  token_wait_kernel<<<num_blocks, kWaitThreads, 0, stream>>>(signals, n_tokens, uses, my_pe,
                                                              src_pe, timeout_ns, status);
   PDC_CHECK_CUDA(cudaGetLastError());
 }

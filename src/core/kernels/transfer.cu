@@ -71,11 +71,25 @@ __global__ void signal_wait_kernel(const uint64_t* signal, uint64_t value, int m
   detail::wait_until_at_least(signal, value, deadline, status, detail::WaitOp::kSignal, my_pe, my_pe);
 }
 
-__global__ void barrier_kernel(uint64_t* signals, uint64_t epoch, int my_pe, int n_pes,
-                               uint64_t timeout_ns, detail::DeviceStatus* status) {
+// One block. The epoch comes from a device counter (so a replayed CUDA graph gets a fresh one);
+// arrivals are added, never set, so they only grow whatever order barriers run in. With `votes`,
+// every PE first writes `vote` into its slot of every PE's votes (ordered before the arrival by
+// nvshmem_fence), so that after the barrier each PE holds every PE's vote.
+__global__ void barrier_kernel(uint64_t* signals, uint64_t* epoch_counter, uint64_t* votes,
+                               uint64_t vote, int my_pe, int n_pes, uint64_t timeout_ns,
+                               detail::DeviceStatus* status) {
+  __shared__ uint64_t epoch;
+  if (threadIdx.x == 0) epoch = atomicAdd(reinterpret_cast<unsigned long long*>(epoch_counter), 1ull) + 1;
+  __syncthreads();
   const uint64_t deadline = detail::globaltimer_ns() + timeout_ns;
-  for (int pe = threadIdx.x; pe < n_pes; pe += blockDim.x)
-    if (pe != my_pe) nvshmemx_signal_op(signals + my_pe, epoch, NVSHMEM_SIGNAL_SET, pe);
+  for (int pe = threadIdx.x; pe < n_pes; pe += blockDim.x) {
+    if (pe == my_pe) continue;
+    if (votes != nullptr) {
+      nvshmem_uint64_p(votes + my_pe, vote, pe);
+      nvshmem_fence();
+    }
+    nvshmemx_signal_op(signals + my_pe, 1, NVSHMEM_SIGNAL_ADD, pe);
+  }
   for (int pe = threadIdx.x; pe < n_pes; pe += blockDim.x)
     if (pe != my_pe &&
         !detail::wait_until_at_least(signals + pe, epoch, deadline, status, detail::WaitOp::kBarrier,
@@ -85,11 +99,13 @@ __global__ void barrier_kernel(uint64_t* signals, uint64_t epoch, int my_pe, int
 
 }  // namespace
 
-void launch_barrier(uint64_t* signals, uint64_t epoch, int my_pe, int n_pes, uint64_t timeout_ns,
-                    detail::DeviceStatus* status, cudaStream_t stream) {
+void launch_barrier(uint64_t* signals, uint64_t* epoch_counter, uint64_t* votes, uint64_t vote,
+                    int my_pe, int n_pes, uint64_t timeout_ns, detail::DeviceStatus* status,
+                    cudaStream_t stream) {
   if (n_pes <= 1) return;
   const int threads = std::min(1024, (n_pes + 31) / 32 * 32);
-  barrier_kernel<<<1, threads, 0, stream>>>(signals, epoch, my_pe, n_pes, timeout_ns, status);
+  barrier_kernel<<<1, threads, 0, stream>>>(signals, epoch_counter, votes, vote, my_pe, n_pes,
+                                            timeout_ns, status);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -1,0 +1,411 @@
+"""Real conditions, not the happy path (issue 12): CUDA graphs replayed many times, temporaries
+sent on side streams while the allocator reuses their memory, any block count and a GPU whose SMs
+are mostly taken, a symmetric allocation the GPU cannot hold, a bad call among good ones, barriers
+behind busy streams, and the token exchange split over two streams. Every data check compares
+bytes against fresh data generated for that round, with the destination cleared first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+from pydatacopy import _C
+
+MiB = 1 << 20
+
+
+def _bytes(pe: int, tag: int, nbytes: int) -> torch.Tensor:
+    """Random bytes PE `pe` sends under `tag`; the receiver regenerates them to compare."""
+    generator = torch.Generator(device="cuda").manual_seed((pe + 1) * 7_000_003 + tag)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=generator)
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    bad = (got.view(torch.uint8).reshape(-1) != want.view(torch.uint8).reshape(-1)).nonzero()
+    return f"{bad.numel()} of {want.numel()} bytes differ, first at {bad[0].item() if bad.numel() else None}"
+
+
+def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if not torch.equal(got.view(torch.uint8).reshape(-1), want.view(torch.uint8).reshape(-1)):
+        raise AssertionError(f"{what}: {_mismatch(got, want)}")
+
+
+@pytest.fixture
+def peer(world):
+    return 1 - world[0]
+
+
+# ---- CUDA graphs -----------------------------------------------------------------------------
+
+REPLAYS = 100
+
+
+@pytest.mark.parametrize("nbytes", [4096, 3 * MiB + 5, 64 * MiB], ids=["4K", "3M+5", "64M"])
+def test_graph_sendrecv_every_replay_is_a_fresh_round(world, peer, nbytes):
+    rank = world[0]
+    send = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    recv = torch.empty_like(send)
+    eager_send, eager_recv = torch.empty_like(send), torch.empty_like(send)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pydatacopy.sendrecv(send, peer, recv, peer)
+    for replay in range(REPLAYS):
+        send.copy_(_bytes(rank, replay, nbytes))
+        recv.zero_()
+        if rank == 1:
+            torch.cuda._sleep(200_000)  # the peer runs late: a stale wait would be seen
+        graph.replay()
+        _assert_bytes(recv, _bytes(peer, replay, nbytes), f"replay {replay}")
+        if replay % 10 == 3:  # eager calls on the same channel between replays
+            eager_send.copy_(_bytes(rank, 10_000 + replay, nbytes))
+            eager_recv.zero_()
+            pydatacopy.sendrecv(eager_send, peer, eager_recv, peer)
+            _assert_bytes(eager_recv, _bytes(peer, 10_000 + replay, nbytes), f"eager after {replay}")
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+
+
+def test_graph_token_exchange_every_replay_is_a_fresh_round(world, peer):
+    rank = world[0]
+    n_tokens, token_size = 512, 7168
+    dbm = pydatacopy.DoubleBufferManager()
+    dbm.init(n_tokens, token_size)
+    try:
+        # One eager round first, so that the graph starts on the second buffer set.
+        dbm.send_buffer.copy_(_bytes(rank, 999, n_tokens * token_size).view(n_tokens, token_size))
+        dbm.wait(dbm.exchange())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            round_ = dbm.exchange()
+            received = dbm.wait(round_)
+        sent = dbm.send_buffer_of(round_)
+        for replay in range(REPLAYS):
+            sent.copy_(_bytes(rank, replay, n_tokens * token_size).view(n_tokens, token_size))
+            received.zero_()
+            if rank == 1:
+                torch.cuda._sleep(200_000)
+            graph.replay()
+            _assert_bytes(received, _bytes(peer, replay, n_tokens * token_size), f"replay {replay}")
+            if replay % 10 == 3:  # an eager round (the other buffer set) between replays
+                dbm.send_buffer.copy_(_bytes(rank, 5000 + replay, n_tokens * token_size).view(n_tokens, token_size))
+                got = dbm.wait(dbm.exchange())
+                _assert_bytes(got, _bytes(peer, 5000 + replay, n_tokens * token_size), f"eager after {replay}")
+                # Back to the graph's set: the next eager exchange would use it, so round
+                # numbers stay in step with the graph's set.
+                dbm.send_buffer.copy_(_bytes(rank, 6000 + replay, n_tokens * token_size).view(n_tokens, token_size))
+                got = dbm.wait(dbm.exchange())
+                _assert_bytes(got, _bytes(peer, 6000 + replay, n_tokens * token_size), f"eager 2 after {replay}")
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        dbm.cleanup()
+
+
+def test_graph_put_blocks_and_barrier(world, peer):
+    rank = world[0]
+    blocks, block_bytes = 256, 4096
+    pool = pydatacopy.empty((blocks, block_bytes), dtype=torch.uint8)
+    try:
+        src = torch.empty((blocks, block_bytes), dtype=torch.uint8, device="cuda")
+        dst_idx = torch.empty(64, dtype=torch.int64, device="cuda")
+        src_idx = torch.empty(64, dtype=torch.int64, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pydatacopy.barrier()  # the peer has cleared its pool
+            pydatacopy.put_blocks(pool, src, dst_idx, src_idx, peer)
+            pydatacopy.quiet()
+            pydatacopy.barrier()  # both puts landed
+        for replay in range(REPLAYS):
+            generator = torch.Generator(device="cuda").manual_seed(replay)
+            perm = torch.randperm(blocks, device="cuda", generator=generator)[:64]
+            # Both PEs draw the same indices; each sends its own rows.
+            dst_idx.copy_(perm)
+            src_idx.copy_(torch.randperm(blocks, device="cuda", generator=generator)[:64])
+            src.copy_(_bytes(rank, replay, blocks * block_bytes).view(blocks, block_bytes))
+            pool.zero_()
+            graph.replay()
+            want = _bytes(peer, replay, blocks * block_bytes).view(blocks, block_bytes)[src_idx]
+            _assert_bytes(pool[dst_idx], want, f"replay {replay}")
+            untouched = torch.ones(blocks, dtype=torch.bool, device="cuda")
+            untouched[dst_idx] = False
+            assert int(pool[untouched].count_nonzero()) == 0, f"replay {replay}: stray writes"
+            pydatacopy.barrier()  # nobody clears its pool before the peer has read its result
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        pydatacopy.free(pool)
+
+
+def test_graph_put_signal_wait(world, peer):
+    rank = world[0]
+    nbytes = 1 * MiB
+    data = pydatacopy.empty(nbytes, dtype=torch.uint8)
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    try:
+        signal.zero_()
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        pydatacopy.barrier(blocking=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pydatacopy.barrier()  # the peer cleared its copy of data
+            pydatacopy.put_signal(data, src, peer, signal, 1)
+            pydatacopy.signal_wait(signal, 1)
+            signal.zero_()  # ready for the next replay (the peer's next put comes after a barrier)
+        for replay in range(REPLAYS):
+            src.copy_(_bytes(rank, replay, nbytes))
+            data.zero_()
+            if rank == 1:
+                torch.cuda._sleep(200_000)
+            graph.replay()
+            _assert_bytes(data, _bytes(peer, replay, nbytes), f"replay {replay}")
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(signal)
+        pydatacopy.free(data)
+
+
+@pytest.mark.parametrize("call", ["empty", "free", "setup_send_recv", "barrier_blocking",
+                                  "wait_blocking", "put_many", "dbm_init", "test_bandwidth"])
+def test_calls_that_block_refuse_capture(world, peer, call):
+    x = pydatacopy.empty(16, dtype=torch.uint8)
+    src = torch.zeros(16, dtype=torch.uint8, device="cuda")
+    dbm = pydatacopy.DoubleBufferManager()
+    if call in ("wait_blocking", "test_bandwidth"):
+        dbm.init(4, 64)
+        dbm.wait(dbm.exchange())
+    calls = {
+        "empty": lambda: pydatacopy.empty(16),
+        "free": lambda: pydatacopy.free(x),
+        "setup_send_recv": lambda: pydatacopy.setup_send_recv(),
+        "barrier_blocking": lambda: pydatacopy.barrier(blocking=True),
+        "wait_blocking": lambda: dbm.wait(blocking=True),
+        "put_many": lambda: pydatacopy.put_many([x], [src], peer),
+        "dbm_init": lambda: pydatacopy.DoubleBufferManager().init(4, 64),
+        "test_bandwidth": lambda: dbm.test_bandwidth(world[0], world[1]),
+    }
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with pytest.raises(pydatacopy.Error, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph):
+                calls[call]()
+    finally:
+        torch.cuda.synchronize()
+        dbm.cleanup()
+        pydatacopy.free(x)
+
+
+# ---- lifetimes -----------------------------------------------------------------------------
+
+def test_temporaries_on_a_side_stream_survive_allocator_churn(world, peer):
+    rank = world[0]
+    side = torch.cuda.Stream()
+    nbytes = 4 * MiB
+    received = torch.empty(nbytes // 8, dtype=torch.bfloat16, device="cuda")  # nbytes / 4 floats
+    for round_ in range(200):
+        source = _bytes(rank, round_, nbytes).view(torch.float32)
+        received.zero_()
+        temporary = source.to(torch.bfloat16)  # made on the current stream
+        side.wait_stream(torch.cuda.current_stream())
+        if rank == 1:
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(100_000)
+        # The temporary is dropped at once; the allocator may hand its block to the next
+        # allocation on the current stream while the side stream still reads it.
+        pydatacopy.sendrecv(temporary, peer, received, peer, stream=side)
+        del temporary
+        for _ in range(4):  # churn: reuse freed blocks of that size on the current stream
+            torch.empty(nbytes // 8, dtype=torch.bfloat16, device="cuda").fill_(7)
+        torch.cuda.current_stream().wait_stream(side)
+        want = _bytes(peer, round_, nbytes).view(torch.float32).to(torch.bfloat16)
+        _assert_bytes(received, want, f"round {round_}")
+    torch.cuda.synchronize()
+
+
+# ---- block counts and SMs held by another kernel -------------------------------------------
+
+@pytest.mark.parametrize("blocks", [1, 7, 64, 256, 1024])
+def test_send_recv_any_block_count(world, peer, blocks):
+    rank = world[0]
+    pydatacopy.setup_send_recv(blocks=blocks)
+    try:
+        for tag, nbytes in enumerate([5, 4096, 1 * MiB + 3, 64 * MiB]):
+            recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+            if rank == 0:  # one way, then back
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer)
+                pydatacopy.recv(recv, peer)
+            else:
+                pydatacopy.recv(recv, peer)
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer)
+            _assert_bytes(recv, _bytes(peer, tag, nbytes), f"blocks={blocks} bytes={nbytes}")
+            recv.zero_()
+            pydatacopy.sendrecv(_bytes(rank, 100 + tag, nbytes), peer, recv, peer)
+            _assert_bytes(recv, _bytes(peer, 100 + tag, nbytes), f"sendrecv blocks={blocks} bytes={nbytes}")
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    finally:
+        pydatacopy.setup_send_recv()
+
+
+@pytest.mark.parametrize("what", ["sendrecv", "exchange"])
+def test_progress_while_another_kernel_holds_all_but_4_sms(world, peer, what):
+    rank = world[0]
+    properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+    shared = properties.shared_memory_per_block_optin if hasattr(properties, "shared_memory_per_block_optin") \
+        else 227 * 1024
+    release = torch.zeros(1, dtype=torch.int32, device="cuda")
+    by_flag = torch.ones(1, dtype=torch.int32, device="cuda")
+    nbytes = 64 * MiB
+    send = _bytes(rank, 1, nbytes)
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    dbm = pydatacopy.DoubleBufferManager()
+    dbm.init(1024, 7168)
+    dbm.send_buffer.copy_(_bytes(rank, 2, 1024 * 7168).view(1024, 7168))
+    hog = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    dist.barrier()
+    # One block per SM (all of its shared memory), on all but 4 SMs, for at most 20 s: the
+    # transfer must finish on the 4 left and release it, not wait for its deadline.
+    _C._test_occupy_sms(properties.multi_processor_count - 4, 1024, shared, release.data_ptr(),
+                        by_flag.data_ptr(), 20.0, hog.cuda_stream)
+    torch.cuda._sleep(1_000_000)  # let the hog reach the SMs first
+    if what == "sendrecv":
+        pydatacopy.sendrecv(send, peer, recv, peer)
+    else:
+        round_ = dbm.exchange()
+        dbm.wait(round_)
+    release.fill_(1)
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+    try:
+        assert by_flag.item() == 1, "the transfer only finished after the SM-holding kernel gave up"
+        if what == "sendrecv":
+            _assert_bytes(recv, _bytes(peer, 1, nbytes), "sendrecv on 4 SMs")
+        else:
+            _assert_bytes(dbm.recv_buffer(round_), _bytes(peer, 2, 1024 * 7168), "exchange on 4 SMs")
+    finally:
+        dbm.cleanup()
+
+
+# ---- the symmetric heap --------------------------------------------------------------------
+
+@pytest.mark.parametrize("what", ["1 TiB", "2x free"])
+def test_allocation_too_large_is_an_error_on_every_pe(world, peer, what):
+    rank = world[0]
+    free_bytes, _ = torch.cuda.mem_get_info()
+    free_bytes = torch.tensor([free_bytes], device="cuda")
+    dist.all_reduce(free_bytes, op=dist.ReduceOp.MAX)  # every PE asks the same size
+    nbytes = (1 << 40) if what == "1 TiB" else 2 * int(free_bytes.item())
+    with pytest.raises(pydatacopy.Error, match="GPU memory free") as info:
+        pydatacopy.empty((nbytes,), dtype=torch.uint8)
+    assert str(nbytes) in str(info.value)
+    # The process goes on working.
+    x = pydatacopy.empty(1 * MiB, dtype=torch.uint8)
+    try:
+        x.zero_()
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.put(x, _bytes(rank, 3, 1 * MiB), peer)
+        pydatacopy.quiet()
+        pydatacopy.barrier(blocking=True)
+        _assert_bytes(x, _bytes(peer, 3, 1 * MiB), "put after the failed allocation")
+        recv = torch.zeros(3 * MiB, dtype=torch.uint8, device="cuda")
+        pydatacopy.sendrecv(_bytes(rank, 4, 3 * MiB), peer, recv, peer)
+        _assert_bytes(recv, _bytes(peer, 4, 3 * MiB), "sendrecv after the failed allocation")
+    finally:
+        pydatacopy.free(x)
+
+
+# ---- a bad call among good ones ------------------------------------------------------------
+
+def test_bad_block_index_does_not_cancel_a_token_wait_on_another_stream(world, peer):
+    rank = world[0]
+    n_tokens, token_size = 256, 4096
+    dbm = pydatacopy.DoubleBufferManager()
+    dbm.init(n_tokens, token_size)
+    pool = pydatacopy.empty((8, 256), dtype=torch.uint8)
+    try:
+        waiting, bad = torch.cuda.Stream(), torch.cuda.Stream()
+        dbm.send_buffer.copy_(_bytes(rank, 7, n_tokens * token_size).view(n_tokens, token_size))
+        received = dbm.recv_buffer(0)
+        received.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        # A put_blocks with an index out of range, on its own stream, found on the device first.
+        src = torch.zeros((8, 256), dtype=torch.uint8, device="cuda")
+        idx = torch.tensor([0, 99], dtype=torch.int64, device="cuda")
+        ok = torch.tensor([0, 1], dtype=torch.int64, device="cuda")
+        pydatacopy.put_blocks(pool, src, idx, ok, peer, stream=bad)
+        bad.synchronize()
+        if rank == 1:
+            torch.cuda._sleep(50_000_000)  # the peer's tokens come late (tens of ms)
+        # Unrelated calls go on: the exchange, and a wait on another stream that must last until
+        # the tokens are there, not end at the other call's error.
+        round_ = dbm.exchange()
+        dbm.wait(round_, stream=waiting)
+        copy = torch.empty_like(received)
+        with torch.cuda.stream(waiting):
+            copy.copy_(received)  # what a consumer after wait() reads
+        waiting.synchronize()
+        _assert_bytes(copy, _bytes(peer, 7, n_tokens * token_size), "token round beside a bad put_blocks")
+        with pytest.raises(pydatacopy.Error, match="put_blocks on PE .*block index 99"):
+            pydatacopy.check_errors()
+        pydatacopy.check_errors()  # reported once
+    finally:
+        torch.cuda.synchronize()
+        pydatacopy.free(pool)
+        dbm.cleanup()
+
+
+# ---- barriers ------------------------------------------------------------------------------
+
+def test_put_barrier_empty_on_a_busy_stream(world, peer):
+    rank = world[0]
+    x = pydatacopy.empty(64 * 1024, dtype=torch.uint8)
+    try:
+        for round_ in range(1000):
+            x.zero_()
+            pydatacopy.barrier()  # both cleared
+            torch.cuda._sleep(20_000 if (round_ + rank) % 2 else 0)  # one side's stream is busy
+            pydatacopy.put(x, _bytes(rank, round_, 64 * 1024), peer)
+            pydatacopy.barrier()
+            y = pydatacopy.empty(4096, dtype=torch.uint8)  # a blocking collective meanwhile
+            pydatacopy.free(y)
+            _assert_bytes(x, _bytes(peer, round_, 64 * 1024), f"round {round_}")
+            pydatacopy.barrier()  # read before the peer's next put
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    finally:
+        pydatacopy.free(x)
+
+
+# ---- the token exchange over two streams ---------------------------------------------------
+
+def test_exchange_on_one_stream_wait_on_another(world, peer):
+    rank = world[0]
+    n_tokens, token_size = 1024, 4096
+    dbm = pydatacopy.DoubleBufferManager()
+    dbm.init(n_tokens, token_size)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    try:
+        copies = []
+        for round_ in range(60):
+            with torch.cuda.stream(b):
+                dbm.send_buffer.copy_(_bytes(rank, round_, n_tokens * token_size).view(n_tokens, token_size))
+                r = dbm.exchange(stream=b)
+            with torch.cuda.stream(a):
+                got = dbm.wait(r, stream=a)
+                torch.cuda._sleep(300_000)  # a slow consumer on stream a
+                copies.append(got.clone())
+        torch.cuda.synchronize()
+        for round_, got in enumerate(copies):
+            _assert_bytes(got, _bytes(peer, round_, n_tokens * token_size), f"round {round_}")
+        pydatacopy.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        dbm.cleanup()
