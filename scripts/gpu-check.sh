@@ -31,6 +31,9 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
+# The real-conditions tests one group per process first (a group that hangs or kills its
+# processes cannot hide the others), then with the rest of the suite.
+step hostile bash scripts/gpu-hostile.sh --no-build
 step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
 step doctor $PY -m pydatacopy.doctor
 step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
@@ -47,7 +50,7 @@ if [ "${SANITIZE:-1}" = 1 ]; then
     # cudaErrorNoKernelImageForDevice back by design; those return codes are not our errors.
     step sanitizer-$tool timeout 300 torchrun --nproc_per_node=2 --no-python compute-sanitizer \
       --tool $tool --report-api-errors no --error-exitcode 9 --print-limit 40 $PY -m pytest tests/gpu -q -p no:cacheprovider \
-      -k "byte_exact_both_ways and 3-7 or put_and_get_byte_exact_every_path and sm or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or one_direction or barrier_with_deadline"
+      -k "byte_exact_both_ways and 3-7 or put_and_get_byte_exact_every_path and sm or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or one_direction or barrier_with_deadline or graph_sendrecv and 4K or graph_token or any_block_count and 7 or bad_block_index or one_stream_wait"
   done
 fi
 step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
@@ -56,6 +59,7 @@ if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
 echo
 echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 printf '%s\n' "${SUMMARY[@]}"
+grep -h " rc=" "$OUT/hostile.log" 2>/dev/null
 for log in cpu-tests gpu2-tests gpu2-tests-rma; do echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"; done
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
 grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3

@@ -24,3 +24,4 @@ for group in "graph_sendrecv" "graph_token" "graph_put" "refuse_capture" "tempor
     "$(grep -hE '^(FAILED|ERROR)|[0-9]+ (passed|failed)|Error:|AssertionError|Segmentation|exitcode|Not enough' "$OUT/hostile-$group.log" | head -n 4 | cut -c1-220 | tr '\n' ' ')")")
 done
 printf '%s\n' "${RESULTS[@]}"
+! printf '%s\n' "${RESULTS[@]}" | grep -qv "rc=0 "

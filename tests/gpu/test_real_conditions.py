@@ -207,7 +207,7 @@ def test_temporaries_on_a_side_stream_survive_allocator_churn(world, peer):
     rank = world[0]
     side = torch.cuda.Stream()
     nbytes = 4 * MiB
-    received = torch.empty(nbytes // 8, dtype=torch.bfloat16, device="cuda")  # nbytes / 4 floats
+    received = torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda")  # nbytes / 4 floats
     for round_ in range(200):
         source = _bytes(rank, round_, nbytes).view(torch.float32)
         received.zero_()
@@ -221,7 +221,7 @@ def test_temporaries_on_a_side_stream_survive_allocator_churn(world, peer):
         pydatacopy.sendrecv(temporary, peer, received, peer, stream=side)
         del temporary
         for _ in range(4):  # churn: reuse freed blocks of that size on the current stream
-            torch.empty(nbytes // 8, dtype=torch.bfloat16, device="cuda").fill_(7)
+            torch.empty(nbytes // 4, dtype=torch.bfloat16, device="cuda").fill_(7)
         torch.cuda.current_stream().wait_stream(side)
         want = _bytes(peer, round_, nbytes).view(torch.float32).to(torch.bfloat16)
         _assert_bytes(received, want, f"round {round_}")
@@ -267,20 +267,23 @@ def test_progress_while_another_kernel_holds_all_but_4_sms(world, peer, what):
     dbm = pydatacopy.DoubleBufferManager()
     dbm.init(1024, 7168)
     dbm.send_buffer.copy_(_bytes(rank, 2, 1024 * 7168).view(1024, 7168))
-    hog = torch.cuda.Stream()
+    # Two side streams: work on the legacy default stream would wait for the hog's kernel
+    # whenever the hog's stream is a blocking one, whatever the SMs.
+    hog, work = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     dist.barrier()
     # One block per SM (all of its shared memory), on all but 4 SMs, for at most 20 s: the
     # transfer must finish on the 4 left and release it, not wait for its deadline.
     _C._test_occupy_sms(properties.multi_processor_count - 4, 1024, shared, release.data_ptr(),
                         by_flag.data_ptr(), 20.0, hog.cuda_stream)
-    torch.cuda._sleep(1_000_000)  # let the hog reach the SMs first
-    if what == "sendrecv":
-        pydatacopy.sendrecv(send, peer, recv, peer)
-    else:
-        round_ = dbm.exchange()
-        dbm.wait(round_)
-    release.fill_(1)
+    with torch.cuda.stream(work):
+        torch.cuda._sleep(1_000_000)  # let the hog reach the SMs first
+        if what == "sendrecv":
+            pydatacopy.sendrecv(send, peer, recv, peer, stream=work)
+        else:
+            round_ = dbm.exchange(stream=work)
+            dbm.wait(round_, stream=work)
+        release.fill_(1)
     torch.cuda.synchronize()
     pydatacopy.check_errors()
     try:
