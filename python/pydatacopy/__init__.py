@@ -53,8 +53,18 @@ __version__: str = _C.__version__
 
 #: The one exception type of pydatacopy (a RuntimeError subclass).
 Error = _C.Error
+Error.__doc__ = """The one exception type of pydatacopy, a RuntimeError.
+
+Every failure a caller can cause (a bad argument, a bad environment variable, a call before
+init(), an error reported by CUDA or NVSHMEM) raises it, with a message that names the call and
+the setting involved and says what to do. Errors from the C++ core end with their file:line."""
 #: A blocking wait ran past its timeout; a subclass of Error.
 TimeoutError = _C.TimeoutError  # noqa: A001 - the project's own, deliberately named
+TimeoutError.__doc__ = """A wait on a peer ran past its deadline; a subclass of pydatacopy.Error.
+
+The message names the peer (PE) that did not arrive and the timeout that applied (``timeout=``,
+PYDATACOPY_TIMEOUT_S, or PYDATACOPY_INIT_TIMEOUT_S for init()). Stream-ordered waits report it
+at the next call or at check_errors(); blocking ones raise it at once."""
 
 
 def nvshmem_versions() -> dict[str, str]:

@@ -6,15 +6,9 @@ from __future__ import annotations
 import os
 
 from . import _C
+from ._env import NCCL_TO_NVSHMEM, nvshmem_bool  # NCCL_TO_NVSHMEM: NCCL name -> NVSHMEM name
 
 Error = _C.Error
-
-# NCCL variable -> the NVSHMEM variable that means the same thing.
-NCCL_TO_NVSHMEM = {
-    "NCCL_SOCKET_IFNAME": "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME",
-    "NCCL_SOCKET_FAMILY": "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY",
-    "NCCL_IB_HCA": "NVSHMEM_HCA_LIST",
-}
 
 
 def infiniband_devices() -> list[str]:
@@ -38,16 +32,18 @@ def apply_network_settings(environ=os.environ) -> dict[str, str]:
     return applied
 
 
-def check_transport_preconditions(world_size: int, environ=os.environ) -> None:
+def check_transport_preconditions(world_size: int, environ=os.environ, *,
+                                  call: str = "pydatacopy.init") -> None:
     """Refuse set-ups on which NVSHMEM would print an error and exit() the whole process.
 
     With NVSHMEM_DISABLE_P2P=1 and more than one PE, NVSHMEM needs a remote transport (an
     InfiniBand/RoCE NIC, or UCX/libfabric); without one it ends the process during init
     ("Unable to initialize any transports"), as seen on the 2-GPU machine.
     """
-    if world_size > 1 and environ.get("NVSHMEM_DISABLE_P2P") == "1" and not infiniband_devices() \
+    p2p_off = "NVSHMEM_DISABLE_P2P" in environ and nvshmem_bool(environ["NVSHMEM_DISABLE_P2P"])
+    if world_size > 1 and p2p_off and not infiniband_devices() \
             and environ.get("NVSHMEM_REMOTE_TRANSPORT", "").lower() not in ("ucx", "libfabric"):
-        raise Error("NVSHMEM_DISABLE_P2P=1 leaves NVSHMEM no way to reach the other PEs here (no "
-                    "InfiniBand device in /sys/class/infiniband, no NVSHMEM_REMOTE_TRANSPORT=ucx or "
+        raise Error(f"{call}: NVSHMEM_DISABLE_P2P={environ['NVSHMEM_DISABLE_P2P']} leaves NVSHMEM "
+                    "no way to reach the other PEs here (no InfiniBand device in /sys/class/infiniband, no NVSHMEM_REMOTE_TRANSPORT=ucx or "
                     "libfabric), and NVSHMEM would end the process. Unset NVSHMEM_DISABLE_P2P; to "
                     "exercise the path a remote peer takes on one machine, set PYDATACOPY_FORCE_RMA=1")

@@ -4,22 +4,33 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from typing import Sequence, Union
 
 import torch
 
-from . import _C, _network, _transfer
+from . import _C, _env, _network, _transfer
 from ._torch_utils import check_int, timeout_seconds
 
 Error = _C.Error
 UNIQUE_ID_BYTES: int = _C.UNIQUE_ID_BYTES
 
 UniqueIdLike = Union[bytes, bytearray, Sequence[int], torch.Tensor]
+DeviceLike = Union[int, str, torch.device, None]
 
+#: The variables pydatacopy set at import because they were unset (the doctor tells these apart
+#: from the ones the user set): NVLink multicast can take shared GPUs down, so it stays off unless
+#: a user asks for it by setting them.
+SET_AT_IMPORT: dict[str, str] = {}
 for _name, _value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                       ("NVSHMEM_DISABLE_NVLS", "1")):
-    # NVLink multicast can take shared GPUs down; a user who wants it sets these explicitly.
-    os.environ.setdefault(_name, _value)
+    if _name not in os.environ:
+        os.environ[_name] = SET_AT_IMPORT[_name] = _value
+
+
+def _bootstrap_settings() -> str:
+    names = sorted(n for n in os.environ if n.startswith("NVSHMEM_BOOTSTRAP"))
+    return ", ".join(f"{n}={os.environ[n]!r}" for n in names)
 
 
 def get_unique_id() -> list[int]:
@@ -27,30 +38,93 @@ def get_unique_id() -> list[int]:
 
     Call it on one rank (rank 0) and send the result to every rank. The ID carries the address
     rank 0 listens on for NVSHMEM's bootstrap, so the interface settings (NCCL_SOCKET_IFNAME ->
-    NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME, see _network) are applied first.
+    NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME, see _network) are checked and applied first, and so is
+    every NVSHMEM setting NVSHMEM would crash on (NVSHMEM_SYMMETRIC_SIZE...): pydatacopy.Error.
     """
+    _env.check_nvshmem_environment("pydatacopy.get_unique_id")
     _network.apply_network_settings()
-    return _C.get_unique_id()
+    try:
+        return _C.get_unique_id()
+    except Error as error:
+        settings = _bootstrap_settings()
+        raise Error(f"pydatacopy.get_unique_id: NVSHMEM could not create an ID ({error}). "
+                    + (f"Check its bootstrap settings here, {settings}, or unset them to let "
+                       "NVSHMEM choose" if settings else "python -m pydatacopy.doctor checks "
+                       "the network settings")) from None
 
 
-def _id_to_list(root_unique_id: UniqueIdLike) -> list[int]:
+def _id_to_list(root_unique_id: UniqueIdLike, call: str) -> list[int]:
     if isinstance(root_unique_id, torch.Tensor):
         if root_unique_id.dtype != torch.uint8:
-            raise Error(f"a unique ID tensor must be uint8, got {root_unique_id.dtype}")
+            raise Error(f"{call}: a unique ID tensor must be uint8, got {root_unique_id.dtype}")
         values = root_unique_id.detach().cpu().reshape(-1).tolist()
     elif isinstance(root_unique_id, (bytes, bytearray, memoryview)):
         values = list(bytes(root_unique_id))
     elif isinstance(root_unique_id, (list, tuple)):
         values = list(root_unique_id)
         if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in values):
-            raise Error("a unique ID given as a sequence must hold ints in [0, 255]")
+            raise Error(f"{call}: a unique ID given as a sequence must hold ints in [0, 255] "
+                        "(pass what pydatacopy.get_unique_id() returned on rank 0)")
     else:
-        raise Error("root_unique_id must be bytes, bytearray, a list of ints or a uint8 tensor "
-                    f"(what get_unique_id() returned on rank 0), got {type(root_unique_id).__name__}")
+        raise Error(f"{call}: root_unique_id must be bytes, bytearray, a list of ints or a uint8 "
+                    "tensor (what pydatacopy.get_unique_id() returned on rank 0), got "
+                    f"{type(root_unique_id).__name__}")
     if len(values) != UNIQUE_ID_BYTES:
-        raise Error(f"root_unique_id must be {UNIQUE_ID_BYTES} bytes (from get_unique_id()), "
-                    f"got {len(values)}")
+        raise Error(f"{call}: root_unique_id must be {UNIQUE_ID_BYTES} bytes (pass what "
+                    f"pydatacopy.get_unique_id() returned on rank 0), got {len(values)}")
     return values
+
+
+_NO_GPU = ("no CUDA device is visible to this process: pydatacopy needs one GPU per process "
+           "(check nvidia-smi, CUDA_VISIBLE_DEVICES and that torch is a CUDA build)")
+
+
+def _device_index(device: DeviceLike, call: str) -> int | None:
+    """An explicit device= as an index of a visible CUDA device; None: follow choose_device."""
+    if device is None:
+        return None
+    if isinstance(device, str):
+        match = re.fullmatch(r"cuda(?::(\d+))?", device.strip())
+        if not match:
+            raise Error(f"{call}: device={device!r} is not a CUDA device: pass an index (0), "
+                        "'cuda:0' or torch.device('cuda', 0)")
+        device = torch.device("cuda", int(match.group(1))) if match.group(1) else torch.device("cuda")
+    if isinstance(device, torch.device):
+        if device.type != "cuda":
+            raise Error(f"{call}: device={str(device)!r} is not a CUDA device: pydatacopy moves GPU "
+                        "memory; pass an index (0), 'cuda:0' or torch.device('cuda', 0)")
+        if device.index is None:
+            return None
+        device = device.index
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise Error(f"{call}: device must be an int, a 'cuda:N' string or a torch.device, got "
+                    f"{type(device).__name__} {device!r}")
+    check_int("device", device, 0, call=call)
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise Error(f"{call}: {_NO_GPU}")
+    if device >= count:
+        raise Error(f"{call}: device={device} is out of range: this process sees {count} CUDA "
+                    f"device(s), 0 to {count - 1}; check CUDA_VISIBLE_DEVICES")
+    return device
+
+
+def _choose_device(rank: int, call: str) -> int:
+    try:
+        device = _env.local_rank()
+    except _env.SettingError as error:
+        raise Error(f"{call}: {error}; or pass device= to {call}") from None
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise Error(f"{call}: {_NO_GPU}")
+    if torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    if device is not None:
+        if device >= count:
+            raise Error(f"{call}: LOCAL_RANK={device} but this process sees {count} CUDA "
+                        "device(s); check CUDA_VISIBLE_DEVICES and torchrun's --nproc_per_node")
+        return device
+    return rank % count
 
 
 def choose_device(rank: int) -> int:
@@ -61,58 +135,48 @@ def choose_device(rank: int) -> int:
     2. else LOCAL_RANK from the environment (torchrun and the SLURM recipes set it);
     3. else rank modulo the number of visible devices.
     """
-    count = torch.cuda.device_count()
-    if count == 0:
-        raise Error("no CUDA device is visible to this process: pydatacopy needs one GPU per "
-                    "process (check nvidia-smi, CUDA_VISIBLE_DEVICES and that torch is a CUDA build)")
-    if torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None:
-        try:
-            device = int(local_rank)
-        except ValueError:
-            raise Error(f"LOCAL_RANK={local_rank!r} is not an integer") from None
-        if not 0 <= device < count:
-            raise Error(f"LOCAL_RANK={device} but this process sees {count} CUDA device(s); "
-                        "check CUDA_VISIBLE_DEVICES and --nproc_per_node")
-        return device
-    return rank % count
+    check_int("rank", rank, 0, _env.INT32_MAX, call="pydatacopy.choose_device")
+    return _choose_device(rank, "pydatacopy.choose_device")
 
 
-def _init_timeout(timeout: float | None) -> float:
-    if timeout is None:
-        return _C.default_init_timeout_seconds()
-    return timeout_seconds(timeout)
+def _init_timeout(timeout: float | None, call: str) -> float:
+    try:
+        if timeout is None:
+            return _C.default_init_timeout_seconds()
+        return timeout_seconds(timeout)
+    except Error as error:
+        raise Error(f"{call}: {error}") from None
 
 
 def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
-                 device: int | None = None, *, timeout: float | None = None) -> int:
+                 device: DeviceLike = None, *, timeout: float | None = None) -> int:
     """Join the NVSHMEM job named by rank 0's unique ID (collective). Returns this PE (== rank).
 
-    The design note's entry point: every rank calls it with the same ID. `device` overrides the
-    device rule of `choose_device`. Calling it again with the same ID is harmless.
+    The design note's entry point: every rank calls it with the same ID. `device` (an index,
+    ``"cuda:N"`` or a torch.device) overrides the device rule of `choose_device`. Calling it
+    again with the same ID is harmless. The arguments and the environment (NVSHMEM_SYMMETRIC_SIZE,
+    PYDATACOPY_*, the interface settings) are checked before NVSHMEM sees them.
 
     Raises TimeoutError when not every rank joined within `timeout` seconds (default:
     PYDATACOPY_INIT_TIMEOUT_S, else 300). NVSHMEM's bootstrap cannot be cancelled, so after that
     error this process cannot start NVSHMEM again: exit it.
     """
-    values = _id_to_list(root_unique_id)
-    init_timeout = _init_timeout(timeout)
-    check_int("world_size", world_size, 1)
-    check_int("rank", rank, 0)
+    call = "pydatacopy.init_nvshmem"
+    values = _id_to_list(root_unique_id, call)
+    check_int("world_size", world_size, 1, _env.INT32_MAX, call=call)
+    check_int("rank", rank, 0, _env.INT32_MAX, call=call)
     if rank >= world_size:
-        raise Error(f"rank must be in [0, world_size={world_size}), got {rank}")
+        raise Error(f"{call}: rank must be in [0, world_size={world_size}), got {rank}")
+    device = _device_index(device, call)
+    init_timeout = _init_timeout(timeout, call)
     if _C.is_initialized():
         return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
+    _env.check_environment(call)
     if device is None:
-        device = choose_device(rank)
-    else:
-        check_int("device", device, 0)
-    if torch.cuda.device_count() > device:
-        torch.cuda.set_device(device)  # torch's current device and stream follow ours
+        device = _choose_device(rank, call)
+    torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
-    _network.check_transport_preconditions(world_size)
+    _network.check_transport_preconditions(world_size, call=call)
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
     return pe
@@ -126,7 +190,7 @@ def share_unique_id(group=None) -> list[int]:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise Error("torch.distributed is not initialised: call "
+        raise Error("pydatacopy.share_unique_id needs torch.distributed: call "
                     "torch.distributed.init_process_group() first (torchrun sets its environment)")
     group_rank = dist.get_rank(group)
     source = dist.get_global_rank(group, 0) if group is not None else 0
@@ -135,37 +199,44 @@ def share_unique_id(group=None) -> list[int]:
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     dist.broadcast_object_list(payload, src=source, group=group, device=device)
-    unique_id = _id_to_list(payload[0])
+    unique_id = _id_to_list(payload[0], "pydatacopy.share_unique_id")
     digest = hashlib.sha256(bytes(unique_id)).hexdigest()
     digests: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest, group=group)
     if len(set(digests)) != 1:
-        raise Error("ranks received different NVSHMEM unique IDs; check that every rank of the "
-                    "group calls init() once, in the same order")
+        raise Error("pydatacopy.share_unique_id: ranks received different NVSHMEM unique IDs; "
+                    "check that every rank of the group calls pydatacopy.init() once, in the same "
+                    "order")
     return unique_id
 
 
-def init(group=None, *, device: int | None = None, timeout: float | None = None) -> int:
+def init(group=None, *, device: DeviceLike = None, timeout: float | None = None) -> int:
     """Start NVSHMEM on every rank of a torch.distributed group (collective). Returns this PE.
 
     Rank 0 of `group` (default: the world) creates the ID; it travels through torch.distributed
     (under the group's own timeout, set by init_process_group); every rank checks it and joins.
-    The CUDA device follows `choose_device` unless `device` is given. `timeout` bounds NVSHMEM's
-    start (see init_nvshmem). Calling it again is harmless.
+    The CUDA device follows `choose_device` unless `device` (an index, ``"cuda:N"`` or a
+    torch.device) is given. `timeout` bounds NVSHMEM's start (see init_nvshmem). The arguments
+    and the environment are checked before anything starts. Calling it again is harmless.
     """
     import torch.distributed as dist
 
+    call = "pydatacopy.init"
+    device = _device_index(device, call)
+    _init_timeout(timeout, call)
     if not dist.is_available() or not dist.is_initialized():
-        raise Error("init() needs torch.distributed: call torch.distributed.init_process_group() "
+        raise Error(f"{call} needs torch.distributed: call torch.distributed.init_process_group() "
                     "first (torchrun sets its environment), or use get_unique_id()/init_nvshmem()")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if _C.is_initialized():
         if (_C.my_pe(), _C.n_pes()) != (rank, world_size):
-            raise Error(f"already initialised as PE {_C.my_pe()} of {_C.n_pes()}, which does not "
-                        f"match rank {rank} of {world_size} in this group")
+            raise Error(f"{call}: already initialised as PE {_C.my_pe()} of {_C.n_pes()}, which "
+                        f"does not match rank {rank} of {world_size} in this group; call "
+                        "pydatacopy.finalize() first (NVSHMEM starts once per process)")
         return _C.my_pe()
+    _env.check_environment(call)
     if device is None:
-        device = choose_device(rank)
+        device = _choose_device(rank, call)
     torch.cuda.set_device(device)
     unique_id = share_unique_id(group)
     return init_nvshmem(unique_id, rank, world_size, device=device, timeout=timeout)
@@ -192,14 +263,19 @@ def finalize() -> None:
 
 
 def is_initialized() -> bool:
+    """True between a successful init()/init_nvshmem() and finalize()."""
     return _C.is_initialized()
 
 
 def my_pe() -> int:
+    """This process's PE number, in [0, n_pes()): its rank in init()'s group. Needs init()."""
+    _transfer._require_init("my_pe")
     return _C.my_pe()
 
 
 def n_pes() -> int:
+    """The number of PEs (processes) in the NVSHMEM job. Needs init()."""
+    _transfer._require_init("n_pes")
     return _C.n_pes()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
+from ._env import MAX_TIMEOUT_S
 
 Error = _C.Error
 
@@ -59,16 +60,26 @@ def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
 
 
 def timeout_seconds(timeout: float | None) -> float:
+    """`timeout` as float seconds; None: PYDATACOPY_TIMEOUT_S, else 60."""
     if timeout is None:
         return _C.default_timeout_seconds()
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise Error(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
+            or not timeout <= MAX_TIMEOUT_S:
+        raise Error(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0e} "
+                    f"(None for the default), got {timeout!r}")
     return float(timeout)
 
 
-def check_int(name: str, value: object, minimum: int | None = None) -> int:
+def check_int(name: str, value: object, minimum: int | None = None,
+              maximum: int | None = None, call: str = "") -> int:
+    """`value` if it is an int (not a bool) in [minimum, maximum], else pydatacopy.Error (its
+    message starting with `call`, the public function, when given)."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Error(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise Error(f"{name} must be at least {minimum}, got {value}")
-    return value
+        problem = f"{name} must be an int, got {type(value).__name__} {value!r}"
+    elif minimum is not None and value < minimum:
+        problem = f"{name} must be at least {minimum}, got {value}"
+    elif maximum is not None and value > maximum:
+        problem = f"{name} must be at most {maximum}, got {value}"
+    else:
+        return value
+    raise Error(f"{call}: {problem}" if call else problem)
