@@ -5,9 +5,24 @@ from __future__ import annotations
 import torch
 
 from . import _C
+from ._env import INT32_MAX
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
 Error = _C.Error
+
+MAX_TOKENS = INT32_MAX  # the core's limits: tokens are counted in 32 bits,
+MAX_BUFFER_BYTES = 1 << 40  # and one buffer set holds at most 1 TiB
+_ROUND_MAX = 2**63 - 1
+
+
+def check_tokens(n_tokens: object, token_size: object, call: str) -> tuple[int, int]:
+    """The sizes DoubleBufferManager.init takes (also the doctor's and the bench's --tokens)."""
+    check_int("n_tokens", n_tokens, 1, MAX_TOKENS, call=call)
+    check_int("token_size", token_size, 1, MAX_BUFFER_BYTES, call=call)
+    if n_tokens * token_size > MAX_BUFFER_BYTES:
+        raise Error(f"{call}: n_tokens x token_size = {n_tokens} x {token_size} bytes is larger than "
+                    "1 TiB per buffer; use fewer or smaller tokens")
+    return n_tokens, token_size
 
 
 class DoubleBufferManager:
@@ -38,9 +53,15 @@ class DoubleBufferManager:
 
     # ---- the note's API -------------------------------------------------------------------
     def init(self, n_tokens: int, token_size: int) -> None:
-        """Allocate both buffer sets on every PE (collective, blocking). token_size is in bytes."""
-        check_int("n_tokens", n_tokens, 1)
-        check_int("token_size", token_size, 1)
+        """Allocate both buffer sets on every PE (collective, blocking). token_size is in bytes.
+
+        Needs pydatacopy.init() first; n_tokens in [1, 2^31 - 1], n_tokens x token_size at most
+        1 TiB, and the symmetric heap (NVSHMEM_SYMMETRIC_SIZE) must hold four such buffers.
+        """
+        check_tokens(n_tokens, token_size, "pydatacopy.DoubleBufferManager.init")
+        if not _C.is_initialized():
+            raise Error("pydatacopy.DoubleBufferManager.init needs NVSHMEM: call pydatacopy.init() "
+                        "(or pydatacopy.init_nvshmem()) first")
         self._core.init(n_tokens, token_size)
         device = _C.cuda_device()
         shape = (n_tokens, token_size)
@@ -62,8 +83,9 @@ class DoubleBufferManager:
     def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
         """One round with the default peers, blocking until this PE's tokens are delivered and
         the peer's have arrived. Returns this PE's send rate in GB/s (10^9 bytes per second)."""
-        check_int("rank", rank, 0)
-        check_int("world_size", world_size, 1)
+        call = "pydatacopy.DoubleBufferManager.test_bandwidth"
+        check_int("rank", rank, 0, INT32_MAX, call=call)
+        check_int("world_size", world_size, 1, INT32_MAX, call=call)
         self._require_init("test_bandwidth")
         round_ = self._core.round
         gbps = self._core.test_bandwidth(rank, world_size, stream_handle(stream, _C.cuda_device()))
@@ -73,10 +95,12 @@ class DoubleBufferManager:
     # ---- the token exchange -----------------------------------------------------------------
     @property
     def n_tokens(self) -> int:
+        """Tokens per buffer, as given to init() (0 before init() and after cleanup())."""
         return self._core.n_tokens
 
     @property
     def token_size(self) -> int:
+        """Bytes per token, as given to init() (0 before init() and after cleanup())."""
         return self._core.token_size
 
     @property
@@ -96,6 +120,9 @@ class DoubleBufferManager:
         return self._send[self.current_set]
 
     def send_buffer_of(self, round_: int) -> torch.Tensor:
+        """``[n_tokens, token_size]`` uint8 that round `round_` sends (set ``round_ % 2``): fill
+        it ahead of time. Do not change it while that round is in flight (until the peer has
+        waited for it)."""
         self._require_init("send_buffer_of")
         return self._send[check_int("round", round_, 0) % 2]
 
@@ -135,7 +162,7 @@ class DoubleBufferManager:
         self._require_init("wait")
         if round_ is None:
             round_ = self._last_round("wait")
-        check_int("round", round_, 0)
+        check_int("round", round_, 0, _ROUND_MAX)
         src = self._src_of_round.get(round_, self._default_src())
         handle = stream_handle(stream, _C.cuda_device())
         self._core.wait(round_, src, handle, timeout_seconds(timeout))
@@ -147,8 +174,8 @@ class DoubleBufferManager:
     # ---- helpers ------------------------------------------------------------------------------
     def _require_init(self, what: str) -> None:
         if not self._core.initialized:
-            raise Error(f"DoubleBufferManager.{what}: call init(n_tokens, token_size) first "
-                        "(or it was cleaned up)")
+            raise Error(f"pydatacopy.DoubleBufferManager.{what}: call init(n_tokens, token_size) "
+                        "first (or it was cleaned up)")
 
     def _last_round(self, what: str) -> int:
         if self._core.round == 0:

@@ -7,18 +7,19 @@ and checks its arguments before touching the GPU.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from typing import Iterator, Sequence
 
 import torch
 
-from . import _C
+from . import _C, _env
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
 Error = _C.Error
 
 PATHS = {"auto": 0, "copy_engine": 1, "sm": 2, "rma": 3}
+_PE_MAX = _env.INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
+_VALUE_MAX = 2**64 - 1  # signal values are uint64
 
 # ---- symmetric tensors ---------------------------------------------------------------------
 
@@ -26,8 +27,10 @@ _allocations: dict[int, int] = {}  # base address -> bytes, of tensors made by e
 
 
 def _require_init(what: str) -> None:
+    """`what`: the public call, without the package name (``put``)."""
     if not _C.is_initialized():
-        raise Error(f"{what} needs NVSHMEM: call pydatacopy.init() (or init_nvshmem) first")
+        raise Error(f"pydatacopy.{what} needs NVSHMEM: call pydatacopy.init() (or "
+                    "pydatacopy.init_nvshmem()) first")
 
 
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -45,6 +48,9 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     for extent in shape:
         numel *= extent
     num_bytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    if num_bytes >= 2**63:
+        raise Error(f"pydatacopy.empty: {shape} of {dtype} is {num_bytes} bytes, more than any "
+                    "symmetric heap (NVSHMEM_SYMMETRIC_SIZE) can hold")
     address = _C.symmetric_malloc(num_bytes)
     _allocations[address] = num_bytes
     return tensor_from_address(address, shape, dtype, _C.cuda_device())
@@ -71,8 +77,8 @@ def peer_view(tensor: torch.Tensor, pe: int) -> torch.Tensor | None:
     """PE `pe`'s copy of a symmetric tensor, as a tensor this process can read and write directly
     (through NVLink), or None when the peer is not directly reachable (another server, or
     PYDATACOPY_FORCE_RMA=1). torch places the view on the device that owns the memory."""
+    _check_pe(pe, "peer_view")
     _check_tensor(tensor, "tensor", symmetric=True)
-    _check_pe(pe)
     address = _C.peer_pointer(tensor.data_ptr(), pe)
     if address == 0:
         return None
@@ -119,8 +125,8 @@ def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> int:
     return _nbytes(src)
 
 
-def _check_pe(pe: object) -> int:
-    _require_init("this operation")
+def _check_pe(pe: object, what: str) -> int:
+    _require_init(what)
     check_int("pe", pe)
     if not 0 <= pe < _C.n_pes():
         raise Error(f"PE {pe} is out of range: there are {_C.n_pes()} PEs")
@@ -152,10 +158,14 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 
     ``src`` may be any CUDA tensor on this device. The data is visible at the peer once a later
     ``quiet()`` on the same stream has completed; ``put_signal`` or ``barrier`` tell the peer.
-    ``path``: auto (copy engine for large, SM stores for small, NVSHMEM RMA when the peer is not
-    directly reachable), copy_engine, sm or rma.
+    ``path``: ``auto`` takes the copy engine (cudaMemcpyAsync into the peer's memory) whenever
+    the peer is directly reachable (NVLink/PCIe), at every size: it won at every size measured,
+    4 KiB to 1 GiB (docs/perf-notes.md, v3); else NVSHMEM RMA (another node, or
+    PYDATACOPY_FORCE_RMA=1). ``copy_engine`` and ``sm`` (a copy kernel's stores) need a directly
+    reachable peer; ``rma`` always takes NVSHMEM's put.
     """
-    check_int("pe", pe)
+    _require_init("put")
+    check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst, "dst")  # the core checks that dst is symmetric and pe in range
     _check_tensor(src, "src")
     nbytes = _check_pair(dst, src)
@@ -163,8 +173,10 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 
 
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
-    """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered)."""
-    check_int("pe", pe)
+    """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered); ``path`` as in
+    ``put``."""
+    _require_init("get")
+    check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst, "dst")
     _check_tensor(src, "src")  # the core checks that src is symmetric and pe in range
     nbytes = _check_pair(dst, src)
@@ -174,20 +186,20 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tensor, value: int,
                *, stream=None) -> None:
     """``put``, then set PE `pe`'s copy of `signal` to `value` once the data is visible there."""
-    _check_pe(pe)
+    _check_pe(pe, "put_signal")
     _check_tensor(dst, "dst", symmetric=True)
     _check_tensor(src, "src")
     nbytes = _check_pair(dst, src)
     _check_signal(signal)
-    check_int("value", value, 0)
+    check_int("value", value, 0, _VALUE_MAX)
     _C.put_signal(dst.data_ptr(), src.data_ptr(), nbytes, signal.data_ptr(), value, pe, _stream(stream))
 
 
 def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> None:
     """Set PE `pe`'s copy of `signal` to `value` after this stream's earlier puts are visible."""
-    _check_pe(pe)
+    _check_pe(pe, "signal_set")
     _check_signal(signal)
-    check_int("value", value, 0)
+    check_int("value", value, 0, _VALUE_MAX)
     _C.signal_set(signal.data_ptr(), value, pe, _stream(stream))
 
 
@@ -197,7 +209,7 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
     synchronises the stream and raises TimeoutError here when the deadline passed."""
     _require_init("signal_wait")
     _check_signal(signal)
-    check_int("value", value, 0)
+    check_int("value", value, 0, _VALUE_MAX)
     handle = _stream(stream)
     _C.signal_wait(signal.data_ptr(), value, handle, timeout_seconds(timeout))
     if blocking:
@@ -231,9 +243,10 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
     """Many puts to one PE in a single kernel launch (KV-cache blocks, expert tokens).
 
     dsts[i] (symmetric) receives srcs[i]; each pair is checked as in ``put``. Visibility as in
-    ``put``. ``path``: auto or sm (direct stores where the peer is reachable), or rma.
+    ``put``. ``path``: auto or sm (one kernel's direct stores where the peer is reachable, NVSHMEM
+    RMA where it is not), or rma.
     """
-    _check_pe(pe)
+    _check_pe(pe, "put_many")
     if len(dsts) != len(srcs):
         raise Error(f"put_many: {len(dsts)} destinations but {len(srcs)} sources")
     if path not in ("auto", "sm", "rma"):
@@ -256,9 +269,10 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     Pools are contiguous ``[num_blocks, ...]`` tensors of one dtype and row size; indices are
     int64 CUDA tensors of equal length (they stay on the GPU: nothing synchronises). An index
     out of range is skipped and raises pydatacopy.Error at the next call or check_errors().
-    Visibility as in ``put``.
+    Visibility as in ``put``. ``path`` as in ``put_many``.
     """
-    check_int("pe", pe)
+    _require_init("put_blocks")
+    check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst_pool, "dst_pool", symmetric=True)
     _check_tensor(src_pool, "src_pool")
     if dst_pool.dim() < 1 or src_pool.dim() < 1:
@@ -290,21 +304,13 @@ _engine: "_C.SendRecvEngine | None" = None
 _state = threading.local()
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise Error(f"{name}={text!r} is not an integer") from None
-
-
-def send_recv_settings() -> tuple[int, int, int]:
+def send_recv_settings(call: str = "pydatacopy.setup_send_recv") -> tuple[int, int, int]:
     """(chunk_bytes, num_chunks, blocks) from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
     PYDATACOPY_SEND_BLOCKS, else the defaults (8 MiB, 4, 64)."""
-    return (_env_int("PYDATACOPY_CHUNK_BYTES", 8 << 20), _env_int("PYDATACOPY_NUM_CHUNKS", 4),
-            _env_int("PYDATACOPY_SEND_BLOCKS", 64))
+    try:
+        return _env.send_recv_settings()
+    except _env.SettingError as error:
+        raise Error(f"{call}: {error}") from None
 
 
 def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = None,
@@ -321,9 +327,8 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     chunk_bytes = defaults[0] if chunk_bytes is None else chunk_bytes
     num_chunks = defaults[1] if num_chunks is None else num_chunks
     blocks = defaults[2] if blocks is None else blocks
-    check_int("chunk_bytes", chunk_bytes, 1)
-    check_int("num_chunks", num_chunks, 2)
-    check_int("blocks", blocks, 1)
+    for name, value in (("chunk_bytes", chunk_bytes), ("num_chunks", num_chunks), ("blocks", blocks)):
+        check_int(name, value, *_env.SEND_RECV_RANGES[name], call="pydatacopy.setup_send_recv")
     teardown_send_recv()
     engine = _C.SendRecvEngine()
     engine.init(chunk_bytes, num_chunks, blocks)
@@ -338,8 +343,8 @@ def teardown_send_recv() -> None:
         engine.cleanup()
 
 
-def _require_engine() -> "_C.SendRecvEngine":
-    _require_init("send/recv")
+def _require_engine(what: str) -> "_C.SendRecvEngine":
+    _require_init(what)
     if _engine is None:
         raise Error("send/recv staging is not set up: pydatacopy.init()/init_nvshmem() do it, "
                     "or call pydatacopy.setup_send_recv() on every PE")
@@ -372,23 +377,23 @@ def group(*, stream=None) -> Iterator[None]:
     finally:
         _state.pending = None
     if ops:
-        _require_engine().batch(ops, _stream(stream), seconds)
+        _require_engine("group").batch(ops, _stream(stream), seconds)
 
 
 def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
     tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
     To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
-    engine = _require_engine()
-    check_int("dst_pe", dst_pe)  # the core checks the range, with the same words
+    engine = _require_engine("send")
+    check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
     _submit(engine, True, tensor.data_ptr(), _nbytes(tensor), dst_pe, stream, timeout_seconds(timeout))
 
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
-    engine = _require_engine()
-    check_int("src_pe", src_pe)  # the core checks the range, with the same words
+    engine = _require_engine("recv")
+    check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
     _submit(engine, False, tensor.data_ptr(), _nbytes(tensor), src_pe, stream, timeout_seconds(timeout))
 
@@ -396,11 +401,11 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
              stream=None, timeout: float | None = None) -> None:
     """send() and recv() at the same time, in one kernel launch."""
-    engine = _require_engine()
+    engine = _require_engine("sendrecv")
     if getattr(_state, "pending", None) is not None:
         raise Error("sendrecv() runs its pair itself: call it outside group()")
-    check_int("dst_pe", dst_pe)  # the core checks the ranges, with the same words
-    check_int("src_pe", src_pe)
+    check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the ranges, with the same words
+    check_int("src_pe", src_pe, None, _PE_MAX)
     _check_tensor(send_tensor, "send_tensor")
     _check_tensor(recv_tensor, "recv_tensor")
     engine.sendrecv(send_tensor.data_ptr(), _nbytes(send_tensor), dst_pe, recv_tensor.data_ptr(),
