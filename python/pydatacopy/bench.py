@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from typing import Callable
@@ -23,12 +24,108 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
+from pydatacopy import _env
+
+
+_SIZE = re.compile(r"\s*([0-9]+)\s*([kmgt]?)(?:i?b)?\s*", re.IGNORECASE)
+MAX_MESSAGE_BYTES = 1 << 40
 
 
 def _size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+    """A message size: bytes, or a whole number with K, M, G or T (2^10 ... 2^40): 4K, 1M, 1G."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: write bytes or a whole number "
+                                         "with K, M, G or T, e.g. 4K, 64M or 1G")
+    nbytes = int(match.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}[match.group(2).lower()]
+    if not 1 <= nbytes <= MAX_MESSAGE_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 1 byte and 1T")
+    return nbytes
+
+
+def _int_at_least(minimum: int, meaning: str):
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\s*[0-9]+\s*", text) or not minimum <= int(text) <= _env.INT32_MAX:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {meaning}: give a whole number from {minimum} to {_env.INT32_MAX}")
+        return int(text)
+    return parse
+
+
+OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "tokens", "latency",
+       "host", "put_many")
+
+
+def _ops(text: str) -> set[str]:
+    ops = {op.strip() for op in text.split(",") if op.strip()}
+    unknown = sorted(ops - set(OPS))
+    if not ops or unknown:
+        raise argparse.ArgumentTypeError(
+            (f"unknown {', '.join(unknown)}" if unknown else "no operation given")
+            + f": choose a comma-separated subset of {','.join(OPS)}")
+    return ops
+
+
+def _tokens(text: str) -> tuple[int, int]:
+    from .doctor import parse_tokens
+
+    return parse_tokens(text)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default in its help (options
+    without one, such as the output files, say nothing)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmark's options (testable without GPUs: parse_args checks them all)."""
+    parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench", description=__doc__,
+                                     formatter_class=_HelpFormatter)
+    parser.add_argument("-b", "--minbytes", type=_size, default="4K",
+                        help="smallest message of the size sweep (bytes, or K/M/G/T)")
+    parser.add_argument("-e", "--maxbytes", type=_size, default="1G",
+                        help="largest message of the size sweep, at least --minbytes")
+    parser.add_argument("-f", "--stepfactor", type=_int_at_least(2, "a step factor"), default=16,
+                        help="each size of the sweep is this many times the one before (at least 2)")
+    parser.add_argument("-n", "--iters", type=_int_at_least(1, "an iteration count"), default=20,
+                        help="operations per timing")
+    parser.add_argument("-w", "--warmup", type=_int_at_least(0, "a warm-up count"), default=5,
+                        help="untimed operations before the timings")
+    parser.add_argument("-r", "--repeats", type=_int_at_least(1, "a repeat count"), default=5,
+                        help="timings per row; the row reports their median")
+    parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one",
+                        help="one: rank 0 sends to rank 1; both: both send at once; all: both rows")
+    parser.add_argument("--ops", type=_ops, default=",".join(OPS),
+                        help="comma-separated subset of " + ",".join(OPS))
+    parser.add_argument("--tokens", nargs="*", type=_tokens,
+                        default=["1024x4096", "4096x7168", "16384x14336"],
+                        help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
+    parser.add_argument("--json", help="write all rows to this JSON file (rank 0)")
+    parser.add_argument("--csv", help="write all rows to this CSV file (rank 0)")
+    parser.add_argument("--plot", help="draw GB/s against size for every path to this PNG (rank 0; "
+                                       "needs matplotlib)")
+    parser.add_argument("--markdown", help="write the table as Markdown to this file (rank 0)")
+    parser.add_argument("--from-json", help="no run: print the table (and write --csv/--plot) "
+                                            "from an earlier --json file")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's options, checked; a bad one ends the process with argparse's one-line
+    error and exit code 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    # argparse converts string defaults with type=, but not a list default of nargs="*".
+    args.tokens = [_tokens(t) if isinstance(t, str) else t for t in args.tokens]
+    if args.maxbytes < args.minbytes:
+        parser.error(f"argument -e/--maxbytes: {args.maxbytes} bytes is less than -b/--minbytes "
+                     f"{args.minbytes}: give -e at least -b")
+    return args
 
 
 def _human(nbytes: int) -> str:
@@ -388,29 +485,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-b", "--minbytes", type=_size, default=_size("4K"))
-    parser.add_argument("-e", "--maxbytes", type=_size, default=_size("1G"))
-    parser.add_argument("-f", "--stepfactor", type=int, default=16)
-    parser.add_argument("-n", "--iters", type=int, default=20, help="operations per timing")
-    parser.add_argument("-w", "--warmup", type=int, default=5)
-    parser.add_argument("-r", "--repeats", type=int, default=5)
-    parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one")
-    parser.add_argument("--ops", default="memcpy,put_ce,put_sm,put_rma,torch_symm,sendrecv,nccl,"
-                        "tokens,latency,host,put_many",
-                        help="comma-separated subset of memcpy,put_ce,put_sm,put_rma,torch_symm,"
-                             "sendrecv,nccl,tokens,latency,host,put_many")
-    parser.add_argument("--tokens", nargs="*", default=["1024x4096", "4096x7168", "16384x14336"],
-                        help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
-    parser.add_argument("--json", help="write all rows to this JSON file (rank 0)")
-    parser.add_argument("--csv", help="write all rows to this CSV file (rank 0)")
-    parser.add_argument("--plot", help="draw GB/s against size for every path to this PNG (rank 0; "
-                                       "needs matplotlib)")
-    parser.add_argument("--markdown", help="write the table as Markdown to this file (rank 0)")
-    parser.add_argument("--from-json", help="no run: print the table (and write --csv/--plot) "
-                                            "from an earlier --json file")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
 
     if args.from_json:
         with open(args.from_json) as f:
@@ -419,13 +494,18 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc_per_node=2 -m pydatacopy.bench", file=sys.stderr)
         return 2
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        local_rank = _env.local_rank() or 0
+    except _env.SettingError as error:
+        print(f"python -m pydatacopy.bench: {error}", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     pydatacopy.init()
     if pydatacopy.n_pes() != 2:
         print("the size sweep runs on exactly 2 PEs", file=sys.stderr)
         return 2
-    ops = set(args.ops.split(","))
+    ops = set(args.ops)
     directions = ["one", "both"] if args.direction == "all" else [args.direction]
     rows = []
     size = args.minbytes
@@ -467,8 +547,7 @@ def main(argv: list[str] | None = None) -> int:
             del sweep
     rows.extend(fixed_rows)
     if "tokens" in ops:
-        for shape in args.tokens:
-            n_tokens, token_size = (int(v) for v in shape.lower().split("x"))
+        for n_tokens, token_size in args.tokens:
             rows.append(bench_token_exchange(n_tokens, token_size, args))
 
     if pydatacopy.my_pe() == 0:

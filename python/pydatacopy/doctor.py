@@ -2,7 +2,9 @@
 
 Run it on every kind of node before a job, and attach its output to a bug report. It starts no
 NVSHMEM job and needs no GPU: on a machine without one it says so and what that means. Each line
-is OK, WARN, FAIL or INFO; the exit code is 1 if any line is FAIL (with --strict, also WARN).
+is OK, WARN, FAIL or INFO; the exit code is 1 if any line is FAIL (with --strict, also WARN), 2
+for a bad option. Every environment variable pydatacopy or NVSHMEM reads is checked the way
+init() checks it, so a FAIL here is an error init() would raise.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _network
+from pydatacopy import _C, _env, _network, _runtime
+from pydatacopy._double_buffer import check_tokens
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WATCHED = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -41,42 +44,109 @@ class Report:
 
 
 def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = text.strip().upper().rstrip("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    """NVSHMEM_SYMMETRIC_SIZE's value in bytes, read as NVSHMEM reads it (see pydatacopy._env);
+    raises _env.SettingError, saying what to write, for a value NVSHMEM cannot use."""
+    return _env.parse_nvshmem_size(text)
 
 
-def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None) -> int:
+def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None,
+                           settings: tuple[int, int, int] | None = None) -> int:
     """What init() and one DoubleBufferManager of `tokens` take from the symmetric heap (the
-    core's own layout arithmetic; NVSHMEM's per-allocation alignment is not counted)."""
-    from ._transfer import send_recv_settings
-
-    need = _C.SendRecvEngine.symmetric_bytes_needed(world_size, *send_recv_settings())
+    core's own layout arithmetic; NVSHMEM's per-allocation alignment is not counted).
+    `settings`: send/recv's (chunk_bytes, num_chunks, blocks), by default from PYDATACOPY_*."""
+    if settings is None:
+        settings = _env.send_recv_settings()
+    need = _C.SendRecvEngine.symmetric_bytes_needed(world_size, *settings)
     need += 8 * world_size  # the barrier's signals
     if tokens:
         need += _C.DoubleBufferManager.symmetric_bytes_needed(*tokens, world_size)
     return need
 
 
-def run(argv: list[str] | None = None) -> int:
+def check_nvshmem_version(versions: dict[str, str]) -> tuple[str, str]:
+    """(verdict, line) for pydatacopy.nvshmem_versions(): FAIL when the NVSHMEM loaded in this
+    process is another major.minor than the one pydatacopy was built against."""
+    same = versions["built"].split(".")[:2] == versions["loaded"].split(".")[:2]
+    return ("OK" if same else "FAIL",
+            f"NVSHMEM built {versions['built']}, loaded {versions['loaded']}"
+            + ("" if same else ": rebuild pydatacopy (pip install .) against the NVSHMEM that "
+                               "torch loads, or install the nvidia-nvshmem-cu13 it was built with"))
+
+
+def multicast_line(name: str, safe: str, environ=os.environ,
+                   set_at_import: dict[str, str] | None = None) -> tuple[str, str]:
+    """(verdict, line) for one of the variables that keep NVLink multicast off, telling a value
+    the user set from one pydatacopy set at import."""
+    set_at_import = _runtime.SET_AT_IMPORT if set_at_import is None else set_at_import
+    current = environ.get(name)
+    if current is None:
+        return "WARN", (f"{name} is unset: NVLink multicast may be on, which can take shared GPUs "
+                        f"down; export {name}={safe} in the job script")
+    if name in set_at_import and current == set_at_import[name]:
+        return "INFO", (f"{name}={current}: set by pydatacopy at import, not by you; processes "
+                        f"that do not import pydatacopy first do not get it: export {name}={safe} "
+                        "in the job script")
+    if current == safe:
+        return "OK", f"{name}={current} (set by you: NVLink multicast off)"
+    return "WARN", (f"{name}={current} (set by you): NVLink multicast may be on, which can take "
+                    f"shared GPUs down; set {name}={safe} unless you need it")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        return _env.parse_int(text, "--world-size", 1, _env.INT32_MAX, 2, "the number of PEs")
+    except _env.SettingError as error:
+        raise argparse.ArgumentTypeError(str(error).replace("or unset it", "or leave it out")) from None
+
+
+def parse_tokens(text: str) -> tuple[int, int]:
+    """N_TOKENSxTOKEN_BYTES (``4096x7168``) as (n_tokens, token_size), with the limits of
+    DoubleBufferManager.init; argparse.ArgumentTypeError saying what to write otherwise."""
+    howto = "write N_TOKENSxTOKEN_BYTES, e.g. 4096x7168"
+    parts = text.strip().lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and p.strip().isascii() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not two whole numbers joined by 'x': {howto}")
+    try:
+        return check_tokens(int(parts[0]), int(parts[1]), "")
+    except pydatacopy.Error as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(error).lstrip(': ')}; {howto}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pydatacopy.doctor", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "2")))
-    parser.add_argument("--tokens", help="a DoubleBufferManager you plan, N_TOKENSxTOKEN_BYTES")
+    parser.add_argument("--world-size", type=_positive_int, default=None,
+                        help="the number of PEs the job will start (default: WORLD_SIZE, else 2)")
+    parser.add_argument("--tokens", type=parse_tokens, default=None,
+                        help="a DoubleBufferManager you plan, N_TOKENSxTOKEN_BYTES (e.g. 4096x7168)")
     parser.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None, environ=os.environ) -> argparse.Namespace:
+    """The doctor's options, checked; a bad one ends the process with argparse's one-line error
+    and exit code 2."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.world_size is None:
+        try:
+            args.world_size = _env.world_size(environ) or 2
+        except _env.SettingError as error:
+            parser.error(f"{error}; or pass --world-size N")
+    return args
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     r = Report()
+    reported: set[str] = set()  # variables whose problem a line has shown already
 
     r.section("software")
     r.line("INFO", f"python {platform.python_version()} on {platform.machine()}, pydatacopy {pydatacopy.__version__}")
     cuda_build = torch.version.cuda
     r.line("OK" if cuda_build else "WARN",
            f"torch {torch.__version__}" + (f" (CUDA {cuda_build})" if cuda_build else " (CPU build: it cannot move GPU data)"))
-    versions = pydatacopy.nvshmem_versions()
-    same = versions["built"].split(".")[:2] == versions["loaded"].split(".")[:2]
-    r.line("OK" if same else "FAIL",
-           f"NVSHMEM built {versions['built']}, loaded {versions['loaded']}"
-           + ("" if same else ": rebuild pydatacopy against the NVSHMEM torch loads"))
+    r.line(*check_nvshmem_version(pydatacopy.nvshmem_versions()))
     try:
         import nvidia.nvshmem as wheel
 
@@ -88,7 +158,14 @@ def run(argv: list[str] | None = None) -> int:
         r.line("INFO", f"NVSHMEM remote transport plugins: {', '.join(trans) or 'none'} (in {lib})")
     except ImportError:
         r.line("WARN", "the nvidia-nvshmem-cu13 wheel is not importable; NVSHMEM comes from NVSHMEM_HOME")
-    r.line("OK", f"unique ID creation works without a GPU ({len(pydatacopy.get_unique_id())} bytes)")
+    blockers = [name for name, _ in _env.nvshmem_problems()]
+    if blockers:  # NVSHMEM would crash or fail on them: each gets its own line below
+        r.line("FAIL", f"unique ID: not tried, NVSHMEM would fail on {', '.join(blockers)} (below)")
+    else:
+        try:
+            r.line("OK", f"unique ID creation works without a GPU ({len(pydatacopy.get_unique_id())} bytes)")
+        except pydatacopy.Error as error:
+            r.line("FAIL", str(error))
 
     r.section("GPUs")
     count = torch.cuda.device_count() if cuda_build else 0
@@ -123,35 +200,75 @@ def run(argv: list[str] | None = None) -> int:
     for name, value in mapped.items():
         r.line("INFO", f"init() will set {name}={value} (from NCCL's setting)")
     try:
-        _network.check_transport_preconditions(args.world_size)
-        r.line("OK", f"transport settings can start {args.world_size} PEs")
+        chosen = _env.check_interfaces()
+        settings = _env.network_settings()
+        if chosen:
+            value, source = settings["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"]
+            r.line("OK", f"bootstrap interface: {source}={value} selects {', '.join(chosen)}")
+        else:
+            r.line("INFO", "bootstrap interface: NVSHMEM chooses (set NCCL_SOCKET_IFNAME or "
+                           "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME to pick one)")
+    except _env.SettingError as error:
+        if "the bootstrap settings" not in reported:
+            r.line("FAIL", str(error))
+        reported.add("the bootstrap settings")
+    try:
+        _network.check_transport_preconditions(args.world_size, call="python -m pydatacopy.doctor")
+        if count == 0:
+            r.line("INFO", f"transport: no GPU here, so no PE can start on this machine; nothing "
+                           f"in the transport settings stops {args.world_size} PEs on GPU nodes")
+        elif args.world_size <= count:
+            r.line("OK", f"transport: {args.world_size} PEs fit this node's {count} GPUs")
+        elif ib:
+            r.line("OK", f"transport: {args.world_size} PEs, more than this node's {count} GPUs: "
+                         f"the others are reached over InfiniBand/RoCE ({', '.join(ib)})")
+        else:
+            r.line("WARN", f"transport: {args.world_size} PEs is more than this node's {count} "
+                           "GPUs, and there is no InfiniBand/RoCE device to reach other nodes")
     except pydatacopy.Error as error:
         r.line("FAIL", str(error))
 
     r.section("symmetric heap")
-    tokens = None
-    if args.tokens:
-        n_tokens, token_size = (int(v) for v in args.tokens.lower().split("x"))
-        tokens = (n_tokens, token_size)
-    need = symmetric_bytes_needed(args.world_size, tokens)
+    tokens = args.tokens
     configured = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
-    heap = parse_size(configured) if configured else 1 << 30
-    r.line("OK" if need <= heap else "FAIL",
-           f"NVSHMEM_SYMMETRIC_SIZE {configured or 'unset (1G)'} = {heap / 2**20:.0f} MiB; send/recv staging for "
-           f"{args.world_size} PEs" + (f" + DoubleBufferManager {args.tokens}" if tokens else "")
-           + f" need {need / 2**20:.0f} MiB, before your own pydatacopy.empty() tensors"
-           + ("" if need <= heap else f": set NVSHMEM_SYMMETRIC_SIZE={(need >> 20) + 64}M or more on every rank"))
+    heap = settings = None
+    try:
+        heap = _env.symmetric_size()
+    except _env.SettingError as error:
+        if "NVSHMEM_SYMMETRIC_SIZE" not in reported:
+            r.line("FAIL", str(error))
+        reported.add("NVSHMEM_SYMMETRIC_SIZE")
+    try:
+        settings = _env.send_recv_settings()
+    except _env.SettingError as error:
+        r.line("FAIL", str(error))
+        reported.update(_env.SEND_RECV_DEFAULTS)
+    if heap is not None and settings is not None:
+        need = symmetric_bytes_needed(args.world_size, tokens, settings)
+        shape = f" + DoubleBufferManager {tokens[0]}x{tokens[1]}" if tokens else ""
+        r.line("OK" if need <= heap else "FAIL",
+               f"NVSHMEM_SYMMETRIC_SIZE {configured or 'unset (1G)'} = {heap / 2**20:.0f} MiB; send/recv "
+               f"staging for {args.world_size} PEs{shape} need {need / 2**20:.0f} MiB, before your own "
+               "pydatacopy.empty() tensors"
+               + ("" if need <= heap else
+                  f": set NVSHMEM_SYMMETRIC_SIZE={(need >> 20) + 64}M or more on every rank"))
 
     r.section("environment")
     for name, value in MULTICAST_OFF.items():
-        current = os.environ.get(name)
-        r.line("OK" if current == value else "WARN",
-               f"{name}={current}" + ("" if current == value else
-                                      f" (pydatacopy sets {value} at import; NVLink multicast stays off)"))
+        r.line(*multicast_line(name, value))
+    for name, problem in _env.nvshmem_problems() + _env.pydatacopy_problems():
+        if name not in reported:
+            r.line("FAIL", problem)
+            reported.add(name)
+    for read in (_env.world_size, _env.local_rank):
+        try:
+            read()
+        except _env.SettingError as error:
+            r.line("FAIL", str(error))
     for name in WATCHED:
         if name in os.environ:
             r.line("INFO", f"{name}={os.environ[name]}")
-    if os.environ.get("PYDATACOPY_FORCE_RMA") not in (None, "", "0"):
+    if os.environ.get("PYDATACOPY_FORCE_RMA") == "1":
         r.line("WARN", "PYDATACOPY_FORCE_RMA is set: every transfer takes the NVSHMEM RMA path (a test switch)")
 
     print(f"\nsummary: {r.counts['OK']} ok, {r.counts['WARN']} warnings, {r.counts['FAIL']} failures")
