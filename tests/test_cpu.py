@@ -187,9 +187,65 @@ def test_doctor_runs_without_gpu(capsys):
     out = capsys.readouterr().out
     for section in ("== software", "== GPUs", "== network", "== symmetric heap", "== environment"):
         assert section in out
-    assert "NVSHMEM built 3.4.5, loaded 3.4.5" in out
+    # The version line is what this process has loaded, through the same check as the doctor's.
+    versions = pydatacopy.nvshmem_versions()
+    verdict, line = doctor.check_nvshmem_version(versions)
+    assert f"[{verdict:<4}] {line}" in out
+    assert line.startswith(f"NVSHMEM built {versions['built']}, loaded {versions['loaded']}")
     if NO_GPU:
         assert "no CUDA device visible" in out
+        assert "transport settings can start" not in out and "no PE can start on this machine" in out
+
+
+def test_doctor_fails_a_version_mismatch():
+    assert doctor.check_nvshmem_version({"built": "3.4.5", "loaded": "3.4.7"})[0] == "OK"
+    verdict, line = doctor.check_nvshmem_version({"built": "3.4.5", "loaded": "3.3.24"})
+    assert verdict == "FAIL" and "NVSHMEM built 3.4.5, loaded 3.3.24: rebuild pydatacopy" in line
+
+
+def test_doctor_tells_multicast_settings_apart():
+    safe = {"NCCL_NVLS_ENABLE": "0"}
+    verdict, line = doctor.multicast_line("NCCL_NVLS_ENABLE", "0", safe, set_at_import=safe)
+    assert verdict == "INFO" and "set by pydatacopy at import, not by you" in line
+    verdict, line = doctor.multicast_line("NCCL_NVLS_ENABLE", "0", safe, set_at_import={})
+    assert verdict == "OK" and "set by you" in line
+    verdict, line = doctor.multicast_line("NCCL_NVLS_ENABLE", "0", {"NCCL_NVLS_ENABLE": "1"}, set_at_import={})
+    assert verdict == "WARN" and "NVLink multicast may be on" in line
+    # The package records what it set at import, and only what was unset before.
+    from pydatacopy import _runtime
+
+    for name, value in _runtime.SET_AT_IMPORT.items():
+        assert doctor.MULTICAST_OFF[name] == value
+
+
+def test_doctor_and_bench_options_parse():
+    args = doctor.parse_args(["--tokens", "4096x7168", "--world-size", "8"], environ={})
+    assert (args.tokens, args.world_size) == ((4096, 7168), 8)
+    assert doctor.parse_args([], environ={"WORLD_SIZE": "4"}).world_size == 4
+    assert doctor.parse_args([], environ={}).world_size == 2
+    from pydatacopy import bench
+
+    args = bench.parse_args([])
+    assert (args.minbytes, args.maxbytes, args.stepfactor) == (4 << 10, 1 << 30, 16)
+    assert args.tokens == [(1024, 4096), (4096, 7168), (16384, 14336)]
+    assert args.ops == set(bench.OPS)
+    args = bench.parse_args(["-b", "64K", "-e", "64K", "--ops", "put_ce,nccl", "--tokens", "8x16"])
+    assert (args.minbytes, args.maxbytes, args.ops, args.tokens) == (64 << 10, 64 << 10, {"put_ce", "nccl"}, [(8, 16)])
+
+
+def test_bench_help_shows_every_option_with_its_default():
+    from pydatacopy import bench
+
+    parser = bench.build_parser()
+    parser.formatter_class = lambda prog: bench._HelpFormatter(prog, width=1000, max_help_position=200)  # one line each
+    lines = parser.format_help().splitlines()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        line = next(line for line in lines if line.strip().startswith(action.option_strings[0]))
+        assert action.help and action.help in line, action.dest
+        if action.default is not None:
+            assert f"(default: {action.default})" in line, line
 
 
 def test_symmetric_layouts_are_the_cores_own():
@@ -214,3 +270,4 @@ def test_doctor_flags_a_heap_that_is_too_small(monkeypatch, capsys):
     assert "set NVSHMEM_SYMMETRIC_SIZE=" in capsys.readouterr().out
     assert doctor.symmetric_bytes_needed(2, None) < doctor.symmetric_bytes_needed(2, (16, 16))
     assert doctor.parse_size("2G") == 2 << 30 and doctor.parse_size("512m") == 512 << 20
+    assert doctor.parse_size("2GiB") == 2 << 30, "NVSHMEM reads 2GiB as 2G: so does the doctor"
