@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
+from ._transfer import refuse_capture
 from ._env import INT32_MAX
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
@@ -62,6 +63,7 @@ class DoubleBufferManager:
         if not _C.is_initialized():
             raise Error("pydatacopy.DoubleBufferManager.init needs NVSHMEM: call pydatacopy.init() "
                         "(or pydatacopy.init_nvshmem()) first")
+        refuse_capture("DoubleBufferManager.init")
         self._core.init(n_tokens, token_size)
         device = _C.cuda_device()
         shape = (n_tokens, token_size)
@@ -78,6 +80,7 @@ class DoubleBufferManager:
         """
         self._send, self._recv = [], []
         self._src_of_round.clear()
+        refuse_capture("DoubleBufferManager.cleanup")
         self._core.cleanup()
 
     def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
@@ -88,6 +91,7 @@ class DoubleBufferManager:
         check_int("world_size", world_size, 1, INT32_MAX, call=call)
         self._require_init("test_bandwidth")
         round_ = self._core.round
+        refuse_capture("DoubleBufferManager.test_bandwidth")
         gbps = self._core.test_bandwidth(rank, world_size, stream_handle(stream, _C.cuda_device()))
         self._src_of_round[round_] = _C.DoubleBufferManager.default_src_pe(rank, world_size)
         return gbps
@@ -165,6 +169,8 @@ class DoubleBufferManager:
         check_int("round", round_, 0, _ROUND_MAX)
         src = self._src_of_round.get(round_, self._default_src())
         handle = stream_handle(stream, _C.cuda_device())
+        if blocking:
+            refuse_capture("DoubleBufferManager.wait(blocking=True)", handle)
         self._core.wait(round_, src, handle, timeout_seconds(timeout))
         if blocking:
             torch.cuda.ExternalStream(handle).synchronize()

@@ -169,6 +169,7 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
         raise Error(f"{call}: rank must be in [0, world_size={world_size}), got {rank}")
     device = _device_index(device, call)
     init_timeout = _init_timeout(timeout, call)
+    _transfer.refuse_capture("init_nvshmem")
     if _C.is_initialized():
         return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
     _env.check_environment(call)
@@ -228,6 +229,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
         raise Error(f"{call} needs torch.distributed: call torch.distributed.init_process_group() "
                     "first (torchrun sets its environment), or use get_unique_id()/init_nvshmem()")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    _transfer.refuse_capture("init")
     if _C.is_initialized():
         if (_C.my_pe(), _C.n_pes()) != (rank, world_size):
             raise Error(f"{call}: already initialised as PE {_C.my_pe()} of {_C.n_pes()}, which "
@@ -251,6 +253,7 @@ def finalize() -> None:
     process should then exit. NVSHMEM cannot be started again in this process afterwards."""
     timed_out = None
     if _C.is_initialized():
+        _transfer.refuse_capture("finalize")
         try:
             _transfer.teardown_send_recv()
             _transfer.free_all_symmetric()

@@ -39,6 +39,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     frees it. Both wait for every PE at most PYDATACOPY_TIMEOUT_S (60 s) and then raise
     TimeoutError naming the PE that did not come."""
     _require_init("empty")
+    refuse_capture("empty")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     for extent in shape:
         check_int("shape entries", extent, 0)
@@ -60,6 +61,7 @@ def free(tensor: torch.Tensor) -> None:
     """Release a tensor made by ``empty()`` on every PE (collective, blocking). Views of it must
     not be used afterwards."""
     _require_init("free")
+    refuse_capture("free")
     if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() not in _allocations:
         raise Error("free() takes a tensor returned by pydatacopy.empty() (not a view or slice of it)")
     address = tensor.data_ptr()
@@ -143,6 +145,27 @@ def _stream(stream) -> int:
     return stream_handle(stream, _C.cuda_device())
 
 
+def _keep_alive(stream, *tensors: torch.Tensor) -> None:
+    """Tensors handed to a call on a stream other than torch's current one stay allocated until
+    that stream's work is done: torch's caching allocator would otherwise give their memory out
+    again as soon as the caller drops them (as with NCCL's process groups, record_stream)."""
+    if stream is None:
+        return
+    if not isinstance(stream, torch.cuda.Stream):
+        stream = torch.cuda.ExternalStream(stream)
+    for tensor in tensors:
+        tensor.record_stream(stream)
+
+
+def refuse_capture(what: str, handle: int | None = None) -> None:
+    """Calls that block (they wait for every PE, or for the GPU) cannot be part of a CUDA graph."""
+    if not torch.cuda.is_available():  # no GPU, no graph (and CPU builds of torch cannot tell)
+        return
+    if torch.cuda.is_current_stream_capturing() or (handle is not None and _C.is_capturing(handle)):
+        raise Error(f"pydatacopy.{what} blocks (it waits for every PE or synchronises the GPU), so it "
+                    "cannot be captured in a CUDA graph: call it before or after the capture")
+
+
 def _check_signal(signal: torch.Tensor) -> torch.Tensor:
     _check_tensor(signal, "signal", symmetric=True)
     if signal.dtype not in (torch.uint64, torch.int64) or signal.numel() != 1:
@@ -170,6 +193,7 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     _check_tensor(src, "src")
     nbytes = _check_pair(dst, src)
     _C.put(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
+    _keep_alive(stream, dst, src)
 
 
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
@@ -181,6 +205,7 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     _check_tensor(src, "src")  # the core checks that src is symmetric and pe in range
     nbytes = _check_pair(dst, src)
     _C.get(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
+    _keep_alive(stream, dst, src)
 
 
 def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tensor, value: int,
@@ -193,6 +218,7 @@ def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tens
     _check_signal(signal)
     check_int("value", value, 0, _VALUE_MAX)
     _C.put_signal(dst.data_ptr(), src.data_ptr(), nbytes, signal.data_ptr(), value, pe, _stream(stream))
+    _keep_alive(stream, src)
 
 
 def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> None:
@@ -211,6 +237,8 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
     _check_signal(signal)
     check_int("value", value, 0, _VALUE_MAX)
     handle = _stream(stream)
+    if blocking:
+        refuse_capture("signal_wait(blocking=True)", handle)
     _C.signal_wait(signal.data_ptr(), value, handle, timeout_seconds(timeout))
     if blocking:
         torch.cuda.ExternalStream(handle).synchronize()
@@ -232,6 +260,8 @@ def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False
     """
     _require_init("barrier")
     handle = _stream(stream)
+    if blocking:
+        refuse_capture("barrier(blocking=True)", handle)
     _C.barrier(handle, timeout_seconds(timeout))
     if blocking:
         torch.cuda.ExternalStream(handle).synchronize()
@@ -258,7 +288,13 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
         sizes.append(_check_pair(dst, src))
         dst_addresses.append(dst.data_ptr())
         src_addresses.append(src.data_ptr())
-    _C.put_many(dst_addresses, src_addresses, sizes, pe, _stream(stream), _path(path))
+    handle = _stream(stream)
+    if torch.cuda.is_current_stream_capturing() or _C.is_capturing(handle):
+        raise Error("pydatacopy.put_many copies its table of addresses from host memory, which "
+                    "cannot be captured in a CUDA graph: use put_blocks (index tensors stay on "
+                    "the GPU) inside graphs")
+    _C.put_many(dst_addresses, src_addresses, sizes, pe, handle, _path(path))
+    _keep_alive(stream, *srcs)
 
 
 def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torch.Tensor,
@@ -296,6 +332,7 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     _C.put_blocks(dst_pool.data_ptr(), dst_pool.shape[0], src_pool.data_ptr(), src_pool.shape[0],
                   block_bytes, dst_indices.data_ptr(), src_indices.data_ptr(), dst_indices.numel(),
                   pe, _stream(stream), _path(path))
+    _keep_alive(stream, src_pool, dst_indices, src_indices)
 
 
 # ---- send / recv ---------------------------------------------------------------------------
@@ -323,6 +360,7 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     """
     global _engine
     _require_init("setup_send_recv")
+    refuse_capture("setup_send_recv")
     defaults = send_recv_settings()
     chunk_bytes = defaults[0] if chunk_bytes is None else chunk_bytes
     num_chunks = defaults[1] if num_chunks is None else num_chunks
@@ -351,15 +389,16 @@ def _require_engine(what: str) -> "_C.SendRecvEngine":
     return _engine
 
 
-def _submit(engine, is_send: bool, address: int, nbytes: int, peer: int, stream,
-            seconds: float) -> None:
+def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seconds: float) -> None:
     pending = getattr(_state, "pending", None)
     if pending is None:
-        engine.batch([(is_send, address, nbytes, peer)], _stream(stream), seconds)
+        engine.batch([(is_send, tensor.data_ptr(), _nbytes(tensor), peer)], _stream(stream), seconds)
+        _keep_alive(stream, tensor)
         return
     if pending["stream"] != stream:
         raise Error("all operations inside one group() must use the group's stream")
-    pending["ops"].append((is_send, address, nbytes, peer))
+    pending["ops"].append((is_send, tensor.data_ptr(), _nbytes(tensor), peer))
+    pending["tensors"].append(tensor)
     pending["timeout"] = max(pending["timeout"], seconds)
 
 
@@ -370,14 +409,15 @@ def group(*, stream=None) -> Iterator[None]:
     calls). Up to 16 operations, any peers. Ordered on the stream like any other call."""
     if getattr(_state, "pending", None) is not None:
         raise Error("group() cannot be nested")
-    _state.pending = {"stream": stream, "ops": [], "timeout": 0.0}
+    _state.pending = {"stream": stream, "ops": [], "tensors": [], "timeout": 0.0}
     try:
         yield
-        ops, seconds = _state.pending["ops"], _state.pending["timeout"]
+        ops, tensors, seconds = _state.pending["ops"], _state.pending["tensors"], _state.pending["timeout"]
     finally:
         _state.pending = None
     if ops:
         _require_engine("group").batch(ops, _stream(stream), seconds)
+        _keep_alive(stream, *tensors)
 
 
 def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
@@ -387,7 +427,7 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
     engine = _require_engine("send")
     check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
-    _submit(engine, True, tensor.data_ptr(), _nbytes(tensor), dst_pe, stream, timeout_seconds(timeout))
+    _submit(engine, True, tensor, dst_pe, stream, timeout_seconds(timeout))
 
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
@@ -395,7 +435,7 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
     engine = _require_engine("recv")
     check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
-    _submit(engine, False, tensor.data_ptr(), _nbytes(tensor), src_pe, stream, timeout_seconds(timeout))
+    _submit(engine, False, tensor, src_pe, stream, timeout_seconds(timeout))
 
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
@@ -410,3 +450,4 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
     _check_tensor(recv_tensor, "recv_tensor")
     engine.sendrecv(send_tensor.data_ptr(), _nbytes(send_tensor), dst_pe, recv_tensor.data_ptr(),
                     _nbytes(recv_tensor), src_pe, _stream(stream), timeout_seconds(timeout))
+    _keep_alive(stream, send_tensor, recv_tensor)
