@@ -13,12 +13,12 @@ if [ "${1:-}" != --no-build ]; then
     || { tail -n 40 "$OUT/hostile-build.log"; exit 1; }
 fi
 declare -a RESULTS
-for group in "graph_sendrecv" "graph_token" "graph_put" "refuse_capture" "temporaries" \
+for group in "graph_sendrecv" "graph_group" "graph_token" "graph_put" "refuse_capture" "temporaries" \
              "any_block_count" "all_but_4" "too_large" "bad_block_index" "busy_stream" \
              "one_stream_wait"; do
   start=$SECONDS
   timeout ${GROUP_TIMEOUT:-120} torchrun --nproc_per_node=2 -m pytest tests/gpu/test_real_conditions.py \
-    -q -x -p no:cacheprovider -k "$group" > "$OUT/hostile-$group.log" 2>&1
+    -q -x -rP -p no:cacheprovider -k "$group" > "$OUT/hostile-$group.log" 2>&1
   rc=$?
   RESULTS+=("$(printf '%-18s rc=%-4s %4ss  %s' "$group" "$rc" $((SECONDS - start)) \
     "$(grep -hE '^(FAILED|ERROR)|[0-9]+ (passed|failed)|Error:|AssertionError|Segmentation|exitcode|Not enough' "$OUT/hostile-$group.log" | head -n 4 | cut -c1-220 | tr '\n' ' ')")")

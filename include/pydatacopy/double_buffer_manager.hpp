@@ -14,7 +14,8 @@
 // captured in a CUDA graph make a fresh round at every replay. exchange() and wait() may use
 // different streams: wait() orders its stream after the round's exchange(), and exchange()
 // orders its stream after the work enqueued so far on the stream that waited for the set's
-// previous round (its consumer), before it frees that receive buffer to the peer.
+// previous round (its consumer), before it frees that receive buffer to the peer. (Between
+// eager calls only: inside a graph capture the caller joins the streams, as graphs require.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -70,7 +71,7 @@ class DoubleBufferManager {
   uint64_t* credits(int set) const;
   void require_initialized(const char* what) const;
 
-  void order_after(cudaStream_t stream, cudaStream_t other, cudaEvent_t event);
+  void order_after(cudaStream_t stream, cudaEvent_t event);
 
   uint8_t* base_ = nullptr;  // one symmetric allocation holding everything
   uint64_t* uses_ = nullptr;          // device [2]: exchanges of each set so far
@@ -80,6 +81,8 @@ class DoubleBufferManager {
   cudaStream_t exchange_stream_[2] = {};
   cudaStream_t wait_stream_[2] = {};
   bool waited_[2] = {false, false};
+  bool exchange_captured_[2] = {false, false};  // the set's last exchange / wait was captured
+  bool wait_captured_[2] = {false, false};
   int64_t n_tokens_ = 0;
   int64_t token_size_ = 0;
   int64_t next_round_ = 0;

@@ -276,10 +276,11 @@ std::vector<uint64_t> barrier_all_blocking(const char* what, double timeout_seco
   try {
     kernels::launch_barrier(s.barrier_signals + s.n_pes, s.barrier_epochs + 1, votes, vote, s.my_pe,
                             s.n_pes, timeout_ns, s.status_device, stream);
-    PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
+    // On our own non-blocking stream: the legacy stream could be held by the caller's work.
     if (s.n_pes > 1)
-      PDC_CHECK_CUDA(cudaMemcpy(votes_seen.data(), votes, sizeof(uint64_t) * s.n_pes,
-                                cudaMemcpyDeviceToHost));
+      PDC_CHECK_CUDA(cudaMemcpyAsync(votes_seen.data(), votes, sizeof(uint64_t) * s.n_pes,
+                                     cudaMemcpyDeviceToHost, stream));
+    PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
     votes_seen[s.my_pe] = vote;
   } catch (...) {
     cudaStreamDestroy(stream);

@@ -67,6 +67,38 @@ def test_graph_sendrecv_every_replay_is_a_fresh_round(world, peer, nbytes):
     pydatacopy.check_errors()
 
 
+def test_graph_group_and_one_way_send_recv(world, peer):
+    """group() of a send and a recv, then a one-way send (rank 0) / recv (rank 1), in one graph."""
+    rank = world[0]
+    nbytes = 3 * MiB + 5
+    send = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    recv = torch.empty_like(send)
+    one_way = torch.empty(4096 + 1, dtype=torch.uint8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pydatacopy.group():
+            pydatacopy.send(send, peer)
+            pydatacopy.recv(recv, peer)
+        if rank == 0:
+            pydatacopy.send(one_way, peer)
+        else:
+            pydatacopy.recv(one_way, peer)
+    for replay in range(REPLAYS):
+        send.copy_(_bytes(rank, replay, nbytes))
+        recv.zero_()
+        if rank == 0:
+            one_way.copy_(_bytes(rank, 50_000 + replay, one_way.numel()))
+        else:
+            one_way.zero_()
+            torch.cuda._sleep(200_000)
+        graph.replay()
+        _assert_bytes(recv, _bytes(peer, replay, nbytes), f"group, replay {replay}")
+        if rank == 1:
+            _assert_bytes(one_way, _bytes(peer, 50_000 + replay, one_way.numel()), f"one way, replay {replay}")
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+
+
 def test_graph_token_exchange_every_replay_is_a_fresh_round(world, peer):
     rank = world[0]
     n_tokens, token_size = 512, 7168
@@ -172,12 +204,14 @@ def test_graph_put_signal_wait(world, peer):
 
 
 @pytest.mark.parametrize("call", ["empty", "free", "setup_send_recv", "barrier_blocking",
-                                  "wait_blocking", "put_many", "dbm_init", "test_bandwidth"])
+                                  "wait_blocking", "signal_wait_blocking", "put_many", "dbm_init",
+                                  "dbm_cleanup", "test_bandwidth", "init", "finalize"])
 def test_calls_that_block_refuse_capture(world, peer, call):
     x = pydatacopy.empty(16, dtype=torch.uint8)
     src = torch.zeros(16, dtype=torch.uint8, device="cuda")
     dbm = pydatacopy.DoubleBufferManager()
-    if call in ("wait_blocking", "test_bandwidth"):
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    if call in ("wait_blocking", "test_bandwidth", "dbm_cleanup"):
         dbm.init(4, 64)
         dbm.wait(dbm.exchange())
     calls = {
@@ -189,6 +223,10 @@ def test_calls_that_block_refuse_capture(world, peer, call):
         "put_many": lambda: pydatacopy.put_many([x], [src], peer),
         "dbm_init": lambda: pydatacopy.DoubleBufferManager().init(4, 64),
         "test_bandwidth": lambda: dbm.test_bandwidth(world[0], world[1]),
+        "signal_wait_blocking": lambda: pydatacopy.signal_wait(signal, 0, blocking=True),
+        "dbm_cleanup": lambda: dbm.cleanup(),
+        "init": lambda: pydatacopy.init(),
+        "finalize": lambda: pydatacopy.finalize(),
     }
     graph = torch.cuda.CUDAGraph()
     try:
@@ -198,6 +236,7 @@ def test_calls_that_block_refuse_capture(world, peer, call):
     finally:
         torch.cuda.synchronize()
         dbm.cleanup()
+        pydatacopy.free(signal)
         pydatacopy.free(x)
 
 
@@ -308,6 +347,7 @@ def test_allocation_too_large_is_an_error_on_every_pe(world, peer, what):
     with pytest.raises(pydatacopy.Error, match="GPU memory free") as info:
         pydatacopy.empty((nbytes,), dtype=torch.uint8)
     assert str(nbytes) in str(info.value)
+    print(f"rank {rank}: {info.value}")  # shown by scripts/gpu-hostile.sh (-rP)
     # The process goes on working.
     x = pydatacopy.empty(1 * MiB, dtype=torch.uint8)
     try:
