@@ -14,8 +14,8 @@ if [ "${1:-}" != --no-build ]; then
 fi
 declare -a RESULTS
 for group in "graph_sendrecv" "graph_group" "graph_token" "graph_put" "refuse_capture" "temporaries" \
-             "any_block_count" "all_but_4" "too_large" "bad_block_index" "busy_stream" \
-             "one_stream_wait"; do
+             "any_block_count" "all_but_a_few" "two_sizes" "two_streams" "too_large" \
+             "bad_block_index" "busy_stream" "one_stream_wait"; do
   start=$SECONDS
   timeout ${GROUP_TIMEOUT:-120} torchrun --nproc_per_node=2 -m pytest tests/gpu/test_real_conditions.py \
     -q -x -rP -p no:cacheprovider -k "$group" > "$OUT/hostile-$group.log" 2>&1

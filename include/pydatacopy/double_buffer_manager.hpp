@@ -15,7 +15,8 @@
 // different streams: wait() orders its stream after the round's exchange(), and exchange()
 // orders its stream after the work enqueued so far on the stream that waited for the set's
 // previous round (its consumer), before it frees that receive buffer to the peer. (Between
-// eager calls only: inside a graph capture the caller joins the streams, as graphs require.)
+// calls in the same state, both eager or both in one capture; a captured call and an eager one
+// on other streams are ordered by the caller.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -81,8 +82,8 @@ class DoubleBufferManager {
   cudaStream_t exchange_stream_[2] = {};
   cudaStream_t wait_stream_[2] = {};
   bool waited_[2] = {false, false};
-  bool exchange_captured_[2] = {false, false};  // the set's last exchange / wait was captured
-  bool wait_captured_[2] = {false, false};
+  unsigned long long exchange_capture_[2] = {0, 0};  // capture_id of the set's last exchange / wait
+  unsigned long long wait_capture_[2] = {0, 0};
   int64_t n_tokens_ = 0;
   int64_t token_size_ = 0;
   int64_t next_round_ = 0;

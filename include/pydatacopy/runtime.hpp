@@ -80,6 +80,11 @@ void check_device_errors();
 // (barriers, nvshmem_free, nvshmem_finalize) is skipped instead of waiting on it forever.
 bool peer_failed();
 
+// The id of the CUDA graph capture `stream` takes part in, 0 when it is not capturing. Calls
+// order two streams with events only when both are in the same state (both eager, or both in
+// one capture): an event recorded in a capture cannot be waited on outside it.
+unsigned long long capture_id(cudaStream_t stream);
+
 // Throws unless init_nvshmem() has run in this process; `what` names the caller's operation.
 void require_initialized(const char* what);
 

@@ -78,9 +78,9 @@ class DoubleBufferManager:
 
         Tensors obtained from this manager must not be used afterwards.
         """
+        refuse_capture("DoubleBufferManager.cleanup")
         self._send, self._recv = [], []
         self._src_of_round.clear()
-        refuse_capture("DoubleBufferManager.cleanup")
         self._core.cleanup()
 
     def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
@@ -174,7 +174,7 @@ class DoubleBufferManager:
         self._core.wait(round_, src, handle, timeout_seconds(timeout))
         if blocking:
             torch.cuda.ExternalStream(handle).synchronize()
-            _C.check_device_errors()
+            _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
         return self._recv[round_ % 2]
 
     # ---- helpers ------------------------------------------------------------------------------

@@ -154,7 +154,10 @@ def _keep_alive(stream, *tensors: torch.Tensor) -> None:
     if not isinstance(stream, torch.cuda.Stream):
         stream = torch.cuda.ExternalStream(stream)
     for tensor in tensors:
-        tensor.record_stream(stream)
+        # Symmetric tensors are not the allocator's (and its cudaMallocAsync backend asserts on
+        # foreign pointers); they live until free().
+        if not _C.is_symmetric(tensor.data_ptr(), 1):
+            tensor.record_stream(stream)
 
 
 def refuse_capture(what: str, handle: int | None = None) -> None:
@@ -242,7 +245,7 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
     _C.signal_wait(signal.data_ptr(), value, handle, timeout_seconds(timeout))
     if blocking:
         torch.cuda.ExternalStream(handle).synchronize()
-        _C.check_device_errors()
+        _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
 
 
 def quiet(*, stream=None) -> None:
@@ -265,7 +268,7 @@ def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False
     _C.barrier(handle, timeout_seconds(timeout))
     if blocking:
         torch.cuda.ExternalStream(handle).synchronize()
-        _C.check_device_errors()
+        _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
 
 
 def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,

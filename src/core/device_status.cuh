@@ -61,14 +61,15 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* address) {
 // Records an error unless one of its kind is already recorded (the first one wins).
 __device__ __forceinline__ void record_error(ErrorRecord* record, int code, WaitOp op, int peer,
                                              int my_pe, uint64_t expected, uint64_t seen) {
-  if (atomicCAS(&record->code, 0, kWriting) != 0) return;
+  // System scope: the record lives in host-mapped memory, which the host reads and clears.
+  if (atomicCAS_system(&record->code, 0, kWriting) != 0) return;
   record->op = static_cast<int>(op);
   record->peer = peer;
   record->pe = my_pe;
   record->expected = expected;
   record->seen = seen;
   __threadfence_system();
-  atomicExch(&record->code, code);
+  atomicExch_system(&record->code, code);
 }
 
 // Spins until *address >= expected. Returns false (after recording the timeout) when this

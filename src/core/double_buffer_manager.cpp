@@ -74,7 +74,8 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
     PDC_CHECK_CUDA(cudaEventCreateWithFlags(&exchanged_[set], cudaEventDisableTiming));
     PDC_CHECK_CUDA(cudaEventCreateWithFlags(&consumed_[set], cudaEventDisableTiming));
     exchange_stream_[set] = wait_stream_[set] = nullptr;
-    waited_[set] = exchange_captured_[set] = wait_captured_[set] = false;
+    waited_[set] = false;
+    exchange_capture_[set] = wait_capture_[set] = 0;
   }
   // Zeroed signals and credits mean "nothing yet"; the barrier keeps peers from writing before.
   PDC_CHECK_CUDA(cudaMemset(base, 0, total));
@@ -109,17 +110,9 @@ void DoubleBufferManager::cleanup() {
   }
 }
 
-namespace {
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  PDC_CHECK_CUDA(cudaStreamIsCapturing(stream, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-}  // namespace
-
-// Cross-stream order is added between eager calls only: inside a CUDA graph capture the caller
-// joins its streams itself (as graphs require), and events recorded in a capture cannot be
-// waited on outside it.
+// Cross-stream order is added between calls in the same state: both eager, or both in one
+// capture (capture_id). An event recorded in a capture cannot be waited on outside it; a
+// captured call and an eager one on other streams are ordered by the caller.
 void DoubleBufferManager::order_after(cudaStream_t stream, cudaEvent_t event) {
   PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, event, 0));
 }
@@ -169,9 +162,9 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   const int set = static_cast<int>(round % 2);
   // This frees our receive set of two rounds ago to the peer: its consumer, enqueued on the
   // stream that waited for it, must be done first.
-  const bool eager = !capturing(stream);
-  if (eager && waited_[set] && !wait_captured_[set] && wait_stream_[set] != stream &&
-      !capturing(wait_stream_[set])) {
+  const unsigned long long capture = capture_id(stream);
+  if (waited_[set] && wait_stream_[set] != stream && wait_capture_[set] == capture &&
+      capture_id(wait_stream_[set]) == capture) {
     PDC_CHECK_CUDA(cudaEventRecord(consumed_[set], wait_stream_[set]));
     order_after(stream, consumed_[set]);
   }
@@ -196,8 +189,8 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   const int64_t warps_needed = (n_tokens_ + 15) / 16;
   const int blocks = static_cast<int>(std::min<int64_t>(warps_needed, multiprocessor_count()));
   kernels::launch_token_exchange(args, blocks, stream);
-  if (eager) PDC_CHECK_CUDA(cudaEventRecord(exchanged_[set], stream));
-  exchange_captured_[set] = !eager;
+  PDC_CHECK_CUDA(cudaEventRecord(exchanged_[set], stream));
+  exchange_capture_[set] = capture;
   exchange_stream_[set] = stream;
   waited_[set] = false;
   next_round_ = round + 1;
@@ -219,15 +212,15 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
   const int set = static_cast<int>(round % 2);
   const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
   // The wait reads the set's use count, which the round's exchange() advances on the device.
-  const bool eager = !capturing(stream);
-  if (eager && !exchange_captured_[set] && exchange_stream_[set] != stream)
+  const unsigned long long capture = capture_id(stream);
+  if (exchange_stream_[set] != stream && exchange_capture_[set] == capture)
     order_after(stream, exchanged_[set]);
   const int blocks = static_cast<int>(
       std::min<int64_t>((n_tokens_ + 255) / 256, multiprocessor_count()));
   kernels::launch_token_wait(signals(set), n_tokens_, uses_ + set, my_pe(), src_pe, timeout_ns,
                              detail::device_status(), blocks, stream);
   wait_stream_[set] = stream;
-  wait_captured_[set] = !eager;
+  wait_capture_[set] = capture;
   waited_[set] = true;
   last_waited_round_ = std::max(last_waited_round_, round);
 }

@@ -34,10 +34,13 @@ struct RuntimeState {
   std::vector<uint8_t> unique_id;
   detail::DeviceStatus* status_host = nullptr;
   detail::DeviceStatus* status_device = nullptr;
-  // Symmetric [3][n_pes]: arrivals of stream-ordered barriers, arrivals of host-blocking
-  // barriers, and the values PEs vote with in a blocking barrier. The two kinds of barrier
-  // count apart, so that one can never satisfy the other.
+  // Symmetric [4][n_pes]: arrivals of stream-ordered barriers, arrivals of host-blocking
+  // barriers, and two arrays of the values PEs vote with in a blocking barrier (by the parity
+  // of its count: a PE that runs ahead into the next blocking barrier writes the other array,
+  // not the one a slower PE may still read). The two kinds of barrier count apart, so that one
+  // can never satisfy the other.
   uint64_t* barrier_signals = nullptr;
+  uint64_t blocking_barriers = 0;  // entered by this PE (host-blocking ones run one at a time)
   // Device [2]: how many stream-ordered / blocking barriers this PE has entered. Kernels take
   // their epoch from it with an atomic, so replays of a CUDA graph each get a fresh one.
   uint64_t* barrier_epochs = nullptr;
@@ -103,7 +106,7 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
                     "NVSHMEM made this process PE " << nvshmem_my_pe() << " instead of rank " << rank
                         << ": every rank must pass its own torch.distributed rank");
       }
-      const std::size_t bytes = 3 * sizeof(uint64_t) * static_cast<std::size_t>(world_size);
+      const std::size_t bytes = 4 * sizeof(uint64_t) * static_cast<std::size_t>(world_size);
       signals = static_cast<uint64_t*>(nvshmem_malloc(bytes));
       PDC_REQUIRE(signals != nullptr, "the NVSHMEM symmetric heap has no room for the barrier's "
                                       << bytes << " bytes: raise NVSHMEM_SYMMETRIC_SIZE");
@@ -250,6 +253,7 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
   s.initialized = true;
   s.owns_nvshmem = owns;
   s.barrier_signals = barrier_signals;
+  s.blocking_barriers = 0;
   s.device = device;
   s.my_pe = rank;
   s.n_pes = world_size;
@@ -269,7 +273,7 @@ std::vector<uint64_t> barrier_all_blocking(const char* what, double timeout_seco
   check_timeouts();  // a pending bad-input report stays pending: collectives must not split PEs
   RuntimeState& s = state();
   const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
-  uint64_t* votes = s.barrier_signals + 2 * s.n_pes;
+  uint64_t* votes = s.barrier_signals + (2 + s.blocking_barriers++ % 2) * s.n_pes;
   cudaStream_t stream = nullptr;
   PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::vector<uint64_t> votes_seen(s.n_pes, vote);
@@ -330,6 +334,13 @@ void finalize() {
 }
 
 bool is_initialized() { return state().initialized; }
+
+unsigned long long capture_id(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  PDC_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &status, &id));
+  return status == cudaStreamCaptureStatusActive ? id + 1 : 0;  // ids may start at 0
+}
 
 bool peer_failed() {
   const detail::DeviceStatus* status = state().status_host;

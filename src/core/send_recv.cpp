@@ -74,6 +74,9 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   }
   base_ = static_cast<uint8_t*>(base);
   sequences_ = static_cast<uint64_t*>(counters);
+  last_stream_.assign(2 * pes, nullptr);
+  last_capture_.assign(2 * pes, 0);
+  PDC_CHECK_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
   done_ = reinterpret_cast<unsigned int*>(sequences_ + 2 * pes);
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
@@ -95,6 +98,10 @@ void SendRecvEngine::cleanup() {
   if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
   sequences_ = nullptr;
   done_ = nullptr;
+  if (order_event_ != nullptr) cudaEventDestroy(order_event_);  // local; nothing depends on it
+  order_event_ = nullptr;
+  last_stream_.clear();
+  last_capture_.clear();
 }
 
 uint8_t* SendRecvEngine::staging(int src_pe) const {
@@ -195,7 +202,15 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     launch.ops[launch.count++] = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
   }
   // Several ops of the batch on one channel (direction and peer) follow each other in the
-  // channel's sequence: each learns its offset, and all learn the channel's totals.
+  // channel's sequence: each learns its offset, and all learn the channel's totals. They share
+  // one block count (the largest), so that a page of the channel has one owner in the launch:
+  // the block that sends (receives) a message's page also drained (filled) it for the last one.
+  for (int i = 0; i < launch.count; ++i) {
+    kernels::ChunkStreamArgs& op = launch.ops[i];
+    for (int j = 0; j < launch.count; ++j)
+      if (launch.ops[j].sequence == op.sequence)
+        op.active_blocks = std::max(op.active_blocks, launch.ops[j].active_blocks);
+  }
   for (int i = 0; i < launch.count; ++i) {
     kernels::ChunkStreamArgs& op = launch.ops[i];
     for (int j = 0; j < launch.count; ++j) {
@@ -207,7 +222,23 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
       op.channel_blocks += other.active_blocks;
     }
   }
+  // A channel last used on another stream: order this launch after everything enqueued there.
+  // (Eager after eager, or within one capture; see capture_id.)
+  const unsigned long long capture = capture_id(stream);
+  for (int i = 0; i < launch.count; ++i) {
+    const std::size_t channel = static_cast<std::size_t>(launch.ops[i].sequence - sequences_);
+    cudaStream_t last = last_stream_[channel];
+    if (last != nullptr && last != stream && last_capture_[channel] == capture && capture_id(last) == capture) {
+      PDC_CHECK_CUDA(cudaEventRecord(order_event_, last));
+      PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, order_event_, 0));
+    }
+  }
   kernels::launch_chunk_batch(launch, stream);
+  for (int i = 0; i < launch.count; ++i) {
+    const std::size_t channel = static_cast<std::size_t>(launch.ops[i].sequence - sequences_);
+    last_stream_[channel] = stream;
+    last_capture_[channel] = capture;
+  }
 }
 
 }  // namespace pydatacopy

@@ -73,28 +73,29 @@ void* symmetric_malloc(std::size_t bytes) {
   // In that barrier every PE also says how much GPU memory it has free. NVSHMEM grows its heap
   // into free GPU memory, and when it cannot it ends every process (seen asking for 200 GiB and
   // 1 TiB), so a request that some PE cannot hold is refused here, on every PE alike.
+  // Each PE votes the room it has: the heap's unused part plus its free GPU memory, less a
+  // reserve for NVSHMEM's growth granularity and the CUDA context. All PEs see all votes.
   std::size_t free_bytes = 0, total_bytes = 0;
   PDC_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const std::vector<uint64_t> free_per_pe = barrier_all_blocking(
-      "symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds(), free_bytes);
   const std::size_t heap = configured_heap_bytes(), live = live_symmetric_bytes();
   const std::size_t heap_room = heap > live ? heap - live : 0;
-  // Headroom for NVSHMEM's growth granularity and the CUDA context.
   const std::size_t reserve = std::max<std::size_t>(kGiB, total_bytes / 50);
-  uint64_t least_free = free_per_pe.empty() ? free_bytes : free_per_pe[0];
-  for (uint64_t f : free_per_pe) least_free = std::min<uint64_t>(least_free, f);
-  const std::size_t room = heap_room + (least_free > reserve ? least_free - reserve : 0);
-  if (bytes > room) {
+  const std::size_t my_room = heap_room + (free_bytes > reserve ? free_bytes - reserve : 0);
+  const std::vector<uint64_t> room_per_pe = barrier_all_blocking(
+      "symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds(), my_room);
+  if (bytes > *std::min_element(room_per_pe.begin(), room_per_pe.end())) {
     std::ostringstream text;
     text << "pydatacopy.empty / symmetric_malloc: " << bytes << " bytes (" << gib(bytes)
-         << ") of symmetric memory asked, and not every PE can hold them: the NVSHMEM heap is "
-         << gib(heap) << " (NVSHMEM_SYMMETRIC_SIZE) with " << gib(live)
-         << " in live symmetric allocations, and beyond it grows into GPU memory free:";
-    for (std::size_t pe = 0; pe < free_per_pe.size(); ++pe)
-      text << (pe ? "," : "") << " " << gib(free_per_pe[pe]) << " on PE " << pe;
-    text << " (keeping " << gib(reserve) << " spare). Nothing was allocated on any PE. Ask for "
-            "less, free symmetric tensors (pydatacopy.free), or release GPU memory "
-            "(torch.cuda.empty_cache()) on every PE";
+         << ") of symmetric memory asked, and not every PE can hold them. Room per PE (the "
+            "NVSHMEM heap's unused part, then the GPU memory free that the heap grows into, less "
+            "a reserve):";
+    for (std::size_t pe = 0; pe < room_per_pe.size(); ++pe)
+      text << (pe ? "," : "") << " " << gib(room_per_pe[pe]) << " on PE " << pe;
+    text << ". Here: heap " << gib(heap) << " (NVSHMEM_SYMMETRIC_SIZE) with " << gib(live)
+         << " in live symmetric allocations, GPU memory free " << gib(free_bytes) << ", reserve "
+         << gib(reserve) << ". Nothing was allocated on any PE. Ask for less, free symmetric "
+            "tensors (pydatacopy.free), or release GPU memory (torch.cuda.empty_cache()) on "
+            "every PE";
     PDC_REQUIRE(false, text.str());
   }
   void* ptr = nvshmem_malloc(bytes);

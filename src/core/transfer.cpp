@@ -141,7 +141,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
                 std::size_t block_bytes, const int64_t* dst_indices, const int64_t* src_indices,
                 int64_t count, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "put_blocks");
-  check_device_errors();  // reports a bad index of an earlier put_blocks
+  check_timeouts();
   PDC_REQUIRE(count >= 0 && dst_blocks >= 0 && src_blocks >= 0,
               "put_blocks: counts must not be negative");
   PDC_REQUIRE(block_bytes > 0, "put_blocks: block_bytes must be positive");
@@ -162,6 +162,9 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
   kernels::launch_put_blocks(a, stream);
+  // After this call's own work is enqueued (the peer counts on it): a bad index that an earlier
+  // put_blocks found on the device.
+  check_device_errors();
 }
 
 void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,

@@ -292,8 +292,9 @@ def test_send_recv_any_block_count(world, peer, blocks):
         pydatacopy.setup_send_recv()
 
 
+@pytest.mark.parametrize("free_sms", [4, 1])
 @pytest.mark.parametrize("what", ["sendrecv", "exchange"])
-def test_progress_while_another_kernel_holds_all_but_4_sms(world, peer, what):
+def test_progress_while_another_kernel_holds_all_but_a_few_sms(world, peer, what, free_sms):
     rank = world[0]
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
     shared = properties.shared_memory_per_block_optin if hasattr(properties, "shared_memory_per_block_optin") \
@@ -311,9 +312,9 @@ def test_progress_while_another_kernel_holds_all_but_4_sms(world, peer, what):
     hog, work = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     dist.barrier()
-    # One block per SM (all of its shared memory), on all but 4 SMs, for at most 20 s: the
-    # transfer must finish on the 4 left and release it, not wait for its deadline.
-    _C._test_occupy_sms(properties.multi_processor_count - 4, 1024, shared, release.data_ptr(),
+    # One block per SM (all of its shared memory), on all but `free_sms` SMs, for at most 20 s:
+    # the transfer must finish on the SMs left and release it, not wait for its deadline.
+    _C._test_occupy_sms(properties.multi_processor_count - free_sms, 1024, shared, release.data_ptr(),
                         by_flag.data_ptr(), 20.0, hog.cuda_stream)
     with torch.cuda.stream(work):
         torch.cuda._sleep(1_000_000)  # let the hog reach the SMs first
@@ -328,11 +329,59 @@ def test_progress_while_another_kernel_holds_all_but_4_sms(world, peer, what):
     try:
         assert by_flag.item() == 1, "the transfer only finished after the SM-holding kernel gave up"
         if what == "sendrecv":
-            _assert_bytes(recv, _bytes(peer, 1, nbytes), "sendrecv on 4 SMs")
+            _assert_bytes(recv, _bytes(peer, 1, nbytes), f"sendrecv on {free_sms} SMs")
         else:
-            _assert_bytes(dbm.recv_buffer(round_), _bytes(peer, 2, 1024 * 7168), "exchange on 4 SMs")
+            _assert_bytes(dbm.recv_buffer(round_), _bytes(peer, 2, 1024 * 7168), f"exchange on {free_sms} SMs")
     finally:
         dbm.cleanup()
+
+
+def test_group_of_two_sizes_to_one_peer(world, peer):
+    """Two sends and two recvs on one channel pair in one group(): they follow each other in the
+    channel's sequence and share its pages."""
+    rank = world[0]
+    sizes = [5, 20 * MiB + 3, 4096, 3 * MiB]
+    for round_ in range(20):
+        outs = [_bytes(rank, 100 * round_ + i, n) for i, n in enumerate(sizes)]
+        ins = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+        with pydatacopy.group():
+            for i in range(len(sizes)):
+                pydatacopy.send(outs[i], peer)
+                pydatacopy.recv(ins[i], peer)
+        for i, n in enumerate(sizes):
+            _assert_bytes(ins[i], _bytes(peer, 100 * round_ + i, n), f"round {round_}, message {i}")
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+
+
+def test_one_channel_from_two_streams(world, peer):
+    """Sends to one peer issued on two streams, receives on two others: the engine orders the
+    launches of a channel, so messages neither overlap nor swap."""
+    rank = world[0]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    for round_ in range(50):
+        a = _bytes(rank, 2 * round_, 9 * MiB + 1)
+        b = _bytes(rank, 2 * round_ + 1, 1 * MiB)
+        ra = torch.zeros(9 * MiB + 1, dtype=torch.uint8, device="cuda")
+        rb = torch.zeros(1 * MiB, dtype=torch.uint8, device="cuda")
+        for s in (s1, s2):
+            s.wait_stream(torch.cuda.current_stream())
+        if rank == 0:
+            pydatacopy.send(a, peer, stream=s1)
+            pydatacopy.send(b, peer, stream=s2)
+            pydatacopy.recv(ra, peer, stream=s1)
+            pydatacopy.recv(rb, peer, stream=s2)
+        else:
+            pydatacopy.recv(ra, peer, stream=s2)
+            pydatacopy.recv(rb, peer, stream=s1)
+            pydatacopy.send(a, peer, stream=s2)
+            pydatacopy.send(b, peer, stream=s1)
+        for s in (s1, s2):
+            torch.cuda.current_stream().wait_stream(s)
+        _assert_bytes(ra, _bytes(peer, 2 * round_, 9 * MiB + 1), f"round {round_}, first")
+        _assert_bytes(rb, _bytes(peer, 2 * round_ + 1, 1 * MiB), f"round {round_}, second")
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
 
 
 # ---- the symmetric heap --------------------------------------------------------------------
@@ -403,6 +452,29 @@ def test_bad_block_index_does_not_cancel_a_token_wait_on_another_stream(world, p
         torch.cuda.synchronize()
         pydatacopy.free(pool)
         dbm.cleanup()
+
+
+def test_bad_block_index_on_one_pe_does_not_split_collectives(world, peer):
+    """A bad index found on PE 0 only: blocking barriers and collective allocation go on alike on
+    both PEs; only check_errors() on PE 0 reports it."""
+    rank = world[0]
+    pool = pydatacopy.empty((4, 64), dtype=torch.uint8)
+    try:
+        if rank == 0:
+            src = torch.zeros((4, 64), dtype=torch.uint8, device="cuda")
+            pydatacopy.put_blocks(pool, src, torch.tensor([7], device="cuda"),
+                                  torch.tensor([0], device="cuda"), peer)
+            torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        extra = pydatacopy.empty(1024, dtype=torch.uint8)
+        pydatacopy.free(extra)
+        pydatacopy.barrier(blocking=True)
+        if rank == 0:
+            with pytest.raises(pydatacopy.Error, match="put_blocks on PE 0: block index 7"):
+                pydatacopy.check_errors()
+        pydatacopy.check_errors()
+    finally:
+        pydatacopy.free(pool)
 
 
 # ---- barriers ------------------------------------------------------------------------------
