@@ -50,7 +50,7 @@ if [ "${SANITIZE:-1}" = 1 ]; then
     # cudaErrorNoKernelImageForDevice back by design; those return codes are not our errors.
     step sanitizer-$tool timeout 300 torchrun --nproc_per_node=2 --no-python compute-sanitizer \
       --tool $tool --report-api-errors no --error-exitcode 9 --print-limit 40 $PY -m pytest tests/gpu -q -p no:cacheprovider \
-      -k "byte_exact_both_ways and 3-7 or put_and_get_byte_exact_every_path and sm or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or one_direction or barrier_with_deadline or graph_sendrecv and 4K or graph_token or any_block_count and 7 or bad_block_index or one_stream_wait"
+      -k "byte_exact_both_ways and 3-7 or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or barrier_with_deadline or graph_sendrecv and 4K or any_block_count and 7 or bad_block_index or one_stream_wait or two_sizes"
   done
 fi
 step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}

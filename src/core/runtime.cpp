@@ -249,6 +249,7 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
     s.barrier_epochs = static_cast<uint64_t*>(epochs);
   }
   PDC_CHECK_CUDA(cudaMemset(s.barrier_epochs, 0, 2 * sizeof(uint64_t)));
+  kernels::preload_kernels();
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   s.initialized = true;
   s.owns_nvshmem = owns;

@@ -310,6 +310,10 @@ def test_progress_while_another_kernel_holds_all_but_a_few_sms(world, peer, what
     # Two side streams: work on the legacy default stream would wait for the hog's kernel
     # whenever the hog's stream is a blocking one, whatever the SMs.
     hog, work = torch.cuda.Stream(), torch.cuda.Stream()
+    # Every kernel this test launches while the hog runs is loaded first: with CUDA's lazy
+    # loading, a kernel's first launch can wait for the running kernels (the hog) to end.
+    torch.cuda._sleep(1)
+    release.fill_(0)
     torch.cuda.synchronize()
     dist.barrier()
     # One block per SM (all of its shared memory), on all but `free_sms` SMs, for at most 20 s:

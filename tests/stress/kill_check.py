@@ -141,6 +141,8 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
         finalized = "FINALIZED" in output
         ok = raised and finalized and procs[0].returncode == 3 and elapsed <= timeout + 10
         tail = [l for l in output.splitlines() if l.startswith(("RAISED", "FINALIZED"))]
+        if not ok:  # what the survivor said last (a traceback, say)
+            tail += output.splitlines()[-6:]
         return ok, (f"survivor exit code {procs[0].returncode} {elapsed:.1f} s after SIGKILL "
                     f"(timeout {timeout:.0f} s); " + " | ".join(tail)[:400])
     except subprocess.TimeoutExpired:

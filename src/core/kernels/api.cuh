@@ -39,6 +39,11 @@ void launch_token_wait(const uint64_t* signals, int64_t n_tokens, const uint64_t
 
 namespace pydatacopy::kernels {
 
+// Loads every kernel of the library now (init calls it). With CUDA's lazy module loading a
+// kernel's first launch can wait until the kernels already running end: a first send/recv
+// issued while the caller's long kernel holds the GPU would stall behind it.
+void preload_kernels();
+
 // SM-store copy of `bytes` from src to dst (dst may be a peer's memory through nvshmem_ptr).
 void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 

@@ -166,7 +166,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       const uint64_t* wait_on = send ? a.credits + signals : a.arrivals + signals;
       const uint64_t expected = send ? (k >= static_cast<uint64_t>(a.num_slots) ? k - a.num_slots + 1 : 0) : k + 1;
       if (!own_pages_ready(wait_on, block, expected, a)) {
-        if (detail::globaltimer_ns() - start > a.timeout_ns) {
+        // One clock reading for the whole block (thread 0's): threads that disagreed about the
+        // deadline would leave the loop apart and break the block's barriers.
+        if (__syncthreads_or(threadIdx.x == 0 && detail::globaltimer_ns() - start > a.timeout_ns)) {
           report_timeout(wait_on, block, expected, a,
                          send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival);
           gave_up = true;  // the channel is broken; the host reports the timeout
@@ -209,6 +211,12 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
   else
     launch_sized<kMaxBatchOps>(batch, blocks, stream);
   PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void preload_send_recv_kernels() {
+  cudaFuncAttributes attributes;
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<2>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<kMaxBatchOps>));
 }
 
 }  // namespace pydatacopy::kernels

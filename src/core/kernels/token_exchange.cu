@@ -100,4 +100,10 @@ void launch_token_wait(const uint64_t* signals, int64_t n_tokens, const uint64_t
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
+void preload_token_kernels() {
+  cudaFuncAttributes attributes;
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, token_exchange_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, token_wait_kernel));
+}
+
 }  // namespace pydatacopy::kernels

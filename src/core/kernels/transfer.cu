@@ -144,4 +144,18 @@ void launch_signal_wait(const uint64_t* signal, uint64_t value, int my_pe, uint6
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
+void preload_send_recv_kernels();
+void preload_token_kernels();
+
+void preload_kernels() {
+  cudaFuncAttributes attributes;
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, copy_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_blocks_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, signal_wait_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, barrier_kernel));
+  preload_send_recv_kernels();
+  preload_token_kernels();
+}
+
 }  // namespace pydatacopy::kernels
