@@ -176,7 +176,7 @@ def parse_switch(text: str, name: str, meaning: str) -> bool:
 
 # (variable, default) of send/recv's staging, and their ranges.
 SEND_RECV_DEFAULTS = {"PYDATACOPY_CHUNK_BYTES": 8 << 20, "PYDATACOPY_NUM_CHUNKS": 4,
-                      "PYDATACOPY_SEND_BLOCKS": 64}
+                      "PYDATACOPY_SEND_BLOCKS": 128}
 SEND_RECV_RANGES = {"chunk_bytes": (1, MAX_CHUNK_BYTES), "num_chunks": (2, INT32_MAX),
                     "blocks": (1, MAX_SEND_BLOCKS)}
 _SEND_RECV_MEANING = {
@@ -188,7 +188,7 @@ _SEND_RECV_MEANING = {
 
 def send_recv_settings(environ: Mapping[str, str] = os.environ) -> tuple[int, int, int]:
     """(chunk_bytes, num_chunks, blocks) from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
-    PYDATACOPY_SEND_BLOCKS, else 8 MiB, 4 and 64. Raises SettingError for a bad value."""
+    PYDATACOPY_SEND_BLOCKS, else 8 MiB, 4 and 128. Raises SettingError for a bad value."""
     values = []
     for name, default in SEND_RECV_DEFAULTS.items():
         text = environ.get(name)

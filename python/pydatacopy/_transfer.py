@@ -346,7 +346,7 @@ _state = threading.local()
 
 def send_recv_settings(call: str = "pydatacopy.setup_send_recv") -> tuple[int, int, int]:
     """(chunk_bytes, num_chunks, blocks) from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
-    PYDATACOPY_SEND_BLOCKS, else the defaults (8 MiB, 4, 64)."""
+    PYDATACOPY_SEND_BLOCKS, else the defaults (8 MiB, 4, 128)."""
     try:
         return _env.send_recv_settings()
     except _env.SettingError as error:
@@ -358,8 +358,10 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     """(Re)create the send/recv staging (collective; init() calls it with the defaults).
 
     Defaults: PYDATACOPY_CHUNK_BYTES (8 MiB), PYDATACOPY_NUM_CHUNKS (4 per peer),
-    PYDATACOPY_SEND_BLOCKS (64: the most thread blocks one send or recv uses; chosen by
-    scripts/sweep-send-recv.sh, see docs/perf-notes.md v6). Every PE must use the same settings.
+    PYDATACOPY_SEND_BLOCKS (128: the most thread blocks one message uses; since one block
+    drives its slice of both directions of a sendrecv, twice the 64 that scripts/sweep-send-recv.sh
+    chose when each direction had blocks of its own, docs/perf-notes.md v6/v8). Every PE must use
+    the same settings.
     """
     global _engine
     _require_init("setup_send_recv")

@@ -313,7 +313,8 @@ def test_progress_while_another_kernel_holds_all_but_a_few_sms(world, peer, what
     # Every kernel this test launches while the hog runs is loaded first: with CUDA's lazy
     # loading, a kernel's first launch can wait for the running kernels (the hog) to end.
     torch.cuda._sleep(1)
-    release.fill_(0)
+    release.fill_(1)
+    release.zero_()
     torch.cuda.synchronize()
     dist.barrier()
     # One block per SM (all of its shared memory), on all but `free_sms` SMs, for at most 20 s:
