@@ -291,7 +291,7 @@ BAD_INPUTS = [
           ("PYDATACOPY_NUM_CHUNKS", "two", "PYDATACOPY_NUM_CHUNKS='two' is not a whole number"),
           ("PYDATACOPY_NUM_CHUNKS", str(2**64), "PYDATACOPY_NUM_CHUNKS=18446744073709551616 is out of range"),
           ("PYDATACOPY_SEND_BLOCKS", "2048", "PYDATACOPY_SEND_BLOCKS=2048 is out of range: thread blocks per send "
-                                             "or recv must be in [1, 1024]; set it to e.g. 64"),
+                                             "or recv must be in [1, 1024]; set it to e.g. 128"),
           ("PYDATACOPY_SEND_BLOCKS", "0", "PYDATACOPY_SEND_BLOCKS=0 is out of range"),
           ("PYDATACOPY_FORCE_RMA", "yes", "PYDATACOPY_FORCE_RMA='yes' must be 1 (every transfer takes NVSHMEM's "
                                           "RMA path, a test switch) or 0 (or unset)"),
