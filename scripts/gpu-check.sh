@@ -43,6 +43,7 @@ step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
 step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
 step netns-check timeout 400 $PY tests/stress/netns_check.py --timeout 30
+step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 if [ "${SANITIZE:-1}" = 1 ]; then
   # A representative subset under compute-sanitizer (slow: device puts drop to a few GB/s).
   for tool in memcheck racecheck; do
@@ -53,7 +54,6 @@ if [ "${SANITIZE:-1}" = 1 ]; then
       -k "byte_exact_both_ways and 3-7 or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or barrier_with_deadline or graph_sendrecv and 4K or any_block_count and 7 or bad_block_index or one_stream_wait or two_sizes"
   done
 fi
-step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
 
 echo
