@@ -61,15 +61,17 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* address) {
 // Records an error unless one of its kind is already recorded (the first one wins).
 __device__ __forceinline__ void record_error(ErrorRecord* record, int code, WaitOp op, int peer,
                                              int my_pe, uint64_t expected, uint64_t seen) {
-  // System scope: the record lives in host-mapped memory, which the host reads and clears.
-  if (atomicCAS_system(&record->code, 0, kWriting) != 0) return;
+  // Device-scope atomics: the record lives in host-mapped memory, where compute-sanitizer
+  // rejects system-scope atomics on this platform (no native host atomics over the bus); only
+  // GPU threads race for the claim, and the host clears only a published record.
+  if (atomicCAS(&record->code, 0, kWriting) != 0) return;
   record->op = static_cast<int>(op);
   record->peer = peer;
   record->pe = my_pe;
   record->expected = expected;
   record->seen = seen;
   __threadfence_system();
-  atomicExch_system(&record->code, code);
+  atomicExch(&record->code, code);
 }
 
 // Spins until *address >= expected. Returns false (after recording the timeout) when this
