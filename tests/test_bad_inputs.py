@@ -324,6 +324,12 @@ BAD_INPUTS = [
     ("init_nvshmem with NVSHMEM_SYMMETRIC_SIZE='lots'",
      _fresh(f"pydatacopy.init_nvshmem({UID}, 0, 1)", NVSHMEM_SYMMETRIC_SIZE="lots"),
      f"pydatacopy.init_nvshmem: NVSHMEM_SYMMETRIC_SIZE='lots' is not a size: {SIZE_HOWTO}"),
+    # NVSHMEM 3.4.5 aborts (dlopen failed, then a double free) on a plugin it cannot load.
+    ("NVSHMEM_BOOTSTRAP_UID_PLUGIN='nope'", _uid_with(NVSHMEM_BOOTSTRAP_UID_PLUGIN="nope"),
+     "pydatacopy.get_unique_id: NVSHMEM_BOOTSTRAP_UID_PLUGIN='nope' names no library NVSHMEM could "
+     "load (not a file, and not in NVSHMEM's lib directory"),
+    ("NVSHMEM_BOOTSTRAP_UID_PLUGIN='/nowhere/uid.so'", _uid_with(NVSHMEM_BOOTSTRAP_UID_PLUGIN="/nowhere/uid.so"),
+     "NVSHMEM_BOOTSTRAP_UID_PLUGIN='/nowhere/uid.so' names no library NVSHMEM could load (not a file)"),
     ("NVSHMEM_CUMEM_GRANULARITY='lots'", _uid_with(NVSHMEM_CUMEM_GRANULARITY="lots"),
      "pydatacopy.get_unique_id: NVSHMEM_CUMEM_GRANULARITY='lots' is not a size"),
     ("NVSHMEM_REDUCE_SCRATCH_SIZE='-1'", _uid_with(NVSHMEM_REDUCE_SCRATCH_SIZE="-1"),
@@ -579,3 +585,17 @@ def test_doctor_reads_the_heap_size_as_nvshmem_does(value, code, words):
     assert done.returncode == code, done.stdout + done.stderr
     assert words in done.stdout, done.stdout
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_the_wheels_own_bootstrap_plugin_is_accepted():
+    """The refusal above is not a refusal of everything: NVSHMEM's own plugin, by name and by
+    path, passes the check, and NVSHMEM then makes an ID with it."""
+    import nvidia.nvshmem
+    lib = [os.path.join(base, "lib") for base in nvidia.nvshmem.__path__][0]
+    name = next(f for f in os.listdir(lib) if f.startswith("nvshmem_bootstrap_uid.so"))
+    for value in (name, os.path.join(lib, name)):
+        _env.check_bootstrap_plugin({"NVSHMEM_BOOTSTRAP_UID_PLUGIN": value})
+    made = subprocess.run([sys.executable, "-c", "import pydatacopy; print(len(pydatacopy.get_unique_id()))"],
+                          env=dict(os.environ, NVSHMEM_BOOTSTRAP_UID_PLUGIN=name), capture_output=True,
+                          text=True, timeout=120)
+    assert made.returncode == 0 and made.stdout.split()[-1:] == ["128"], made.stdout + made.stderr

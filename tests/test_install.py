@@ -169,7 +169,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
 
 
-def test_declared_torch_lower_bound_is_the_tested_one_and_met():
+def test_declared_torch_lower_bound_is_met():
     import torch
 
     try:
@@ -179,6 +179,6 @@ def test_declared_torch_lower_bound_is_the_tested_one_and_met():
     torch_reqs = [r for r in requires if re.match(r"torch\s*[<>=!~(;\[]", r) or r.strip() == "torch"]
     assert len(torch_reqs) == 1, requires
     bound = re.search(r">=\s*([0-9.]+)", torch_reqs[0])
-    # .ci/run installs exactly this version in its "oldest" environment: keep them in step.
-    assert bound and bound.group(1) == "2.11", f"pydatacopy declares {torch_reqs[0]!r}; CI tests torch 2.11"
+    # .ci/run reads this bound from pyproject.toml and tests exactly that torch ("oldest").
+    assert bound, f"pydatacopy declares no torch lower bound: {torch_reqs[0]!r}"
     assert _version_tuple(torch.__version__) >= _version_tuple(bound.group(1)), torch.__version__

@@ -360,12 +360,46 @@ def check_interfaces(environ: Mapping[str, str] = os.environ,
     return chosen
 
 
+# ---- the bootstrap plugin ------------------------------------------------------------------
+
+def _library_dirs() -> list[str]:
+    """Where dlopen would look for a bare library name NVSHMEM loads: beside libnvshmem_host (its
+    RUNPATH), LD_LIBRARY_PATH, then the system's directories."""
+    dirs = []
+    try:
+        import nvidia.nvshmem as wheel  # the NVSHMEM pydatacopy loads
+        dirs += [os.path.join(base, "lib") for base in wheel.__path__]
+    except ImportError:
+        pass
+    dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += ["/lib", "/usr/lib", "/lib64", "/usr/lib64", "/usr/local/lib",
+             "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
+    return dirs
+
+
+def check_bootstrap_plugin(environ: Mapping[str, str] = os.environ) -> None:
+    """NVSHMEM_BOOTSTRAP_UID_PLUGIN names the library NVSHMEM's unique-ID bootstrap loads; a name
+    it cannot load makes NVSHMEM abort the process (seen: "dlopen failed", then a double free)."""
+    name = environ.get("NVSHMEM_BOOTSTRAP_UID_PLUGIN")
+    if name is None:
+        return
+    found = os.path.isfile(name) if "/" in name else any(
+        os.path.isfile(os.path.join(d, name)) for d in _library_dirs())
+    if not found:
+        raise SettingError(
+            f"NVSHMEM_BOOTSTRAP_UID_PLUGIN={name!r} names no library NVSHMEM could load (not a file"
+            + ("" if "/" in name else ", and not in NVSHMEM's lib directory, LD_LIBRARY_PATH or the "
+               "system's library directories")
+            + "), and NVSHMEM would abort the process. Unset it (NVSHMEM then uses its own "
+            "nvshmem_bootstrap_uid.so.3) or give the path of the plugin")
+
+
 # ---- all of them ---------------------------------------------------------------------------
 
 def nvshmem_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
     """(variable, what is wrong and what to set) for every NVSHMEM-side setting NVSHMEM would
-    crash, exit or fail on: its size variables, and the bootstrap's interface, family and
-    session ID (reported as "the bootstrap settings")."""
+    crash, exit or fail on: its size variables, the bootstrap's interface, family and session ID
+    (reported as "the bootstrap settings"), and the unique-ID bootstrap plugin."""
     problems = []
     for name in NVSHMEM_SIZE_VARIABLES:
         if name in environ:
@@ -378,6 +412,10 @@ def nvshmem_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[str,
         check_interfaces(environ)
     except SettingError as error:
         problems.append(("the bootstrap settings", str(error)))  # interface, family, session ID
+    try:
+        check_bootstrap_plugin(environ)
+    except SettingError as error:
+        problems.append(("NVSHMEM_BOOTSTRAP_UID_PLUGIN", str(error)))
     return problems
 
 

@@ -119,11 +119,13 @@ def _check_tensor(tensor: object, name: str, symmetric: bool = False) -> torch.T
     return tensor
 
 
-def _check_pair(dst: torch.Tensor, src: torch.Tensor) -> int:
+def _check_pair(dst: torch.Tensor, src: torch.Tensor, what: str) -> int:
     if dst.dtype != src.dtype:
-        raise Error(f"dtype mismatch: dst is {dst.dtype}, src is {src.dtype}")
+        raise Error(f"pydatacopy.{what}: dtype mismatch: dst is {dst.dtype}, src is {src.dtype}; "
+                    "use one dtype on both sides (src.to(dst.dtype))")
     if dst.numel() != src.numel():
-        raise Error(f"size mismatch: dst has {dst.numel()} elements, src has {src.numel()}")
+        raise Error(f"pydatacopy.{what}: size mismatch: dst has {dst.numel()} elements, src has "
+                    f"{src.numel()}; pass equal-sized tensors (a slice of the larger one)")
     return _nbytes(src)
 
 
@@ -131,7 +133,8 @@ def _check_pe(pe: object, what: str) -> int:
     _require_init(what)
     check_int("pe", pe)
     if not 0 <= pe < _C.n_pes():
-        raise Error(f"PE {pe} is out of range: there are {_C.n_pes()} PEs")
+        raise Error(f"pydatacopy.{what}: PE {pe} is out of range: there are {_C.n_pes()} PEs "
+                    f"(0 to {_C.n_pes() - 1})")
     return pe
 
 
@@ -194,7 +197,7 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst, "dst")  # the core checks that dst is symmetric and pe in range
     _check_tensor(src, "src")
-    nbytes = _check_pair(dst, src)
+    nbytes = _check_pair(dst, src, "put")
     _C.put(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
     _keep_alive(stream, dst, src)
 
@@ -206,7 +209,7 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst, "dst")
     _check_tensor(src, "src")  # the core checks that src is symmetric and pe in range
-    nbytes = _check_pair(dst, src)
+    nbytes = _check_pair(dst, src, "get")
     _C.get(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
     _keep_alive(stream, dst, src)
 
@@ -217,7 +220,7 @@ def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tens
     _check_pe(pe, "put_signal")
     _check_tensor(dst, "dst", symmetric=True)
     _check_tensor(src, "src")
-    nbytes = _check_pair(dst, src)
+    nbytes = _check_pair(dst, src, "put_signal")
     _check_signal(signal)
     check_int("value", value, 0, _VALUE_MAX)
     _C.put_signal(dst.data_ptr(), src.data_ptr(), nbytes, signal.data_ptr(), value, pe, _stream(stream))
@@ -281,14 +284,16 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
     """
     _check_pe(pe, "put_many")
     if len(dsts) != len(srcs):
-        raise Error(f"put_many: {len(dsts)} destinations but {len(srcs)} sources")
+        raise Error(f"pydatacopy.put_many: {len(dsts)} destinations but {len(srcs)} sources; pass "
+                    "one source per destination")
     if path not in ("auto", "sm", "rma"):
-        raise Error("put_many: path must be auto, sm or rma")
+        raise Error(f"pydatacopy.put_many: path must be auto, sm or rma (one kernel moves the "
+                    f"tensors), got {path!r}")
     dst_addresses, src_addresses, sizes = [], [], []
     for i, (dst, src) in enumerate(zip(dsts, srcs)):
         _check_tensor(dst, f"dsts[{i}]", symmetric=True)
         _check_tensor(src, f"srcs[{i}]")
-        sizes.append(_check_pair(dst, src))
+        sizes.append(_check_pair(dst, src, "put_many"))
         dst_addresses.append(dst.data_ptr())
         src_addresses.append(src.data_ptr())
     handle = _stream(stream)
@@ -328,7 +333,8 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     if dst_indices.numel() != src_indices.numel():
         raise Error(f"size mismatch: {dst_indices.numel()} dst_indices but {src_indices.numel()} src_indices")
     if path not in ("auto", "sm", "rma"):
-        raise Error("put_blocks: path must be auto, sm or rma")
+        raise Error(f"pydatacopy.put_blocks: path must be auto, sm or rma (one kernel moves the "
+                    f"blocks), got {path!r}")
     block_bytes = _nbytes(src_pool) // max(src_pool.shape[0], 1)
     if block_bytes == 0:
         return
@@ -401,7 +407,8 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
         _keep_alive(stream, tensor)
         return
     if pending["stream"] != stream:
-        raise Error("all operations inside one group() must use the group's stream")
+        raise Error("pydatacopy.send/recv inside pydatacopy.group(): every operation must use the "
+                    "group's stream; pass stream= to group() instead")
     pending["ops"].append((is_send, tensor.data_ptr(), _nbytes(tensor), peer))
     pending["tensors"].append(tensor)
     pending["timeout"] = max(pending["timeout"], seconds)
@@ -413,7 +420,8 @@ def group(*, stream=None) -> Iterator[None]:
     the same time: a PE that sends and receives at once must group them (as with NCCL's group
     calls). Up to 16 operations, any peers. Ordered on the stream like any other call."""
     if getattr(_state, "pending", None) is not None:
-        raise Error("group() cannot be nested")
+        raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
+                    "group() block")
     _state.pending = {"stream": stream, "ops": [], "tensors": [], "timeout": 0.0}
     try:
         yield
@@ -448,7 +456,8 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
     """send() and recv() at the same time, in one kernel launch."""
     engine = _require_engine("sendrecv")
     if getattr(_state, "pending", None) is not None:
-        raise Error("sendrecv() runs its pair itself: call it outside group()")
+        raise Error("pydatacopy.sendrecv() runs its pair itself: call it outside group(), or use "
+                    "send() and recv() inside the group")
     check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the ranges, with the same words
     check_int("src_pe", src_pe, None, _PE_MAX)
     _check_tensor(send_tensor, "send_tensor")
