@@ -72,8 +72,6 @@ class DoubleBufferManager {
   uint64_t* credits(int set) const;
   void require_initialized(const char* what) const;
 
-  void order_after(cudaStream_t stream, cudaEvent_t event);
-
   uint8_t* base_ = nullptr;  // one symmetric allocation holding everything
   uint64_t* uses_ = nullptr;          // device [2]: exchanges of each set so far
   unsigned int* done_ = nullptr;      // device [2]: blocks finished in the exchange in flight

@@ -163,11 +163,16 @@ def _keep_alive(stream, *tensors: torch.Tensor) -> None:
             tensor.record_stream(stream)
 
 
+def _capturing(handle: int | None = None) -> bool:
+    """Whether torch's current stream, or the stream `handle`, is being captured into a graph."""
+    if not torch.cuda.is_available():  # no GPU, no graph (and CPU builds of torch cannot tell)
+        return False
+    return torch.cuda.is_current_stream_capturing() or (handle is not None and _C.is_capturing(handle))
+
+
 def refuse_capture(what: str, handle: int | None = None) -> None:
     """Calls that block (they wait for every PE, or for the GPU) cannot be part of a CUDA graph."""
-    if not torch.cuda.is_available():  # no GPU, no graph (and CPU builds of torch cannot tell)
-        return
-    if torch.cuda.is_current_stream_capturing() or (handle is not None and _C.is_capturing(handle)):
+    if _capturing(handle):
         raise Error(f"pydatacopy.{what} blocks (it waits for every PE or synchronises the GPU), so it "
                     "cannot be captured in a CUDA graph: call it before or after the capture")
 
@@ -297,7 +302,7 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
         dst_addresses.append(dst.data_ptr())
         src_addresses.append(src.data_ptr())
     handle = _stream(stream)
-    if torch.cuda.is_current_stream_capturing() or _C.is_capturing(handle):
+    if _capturing(handle):
         raise Error("pydatacopy.put_many copies its table of addresses from host memory, which "
                     "cannot be captured in a CUDA graph: use put_blocks (index tensors stay on "
                     "the GPU) inside graphs")

@@ -110,13 +110,6 @@ void DoubleBufferManager::cleanup() {
   }
 }
 
-// Cross-stream order is added between calls in the same state: both eager, or both in one
-// capture (capture_id). An event recorded in a capture cannot be waited on outside it; a
-// captured call and an eager one on other streams are ordered by the caller.
-void DoubleBufferManager::order_after(cudaStream_t stream, cudaEvent_t event) {
-  PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, event, 0));
-}
-
 uint8_t* DoubleBufferManager::send_buffer(int set) const {
   require_initialized("send_buffer");
   PDC_REQUIRE(set == 0 || set == 1, "buffer set must be 0 or 1, got " << set);
@@ -161,12 +154,14 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
                      "rounds past it (its receive buffer would be overwritten)");
   const int set = static_cast<int>(round % 2);
   // This frees our receive set of two rounds ago to the peer: its consumer, enqueued on the
-  // stream that waited for it, must be done first.
+  // stream that waited for it, must be done first. (Streams are ordered only between calls in
+  // the same state, both eager or both in one capture: an event recorded in a capture cannot be
+  // waited on outside it; a captured call and an eager one are ordered by the caller.)
   const unsigned long long capture = capture_id(stream);
   if (waited_[set] && wait_stream_[set] != stream && wait_capture_[set] == capture &&
       capture_id(wait_stream_[set]) == capture) {
     PDC_CHECK_CUDA(cudaEventRecord(consumed_[set], wait_stream_[set]));
-    order_after(stream, consumed_[set]);
+    PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, consumed_[set], 0));
   }
   kernels::TokenExchangeArgs args{};
   args.send = send_buffer(set);
@@ -214,7 +209,7 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
   // The wait reads the set's use count, which the round's exchange() advances on the device.
   const unsigned long long capture = capture_id(stream);
   if (exchange_stream_[set] != stream && exchange_capture_[set] == capture)
-    order_after(stream, exchanged_[set]);
+    PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, exchanged_[set], 0));
   const int blocks = static_cast<int>(
       std::min<int64_t>((n_tokens_ + 255) / 256, multiprocessor_count()));
   kernels::launch_token_wait(signals(set), n_tokens_, uses_ + set, my_pe(), src_pe, timeout_ns,

@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <sstream>
-#include <string>
-#include <vector>
 #include <cstring>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
@@ -70,11 +70,11 @@ void* symmetric_malloc(std::size_t bytes) {
   require_initialized("symmetric_malloc");
   PDC_REQUIRE(bytes > 0, "cannot allocate 0 bytes of symmetric memory");
   // nvshmem_malloc waits for every PE with no deadline: meet them in a bounded barrier first.
-  // In that barrier every PE also says how much GPU memory it has free. NVSHMEM grows its heap
-  // into free GPU memory, and when it cannot it ends every process (seen asking for 200 GiB and
-  // 1 TiB), so a request that some PE cannot hold is refused here, on every PE alike.
-  // Each PE votes the room it has: the heap's unused part plus its free GPU memory, less a
-  // reserve for NVSHMEM's growth granularity and the CUDA context. All PEs see all votes.
+  // NVSHMEM grows its heap into free GPU memory, and when it cannot it ends every process (seen
+  // asking for 200 GiB and 1 TiB), so a request that some PE cannot hold is refused here, on
+  // every PE alike: in that barrier each PE votes the room it has (the heap's unused part plus
+  // its free GPU memory, less a reserve for NVSHMEM's growth granularity and the CUDA context),
+  // and all PEs see all votes.
   std::size_t free_bytes = 0, total_bytes = 0;
   PDC_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   const std::size_t heap = configured_heap_bytes(), live = live_symmetric_bytes();

@@ -12,28 +12,6 @@ namespace {
 constexpr int kExchangeThreads = 512;  // 16 warps, each moving whole tokens
 constexpr int kWaitThreads = 256;
 
-__device__ void exchange_tokens(const TokenExchangeArgs& args, uint64_t round_value);
-
-__global__ void __launch_bounds__(kExchangeThreads)
-    token_exchange_kernel(const TokenExchangeArgs args) {
-  // This use of the set: one more than the device count, which the last block moves on (every
-  // block reads it before it counts itself done), so a replayed graph makes a fresh round.
-  __shared__ uint64_t base;
-  if (threadIdx.x == 0) base = *reinterpret_cast<volatile uint64_t*>(args.uses);
-  __syncthreads();
-  const uint64_t round_value = base + 1;
-  exchange_tokens(args, round_value);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(args.done, 1u) + 1 == gridDim.x) {
-      *args.done = 0;
-      *reinterpret_cast<volatile uint64_t*>(args.uses) = round_value;
-      __threadfence();
-    }
-  }
-}
-
 __device__ void exchange_tokens(const TokenExchangeArgs& args, uint64_t round_value) {
   const uint64_t deadline = detail::globaltimer_ns() + args.timeout_ns;
   // Tell the PE that sends to us that our receive set for this round is free.
@@ -67,6 +45,26 @@ __device__ void exchange_tokens(const TokenExchangeArgs& args, uint64_t round_va
       nvshmemx_putmem_signal_warp(args.recv + offset, args.send + offset,
                                   static_cast<size_t>(args.token_bytes), args.signals + token,
                                   round_value, NVSHMEM_SIGNAL_SET, args.dst_pe);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kExchangeThreads)
+    token_exchange_kernel(const TokenExchangeArgs args) {
+  // This use of the set: one more than the device count, which the last block moves on (every
+  // block reads it before it counts itself done), so a replayed graph makes a fresh round.
+  __shared__ uint64_t base;
+  if (threadIdx.x == 0) base = *reinterpret_cast<volatile uint64_t*>(args.uses);
+  __syncthreads();
+  const uint64_t round_value = base + 1;
+  exchange_tokens(args, round_value);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(args.done, 1u) + 1 == gridDim.x) {
+      *args.done = 0;
+      *reinterpret_cast<volatile uint64_t*>(args.uses) = round_value;
+      __threadfence();
     }
   }
 }
