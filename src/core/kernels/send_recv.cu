@@ -33,18 +33,22 @@ __device__ __forceinline__ bool own_pages_ready(const uint64_t* slot_signals, in
   return __syncthreads_and(ok) != 0;
 }
 
-// The deadline passed: record the first of the block's pages still short of `expected`.
-__device__ __forceinline__ void report_timeout(const uint64_t* slot_signals, int block,
+// The deadline passed: record a page of the block's still short of `expected`. Returns false
+// (for every thread) when none is short any more: the data came in since the last look, so the
+// block goes on instead of giving up unrecorded. All threads of the block must call.
+__device__ __forceinline__ bool report_timeout(const uint64_t* slot_signals, int block,
                                                uint64_t expected, const ChunkStreamArgs& a,
                                                detail::WaitOp op) {
-  for (int p = block + static_cast<int>(threadIdx.x) * a.active_blocks; p < a.pages;
+  int short_page = 0;
+  for (int p = block + static_cast<int>(threadIdx.x) * a.active_blocks; !short_page && p < a.pages;
        p += static_cast<int>(blockDim.x) * a.active_blocks) {
     const uint64_t seen = detail::load_acquire_sys(slot_signals + p);
     if (seen < expected) {
       detail::record_error(&a.status->timeout, detail::kTimedOut, op, a.peer, a.my_pe, expected, seen);
-      return;
+      short_page = 1;
     }
   }
+  return __syncthreads_or(short_page) != 0;
 }
 
 // After the block's copies (and a __syncthreads): raise every signal the block owns in the slot.
@@ -168,9 +172,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       if (!own_pages_ready(wait_on, block, expected, a)) {
         // One clock reading for the whole block (thread 0's): threads that disagreed about the
         // deadline would leave the loop apart and break the block's barriers.
-        if (__syncthreads_or(threadIdx.x == 0 && detail::globaltimer_ns() - start > a.timeout_ns)) {
-          report_timeout(wait_on, block, expected, a,
-                         send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival);
+        if (__syncthreads_or(threadIdx.x == 0 && detail::globaltimer_ns() - start > a.timeout_ns) &&
+            report_timeout(wait_on, block, expected, a,
+                           send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival)) {
           gave_up = true;  // the channel is broken; the host reports the timeout
           break;
         }
