@@ -149,11 +149,14 @@ NEEDS_INIT_ARGS = {
     "put_signal": ((_t, _t, 0, _i, 1), {}),
     "quiet": ((), {}),
     "recv": ((_t, 0), {}),
+    "register": ((_t,), {}),
     "send": ((_t, 0), {}),
     "sendrecv": ((_t, 0, _t, 0), {}),
     "setup_send_recv": ((), {}),
     "signal_set": ((_i, 1, 0), {}),
     "signal_wait": ((_i, 1), {}),
+    "unregister": ((_t,), {}),
+    "is_registered": ((_t,), {}),
 }
 DBM_NEEDS_INIT = {  # DoubleBufferManager methods that need its init(n_tokens, token_size)
     "exchange": ((), {}),
@@ -298,6 +301,10 @@ BAD_INPUTS = [
           ("PYDATACOPY_FORCE_RMA", "false", "PYDATACOPY_FORCE_RMA='false' must be 1"),
           ("PYDATACOPY_IBGDA", "true", "PYDATACOPY_IBGDA='true' must be 1 (turn on NVSHMEM's GPU-initiated "
                                        "InfiniBand transport) or 0 (or unset)"),
+          ("PYDATACOPY_CHECK_RMA", "on", "PYDATACOPY_CHECK_RMA='on' must be 1 (verify every local address "
+                                         "handed to an NVSHMEM RMA call) or 0 (or unset)"),
+          ("PYDATACOPY_AUTO_REGISTER", "no", "PYDATACOPY_AUTO_REGISTER='no' must be 1 (register local buffers "
+                                             "with NVSHMEM on first use) or 0 (or unset)"),
           ("LOCAL_RANK", "x", "pydatacopy.init_nvshmem: LOCAL_RANK='x' is not a whole number (this process's index "
                               "on its node, which torchrun sets)"),
           ("LOCAL_RANK", "-1", "LOCAL_RANK='-1' is not a whole number"),

@@ -25,18 +25,20 @@ double default_init_timeout_seconds();
 // (device < 0: keep the calling thread's current device). Collective over all ranks.
 // Returns this process's PE (equal to rank). Calling it again with the same ID is harmless;
 // with another ID it throws. If NVSHMEM was already initialised by someone else in this process
-// (for example torch's symmetric memory), it checks that rank and world size agree and joins.
+// (for example torch's symmetric memory), it checks that rank and world size agree and joins
+// it, registering this library's device-side NVSHMEM state.
 // Throws TimeoutError when not every rank joined within `timeout_seconds`; NVSHMEM cannot be
 // started again in that process afterwards (its bootstrap cannot be cancelled): exit it.
 int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world_size,
                  int device = -1, double timeout_seconds = default_init_timeout_seconds());
 
-// Collective: every PE must call it. Harmless when not initialised. Does nothing to an NVSHMEM
-// that this library did not start (it belongs to whoever did). NVSHMEM cannot start twice in one
-// process: after finalize() has ended it, init_nvshmem() throws. Meets the peers in a bounded
-// barrier first: when one does not come, it skips NVSHMEM's teardown (which would wait for
-// ever) and throws TimeoutError; the process should then exit.
-void finalize();
+// Collective: every PE must call it. Harmless when not initialised. Ends NVSHMEM only when this
+// library started it and `end_nvshmem` (false: another user in the process, such as torch's
+// symmetric memory, still needs it); an NVSHMEM someone else started is theirs. NVSHMEM cannot
+// start twice in one process: after finalize() has ended it, init_nvshmem() throws. Meets the
+// peers in a bounded barrier first: when one does not come, it skips NVSHMEM's teardown (which
+// would wait for ever) and throws TimeoutError; the process should then exit.
+void finalize(bool end_nvshmem = true);
 
 // Collective barrier with a deadline, enqueued on `stream`: a device-side wait, reported by
 // check_device_errors() when it times out. Does not quiet (transfer.hpp's barrier() does).

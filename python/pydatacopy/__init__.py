@@ -35,6 +35,7 @@ from ._transfer import (
     signal_set,
     signal_wait,
 )
+from ._registration import is_registered, register, unregister
 from ._runtime import (
     UNIQUE_ID_BYTES,
     check_errors,
@@ -79,6 +80,7 @@ __all__ = [
     "free",
     "get",
     "group",
+    "is_registered",
     "is_symmetric",
     "peer_view",
     "put",
@@ -87,11 +89,13 @@ __all__ = [
     "put_signal",
     "quiet",
     "recv",
+    "register",
     "send",
     "sendrecv",
     "setup_send_recv",
     "signal_set",
     "signal_wait",
+    "unregister",
     "Error",
     "TimeoutError",
     "UNIQUE_ID_BYTES",

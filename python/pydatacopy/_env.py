@@ -428,6 +428,10 @@ def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[s
             t, "PYDATACOPY_FORCE_RMA", "every transfer takes NVSHMEM's RMA path, a test switch")),
         ("PYDATACOPY_IBGDA", lambda t: parse_switch(
             t, "PYDATACOPY_IBGDA", "turn on NVSHMEM's GPU-initiated InfiniBand transport")),
+        ("PYDATACOPY_CHECK_RMA", lambda t: parse_switch(
+            t, "PYDATACOPY_CHECK_RMA", "verify every local address handed to an NVSHMEM RMA call")),
+        ("PYDATACOPY_AUTO_REGISTER", lambda t: parse_switch(
+            t, "PYDATACOPY_AUTO_REGISTER", "register local buffers with NVSHMEM on first use")),
     ]
     problems = []
     for name, check in checks:
@@ -460,3 +464,11 @@ def check_nvshmem_environment(call: str, environ: Mapping[str, str] = os.environ
 def check_environment(call: str, environ: Mapping[str, str] = os.environ) -> None:
     """check_nvshmem_environment, and pydatacopy's own PYDATACOPY_* settings."""
     _raise(call, nvshmem_problems(environ) + pydatacopy_problems(environ))
+
+
+def rma_options(environ: Mapping[str, str] = os.environ) -> tuple[bool, bool]:
+    """(check, auto_register) from PYDATACOPY_CHECK_RMA (default 0) and PYDATACOPY_AUTO_REGISTER
+    (default 1); check_environment has validated them."""
+    check = environ.get("PYDATACOPY_CHECK_RMA", "") == "1"
+    auto_register = environ.get("PYDATACOPY_AUTO_REGISTER", "1") != "0"
+    return check, auto_register

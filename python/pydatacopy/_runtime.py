@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from typing import Sequence, Union
 
 import torch
@@ -178,6 +179,7 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
     torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
     _network.check_transport_preconditions(world_size, call=call)
+    _C.set_rma_options(*_env.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
     return pe
@@ -250,7 +252,12 @@ def finalize() -> None:
 
     Every collective step first meets the peers in a barrier bounded by PYDATACOPY_TIMEOUT_S:
     when one does not come, the rest is released locally only and TimeoutError is raised; the
-    process should then exit. NVSHMEM cannot be started again in this process afterwards."""
+    process should then exit.
+
+    NVSHMEM is one per process. finalize() ends it only when pydatacopy started it and torch's
+    symmetric memory is not set to the NVSHMEM backend (torch may still use it: its tensors stay
+    valid and NVSHMEM ends with the process). Once ended, NVSHMEM cannot start again in this
+    process."""
     timed_out = None
     if _C.is_initialized():
         _transfer.refuse_capture("finalize")
@@ -260,9 +267,21 @@ def finalize() -> None:
         except _C.TimeoutError as error:  # a peer did not come to the collective frees
             timed_out = error
             _transfer.free_all_symmetric()  # now local only: nothing waits on the peer
-    _C.finalize()  # after a timeout it skips NVSHMEM's collective teardown
+    _C.finalize(not _torch_uses_nvshmem())  # after a timeout it skips NVSHMEM's collective teardown
     if timed_out is not None:
         raise timed_out
+
+
+def _torch_uses_nvshmem() -> bool:
+    """True when torch's symmetric memory is set to NVSHMEM in this process (it then shares our
+    NVSHMEM, started by whichever library came first)."""
+    symm_mem = sys.modules.get("torch.distributed._symmetric_memory")
+    if symm_mem is None or not torch.cuda.is_available():
+        return False
+    try:
+        return symm_mem.get_backend(torch.device("cuda", torch.cuda.current_device())) == "NVSHMEM"
+    except Exception:  # an older torch without get_backend: keep NVSHMEM, the safe side
+        return True
 
 
 def is_initialized() -> bool:

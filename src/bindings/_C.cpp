@@ -8,6 +8,7 @@
 
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/send_recv.hpp"
 #include "pydatacopy/symmetric.hpp"
@@ -56,7 +57,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("world_size"), py::arg("device") = -1,
         py::arg("timeout_seconds"), release_gil(),
         "Join the NVSHMEM job named by root_unique_id (collective). Returns this PE.");
-  m.def("finalize", &finalize, release_gil(), "Collective NVSHMEM finalize; harmless twice.");
+  m.def("finalize", &finalize, py::arg("end_nvshmem") = true, release_gil(),
+        "Collective finalize; harmless twice. end_nvshmem=False leaves NVSHMEM running for "
+        "another user in the process.");
   m.def("is_initialized", &is_initialized);
   m.def("my_pe", &my_pe);
   m.def("n_pes", &n_pes);
@@ -90,6 +93,31 @@ PYBIND11_MODULE(_C, m) {
         [](std::uintptr_t ptr, int pe) { return as_address(peer_pointer(as_pointer<void>(ptr), pe)); },
         py::arg("ptr"), py::arg("pe"));
   m.def("rma_forced", &rma_forced);
+
+  // Registered memory for NVSHMEM's remote transports.
+  m.def("set_rma_options", &set_rma_options, py::arg("check"), py::arg("auto_register"));
+  m.def("rma_check_enabled", &rma_check_enabled);
+  m.def("auto_register_enabled", &auto_register_enabled);
+  m.def("register_memory",
+        [](std::uintptr_t ptr, std::size_t bytes) { register_memory(as_pointer<void>(ptr), bytes); },
+        py::arg("ptr"), py::arg("bytes"), release_gil());
+  m.def("unregister_memory", [](std::uintptr_t ptr) { unregister_memory(as_pointer<void>(ptr)); },
+        py::arg("ptr"), release_gil());
+  m.def("is_rma_ready",
+        [](std::uintptr_t ptr, std::size_t bytes) { return is_rma_ready(as_pointer<void>(ptr), bytes); },
+        py::arg("ptr"), py::arg("bytes"));
+  m.def("_verify_rma_local",
+        [](std::uintptr_t ptr, std::size_t bytes) { verify_rma_local(as_pointer<void>(ptr), bytes, "test"); },
+        py::arg("ptr"), py::arg("bytes"), "The checking mode's verification, whatever the mode (tests).");
+  m.def("registration_stats", [] {
+    const RegistrationStats s = registration_stats();
+    py::dict d;
+    d["registrations"] = s.registrations;
+    d["stale_dropped"] = s.stale_dropped;
+    d["live_entries"] = s.live_entries;
+    d["registered_bytes"] = s.registered_bytes;
+    return d;
+  });
 
   // The note's DoubleBufferManager, with the stream and timeout made explicit.
   py::class_<DoubleBufferManager>(m, "DoubleBufferManager")

@@ -14,6 +14,7 @@
 #include "device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 
 namespace pydatacopy {
@@ -69,12 +70,12 @@ void check_init_args(const std::vector<uint8_t>& id, int rank, int world_size, i
                              << " device(s); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
 }
 
-// Starts NVSHMEM (when `start`) and allocates the barrier's signals: both wait on every other
+// Starts NVSHMEM, or joins the one already running, and allocates the barrier's signals: both wait on every other
 // rank, and NVSHMEM's bootstrap has no deadline of its own. So the work runs on a helper thread
 // and this one waits at most `timeout_seconds`. On a timeout the helper is left behind (it cannot
 // be cancelled inside NVSHMEM), `abandoned` is set and TimeoutError raised.
 uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int rank,
-                                int world_size, int device, bool start, double timeout_seconds,
+                                int world_size, int device, double timeout_seconds,
                                 bool& abandoned) {
   struct Task {
     std::mutex mutex;
@@ -86,12 +87,16 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
   auto task = std::make_shared<Task>();
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, root_unique_id.data(), kUniqueIdBytes);
-  std::thread helper([task, id, rank, world_size, device, start]() mutable {
+  std::thread helper([task, id, rank, world_size, device]() mutable {
     std::string error;
     uint64_t* signals = nullptr;
     try {
       PDC_CHECK_CUDA(cudaSetDevice(device));
-      if (start) {
+      {
+        // Also when someone else (torch's symmetric memory) started NVSHMEM: the call then joins
+        // the running NVSHMEM without a new bootstrap and, what matters, hands this module's own
+        // device-side NVSHMEM state to the host library. Skipped, our kernels would run on a
+        // zeroed state (cudaErrorIllegalAddress at the first barrier, seen on the GPU machine).
         nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
         PDC_CHECK_NVSHMEM(nvshmemx_set_attr_uniqueid_args(rank, world_size, &id, &attr));
         // nvshmemx_init_attr() is an inline wrapper that exit()s on failure; call what it wraps
@@ -232,7 +237,7 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
                     << nvshmem_n_pes() << ", which does not match rank " << rank << " of "
                     << world_size);
   }
-  uint64_t* barrier_signals = start_nvshmem_bounded(root_unique_id, rank, world_size, device, owns,
+  uint64_t* barrier_signals = start_nvshmem_bounded(root_unique_id, rank, world_size, device,
                                                    timeout_seconds, s.init_abandoned);
   if (s.status_host == nullptr) {
     void* host = nullptr;
@@ -300,7 +305,7 @@ std::vector<uint64_t> barrier_all_blocking(const char* what, double timeout_seco
   return votes_seen;
 }
 
-void finalize() {
+void finalize(bool end_nvshmem) {
   RuntimeState& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (!s.initialized) return;
@@ -316,6 +321,7 @@ void finalize() {
       error = e.what();
     }
   }
+  unregister_all_memory();  // local: NVSHMEM is still up
   s.initialized = false;
   // After a peer timed out, NVSHMEM's collective teardown would wait on the dead peer forever:
   // leave NVSHMEM as it is and let process exit reclaim it.
@@ -323,7 +329,7 @@ void finalize() {
   s.barrier_signals = nullptr;
   if (s.barrier_epochs != nullptr) cudaFree(s.barrier_epochs);  // local; an error here changes nothing
   s.barrier_epochs = nullptr;
-  if (s.owns_nvshmem && peers_here) {
+  if (s.owns_nvshmem && end_nvshmem && peers_here) {
     nvshmem_finalize();
     s.nvshmem_finalized = true;
   }

@@ -8,6 +8,7 @@
 #include "device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/symmetric.hpp"
 
@@ -199,7 +200,10 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   for (const Operation& op : ops) {
     if (op.bytes == 0) continue;
     launch.is_send[launch.count] = op.send;
-    launch.ops[launch.count++] = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
+    kernels::ChunkStreamArgs& a = launch.ops[launch.count++];
+    a = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
+    // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
+    if (op.send && a.peer_staging == nullptr) prepare_rma_local(op.buffer, op.bytes, stream, "send");
   }
   // Several ops of the batch on one channel (direction and peer) follow each other in the
   // channel's sequence: each learns its offset, and all learn the channel's totals. They share

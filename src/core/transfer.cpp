@@ -8,6 +8,7 @@
 #include "device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/symmetric.hpp"
 
@@ -59,7 +60,11 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
       PDC_CHECK_CUDA(cudaMemcpyAsync(peer, src, bytes, cudaMemcpyDeviceToDevice, stream));
       break;
     case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
-    default: nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream); break;
+    default:
+      prepare_rma_local(src, bytes, stream, "put: src");
+      check_rma_local(dst, bytes, "put: dst");
+      nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream);
+      break;
   }
 }
 
@@ -74,7 +79,11 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
       PDC_CHECK_CUDA(cudaMemcpyAsync(dst, peer, bytes, cudaMemcpyDeviceToDevice, stream));
       break;
     case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
-    default: nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream); break;
+    default:
+      prepare_rma_local(dst, bytes, stream, "get: dst");
+      check_rma_local(src, bytes, "get: src");
+      nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream);
+      break;
   }
 }
 
@@ -84,6 +93,8 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
   check_timeouts();
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
+  prepare_rma_local(src, bytes, stream, "put_signal: src");
+  check_rma_local(dst, bytes, "put_signal: dst");
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
 
@@ -127,6 +138,11 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
     require_symmetric(reinterpret_cast<const void*>(descriptors[i].dst), descriptors[i].bytes,
                       "put_many: every dst");
   if (count == 0) return;
+  const bool rma = path == Path::kRMA || rma_forced() ||
+                   peer_pointer(reinterpret_cast<const void*>(descriptors[0].dst), pe) == nullptr;
+  for (int i = 0; i < count && rma; ++i)
+    prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes, stream,
+                      "put_many: every src");
   // Stream-ordered upload: cudaMemcpyAsync from pageable memory has copied the descriptors out
   // by the time it returns, so the caller's array may go at once.
   const std::size_t table_bytes = sizeof(TransferDescriptor) * static_cast<std::size_t>(count);
@@ -161,6 +177,9 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.my_pe = my_pe();
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
+  if (a.force_rma || peer_pointer(dst_pool, pe) == nullptr)
+    prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes, stream,
+                      "put_blocks: src_pool");
   kernels::launch_put_blocks(a, stream);
   // After this call's own work is enqueued (the peer counts on it): a bad index that an earlier
   // put_blocks found on the device.

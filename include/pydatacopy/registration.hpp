@@ -1,0 +1,64 @@
+// Local memory for NVSHMEM's remote transports.
+//
+// On a remote transport (InfiniBand RC or GDA, UCX, libfabric) the local side of an RMA call (the
+// source of a put, the destination of a get) must lie in the symmetric heap or in memory
+// registered with nvshmemx_buffer_register: an unregistered buffer has no memory key, and the
+// transfer fails on the NIC. Every core path that hands NVSHMEM a user buffer calls
+// prepare_rma_local() first. Registration covers a whole CUDA allocation (what the driver reports
+// for the address) and is keyed by the driver's buffer ID, so that an allocation freed and
+// another made at the same address are told apart (torch's caching allocator keeps its segments,
+// so a segment is registered once; after empty_cache() a new segment at an old address is
+// registered afresh and the stale entry dropped).
+//
+// Registration and unregistration block: NVSHMEM updates its device state with a synchronous
+// copy. They are local (no peer takes part) and cannot happen inside a CUDA graph capture.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pydatacopy {
+
+// PYDATACOPY_CHECK_RMA=1 (`check`): every address the library passes to an NVSHMEM RMA call is
+// verified, just before the call, to lie in the symmetric heap or in a live registration, and
+// Error is raised if not. PYDATACOPY_AUTO_REGISTER=0 (`auto_register` false): a buffer that is
+// neither symmetric nor registered by register_memory() raises Error instead of being registered.
+void set_rma_options(bool check, bool auto_register);
+bool rma_check_enabled();
+bool auto_register_enabled();
+
+// Registers the CUDA allocation holding [ptr, ptr + bytes) for as long as the caller wants
+// (counted: each call needs one unregister_memory). Symmetric memory needs none: a no-op.
+void register_memory(const void* ptr, std::size_t bytes);
+// Drops one register_memory() of the allocation holding ptr; unregisters it from NVSHMEM when
+// none is left. Throws when ptr was not registered by register_memory().
+void unregister_memory(const void* ptr);
+// True when [ptr, ptr + bytes) is symmetric or lies in a live registration.
+bool is_rma_ready(const void* ptr, std::size_t bytes);
+
+// Makes [ptr, ptr + bytes) usable as the local side of an NVSHMEM RMA call (see above); `what`
+// names the caller's operation and argument in errors. Throws when the memory is not device
+// memory, when it would need a new registration while `stream` is capturing a CUDA graph, or
+// when auto registration is off and nobody registered it.
+void prepare_rma_local(const void* ptr, std::size_t bytes, cudaStream_t stream, const char* what);
+
+// The checking mode's verification (a no-op unless it is on): throws naming `what` unless
+// [ptr, ptr + bytes) lies in the symmetric heap or in a live registration.
+void check_rma_local(const void* ptr, std::size_t bytes, const char* what);
+// The same verification whatever the mode (tests call it).
+void verify_rma_local(const void* ptr, std::size_t bytes, const char* what);
+
+struct RegistrationStats {
+  uint64_t registrations = 0;       // nvshmemx_buffer_register calls made
+  uint64_t stale_dropped = 0;       // entries dropped because their allocation had gone
+  std::size_t live_entries = 0;
+  std::size_t registered_bytes = 0;
+};
+RegistrationStats registration_stats();
+
+// Unregisters everything (finalize calls it while NVSHMEM is still up).
+void unregister_all_memory();
+
+}  // namespace pydatacopy
