@@ -12,6 +12,12 @@ export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+# Optional packages the machine lacks (libucx-cu13 for the UCX check, nixl-cu13 for the bench)
+# travel as wheels in .whl/ (see the device tool's README); the steps that need them skip without.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 NGPU=$(nvidia-smi -L | wc -l)
 declare -a SUMMARY
 
@@ -37,10 +43,14 @@ step hostile bash scripts/gpu-hostile.sh --no-build
 step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
 step doctor $PY -m pydatacopy.doctor
 step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
-# The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer.
-step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
+# The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer,
+# with every local address handed to NVSHMEM checked to be symmetric or registered.
+step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
+step stress-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-3000} --empty-cache-every 25
+step torch-order timeout 400 $PY tests/stress/torch_order_check.py
+step ucx-check timeout 200 $PY tests/stress/ucx_check.py
 step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
 step netns-check timeout 400 $PY tests/stress/netns_check.py --timeout 30
 step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
@@ -62,7 +72,9 @@ printf '%s\n' "${SUMMARY[@]}"
 grep -h " rc=" "$OUT/hostile.log" 2>/dev/null
 for log in cpu-tests gpu2-tests gpu2-tests-rma; do echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"; done
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
-grep -h "^stress:\|MISMATCH" "$OUT/stress.log" | tail -n 3
+grep -h "^stress:\|MISMATCH" "$OUT/stress.log" "$OUT/stress-rma.log" | tail -n 4
+grep -h "^torch-order-check" "$OUT/torch-order.log"
+grep -h "^ucx-check" "$OUT/ucx-check.log"
 grep -h "^kill-check" "$OUT/kill-check.log"
 grep -h "^netns-check" "$OUT/netns-check.log"
 cat "$OUT/doctor.log"

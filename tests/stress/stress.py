@@ -35,6 +35,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10000)
     parser.add_argument("--max-bytes", type=int, default=256 << 20)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--empty-cache-every", type=int, default=0,
+                        help="return torch's cached memory to the driver every N rounds (0: never)")
     args = parser.parse_args()
 
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -52,8 +54,17 @@ def main() -> int:
     moved = 0
     counts = {kind: 0 for kind in KINDS}
     start = time.time()
+    # PYDATACOPY_FORCE_RMA=1: no peer is directly reachable, so the direct-only paths are out.
+    forced = pydatacopy._C.rma_forced()
+    kinds = [k for k in KINDS if not (forced and k in ("put_ce", "put_sm"))]
+    get_paths = ["auto", "rma"] if forced else ["auto", "sm", "rma"]
     for round_ in range(args.rounds):
-        kind = rng.choice(KINDS)
+        if args.empty_cache_every and round_ % args.empty_cache_every == 0:
+            # Segments go back to the driver and come again, often at the same addresses: the
+            # registrations of the RMA path must follow (stale ones dropped, new ones made).
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        kind = rng.choice(kinds)
         dtype = rng.choice(DTYPES)
         element = torch.empty((), dtype=dtype).element_size()
         nbytes = max(element, int(math.exp(rng.uniform(0, math.log(args.max_bytes)))) // element * element)
@@ -70,7 +81,7 @@ def main() -> int:
             heap[offset:offset + nbytes].copy_(outgoing)
             pydatacopy.barrier()
             received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-            pydatacopy.get(received.view(dtype), window, peer, path=rng.choice(["auto", "sm", "rma"]))
+            pydatacopy.get(received.view(dtype), window, peer, path=rng.choice(get_paths))
         elif kind == "put_signal":
             pydatacopy.put_signal(window, outgoing.view(dtype), peer, signal, round_ + 1)
             pydatacopy.signal_wait(signal, round_ + 1, timeout=30)
@@ -110,7 +121,8 @@ def main() -> int:
     elapsed = time.time() - start
     if pe == 0:
         print(f"stress: {args.rounds} rounds verified byte-exact on both PEs in {elapsed:.0f} s, "
-              f"{moved / 2**30:.1f} GiB received per PE; rounds per path: {counts}")
+              f"{moved / 2**30:.1f} GiB received per PE; rounds per path: {counts}; "
+              f"registrations: {pydatacopy._C.registration_stats()}")
     dbm.cleanup()
     pydatacopy.finalize()
     dist.destroy_process_group()
