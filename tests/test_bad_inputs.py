@@ -40,10 +40,6 @@ def _env_call(settings: dict[str, str], call):
     return run
 
 
-def _without_infiniband(call):
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(_network, "infiniband_devices", lambda: [])
-        call()
 
 
 # ---- calls in fresh processes ----------------------------------------------------------------
@@ -364,11 +360,11 @@ BAD_INPUTS = [
     ("NVSHMEM_BOOTSTRAP_UID_SESSION_ID port 0", _uid_with(NVSHMEM_BOOTSTRAP_UID_SESSION_ID="127.0.0.1:0"),
      "port 1-65535); or unset it"),
     # transports
-    ("NVSHMEM_DISABLE_P2P=1 with no remote transport", lambda: _without_infiniband(
-        lambda: _network.check_transport_preconditions(2, {"NVSHMEM_DISABLE_P2P": "1"})),
+    ("NVSHMEM_DISABLE_P2P=1 with no remote transport", lambda: _network.check_transport_preconditions(
+        2, {"NVSHMEM_DISABLE_P2P": "1"}, sysfs_root="/nonexistent"),
      "pydatacopy.init: NVSHMEM_DISABLE_P2P=1 leaves NVSHMEM no way to reach the other PEs"),
-    ("NVSHMEM_DISABLE_P2P=true (NVSHMEM reads it as on)", lambda: _without_infiniband(
-        lambda: _network.check_transport_preconditions(2, {"NVSHMEM_DISABLE_P2P": "true"})),
+    ("NVSHMEM_DISABLE_P2P=true (NVSHMEM reads it as on)", lambda: _network.check_transport_preconditions(
+        2, {"NVSHMEM_DISABLE_P2P": "true"}, sysfs_root="/nonexistent"),
      "Unset NVSHMEM_DISABLE_P2P; to exercise the path a remote peer takes on one machine, set PYDATACOPY_FORCE_RMA=1"),
     # every public call before init names itself
     *[(f"{name} before init", _call_public(name), f"pydatacopy.{name} {NEEDS_INIT}") for name in NEEDS_INIT_ARGS],

@@ -26,7 +26,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 WATCHED = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
            "NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_DISABLE_P2P", "NVSHMEM_REMOTE_TRANSPORT",
            "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "NVSHMEM_BOOTSTRAP_UID_SOCK_FAMILY", "NVSHMEM_HCA_LIST",
-           "NVSHMEM_IB_ENABLE_IBGDA", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "PYDATACOPY_TIMEOUT_S",
+           "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_DISABLE_GDRCOPY", "LOCAL_WORLD_SIZE", "NCCL_SOCKET_IFNAME",
+           "NCCL_IB_HCA", "PYDATACOPY_TIMEOUT_S",
            "PYDATACOPY_INIT_TIMEOUT_S", "PYDATACOPY_FORCE_RMA", "PYDATACOPY_CHUNK_BYTES",
            "PYDATACOPY_NUM_CHUNKS", "PYDATACOPY_SEND_BLOCKS", "PYDATACOPY_IBGDA"]
 
@@ -192,9 +193,9 @@ def run(argv: list[str] | None = None) -> int:
             r.line("WARN", f"nvidia-smi topo -m failed: {error}")
 
     r.section("network")
-    ib = _network.infiniband_devices()
-    r.line("OK" if ib else "INFO", f"InfiniBand/RoCE devices: {', '.join(ib)}" if ib else
-           "no InfiniBand/RoCE device: PEs on other nodes cannot be reached through NVSHMEM from here")
+    for verdict, text in _network.remote_transport_report():
+        r.line(verdict, text)
+    ib = sorted({p.device for p in _network.rdma_ports() if p.active})
     mapped = {n: os.environ[c] for c, n in _network.NCCL_TO_NVSHMEM.items()
               if c in os.environ and n not in os.environ}
     for name, value in mapped.items():
@@ -224,7 +225,7 @@ def run(argv: list[str] | None = None) -> int:
                          f"the others are reached over InfiniBand/RoCE ({', '.join(ib)})")
         else:
             r.line("WARN", f"transport: {args.world_size} PEs is more than this node's {count} "
-                           "GPUs, and there is no InfiniBand/RoCE device to reach other nodes")
+                           "GPUs, and no InfiniBand/RoCE port here is ACTIVE to reach other nodes")
     except pydatacopy.Error as error:
         r.line("FAIL", str(error))
 
