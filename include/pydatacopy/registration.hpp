@@ -10,11 +10,9 @@
 // so a segment is registered once; after empty_cache() a new segment at an old address is
 // registered afresh and the stale entry dropped).
 //
-// Registration and unregistration block: NVSHMEM updates its device state with a synchronous
-// copy. They are local (no peer takes part) and cannot happen inside a CUDA graph capture.
+// Registration and unregistration block (NVSHMEM updates its device state) and are local: no
+// peer takes part.
 #pragma once
-
-#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -39,10 +37,10 @@ void unregister_memory(const void* ptr);
 bool is_rma_ready(const void* ptr, std::size_t bytes);
 
 // Makes [ptr, ptr + bytes) usable as the local side of an NVSHMEM RMA call (see above); `what`
-// names the caller's operation and argument in errors. Throws when the memory is not device
-// memory, when it would need a new registration while `stream` is capturing a CUDA graph, or
-// when auto registration is off and nobody registered it.
-void prepare_rma_local(const void* ptr, std::size_t bytes, cudaStream_t stream, const char* what);
+// names the caller's operation and argument in errors. Throws when the memory is not CUDA
+// memory, or when auto registration is off and nobody registered it. Inside a CUDA graph capture
+// it registers too (the buffer keeps its address for every replay).
+void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what);
 
 // The checking mode's verification (a no-op unless it is on): throws naming `what` unless
 // [ptr, ptr + bytes) lies in the symmetric heap or in a live registration.

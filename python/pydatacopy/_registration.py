@@ -3,9 +3,10 @@
 Across servers, NVSHMEM's transports (InfiniBand, UCX, libfabric) need the local side of every
 put and get, the source of a send, and put_blocks' and put_many's sources to be symmetric or
 registered. pydatacopy registers a tensor's whole CUDA allocation the first time it is used on
-that path (PYDATACOPY_AUTO_REGISTER=1, the default); that first use blocks like a cudaMalloc.
-register() does it up front for long-lived buffers (KV pools, weights) and is required when
-PYDATACOPY_AUTO_REGISTER=0 or inside a CUDA graph capture.
+that path (PYDATACOPY_AUTO_REGISTER=1, the default); that first use blocks like a cudaMalloc
+(inside a CUDA graph capture it happens at capture time; the buffer keeps its address for every
+replay). register() does it up front for long-lived buffers (KV pools, weights), and is required
+when PYDATACOPY_AUTO_REGISTER=0.
 """
 
 from __future__ import annotations

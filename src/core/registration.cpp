@@ -105,18 +105,19 @@ void drop_stale(Registry& r, const Allocation& a) {
 }
 
 // Caller holds the mutex. Returns the live entry for `a`, registering it when `may_register`.
-Entry* find_or_register(Registry& r, const Allocation& a, bool may_register, cudaStream_t stream,
-                        const char* what) {
+Entry* find_or_register(Registry& r, const Allocation& a, bool may_register, const char* what) {
   drop_stale(r, a);
   auto it = r.entries.find(a.base);
   if (it != r.entries.end()) return &it->second;
   if (!may_register) return nullptr;
-  PDC_REQUIRE(capture_id(stream) == 0,
-              what << ": this buffer is not yet registered with NVSHMEM, and registering cannot "
-                      "happen while the stream is capturing a CUDA graph: call "
-                      "pydatacopy.register(tensor) before the capture, or run the operation once "
-                      "eagerly first");
+  // A buffer first used inside a CUDA graph capture (a tensor of the graph's own memory pool, say)
+  // is registered at capture time: its address stays the same for every replay. NVSHMEM's
+  // registration makes CUDA calls that a global-mode capture forbids on this thread, so this
+  // thread runs it in relaxed mode.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
   const int status = nvshmemx_buffer_register(reinterpret_cast<void*>(a.base), a.bytes);
+  PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
   PDC_REQUIRE(status == 0, what << ": nvshmemx_buffer_register of the " << a.bytes
                                 << "-byte CUDA allocation at " << reinterpret_cast<void*>(a.base)
                                 << " failed with NVSHMEM status " << status
@@ -155,7 +156,7 @@ void register_memory(const void* ptr, std::size_t bytes) {
   const Allocation a = require_cuda_memory(ptr, bytes, "register");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  ++find_or_register(r, a, true, nullptr, "register")->explicit_refs;
+  ++find_or_register(r, a, true, "register")->explicit_refs;
 }
 
 void unregister_memory(const void* ptr) {
@@ -187,12 +188,12 @@ bool is_rma_ready(const void* ptr, std::size_t bytes) {
   return it != r.entries.end() && it->second.bytes == a.bytes && it->second.buffer_id == a.buffer_id;
 }
 
-void prepare_rma_local(const void* ptr, std::size_t bytes, cudaStream_t stream, const char* what) {
+void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what) {
   if (bytes == 0 || in_symmetric_heap(ptr, bytes)) return;
   const Allocation a = require_cuda_memory(ptr, bytes, what);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  PDC_REQUIRE(find_or_register(r, a, g_auto_register, stream, what) != nullptr,
+  PDC_REQUIRE(find_or_register(r, a, g_auto_register, what) != nullptr,
               what << ": " << bytes << " bytes at " << ptr << " are neither symmetric nor "
                    "registered, and PYDATACOPY_AUTO_REGISTER=0: NVSHMEM's remote transports "
                    "need the local side of an RMA registered. Call pydatacopy.register(tensor) "

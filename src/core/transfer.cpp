@@ -61,7 +61,7 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
       break;
     case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
     default:
-      prepare_rma_local(src, bytes, stream, "put: src");
+      prepare_rma_local(src, bytes, "put: src");
       check_rma_local(dst, bytes, "put: dst");
       nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream);
       break;
@@ -80,7 +80,7 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
       break;
     case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
     default:
-      prepare_rma_local(dst, bytes, stream, "get: dst");
+      prepare_rma_local(dst, bytes, "get: dst");
       check_rma_local(src, bytes, "get: src");
       nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream);
       break;
@@ -93,8 +93,10 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
   check_timeouts();
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
-  prepare_rma_local(src, bytes, stream, "put_signal: src");
-  check_rma_local(dst, bytes, "put_signal: dst");
+  if (rma_forced() || peer_pointer(dst, pe) == nullptr) {  // a reachable peer: NVSHMEM stores directly
+    prepare_rma_local(src, bytes, "put_signal: src");
+    check_rma_local(dst, bytes, "put_signal: dst");
+  }
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
 
@@ -141,7 +143,7 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
   const bool rma = path == Path::kRMA || rma_forced() ||
                    peer_pointer(reinterpret_cast<const void*>(descriptors[0].dst), pe) == nullptr;
   for (int i = 0; i < count && rma; ++i)
-    prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes, stream,
+    prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes,
                       "put_many: every src");
   // Stream-ordered upload: cudaMemcpyAsync from pageable memory has copied the descriptors out
   // by the time it returns, so the caller's array may go at once.
@@ -178,7 +180,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
   if (a.force_rma || peer_pointer(dst_pool, pe) == nullptr)
-    prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes, stream,
+    prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes,
                       "put_blocks: src_pool");
   kernels::launch_put_blocks(a, stream);
   // After this call's own work is enqueued (the peer counts on it): a bad index that an earlier

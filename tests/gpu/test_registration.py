@@ -152,31 +152,28 @@ def test_sendrecv_from_registered_and_fresh_buffers(world, force_rma):
             assert int((out != _bytes(peer, tag, nbytes)).sum()) == 0
 
 
-def test_capture_refuses_a_new_registration(world, force_rma):
+def test_capture_registers_a_new_buffer(world, force_rma):
+    """A source first used inside a capture (as a tensor of the graph's own pool would be) is
+    registered at capture time; every replay then moves fresh data byte-exact."""
     rank = world[0]
-    nbytes = 1 << 20
+    nbytes = (1 << 20) + 3
     src = _fresh(nbytes)
     dst = pydatacopy.empty(nbytes, dtype=torch.uint8)
+    assert not pydatacopy.is_registered(src)
     stream = torch.cuda.Stream()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        with pytest.raises(pydatacopy.Error, match="registering cannot happen while the stream is capturing"):
-            with torch.cuda.graph(graph, stream=stream):
-                pydatacopy.put(dst, src, pe=1 - rank, path="rma")
-    pydatacopy.register(src)
-    src.copy_(_bytes(rank, 7, nbytes))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        pydatacopy.put(dst, src, pe=1 - rank, path="rma")
-    for replay in range(3):
-        src.copy_(_bytes(rank, 8 + replay, nbytes))
-        dst.zero_()
-        torch.cuda.synchronize()
-        pydatacopy.barrier(blocking=True)
-        graph.replay()
-        pydatacopy.barrier()
-        torch.cuda.synchronize()
-        assert int((dst != _bytes(1 - rank, 8 + replay, nbytes)).sum()) == 0
-        dist.barrier()
-    pydatacopy.unregister(src)
+    with _rma_options(check=True, auto_register=True):
+        with torch.cuda.graph(graph, stream=stream):
+            pydatacopy.put(dst, src, pe=1 - rank, path="rma")
+        assert pydatacopy.is_registered(src)
+        for replay in range(3):
+            src.copy_(_bytes(rank, 8 + replay, nbytes))
+            dst.zero_()
+            torch.cuda.synchronize()
+            pydatacopy.barrier(blocking=True)
+            graph.replay()
+            pydatacopy.barrier()
+            torch.cuda.synchronize()
+            assert int((dst != _bytes(1 - rank, 8 + replay, nbytes)).sum()) == 0
+            dist.barrier()
     pydatacopy.free(dst)
