@@ -49,6 +49,8 @@ step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 42
 step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
 step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
 step stress-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-3000} --empty-cache-every 25
+# torch's cudaMallocAsync allocator: every tensor its own allocation, addresses reused at once.
+step stress-rma-async env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 300 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-1000} --empty-cache-every 25
 step torch-order timeout 400 $PY tests/stress/torch_order_check.py
 step ucx-check timeout 200 $PY tests/stress/ucx_check.py
 step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
@@ -72,7 +74,7 @@ printf '%s\n' "${SUMMARY[@]}"
 grep -h " rc=" "$OUT/hostile.log" 2>/dev/null
 for log in cpu-tests gpu2-tests gpu2-tests-rma; do echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"; done
 grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
-grep -h "^stress:\|MISMATCH" "$OUT/stress.log" "$OUT/stress-rma.log" | tail -n 4
+grep -h "^stress:\|MISMATCH\|Error" "$OUT/stress.log" "$OUT/stress-rma.log" "$OUT/stress-rma-async.log" | tail -n 6
 grep -h "^torch-order-check" "$OUT/torch-order.log"
 grep -h "^ucx-check" "$OUT/ucx-check.log"
 grep -h "^kill-check" "$OUT/kill-check.log"

@@ -8,7 +8,9 @@
 // for the address) and is keyed by the driver's buffer ID, so that an allocation freed and
 // another made at the same address are told apart (torch's caching allocator keeps its segments,
 // so a segment is registered once; after empty_cache() a new segment at an old address is
-// registered afresh and the stale entry dropped).
+// registered afresh, after the device has finished the work queued on the old one). Memory
+// mapped through CUDA's virtual memory API (torch's expandable segments) cannot be registered
+// this way and is refused with an Error.
 //
 // Registration and unregistration block (NVSHMEM updates its device state) and are local: no
 // peer takes part.
@@ -19,8 +21,8 @@
 
 namespace pydatacopy {
 
-// PYDATACOPY_CHECK_RMA=1 (`check`): every address the library passes to an NVSHMEM RMA call is
-// verified, just before the call, to lie in the symmetric heap or in a live registration, and
+// PYDATACOPY_CHECK_RMA=1 (`check`): every local address the library passes to an NVSHMEM RMA call
+// is verified, just before the call, to lie in the symmetric heap or in a live registration, and
 // Error is raised if not. PYDATACOPY_AUTO_REGISTER=0 (`auto_register` false): a buffer that is
 // neither symmetric nor registered by register_memory() raises Error instead of being registered.
 void set_rma_options(bool check, bool auto_register);
@@ -31,21 +33,22 @@ bool auto_register_enabled();
 // (counted: each call needs one unregister_memory). Symmetric memory needs none: a no-op.
 void register_memory(const void* ptr, std::size_t bytes);
 // Drops one register_memory() of the allocation holding ptr; unregisters it from NVSHMEM when
-// none is left. Throws when ptr was not registered by register_memory().
+// none is left, unless a transfer relied on it (a captured graph may replay that transfer: it
+// then stays cached until its memory is freed or finalize). Memory freed since registering is
+// released. Throws when ptr's allocation was not registered by register_memory().
 void unregister_memory(const void* ptr);
 // True when [ptr, ptr + bytes) is symmetric or lies in a live registration.
 bool is_rma_ready(const void* ptr, std::size_t bytes);
 
 // Makes [ptr, ptr + bytes) usable as the local side of an NVSHMEM RMA call (see above); `what`
 // names the caller's operation and argument in errors. Throws when the memory is not CUDA
-// memory, or when auto registration is off and nobody registered it. Inside a CUDA graph capture
-// it registers too (the buffer keeps its address for every replay).
+// memory or is mapped through the virtual memory API, or when auto registration is off and
+// nobody registered it. Inside a CUDA graph capture it registers too (the buffer keeps its
+// address for every replay). In checking mode it then verifies the result (verify_rma_local).
 void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what);
 
-// The checking mode's verification (a no-op unless it is on): throws naming `what` unless
-// [ptr, ptr + bytes) lies in the symmetric heap or in a live registration.
-void check_rma_local(const void* ptr, std::size_t bytes, const char* what);
-// The same verification whatever the mode (tests call it).
+// The checking mode's verification: throws naming `what` unless [ptr, ptr + bytes) lies in the
+// symmetric heap or in a live registration (range and buffer ID queried afresh).
 void verify_rma_local(const void* ptr, std::size_t bytes, const char* what);
 
 struct RegistrationStats {

@@ -10,7 +10,6 @@
 #include "kernels/api.cuh"
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"
-#include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/symmetric.hpp"
 
@@ -171,13 +170,8 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   args.credits = credits(set);
   args.peer_recv = static_cast<uint8_t*>(peer_pointer(args.recv, dst_pe));
   args.peer_signals = static_cast<uint64_t*>(peer_pointer(args.signals, dst_pe));
-  if (args.peer_recv == nullptr || args.peer_signals == nullptr) {
+  if (args.peer_recv == nullptr || args.peer_signals == nullptr)  // both sides symmetric: no registration
     args.peer_recv = nullptr, args.peer_signals = nullptr;
-    // Both sides of the exchange's RMA are symmetric by construction; the checking mode says so.
-    const std::size_t set_bytes = static_cast<std::size_t>(n_tokens_ * token_size_);
-    check_rma_local(args.send, set_bytes, "DoubleBufferManager.exchange: send buffer");
-    check_rma_local(args.recv, set_bytes, "DoubleBufferManager.exchange: receive buffer");
-  }
   args.n_tokens = n_tokens_;
   args.token_bytes = token_size_;
   args.uses = uses_ + set;

@@ -29,6 +29,10 @@ struct RuntimeState {
   bool owns_nvshmem = false;  // false when NVSHMEM was started by someone else in this process
   bool init_abandoned = false;  // an init timed out: its thread may still sit in NVSHMEM's bootstrap
   bool nvshmem_finalized = false;  // we ended NVSHMEM: it cannot start again in this process
+  // Our device-side NVSHMEM state is known to the running NVSHMEM. Joining one started by someone
+  // else registers it once per process: each registration adds to NVSHMEM's init count, which we
+  // do not own and so never take back.
+  bool device_state_registered = false;
   int device = -1;
   int my_pe = -1;
   int n_pes = 0;
@@ -70,12 +74,13 @@ void check_init_args(const std::vector<uint8_t>& id, int rank, int world_size, i
                              << " device(s); check LOCAL_RANK and CUDA_VISIBLE_DEVICES");
 }
 
-// Starts NVSHMEM, or joins the one already running, and allocates the barrier's signals: both wait on every other
+// Starts NVSHMEM, or joins the one already running (`init`: unless our device state is already
+// registered with it), and allocates the barrier's signals: both wait on every other
 // rank, and NVSHMEM's bootstrap has no deadline of its own. So the work runs on a helper thread
 // and this one waits at most `timeout_seconds`. On a timeout the helper is left behind (it cannot
 // be cancelled inside NVSHMEM), `abandoned` is set and TimeoutError raised.
 uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int rank,
-                                int world_size, int device, double timeout_seconds,
+                                int world_size, int device, bool init, double timeout_seconds,
                                 bool& abandoned) {
   struct Task {
     std::mutex mutex;
@@ -87,12 +92,12 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
   auto task = std::make_shared<Task>();
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, root_unique_id.data(), kUniqueIdBytes);
-  std::thread helper([task, id, rank, world_size, device]() mutable {
+  std::thread helper([task, id, rank, world_size, device, init]() mutable {
     std::string error;
     uint64_t* signals = nullptr;
     try {
       PDC_CHECK_CUDA(cudaSetDevice(device));
-      {
+      if (init) {
         // Also when someone else (torch's symmetric memory) started NVSHMEM: the call then joins
         // the running NVSHMEM without a new bootstrap and, what matters, hands this module's own
         // device-side NVSHMEM state to the host library. Skipped, our kernels would run on a
@@ -238,7 +243,9 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
                     << world_size);
   }
   uint64_t* barrier_signals = start_nvshmem_bounded(root_unique_id, rank, world_size, device,
+                                                   owns || !s.device_state_registered,
                                                    timeout_seconds, s.init_abandoned);
+  s.device_state_registered = true;
   if (s.status_host == nullptr) {
     void* host = nullptr;
     PDC_CHECK_CUDA(cudaHostAlloc(&host, sizeof(detail::DeviceStatus), cudaHostAllocMapped));
@@ -321,6 +328,7 @@ void finalize(bool end_nvshmem) {
       error = e.what();
     }
   }
+  if (peers_here) cudaDeviceSynchronize();  // queued transfers may still use a registration
   unregister_all_memory();  // local: NVSHMEM is still up
   s.initialized = false;
   // After a peer timed out, NVSHMEM's collective teardown would wait on the dead peer forever:
@@ -331,7 +339,9 @@ void finalize(bool end_nvshmem) {
   s.barrier_epochs = nullptr;
   if (s.owns_nvshmem && end_nvshmem && peers_here) {
     nvshmem_finalize();
-    s.nvshmem_finalized = true;
+    // Another user that joined it (torch) keeps it alive: NVSHMEM counts its initialisations.
+    s.nvshmem_finalized = nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED;
+    s.device_state_registered = false;  // nvshmem_finalize took our device state off its list
   }
   s.owns_nvshmem = false;
   s.unique_id.clear();

@@ -25,6 +25,13 @@ void require_symmetric(const void* ptr, std::size_t bytes, const char* what) {
                    << bytes << " bytes at " << ptr << " do not");
 }
 
+// Whether an operation on the symmetric `dst` of `pe` goes through NVSHMEM RMA (no load/store
+// path to the peer, PYDATACOPY_FORCE_RMA=1, or path="rma"): then its local side must be
+// registered.
+bool takes_rma(const void* dst, int pe, Path path) {
+  return path == Path::kRMA || peer_pointer(dst, pe) == nullptr;
+}
+
 }  // namespace
 
 const char* path_name(Path path) {
@@ -62,7 +69,6 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
     case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
     default:
       prepare_rma_local(src, bytes, "put: src");
-      check_rma_local(dst, bytes, "put: dst");
       nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream);
       break;
   }
@@ -81,7 +87,6 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
     case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
     default:
       prepare_rma_local(dst, bytes, "get: dst");
-      check_rma_local(src, bytes, "get: src");
       nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream);
       break;
   }
@@ -93,10 +98,8 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
   check_timeouts();
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
-  if (rma_forced() || peer_pointer(dst, pe) == nullptr) {  // a reachable peer: NVSHMEM stores directly
+  if (takes_rma(dst, pe, Path::kAuto))  // to a reachable peer NVSHMEM stores directly
     prepare_rma_local(src, bytes, "put_signal: src");
-    check_rma_local(dst, bytes, "put_signal: dst");
-  }
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
 
@@ -140,8 +143,7 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
     require_symmetric(reinterpret_cast<const void*>(descriptors[i].dst), descriptors[i].bytes,
                       "put_many: every dst");
   if (count == 0) return;
-  const bool rma = path == Path::kRMA || rma_forced() ||
-                   peer_pointer(reinterpret_cast<const void*>(descriptors[0].dst), pe) == nullptr;
+  const bool rma = takes_rma(reinterpret_cast<const void*>(descriptors[0].dst), pe, path);
   for (int i = 0; i < count && rma; ++i)
     prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes,
                       "put_many: every src");
@@ -179,7 +181,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.my_pe = my_pe();
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
-  if (a.force_rma || peer_pointer(dst_pool, pe) == nullptr)
+  if (takes_rma(dst_pool, pe, path))
     prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes,
                       "put_blocks: src_pool");
   kernels::launch_put_blocks(a, stream);

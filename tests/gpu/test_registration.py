@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -93,6 +95,48 @@ def test_register_is_counted(world):
     assert not pydatacopy.is_registered(x)
     with pytest.raises(pydatacopy.Error, match="was not registered with pydatacopy.register"):
         pydatacopy.unregister(x)
+
+
+def test_explicit_unregister_keeps_what_a_transfer_used(world, force_rma):
+    """A captured graph may replay a transfer from a buffer: unregister() drops only its own count."""
+    rank = world[0]
+    nbytes = 4096
+    src = _fresh(nbytes)
+    src.copy_(_bytes(rank, 12, nbytes))
+    pydatacopy.register(src)
+    _put_and_check(world, src, 12, nbytes)
+    pydatacopy.unregister(src)
+    assert pydatacopy.is_registered(src)
+
+
+EXPANDABLE = r"""
+import torch, pydatacopy
+torch.cuda.set_device(0)
+pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), 0, 1)
+dst = pydatacopy.empty(4096, dtype=torch.uint8)
+src = torch.ones(4096, dtype=torch.uint8, device="cuda")
+try:
+    pydatacopy.put(dst, src, pe=0, path="rma")
+except pydatacopy.Error as error:
+    print("REFUSED", error)
+else:
+    print("ACCEPTED")
+pydatacopy.finalize()
+"""
+
+
+def test_expandable_segments_are_refused_on_the_remote_path(world):
+    """torch's expandable segments map memory through CUDA's VMM API: the driver reports the
+    whole reservation as one range, so it cannot be registered as an allocation (one process
+    of its own: the allocator setting is per process)."""
+    if world[0] != 0:
+        return
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True", CUDA_VISIBLE_DEVICES="0")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", EXPANDABLE], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "REFUSED" in out.stdout and "expandable_segments" in out.stdout, out.stdout + out.stderr
 
 
 def test_auto_register_off_refuses_then_register_works(world, force_rma):
