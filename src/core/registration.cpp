@@ -24,6 +24,7 @@ struct Allocation {
   std::size_t bytes = 0;
   unsigned long long buffer_id = 0;  // unique per allocation over the process's lifetime
   unsigned int memory_type = 0;      // CU_MEMORYTYPE_*; 0: not CUDA memory
+  const void* queried = nullptr;     // the address asked about
 };
 
 struct Entry {
@@ -71,6 +72,7 @@ Allocation query_allocation(const void* ptr) {
   PDC_REQUIRE(status == CUDA_SUCCESS, "cuPointerGetAttributes failed with CUDA driver status "
                                           << static_cast<int>(status) << " for " << ptr);
   a.base = reinterpret_cast<std::uintptr_t>(start);
+  a.queried = ptr;
   return a;
 }
 
@@ -127,8 +129,9 @@ int nvshmem_unregister(std::uintptr_t base) {
 // overlapping `a` without being it (live allocations never overlap), or with `a` null every
 // entry whose base no longer starts the same allocation. Work already queued may still use an
 // old registration (NVSHMEM's proxy looks the handle up when it processes a request), so the
-// device is synchronised first: the first use of a reused address blocks, like a cudaMalloc.
-void drop_stale(Registry& r, const Allocation* a) {
+// device is synchronised first (the first use of a reused address blocks, like a cudaMalloc),
+// except while `stream` is capturing a CUDA graph, where no synchronisation is allowed.
+void drop_stale(Registry& r, const Allocation* a, cudaStream_t stream) {
   std::vector<std::uintptr_t> stale;
   for (auto it = r.entries.begin(); it != r.entries.end(); ++it) {
     if (a != nullptr) {
@@ -139,10 +142,7 @@ void drop_stale(Registry& r, const Allocation* a) {
     }
   }
   if (stale.empty()) return;
-  {
-    RelaxedCaptureMode relaxed;
-    PDC_CHECK_CUDA(cudaDeviceSynchronize());
-  }
+  if (capture_id(stream) == 0) PDC_CHECK_CUDA(cudaDeviceSynchronize());
   for (std::uintptr_t base : stale) {
     nvshmem_unregister(base);  // the memory is gone: a failure leaves nothing the caller can do
     r.entries.erase(base);
@@ -151,11 +151,18 @@ void drop_stale(Registry& r, const Allocation* a) {
 }
 
 // Caller holds the mutex. Returns the live entry for `a`, registering it when `may_register`.
-Entry* find_or_register(Registry& r, const Allocation& a, bool may_register, const char* what) {
-  drop_stale(r, &a);
+Entry* find_or_register(Registry& r, const Allocation& a, bool may_register, cudaStream_t stream,
+                        const char* what) {
+  drop_stale(r, &a, stream);
   auto it = r.entries.find(a.base);
   if (it != r.entries.end()) return &it->second;
   if (!may_register) return nullptr;
+  PDC_REQUIRE(!mapped_through_vmm(a.queried),
+              what << ": this buffer's memory is mapped through CUDA's virtual memory API "
+                      "(torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a custom "
+                      "pool), which pydatacopy cannot register for NVSHMEM's remote transports: "
+                      "send from a symmetric tensor (pydatacopy.empty), or turn "
+                      "expandable_segments off");
   int status = 0;
   {
     RelaxedCaptureMode relaxed;
@@ -180,12 +187,6 @@ Allocation require_cuda_memory(const void* ptr, std::size_t bytes, const char* w
   PDC_REQUIRE(a.memory_type == CU_MEMORYTYPE_DEVICE || a.memory_type == CU_MEMORYTYPE_HOST,
               what << ": " << ptr << " is not CUDA memory (pageable host memory?): NVSHMEM can "
                       "only use device memory or pinned host memory");
-  PDC_REQUIRE(!mapped_through_vmm(ptr),
-              what << ": this buffer's memory is mapped through CUDA's virtual memory API "
-                      "(torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a custom "
-                      "pool), which pydatacopy cannot register for NVSHMEM's remote transports: "
-                      "send from a symmetric tensor (pydatacopy.empty), or turn "
-                      "expandable_segments off");
   PDC_REQUIRE(covers(a, ptr, bytes), what << ": " << bytes << " bytes at " << ptr
                                           << " run past the end of their CUDA allocation");
   return a;
@@ -208,8 +209,8 @@ void register_memory(const void* ptr, std::size_t bytes) {
   const Allocation a = require_cuda_memory(ptr, bytes, "register");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  drop_stale(r, nullptr);  // an explicit call is the time to let freed memory go
-  ++find_or_register(r, a, true, "register")->explicit_refs;
+  drop_stale(r, nullptr, nullptr);  // an explicit call is the time to let freed memory go
+  ++find_or_register(r, a, true, nullptr, "register")->explicit_refs;
 }
 
 void unregister_memory(const void* ptr) {
@@ -218,10 +219,10 @@ void unregister_memory(const void* ptr) {
   const Allocation a = query_allocation(ptr);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  drop_stale(r, nullptr);  // also the registration of this buffer if its memory was freed
+  drop_stale(r, nullptr, nullptr);  // also the registration of this buffer if its memory was freed
+  if (a.memory_type == 0) return;     // freed since: dropped just now
   auto it = r.entries.find(a.base);
-  if (a.memory_type == 0 || it == r.entries.end()) return;  // freed since: dropped just now
-  PDC_REQUIRE(it->second.explicit_refs > 0,
+  PDC_REQUIRE(it != r.entries.end() && it->second.explicit_refs > 0,
               "unregister: " << ptr << " was not registered with pydatacopy.register");
   // A registration a transfer relied on stays cached: a captured graph may replay that transfer.
   if (--it->second.explicit_refs > 0 || it->second.used) return;
@@ -242,13 +243,13 @@ bool is_rma_ready(const void* ptr, std::size_t bytes) {
   return it != r.entries.end() && same_allocation(it->first, it->second, a);
 }
 
-void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what) {
+void prepare_rma_local(const void* ptr, std::size_t bytes, cudaStream_t stream, const char* what) {
   if (bytes == 0 || in_symmetric_heap(ptr, bytes)) return;
   const Allocation a = require_cuda_memory(ptr, bytes, what);
   {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
-    Entry* e = find_or_register(r, a, g_auto_register, what);
+    Entry* e = find_or_register(r, a, g_auto_register, stream, what);
     PDC_REQUIRE(e != nullptr,
                 what << ": " << bytes << " bytes at " << ptr << " are neither symmetric nor "
                      "registered, and PYDATACOPY_AUTO_REGISTER=0: NVSHMEM's remote transports "
