@@ -41,8 +41,9 @@ def register(tensor: torch.Tensor) -> None:
 
 def unregister(tensor: torch.Tensor) -> None:
     """Undo one ``register(tensor)``; the allocation is unregistered from NVSHMEM when none is
-    left (a later transfer registers it again on first use unless PYDATACOPY_AUTO_REGISTER=0).
-    Call it only after the transfers that use the tensor are done (synchronise their stream)."""
+    left, unless a transfer has used it (a captured graph may replay that transfer: it then
+    stays registered until its memory is freed or ``finalize()``). Call it only after the
+    transfers that use the tensor are done (synchronise their stream)."""
     _checked(tensor, "unregister")
     if _C.is_symmetric(tensor.data_ptr(), 1):
         return
