@@ -133,13 +133,14 @@ int nvshmem_unregister(std::uintptr_t base) {
 // except while `stream` is capturing a CUDA graph, where no synchronisation is allowed.
 void drop_stale(Registry& r, const Allocation* a, cudaStream_t stream) {
   std::vector<std::uintptr_t> stale;
-  for (auto it = r.entries.begin(); it != r.entries.end(); ++it) {
-    if (a != nullptr) {
-      const bool overlaps = it->first < a->base + a->bytes && it->first + it->second.bytes > a->base;
-      if (overlaps && !same_allocation(it->first, it->second, *a)) stale.push_back(it->first);
-    } else if (!same_allocation(it->first, it->second, query_allocation(reinterpret_cast<void*>(it->first)))) {
-      stale.push_back(it->first);
-    }
+  if (a != nullptr) {  // the hot path: only the entries overlapping `a` (at most one starts before it)
+    auto it = r.entries.lower_bound(a->base);
+    if (it != r.entries.begin() && std::prev(it)->first + std::prev(it)->second.bytes > a->base) --it;
+    for (; it != r.entries.end() && it->first < a->base + a->bytes; ++it)
+      if (!same_allocation(it->first, it->second, *a)) stale.push_back(it->first);
+  } else {
+    for (const auto& [base, entry] : r.entries)
+      if (!same_allocation(base, entry, query_allocation(reinterpret_cast<void*>(base)))) stale.push_back(base);
   }
   if (stale.empty()) return;
   if (capture_id(stream) == 0) PDC_CHECK_CUDA(cudaDeviceSynchronize());

@@ -46,3 +46,15 @@ def world():
     yield rank, world_size, gathered[0]
     pydatacopy.finalize()
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def force_rma():
+    """PYDATACOPY_FORCE_RMA=1 for one test: the NVSHMEM RMA path a peer on another server takes."""
+    before = os.environ.get("PYDATACOPY_FORCE_RMA")
+    os.environ["PYDATACOPY_FORCE_RMA"] = "1"
+    yield
+    if before is None:
+        del os.environ["PYDATACOPY_FORCE_RMA"]
+    else:
+        os.environ["PYDATACOPY_FORCE_RMA"] = before

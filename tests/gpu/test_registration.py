@@ -41,17 +41,6 @@ def _rma_options(check: bool, auto_register: bool):
         _C.set_rma_options(*before)
 
 
-@pytest.fixture
-def force_rma():
-    before = os.environ.get("PYDATACOPY_FORCE_RMA")
-    os.environ["PYDATACOPY_FORCE_RMA"] = "1"
-    yield
-    if before is None:
-        del os.environ["PYDATACOPY_FORCE_RMA"]
-    else:
-        os.environ["PYDATACOPY_FORCE_RMA"] = before
-
-
 def _put_and_check(world, src: torch.Tensor, tag: int, nbytes: int) -> None:
     rank = world[0]
     dst = pydatacopy.empty(nbytes, dtype=torch.uint8)

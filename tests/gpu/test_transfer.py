@@ -3,7 +3,6 @@ batched puts, the forced RMA path, and argument errors (see conftest.py for how 
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -36,17 +35,6 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
 def peer(world):
     rank, _, _ = world
     return 1 - rank
-
-
-@pytest.fixture
-def force_rma():
-    before = os.environ.get("PYDATACOPY_FORCE_RMA")
-    os.environ["PYDATACOPY_FORCE_RMA"] = "1"
-    yield
-    if before is None:
-        del os.environ["PYDATACOPY_FORCE_RMA"]
-    else:
-        os.environ["PYDATACOPY_FORCE_RMA"] = before
 
 
 def _direct() -> bool:
