@@ -8,15 +8,13 @@
 // for the address) and is keyed by the driver's buffer ID, so that an allocation freed and
 // another made at the same address are told apart (torch's caching allocator keeps its segments,
 // so a segment is registered once; after empty_cache() a new segment at an old address is
-// registered afresh, after the device has finished the work queued on the old one). Memory
+// registered afresh). Memory
 // mapped through CUDA's virtual memory API (torch's expandable segments) cannot be registered
 // this way and is refused with an Error.
 //
 // Registration and unregistration block (NVSHMEM updates its device state) and are local: no
 // peer takes part.
 #pragma once
-
-#include <cuda_runtime.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -43,12 +41,11 @@ void unregister_memory(const void* ptr);
 bool is_rma_ready(const void* ptr, std::size_t bytes);
 
 // Makes [ptr, ptr + bytes) usable as the local side of an NVSHMEM RMA call (see above); `what`
-// names the caller's operation and argument in errors; `stream` is the one the transfer is
-// enqueued on. Throws when the memory is not CUDA
+// names the caller's operation and argument in errors. Throws when the memory is not CUDA
 // memory or is mapped through the virtual memory API, or when auto registration is off and
 // nobody registered it. Inside a CUDA graph capture it registers too (the buffer keeps its
 // address for every replay). In checking mode it then verifies the result (verify_rma_local).
-void prepare_rma_local(const void* ptr, std::size_t bytes, cudaStream_t stream, const char* what);
+void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what);
 
 // The checking mode's verification: throws naming `what` unless [ptr, ptr + bytes) lies in the
 // symmetric heap or in a live registration (range and buffer ID queried afresh).

@@ -127,11 +127,12 @@ int nvshmem_unregister(std::uintptr_t base) {
 
 // Caller holds the mutex. Unregisters and drops entries whose allocation is gone: those
 // overlapping `a` without being it (live allocations never overlap), or with `a` null every
-// entry whose base no longer starts the same allocation. Work already queued may still use an
-// old registration (NVSHMEM's proxy looks the handle up when it processes a request), so the
-// device is synchronised first (the first use of a reused address blocks, like a cudaMalloc),
-// except while `stream` is capturing a CUDA graph, where no synchronisation is allowed.
-void drop_stale(Registry& r, const Allocation* a, cudaStream_t stream) {
+// entry whose base no longer starts the same allocation. No synchronisation here: a
+// device-wide one would wait on kernels that wait on a peer (a recv whose sender sits behind
+// the same wait on the other rank) and breaks graph captures on other threads. With torch's
+// caching allocator an address comes back only after cudaFree, which has synchronised already;
+// stream-ordered allocators (cudaMallocAsync) reuse addresses at once: docs/multinode.md.
+void drop_stale(Registry& r, const Allocation* a) {
   std::vector<std::uintptr_t> stale;
   if (a != nullptr) {  // the hot path: only the entries overlapping `a` (at most one starts before it)
     auto it = r.entries.lower_bound(a->base);
@@ -142,8 +143,6 @@ void drop_stale(Registry& r, const Allocation* a, cudaStream_t stream) {
     for (const auto& [base, entry] : r.entries)
       if (!same_allocation(base, entry, query_allocation(reinterpret_cast<void*>(base)))) stale.push_back(base);
   }
-  if (stale.empty()) return;
-  if (capture_id(stream) == 0) PDC_CHECK_CUDA(cudaDeviceSynchronize());
   for (std::uintptr_t base : stale) {
     nvshmem_unregister(base);  // the memory is gone: a failure leaves nothing the caller can do
     r.entries.erase(base);
@@ -152,24 +151,26 @@ void drop_stale(Registry& r, const Allocation* a, cudaStream_t stream) {
 }
 
 // Caller holds the mutex. Returns the live entry for `a`, registering it when `may_register`.
-Entry* find_or_register(Registry& r, const Allocation& a, bool may_register, cudaStream_t stream,
-                        const char* what) {
-  drop_stale(r, &a, stream);
+Entry* find_or_register(Registry& r, const Allocation& a, bool may_register, const char* what) {
+  drop_stale(r, &a);
   auto it = r.entries.find(a.base);
   if (it != r.entries.end()) return &it->second;
   if (!may_register) return nullptr;
-  PDC_REQUIRE(!mapped_through_vmm(a.queried),
-              what << ": this buffer's memory is mapped through CUDA's virtual memory API "
-                      "(torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a custom "
-                      "pool), which pydatacopy cannot register for NVSHMEM's remote transports: "
-                      "send from a symmetric tensor (pydatacopy.empty), or turn "
-                      "expandable_segments off");
   int status = 0;
   {
     RelaxedCaptureMode relaxed;
+    PDC_REQUIRE(!mapped_through_vmm(a.queried),
+                what << ": this buffer's memory is mapped through CUDA's virtual memory API "
+                        "(torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a custom "
+                        "pool), which pydatacopy cannot register for NVSHMEM's remote transports: "
+                        "send from a symmetric tensor (pydatacopy.empty), or turn "
+                        "expandable_segments off");
     status = nvshmemx_buffer_register(reinterpret_cast<void*>(a.base), a.bytes);
     // NVSHMEM registers with each transport in turn and keeps those that succeeded: roll back.
-    if (status != 0) nvshmemx_buffer_unregister(reinterpret_cast<void*>(a.base));
+    // Not when it refused the address itself (already registered, or overlapping): the
+    // registration there is someone else's.
+    if (status != 0 && status != NVSHMEMX_ERROR_INVALID_VALUE)
+      nvshmemx_buffer_unregister(reinterpret_cast<void*>(a.base));
   }
   PDC_REQUIRE(status == 0, what << ": NVSHMEM could not register the CUDA allocation at "
                                 << reinterpret_cast<void*>(a.base) << " (" << a.bytes
@@ -210,8 +211,8 @@ void register_memory(const void* ptr, std::size_t bytes) {
   const Allocation a = require_cuda_memory(ptr, bytes, "register");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  drop_stale(r, nullptr, nullptr);  // an explicit call is the time to let freed memory go
-  ++find_or_register(r, a, true, nullptr, "register")->explicit_refs;
+  drop_stale(r, nullptr);  // an explicit call is the time to let freed memory go
+  ++find_or_register(r, a, true, "register")->explicit_refs;
 }
 
 void unregister_memory(const void* ptr) {
@@ -220,7 +221,7 @@ void unregister_memory(const void* ptr) {
   const Allocation a = query_allocation(ptr);
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
-  drop_stale(r, nullptr, nullptr);  // also the registration of this buffer if its memory was freed
+  drop_stale(r, nullptr);  // also the registration of this buffer if its memory was freed
   if (a.memory_type == 0) return;     // freed since: dropped just now
   auto it = r.entries.find(a.base);
   PDC_REQUIRE(it != r.entries.end() && it->second.explicit_refs > 0,
@@ -244,13 +245,13 @@ bool is_rma_ready(const void* ptr, std::size_t bytes) {
   return it != r.entries.end() && same_allocation(it->first, it->second, a);
 }
 
-void prepare_rma_local(const void* ptr, std::size_t bytes, cudaStream_t stream, const char* what) {
+void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what) {
   if (bytes == 0 || in_symmetric_heap(ptr, bytes)) return;
   const Allocation a = require_cuda_memory(ptr, bytes, what);
   {
     Registry& r = registry();
     std::lock_guard<std::mutex> lock(r.mutex);
-    Entry* e = find_or_register(r, a, g_auto_register, stream, what);
+    Entry* e = find_or_register(r, a, g_auto_register, what);
     PDC_REQUIRE(e != nullptr,
                 what << ": " << bytes << " bytes at " << ptr << " are neither symmetric nor "
                      "registered, and PYDATACOPY_AUTO_REGISTER=0: NVSHMEM's remote transports "

@@ -68,7 +68,7 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
       break;
     case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
     default:
-      prepare_rma_local(src, bytes, stream, "put: src");
+      prepare_rma_local(src, bytes, "put: src");
       nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream);
       break;
   }
@@ -86,7 +86,7 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
       break;
     case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
     default:
-      prepare_rma_local(dst, bytes, stream, "get: dst");
+      prepare_rma_local(dst, bytes, "get: dst");
       nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream);
       break;
   }
@@ -99,7 +99,7 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
   if (takes_rma(dst, pe, Path::kAuto))  // to a reachable peer NVSHMEM stores directly
-    prepare_rma_local(src, bytes, stream, "put_signal: src");
+    prepare_rma_local(src, bytes, "put_signal: src");
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
 
@@ -145,7 +145,7 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
   if (count == 0) return;
   const bool rma = takes_rma(reinterpret_cast<const void*>(descriptors[0].dst), pe, path);
   for (int i = 0; i < count && rma; ++i)
-    prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes, stream,
+    prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes,
                       "put_many: every src");
   // Stream-ordered upload: cudaMemcpyAsync from pageable memory has copied the descriptors out
   // by the time it returns, so the caller's array may go at once.
@@ -182,7 +182,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
   if (takes_rma(dst_pool, pe, path))
-    prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes, stream,
+    prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes,
                       "put_blocks: src_pool");
   kernels::launch_put_blocks(a, stream);
   // After this call's own work is enqueued (the peer counts on it): a bad index that an earlier
