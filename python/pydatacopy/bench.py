@@ -3,8 +3,9 @@
 Sweeps message sizes like nccl-tests (-b/-e/-f, -n iterations, -w warm-up) for each pydatacopy
 path and, in the same run, the baselines: the copy engine writing straight into the peer's
 memory (torch's copy_ into the peer's mapping, a cudaMemcpyAsync: the practical limit), NCCL
-send/recv through torch.distributed, and torch symmetric memory's NVSHMEM put (one direction;
-when this torch has it).
+send/recv through torch.distributed, torch symmetric memory's NVSHMEM put (one direction;
+when this torch has it) and NIXL's WRITE on UCX (one direction; when NIXL is installed:
+pip install "pydatacopy[nixl]"; host-timed, as its completion is polled from the host).
 Times are CUDA events after warm-up, the median of repeats, the slower of the two PEs; data is
 fresh and non-zero, and every row is checked (`ok`). Ratios between rows of one run decide:
 the GPUs are shared and absolute figures move.
@@ -18,6 +19,7 @@ import os
 import re
 import statistics
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -52,8 +54,8 @@ def _int_at_least(minimum: int, meaning: str):
     return parse
 
 
-OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "tokens", "latency",
-       "host", "put_many")
+OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "nixl", "tokens",
+       "latency", "host", "put_many")
 
 
 def _ops(text: str) -> set[str]:
@@ -143,8 +145,10 @@ def _fill(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     return tensor
 
 
-def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> float:
-    """Seconds per operation: median over repeats, the slower PE."""
+def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int,
+          host_clock: bool = False) -> float:
+    """Seconds per operation: median over repeats, the slower PE. CUDA events, or with
+    host_clock the host's clock (an operation that completes on the host, such as NIXL's)."""
     for _ in range(warmup):
         run()
     samples = []
@@ -152,13 +156,15 @@ def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         dist.barrier()
+        began = time.perf_counter()
         start.record()
         for _ in range(iterations):
             run()
         stop.record()
         stop.synchronize()
+        ended = time.perf_counter()
         pydatacopy.check_errors()
-        samples.append(start.elapsed_time(stop) / 1e3 / iterations)
+        samples.append(((ended - began) if host_clock else start.elapsed_time(stop) / 1e3) / iterations)
     seconds = torch.tensor([statistics.median(samples)], dtype=torch.float64, device="cuda")
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     return float(seconds.item())
@@ -183,8 +189,8 @@ class Sweep:
         self.expected = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.peer)
         self.out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
 
-    def measure(self, run, check) -> tuple[float, bool]:
-        seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats)
+    def measure(self, run, check, host_clock: bool = False) -> tuple[float, bool]:
+        seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats, host_clock)
         torch.cuda.synchronize()
         dist.barrier()
         return seconds, _agree(check())
@@ -276,6 +282,26 @@ class Sweep:
 
         self.out.zero_()
         return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
+
+    def nixl(self):
+        """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only."""
+        from ._nixl import NixlWrite
+
+        self.out.zero_()
+        with NixlWrite(self.src, self.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
+            return self.measure(transfer.write, lambda: not self.receives or torch.equal(self.out, self.expected),
+                                host_clock=True)
+
+
+def _nixl_ready() -> bool:
+    """Whether NIXL can be used on every rank; says why not on rank 0."""
+    from ._nixl import nixl_problem
+
+    reason = nixl_problem()
+    ready = _agree(not reason)
+    if not ready and pydatacopy.my_pe() == 0:
+        print(f"  NIXL baseline skipped: {reason or 'not installed on every rank'}", file=sys.stderr, flush=True)
+    return ready
 
 
 def _torch_symm_mem_ready() -> bool:
@@ -417,11 +443,12 @@ def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dic
 
 def report(rows: list[dict], args) -> None:
     """The table on the terminal; CSV and PNG files when asked for."""
+    def by_size(path):
+        return {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == path}
+
+    nccl, copy_engine, nixl = by_size("NCCL"), by_size("cudaMemcpyAsync"), by_size("NIXL")
     print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6} "
-          f"{'xCE':>6}  ok")
-    nccl = {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == "NCCL"}
-    copy_engine = {(r["direction"], r["bytes"]): r["gbps"] for r in rows
-                   if r["path"] == "cudaMemcpyAsync"}
+          f"{'xCE':>6} {'xNIXL':>6}  ok")
 
     def ratio(r, baselines):
         base = baselines.get((r["direction"], r["bytes"]))
@@ -429,7 +456,8 @@ def report(rows: list[dict], args) -> None:
 
     for r in rows:
         print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)}  {'yes' if r['ok'] else 'NO'}")
+              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {ratio(r, nixl)}  "
+              f"{'yes' if r['ok'] else 'NO'}")
     if getattr(args, "csv", None):
         import csv
 
@@ -439,11 +467,12 @@ def report(rows: list[dict], args) -> None:
             writer.writerows({k: r[k] for k in writer.fieldnames} for r in rows)
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
-            f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | ok |\n"
-                    "|---|---|---|---:|---:|---:|---:|---:|---|\n")
+            f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | x NIXL | ok |\n"
+                    "|---|---|---|---:|---:|---:|---:|---:|---:|---|\n")
             for r in rows:
                 f.write(f"| {r['op']} | {r['path']} | {r['direction']} | {r['size']} | {r['us']:.1f} | "
                         f"{r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
+                        f"{ratio(r, nixl).strip()} | "
                         f"{'yes' if r['ok'] else 'NO'} |\n")
     if getattr(args, "plot", None):
         plot(rows, args.plot)
@@ -516,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = {"memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
               "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
               "torch_symm": ("baseline", "torch symm_mem"),
-              "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL")}
+              "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL"),
+              "nixl": ("baseline", "NIXL")}
     # Before the sweep: torch's symmetric memory (set up by the sweep) must not colour them.
     fixed_rows = []
     if "latency" in ops:
@@ -527,16 +557,19 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.extend(bench_batched(args))
     if "torch_symm" in ops and not _torch_symm_mem_ready():
         ops.discard("torch_symm")
+    if "nixl" in ops and not _nixl_ready():
+        ops.discard("nixl")
     for direction in directions:
         for nbytes in sizes:
             sweep = Sweep(nbytes, direction == "both", args)
-            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl"):
-                if op not in ops or (op == "torch_symm" and direction == "both"):
-                    continue  # torch's put reads and writes one tensor: one direction only
+            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "nixl"):
+                if op not in ops or (op in ("torch_symm", "nixl") and direction == "both"):
+                    continue  # torch's put reads and writes one tensor; NIXL's WRITE is one-sided
                 seconds, ok = (sweep.memcpy_baseline() if op == "memcpy" else
                                sweep.torch_symm_mem() if op == "torch_symm" else
                                sweep.put(labels[op][1]) if op.startswith("put") else
-                               sweep.sendrecv() if op == "sendrecv" else sweep.nccl())
+                               sweep.sendrecv() if op == "sendrecv" else
+                               sweep.nixl() if op == "nixl" else sweep.nccl())
                 rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
                              "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,
                              "gbps": nbytes / seconds / 1e9, "ok": ok})
