@@ -12,8 +12,9 @@ export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-# Optional packages the machine lacks (libucx-cu13 for the UCX check, nixl-cu13 for the bench)
-# travel as wheels in .whl/ (see the device tool's README); the steps that need them skip without.
+# Optional packages the machine lacks (nixl-cu13 for the bench's NIXL baseline, libucx-cu13 for
+# the UCX check) travel as wheels in .whl/, made by scripts/device-wheels.sh and named in the
+# call's carry; the steps that need them skip without.
 if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
