@@ -13,7 +13,9 @@
 // this way and is refused with an Error.
 //
 // Registration and unregistration block (NVSHMEM updates its device state) and are local: no
-// peer takes part.
+// peer takes part. With IBGDA that update is a cudaMemcpy on the legacy default stream, which
+// waits behind kernels on blocking streams, a recv waiting for its peer among them: register
+// (pydatacopy.register) the buffers of a job before launching work that waits on peers.
 #pragma once
 
 #include <cstddef>

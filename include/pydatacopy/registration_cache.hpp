@@ -19,11 +19,12 @@ struct Allocation {
   std::size_t bytes = 0;
   unsigned long long buffer_id = 0;  // unique per allocation over the process's lifetime
   bool cuda_memory = false;          // device or pinned host memory; false: CUDA does not know it
+  bool managed = false;              // cudaMallocManaged: NVSHMEM cannot register it
   const void* queried = nullptr;     // the address asked about
 
   bool covers(const void* ptr, std::size_t length) const {
     const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
-    return cuda_memory && begin >= base && begin + length <= base + bytes;
+    return cuda_memory && begin >= base && begin - base <= bytes && length <= bytes - (begin - base);
   }
 };
 
@@ -32,8 +33,9 @@ class RegistrationBackend {
  public:
   struct RegisterResult {
     int status = 0;                // nvshmemx_buffer_register's return value; 0: registered
-    bool address_refused = false;  // NVSHMEM refused the address itself (already registered,
-                                   // or overlapping someone else's registration)
+    bool address_refused = false;  // NVSHMEM refused the range itself (NVSHMEMX_ERROR_INVALID_VALUE:
+                                   // registered already, inside another registration, or in the
+                                   // symmetric heap) before any transport took it
   };
   virtual ~RegistrationBackend() = default;
   virtual Allocation query(const void* ptr) = 0;
@@ -85,6 +87,12 @@ class RegistrationCache {
   std::mutex mutex_;
   std::map<std::uintptr_t, Entry> entries_;  // allocation base -> entry
   RegistrationStats stats_;
+  // A new registration first sweeps every entry once there are this many: freed allocations
+  // whose address nothing reuses (cudaMallocAsync's) do not pile up between explicit calls.
+  std::size_t sweep_at_ = kFirstSweep;
+
+ public:
+  static constexpr std::size_t kFirstSweep = 64;
 };
 
 }  // namespace pydatacopy

@@ -53,15 +53,18 @@ class NvshmemBackend final : public RegistrationBackend {
     Allocation a;
     void* start = nullptr;
     unsigned int memory_type = 0;
+    int managed = 0;
     CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                        CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE};
-    void* values[] = {&start, &a.bytes, &a.buffer_id, &memory_type};
+                                        CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                        CU_POINTER_ATTRIBUTE_IS_MANAGED};
+    void* values[] = {&start, &a.bytes, &a.buffer_id, &memory_type, &managed};
     // Not an error for memory CUDA does not know: the attributes stay zero.
-    const CUresult status = get_attributes(4, attributes, values, reinterpret_cast<CUdeviceptr>(ptr));
+    const CUresult status = get_attributes(5, attributes, values, reinterpret_cast<CUdeviceptr>(ptr));
     PDC_REQUIRE(status == CUDA_SUCCESS, "cuPointerGetAttributes failed with CUDA driver status "
                                             << static_cast<int>(status) << " for " << ptr);
     a.base = reinterpret_cast<std::uintptr_t>(start);
     a.cuda_memory = memory_type == CU_MEMORYTYPE_DEVICE || memory_type == CU_MEMORYTYPE_HOST;
+    a.managed = managed != 0;
     a.queried = ptr;
     return a;
   }
@@ -92,10 +95,11 @@ class NvshmemBackend final : public RegistrationBackend {
   }
 };
 
+// Never destroyed: a thread still in a transfer while the process exits must not meet a
+// destroyed mutex or map.
 RegistrationCache& cache() {
-  static NvshmemBackend backend;
-  static RegistrationCache c(backend);
-  return c;
+  static RegistrationCache* c = new RegistrationCache(*new NvshmemBackend);
+  return *c;
 }
 
 bool in_symmetric_heap(const void* ptr, std::size_t bytes) {

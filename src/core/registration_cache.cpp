@@ -1,5 +1,6 @@
 #include "pydatacopy/registration_cache.hpp"
 
+#include <algorithm>
 #include <iterator>
 #include <vector>
 
@@ -17,6 +18,9 @@ bool same_allocation(std::uintptr_t base, std::size_t bytes, unsigned long long 
 
 Allocation RegistrationCache::require_cuda_memory(const void* ptr, std::size_t bytes, const char* what) {
   const Allocation a = backend_.query(ptr);
+  PDC_REQUIRE(!a.managed, what << ": " << ptr << " is managed memory (cudaMallocManaged), which "
+                                  "NVSHMEM cannot register for its remote transports: use device "
+                                  "memory (a torch CUDA tensor) or a symmetric tensor (pydatacopy.empty)");
   PDC_REQUIRE(a.cuda_memory, what << ": " << ptr << " is not CUDA memory (pageable host memory?): "
                                      "NVSHMEM can only use device memory or pinned host memory");
   PDC_REQUIRE(a.covers(ptr, bytes), what << ": " << bytes << " bytes at " << ptr
@@ -57,6 +61,10 @@ RegistrationCache::Entry* RegistrationCache::find_or_register(const Allocation& 
   auto it = entries_.find(a.base);
   if (it != entries_.end()) return &it->second;
   if (!may_register) return nullptr;
+  if (entries_.size() >= sweep_at_) {
+    drop_stale(nullptr);
+    sweep_at_ = std::max(kFirstSweep, 2 * entries_.size());
+  }
   PDC_REQUIRE(!backend_.mapped_through_vmm(a.queried),
               what << ": this buffer's memory is mapped through CUDA's virtual memory API "
                       "(torch's PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or a custom "
@@ -71,8 +79,9 @@ RegistrationCache::Entry* RegistrationCache::find_or_register(const Allocation& 
               what << ": NVSHMEM could not register the CUDA allocation at "
                    << reinterpret_cast<void*>(a.base) << " (" << a.bytes
                    << " bytes, holding this buffer): nvshmemx_buffer_register returned " << result.status
-                   << (result.address_refused ? " (the address is registered already, perhaps by "
-                                                "other code in this process)"
+                   << (result.address_refused ? " (NVSHMEM refused the range: registered already, "
+                                                "perhaps by other code in this process, or inside "
+                                                "another registration)"
                                               : "")
                    << "; rerun with NVSHMEM_DEBUG=INFO for NVSHMEM's own account");
   ++stats_.registrations;

@@ -2,6 +2,7 @@
 // without a GPU: what is registered, kept, rolled back and dropped, and every refusal an Error.
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <functional>
 #include <map>
 #include <set>
@@ -49,15 +50,17 @@ class FakeBackend final : public pydatacopy::RegistrationBackend {
     std::size_t bytes;
     unsigned long long id;
     bool vmm;
+    bool managed;
   };
   std::map<std::uintptr_t, Live> allocations;
   std::map<std::uintptr_t, std::size_t> registered;  // what NVSHMEM holds
   int register_calls = 0, unregister_calls = 0;
-  int fail_next_register = 0;  // a transport's failure status for the next register call
+  int fail_next_register = 0;    // a transport's failure status for the next register call
+  int fail_next_unregister = 0;  // NVSHMEM's status for the next unregister call
   unsigned long long next_id = 1;
 
-  void allocate(std::uintptr_t base, std::size_t bytes, bool vmm = false) {
-    allocations[base] = Live{bytes, next_id++, vmm};
+  void allocate(std::uintptr_t base, std::size_t bytes, bool vmm = false, bool managed = false) {
+    allocations[base] = Live{bytes, next_id++, vmm, managed};
   }
   void release(std::uintptr_t base) { allocations.erase(base); }
 
@@ -73,16 +76,19 @@ class FakeBackend final : public pydatacopy::RegistrationBackend {
     a.bytes = it->second.bytes;
     a.buffer_id = it->second.id;
     a.cuda_memory = true;
+    a.managed = it->second.managed;
     return a;
   }
   bool mapped_through_vmm(const void* ptr) override {
     const auto a = query(ptr);
-    return a.cuda_memory && allocations[a.base].vmm;
+    return a.cuda_memory && allocations.at(a.base).vmm;
   }
   RegisterResult register_buffer(std::uintptr_t base, std::size_t bytes) override {
     ++register_calls;
+    // As NVSHMEM 3.4.5 does: a range starting at or inside a registration is refused
+    // (NVSHMEMX_ERROR_INVALID_VALUE); one starting below it is not looked at.
     for (const auto& [b, n] : registered)
-      if (b < base + bytes && base < b + n) return RegisterResult{7, true};  // INVALID_VALUE
+      if (base >= b && base < b + n) return RegisterResult{7, true};
     if (fail_next_register != 0) {
       const int status = fail_next_register;
       fail_next_register = 0;
@@ -94,6 +100,11 @@ class FakeBackend final : public pydatacopy::RegistrationBackend {
   }
   int unregister_buffer(std::uintptr_t base) override {
     ++unregister_calls;
+    if (fail_next_unregister != 0) {
+      const int status = fail_next_unregister;
+      fail_next_unregister = 0;
+      return status;
+    }
     return registered.erase(base) == 1 ? 0 : 7;
   }
 };
@@ -116,6 +127,19 @@ void test_registers_whole_allocation_once() {
   check(s.registrations == 1 && s.live_entries == 1 && s.registered_bytes == 4 * kMiB, "stats count it");
 }
 
+void test_covers() {
+  pydatacopy::Allocation a;
+  a.base = kA;
+  a.bytes = kMiB;
+  check(!a.covers(at(kA), 1), "nothing is covered by memory CUDA does not know");
+  a.cuda_memory = true;
+  check(a.covers(at(kA), kMiB) && a.covers(at(kA + kMiB - 1), 1) && a.covers(at(kA + kMiB), 0),
+        "covers up to the allocation's end");
+  check(!a.covers(at(kA - 1), 2), "not below its base");
+  check(!a.covers(at(kA + kMiB), 1) && !a.covers(at(kA + 1), kMiB), "not past its end");
+  check(!a.covers(at(kA + 16), SIZE_MAX - 8), "a length that wraps the address space is not covered");
+}
+
 void test_refusals() {
   FakeBackend fake;
   pydatacopy::RegistrationCache cache(fake);
@@ -127,6 +151,9 @@ void test_refusals() {
   fake.allocate(kB, 64 * kMiB, /*vmm=*/true);
   check_throws([&] { cache.prepare(at(kB), 8, true, "send"); }, "expandable_segments",
                "VMM memory refused with the remedy");
+  fake.allocate(kB + 128 * kMiB, kMiB, /*vmm=*/false, /*managed=*/true);
+  check_throws([&] { cache.prepare(at(kB + 128 * kMiB), 8, true, "put src"); }, "managed memory",
+               "managed memory refused by name");
   check(fake.register_calls == 0 && cache.stats().live_entries == 0, "nothing registered after refusals");
   check(!cache.prepare(at(kA), 8, false, "put"), "auto registration off: not prepared");
   check(fake.register_calls == 0, "auto registration off: nothing registered");
@@ -221,6 +248,36 @@ void test_used_registration_kept_on_unregister() {
   check(fake.registered.empty() && cache.stats().live_entries == 0, "unregister() of freed memory releases it");
 }
 
+void test_failed_unregister_reported() {
+  FakeBackend fake;
+  pydatacopy::RegistrationCache cache(fake);
+  fake.allocate(kA, kMiB);
+  cache.register_explicit(at(kA), 8);
+  fake.fail_next_unregister = 5;
+  check_throws([&] { cache.unregister_explicit(at(kA)); }, "nvshmemx_buffer_unregister failed with NVSHMEM status 5",
+               "a failed unregistration raises with NVSHMEM's status");
+  check(cache.stats().live_entries == 0, "and the entry is gone: a retry could not succeed either");
+}
+
+void test_unreused_freed_memory_swept() {
+  // cudaMallocAsync-like: allocations freed at addresses nothing reuses. A new registration
+  // sweeps once the cache holds kFirstSweep entries.
+  FakeBackend fake;
+  pydatacopy::RegistrationCache cache(fake);
+  const std::size_t n = pydatacopy::RegistrationCache::kFirstSweep;
+  for (std::size_t i = 0; i < n; ++i) {
+    fake.allocate(kA + i * kMiB, kMiB);
+    cache.prepare(at(kA + i * kMiB), 8, true, "put");
+  }
+  check(cache.stats().live_entries == n && cache.stats().stale_dropped == 0, "no sweep below the threshold");
+  for (std::size_t i = 0; i + 1 < n; ++i) fake.release(kA + i * kMiB);
+  fake.allocate(kB, kMiB);
+  cache.prepare(at(kB), 8, true, "put");
+  const auto s = cache.stats();
+  check(s.stale_dropped == n - 1 && s.live_entries == 2, "a new registration sweeps the freed ones");
+  check(fake.registered.size() == 2, "and NVSHMEM holds only the live two");
+}
+
 void test_clear() {
   FakeBackend fake;
   pydatacopy::RegistrationCache cache(fake);
@@ -241,8 +298,13 @@ void test_threads() {
   std::vector<int> ok(4, 0);
   for (int t = 0; t < 4; ++t)
     threads.emplace_back([&, t] {
-      for (int round = 0; round < 200; ++round)
-        for (int i = 0; i < 8; ++i) ok[t] += cache.prepare(at(kA + i * 4 * kMiB + round), 64, true, "put");
+      try {
+        for (int round = 0; round < 200; ++round)
+          for (int i = 0; i < 8; ++i) ok[t] += cache.prepare(at(kA + i * 4 * kMiB + round), 64, true, "put");
+      } catch (const std::exception& e) {
+        std::printf("  thread %d: %s\n", t, e.what());
+        ok[t] = -1;
+      }
     });
   for (auto& thread : threads) thread.join();
   check(ok == std::vector<int>(4, 1600), "every concurrent prepare succeeds");
@@ -252,6 +314,7 @@ void test_threads() {
 }  // namespace
 
 int main() {
+  test_covers();
   test_registers_whole_allocation_once();
   test_refusals();
   test_failed_registration_rolled_back();
@@ -259,6 +322,8 @@ int main() {
   test_freed_allocation_dropped();
   test_explicit_register_counted();
   test_used_registration_kept_on_unregister();
+  test_failed_unregister_reported();
+  test_unreused_freed_memory_swept();
   test_clear();
   test_threads();
   std::printf("registration cache: %d passed, %d failed\n", passed, failed);
