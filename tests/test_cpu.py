@@ -113,6 +113,27 @@ def test_choose_device_without_gpu():
 
 # ---- the ID broadcast through a real two-process gloo group ----------------------------------
 
+def _hosts_worker(rank: int, store_file: str, hosts: list[str], results) -> None:
+    from pydatacopy import _network, _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(hosts))
+    try:
+        _network.host_identity = lambda: hosts[rank]  # this rank's node, as the test lays them out
+        unique_id, nodes = _runtime._share_unique_id()
+        results[rank] = (len(unique_id), nodes)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hosts, nodes", [(["a", "a", "a"], 1), (["a", "b", "a"], 2), (["a", "b", "c"], 3)])
+def test_init_counts_the_hosts_of_its_ranks(tmp_path, hosts, nodes):
+    """pydatacopy.init learns whether the job spans nodes from the ranks themselves (the
+    preflight then asks for a remote transport), whatever launched them."""
+    results = mp.Manager().dict()
+    mp.spawn(_hosts_worker, args=(str(tmp_path / "rendezvous"), hosts, results), nprocs=len(hosts), join=True)
+    assert [results[r] for r in range(len(hosts))] == [(128, nodes)] * len(hosts)
+
+
 def _gloo_worker(rank: int, world_size: int, store_file: str, results) -> None:
     # A file rendezvous: no port to race for.
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,

@@ -262,3 +262,32 @@ def test_report_with_ucx_over_gdrcopy(machine):
     assert verdict_line(lines) == ("OK", "remote transport: NVSHMEM_REMOTE_TRANSPORT=ucx: can "
                                          "reach PEs on other servers through UCX, with GDRCopy "
                                          "for its atomics; PEs on this node use NVLink/PCIe P2P")
+
+
+# ---- spanning nodes, as pydatacopy.init sees it (no LOCAL_WORLD_SIZE: SLURM, mpirun, ...) --------
+
+def test_ranks_on_two_hosts_need_a_remote_transport(machine):
+    kwargs = machine()
+    text = refusal(4, {}, {**kwargs, "nodes": 2})
+    assert "its 4 PEs run on 2 hosts" in text and "NVSHMEM would end the process" in text
+
+
+def test_ranks_on_two_hosts_go_through_an_active_nic(machine):
+    _network.check_transport_preconditions(4, {}, nodes=2, **machine(IB_ACTIVE, libraries=ALL_LIBRARIES))
+
+
+def test_ranks_on_one_host_need_none(machine):
+    kwargs = machine()
+    _network.check_transport_preconditions(4, {}, nodes=1, **kwargs)
+    assert kwargs["load"].asked == []
+
+
+def test_host_identity_is_the_boot_id_else_the_hostname(tmp_path):
+    boot_id = tmp_path / "boot_id"
+    boot_id.write_text("0f3c-node-a\n")
+    assert _network.host_identity(str(boot_id)) == "0f3c-node-a"
+    import socket
+
+    assert _network.host_identity(str(tmp_path / "absent")) == socket.gethostname()
+    boot_id.write_text("")
+    assert _network.host_identity(str(boot_id)) == socket.gethostname()

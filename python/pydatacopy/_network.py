@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 from typing import Callable, Mapping, NamedTuple
 
 from . import _C
@@ -170,13 +171,27 @@ def apply_network_settings(environ=os.environ) -> dict[str, str]:
     return applied
 
 
+def host_identity(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> str:
+    """What tells this node from others: the kernel's boot ID (containers on one node share it;
+    hostnames can repeat across nodes), else the hostname."""
+    try:
+        with open(boot_id_path) as f:
+            boot_id = f.read().strip()
+        if boot_id:
+            return boot_id
+    except OSError:
+        pass
+    return socket.gethostname()
+
+
 def check_transport_preconditions(world_size: int, environ=os.environ, *,
-                                  call: str = "pydatacopy.init",
+                                  call: str = "pydatacopy.init", nodes: int | None = None,
                                   sysfs_root: str = SYSFS_INFINIBAND, load: Loader = ctypes.CDLL,
                                   gdrdrv_path: str = GDRDRV_DEVICE) -> None:
     """Refuse set-ups on which NVSHMEM would print an error and exit() the whole process.
 
-    Peers need NVSHMEM's remote transport when the job spans nodes (torchrun's LOCAL_WORLD_SIZE
+    Peers need NVSHMEM's remote transport when the job spans nodes (`nodes`, the number of
+    distinct hosts pydatacopy.init saw among the ranks, above 1; or torchrun's LOCAL_WORLD_SIZE
     below world_size) or NVSHMEM_DISABLE_P2P is on; when that transport cannot work here
     (remote_transport_problem), NVSHMEM ends the process during init ("Unable to initialize any
     transports", or UCX's "AMO not supported" on its first atomic), as seen on the 2-GPU machine.
@@ -184,7 +199,7 @@ def check_transport_preconditions(world_size: int, environ=os.environ, *,
     if world_size <= 1:
         return
     local = _local_world_size(environ)
-    spans_nodes = local is not None and local < world_size
+    spans_nodes = (nodes is not None and nodes > 1) or (local is not None and local < world_size)
     p2p_off = _p2p_off(environ)
     if not (spans_nodes or p2p_off):
         return
@@ -194,7 +209,9 @@ def check_transport_preconditions(world_size: int, environ=os.environ, *,
         return
     why, fix = problem
     if spans_nodes:
-        raise Error(f"{call}: the job spans nodes (LOCAL_WORLD_SIZE={local} of {world_size} PEs), "
+        where = (f"its {world_size} PEs run on {nodes} hosts" if nodes is not None and nodes > 1
+                 else f"LOCAL_WORLD_SIZE={local} of {world_size} PEs")
+        raise Error(f"{call}: the job spans nodes ({where}), "
                     f"and PEs on other nodes would be unreachable: {why}. NVSHMEM would end the "
                     f"process. To reach them, {fix}")
     raise Error(f"{call}: NVSHMEM_DISABLE_P2P={environ['NVSHMEM_DISABLE_P2P']} leaves NVSHMEM no "

@@ -162,7 +162,12 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
     PYDATACOPY_INIT_TIMEOUT_S, else 300). NVSHMEM's bootstrap cannot be cancelled, so after that
     error this process cannot start NVSHMEM again: exit it.
     """
-    call = "pydatacopy.init_nvshmem"
+    return _start(root_unique_id, rank, world_size, device, timeout, "pydatacopy.init_nvshmem", nodes=None)
+
+
+def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: DeviceLike,
+           timeout: float | None, call: str, nodes: int | None) -> int:
+    """init_nvshmem's work; `nodes` is the number of hosts among the ranks when init() saw them."""
     values = _id_to_list(root_unique_id, call)
     check_int("world_size", world_size, 1, _env.INT32_MAX, call=call)
     check_int("rank", rank, 0, _env.INT32_MAX, call=call)
@@ -178,7 +183,7 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
         device = _choose_device(rank, call)
     torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
-    _network.check_transport_preconditions(world_size, call=call)
+    _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
     _C.set_rma_options(*_env.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
@@ -190,6 +195,12 @@ def share_unique_id(group=None) -> list[int]:
 
     Works with nccl and gloo groups; every rank checks that it holds the same ID as every other.
     """
+    return _share_unique_id(group)[0]
+
+
+def _share_unique_id(group=None) -> tuple[list[int], int]:
+    """share_unique_id, and the number of distinct hosts among the group's ranks (gathered in
+    the same collective as the ID's check)."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -204,13 +215,14 @@ def share_unique_id(group=None) -> list[int]:
     dist.broadcast_object_list(payload, src=source, group=group, device=device)
     unique_id = _id_to_list(payload[0], "pydatacopy.share_unique_id")
     digest = hashlib.sha256(bytes(unique_id)).hexdigest()
-    digests: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, digest, group=group)
-    if len(set(digests)) != 1:
+    gathered: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (digest, _network.host_identity()), group=group)
+    digests = {entry[0] for entry in gathered}
+    if len(digests) != 1:
         raise Error("pydatacopy.share_unique_id: ranks received different NVSHMEM unique IDs; "
                     "check that every rank of the group calls pydatacopy.init() once, in the same "
                     "order")
-    return unique_id
+    return unique_id, len({entry[1] for entry in gathered})
 
 
 def init(group=None, *, device: DeviceLike = None, timeout: float | None = None) -> int:
@@ -242,8 +254,8 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     if device is None:
         device = _choose_device(rank, call)
     torch.cuda.set_device(device)
-    unique_id = share_unique_id(group)
-    return init_nvshmem(unique_id, rank, world_size, device=device, timeout=timeout)
+    unique_id, nodes = _share_unique_id(group)
+    return _start(unique_id, rank, world_size, device, timeout, "pydatacopy.init", nodes=nodes)
 
 
 def finalize() -> None:
