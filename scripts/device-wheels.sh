@@ -14,8 +14,9 @@ cd "$(dirname "$0")/.."
 PYVER=${PYVER:-3.12}
 NIXL=${NIXL:-nixl-cu13==1.5.1}
 LIBUCX=${LIBUCX:-libucx-cu13==1.22.0}
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore \
-  || echo /.whl/ >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # also where .git is a file (a worktree)
+grep -qx '/.whl/' "$exclude" 2>/dev/null || grep -qx '/.whl/' .gitignore \
+  || { mkdir -p "$(dirname "$exclude")" && echo /.whl/ >> "$exclude"; }
 rm -rf .whl && mkdir -p .whl
 download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" --implementation cp \

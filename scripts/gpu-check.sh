@@ -13,6 +13,9 @@ case "${PART:-all}" in
   all) ;;
   *) echo "gpu-check: PART=${PART} is not a, b or all"; exit 2 ;;
 esac
+# A part stops starting steps (and cuts the one running) at DEADLINE_S, so that its summary
+# table still comes back within the device call's 10 minutes.
+DEADLINE_S=${DEADLINE_S:-$([ "${PART:-all}" = all ] && echo 86400 || echo 560)}
 # NVLink multicast can take the shared GPUs down: keep it off everywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYDATACOPY_TIMEOUT_S=${PYDATACOPY_TIMEOUT_S:-30}
@@ -37,8 +40,12 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
   if [[ " ${SKIP:-} " == *" $name "* ]]; then  # SKIP="bench netns-check": a shorter check
     SUMMARY+=("$(printf '%-28s %-6s' "$name" SKIPPED)"); : > "$OUT/$name.log"; return 0
   fi
+  local left=$((DEADLINE_S - SECONDS))
+  if [ "$left" -lt 20 ]; then  # no time left in this part
+    SUMMARY+=("$(printf '%-28s %-6s' "$name" NO-TIME)"); : > "$OUT/$name.log"; return 1
+  fi
   echo "=== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 5 "$left" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/$name.log"
   SUMMARY+=("$(printf '%-28s %-6s %5ss' "$name" "$([ $rc = 0 ] && echo PASS || echo FAIL:$rc)" $((SECONDS - start)))")

@@ -134,6 +134,37 @@ def test_init_counts_the_hosts_of_its_ranks(tmp_path, hosts, nodes):
     assert [results[r] for r in range(len(hosts))] == [(128, nodes)] * len(hosts)
 
 
+def _preflight_worker(rank: int, store_file: str, refusing: list[int], results) -> None:
+    from pydatacopy import _network, _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=3)
+    try:
+        def preflight(world_size, **kwargs):  # a node with a remote transport, or without
+            if rank in refusing:
+                raise pydatacopy.Error(f"no remote transport on the node of rank {rank}")
+        _network.check_transport_preconditions = preflight
+        try:
+            _runtime._agree_on_preflight(None, 3, 2, "pydatacopy.init")
+            results[rank] = "started"
+        except pydatacopy.Error as error:
+            results[rank] = str(error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("refusing", [[], [1], [0, 2]])
+def test_a_preflight_refusal_on_one_rank_stops_every_rank(tmp_path, refusing):
+    """No rank goes on into NVSHMEM's bootstrap when another refused: it would wait there."""
+    results = mp.Manager().dict()
+    mp.spawn(_preflight_worker, args=(str(tmp_path / "rendezvous"), refusing, results), nprocs=3, join=True)
+    if not refusing:
+        assert [results[r] for r in range(3)] == ["started"] * 3
+        return
+    for rank in range(3):
+        assert f"NVSHMEM was not started on any rank, because on rank {', '.join(map(str, refusing))} " \
+               f"of the group: no remote transport on the node of rank {refusing[0]}" in results[rank]
+
+
 def _gloo_worker(rank: int, world_size: int, store_file: str, results) -> None:
     # A file rendezvous: no port to race for.
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,

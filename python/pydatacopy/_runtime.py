@@ -175,7 +175,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
         raise Error(f"{call}: rank must be in [0, world_size={world_size}), got {rank}")
     device = _device_index(device, call)
     init_timeout = _init_timeout(timeout, call)
-    _transfer.refuse_capture("init_nvshmem")
+    _transfer.refuse_capture(call.removeprefix("pydatacopy."))
     if _C.is_initialized():
         return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
     _env.check_environment(call)
@@ -255,7 +255,28 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
         device = _choose_device(rank, call)
     torch.cuda.set_device(device)
     unique_id, nodes = _share_unique_id(group)
-    return _start(unique_id, rank, world_size, device, timeout, "pydatacopy.init", nodes=nodes)
+    _network.apply_network_settings()
+    _agree_on_preflight(group, world_size, nodes, call)
+    return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes)
+
+
+def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:
+    """The remote-transport preflight on every rank, agreed (collective): NVSHMEM starts on all
+    ranks or on none. Nodes differ (NICs, libraries), and a rank refusing alone would leave the
+    others in NVSHMEM's bootstrap until the init timeout."""
+    import torch.distributed as dist
+
+    try:
+        _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
+        mine = None
+    except Error as error:
+        mine = str(error)
+    verdicts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, mine, group=group)
+    refused = [rank for rank, verdict in enumerate(verdicts) if verdict]
+    if refused:
+        raise Error(f"{call}: NVSHMEM was not started on any rank, because on rank "
+                    f"{', '.join(map(str, refused))} of the group: {verdicts[refused[0]]}")
 
 
 def finalize() -> None:

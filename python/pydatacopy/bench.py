@@ -145,13 +145,13 @@ def _fill(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     return tensor
 
 
-def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int,
-          host_clock: bool = False) -> float:
-    """Seconds per operation: median over repeats, the slower PE. CUDA events, or with
-    host_clock the host's clock (an operation that completes on the host, such as NIXL's)."""
+def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> tuple[float, float]:
+    """Seconds per operation, median over repeats, the slower PE: by CUDA events, and by the
+    host's clock until the last operation is complete (what NIXL, whose completion is polled on
+    the host, can only be timed by; its ratios use these)."""
     for _ in range(warmup):
         run()
-    samples = []
+    samples, host_samples = [], []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -164,10 +164,12 @@ def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int,
         stop.synchronize()
         ended = time.perf_counter()
         pydatacopy.check_errors()
-        samples.append(((ended - began) if host_clock else start.elapsed_time(stop) / 1e3) / iterations)
-    seconds = torch.tensor([statistics.median(samples)], dtype=torch.float64, device="cuda")
+        samples.append(start.elapsed_time(stop) / 1e3 / iterations)
+        host_samples.append((ended - began) / iterations)
+    seconds = torch.tensor([statistics.median(samples), statistics.median(host_samples)],
+                           dtype=torch.float64, device="cuda")
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds.item())
+    return float(seconds[0].item()), float(seconds[1].item())
 
 
 def _agree(ok: bool) -> bool:
@@ -189,13 +191,14 @@ class Sweep:
         self.expected = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.peer)
         self.out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
 
-    def measure(self, run, check, host_clock: bool = False) -> tuple[float, bool]:
-        seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats, host_clock)
+    def measure(self, run, check) -> tuple[float, float, bool]:
+        """(seconds by CUDA events, seconds by the host's clock, data check on every rank)."""
+        seconds, host_seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats)
         torch.cuda.synchronize()
         dist.barrier()
-        return seconds, _agree(check())
+        return seconds, host_seconds, _agree(check())
 
-    def _into_symmetric(self, make_run) -> tuple[float, bool]:
+    def _into_symmetric(self, make_run) -> tuple[float, float, bool]:
         """Time make_run(symmetric)'s operation into a fresh zeroed symmetric tensor on the
         receiver, then check what arrived there."""
         symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
@@ -283,14 +286,19 @@ class Sweep:
         self.out.zero_()
         return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
 
-    def nixl(self):
-        """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only."""
+    def nixl(self) -> tuple[float, float, bool]:
+        """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only, timed by
+        the host's clock. Raises pydatacopy.Error on every rank when NIXL failed on any."""
         from ._nixl import NixlWrite
 
         self.out.zero_()
         with NixlWrite(self.src, self.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
-            return self.measure(transfer.write, lambda: not self.receives or torch.equal(self.out, self.expected),
-                                host_clock=True)
+            _, host_seconds, ok = self.measure(
+                transfer.write, lambda: not self.receives or torch.equal(self.out, self.expected))
+            failure = transfer.agreed_failure()
+        if failure:
+            raise pydatacopy.Error(f"NIXL's WRITE of {_human(self.nbytes)} bytes: {failure}")
+        return host_seconds, host_seconds, ok
 
 
 def _nixl_ready() -> bool:
@@ -335,7 +343,7 @@ def bench_token_exchange(n_tokens: int, token_size: int, args) -> dict:
         def run():
             dbm.wait(dbm.exchange())
 
-        seconds = _time(run, args.iters, args.warmup, args.repeats)
+        seconds = _time(run, args.iters, args.warmup, args.repeats)[0]
         ok = True
         expected = torch.empty((n_tokens, token_size), dtype=torch.uint8, device="cuda")
         for r in (dbm.round - 2, dbm.round - 1):
@@ -427,7 +435,7 @@ def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dic
                     pydatacopy.put_blocks(pool, source, order, identity, 1)
                 pydatacopy.quiet()
 
-            seconds = _time(run, args.iters, args.warmup, args.repeats)
+            seconds = _time(run, args.iters, args.warmup, args.repeats)[0]
             torch.cuda.synchronize()
             dist.barrier()
             expected = source if name == "put_many" else torch.empty_like(source).index_copy_(0, order, source)
@@ -443,10 +451,11 @@ def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dic
 
 def report(rows: list[dict], args) -> None:
     """The table on the terminal; CSV and PNG files when asked for."""
-    def by_size(path):
-        return {(r["direction"], r["bytes"]): r["gbps"] for r in rows if r["path"] == path}
+    def by_size(path, key="gbps"):
+        return {(r["direction"], r["bytes"]): r[key] for r in rows if r["path"] == path and key in r}
 
-    nccl, copy_engine, nixl = by_size("NCCL"), by_size("cudaMemcpyAsync"), by_size("NIXL")
+    nccl, copy_engine = by_size("NCCL"), by_size("cudaMemcpyAsync")
+    nixl_host_us = by_size("NIXL", "host_us")  # NIXL is timed on the host: so are its ratios
     print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6} "
           f"{'xCE':>6} {'xNIXL':>6}  ok")
 
@@ -454,17 +463,22 @@ def report(rows: list[dict], args) -> None:
         base = baselines.get((r["direction"], r["bytes"]))
         return f"{r['gbps'] / base:6.2f}" if base else "     -"
 
+    def x_nixl(r):
+        base = nixl_host_us.get((r["direction"], r["bytes"]))
+        return f"{base / r['host_us']:6.2f}" if base and r.get("host_us") else "     -"
+
     for r in rows:
         print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {ratio(r, nixl)}  "
+              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)}  "
               f"{'yes' if r['ok'] else 'NO'}")
     if getattr(args, "csv", None):
         import csv
 
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "gbps", "ok"])
+            writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "host_us",
+                                                   "gbps", "ok"])
             writer.writeheader()
-            writer.writerows({k: r[k] for k in writer.fieldnames} for r in rows)
+            writer.writerows({k: r.get(k, "") for k in writer.fieldnames} for r in rows)
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
             f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | x NIXL | ok |\n"
@@ -472,7 +486,7 @@ def report(rows: list[dict], args) -> None:
             for r in rows:
                 f.write(f"| {r['op']} | {r['path']} | {r['direction']} | {r['size']} | {r['us']:.1f} | "
                         f"{r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
-                        f"{ratio(r, nixl).strip()} | "
+                        f"{x_nixl(r).strip()} | "
                         f"{'yes' if r['ok'] else 'NO'} |\n")
     if getattr(args, "plot", None):
         plot(rows, args.plot)
@@ -559,25 +573,40 @@ def main(argv: list[str] | None = None) -> int:
         ops.discard("torch_symm")
     if "nixl" in ops and not _nixl_ready():
         ops.discard("nixl")
+
+    def add_row(op, direction, nbytes, seconds, host_seconds, ok):
+        rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
+                     "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,
+                     "host_us": host_seconds * 1e6, "gbps": nbytes / seconds / 1e9, "ok": ok})
+        if pydatacopy.my_pe() == 0:
+            print(f"  {labels[op][0]:<10} {labels[op][1]:<12} {direction:<4} {_human(nbytes):>6} "
+                  f"{rows[-1]['gbps']:8.1f} GB/s", file=sys.stderr, flush=True)
+
     for direction in directions:
         for nbytes in sizes:
             sweep = Sweep(nbytes, direction == "both", args)
-            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "nixl"):
-                if op not in ops or (op in ("torch_symm", "nixl") and direction == "both"):
-                    continue  # torch's put reads and writes one tensor; NIXL's WRITE is one-sided
-                seconds, ok = (sweep.memcpy_baseline() if op == "memcpy" else
-                               sweep.torch_symm_mem() if op == "torch_symm" else
-                               sweep.put(labels[op][1]) if op.startswith("put") else
-                               sweep.sendrecv() if op == "sendrecv" else
-                               sweep.nixl() if op == "nixl" else sweep.nccl())
-                rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
-                             "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,
-                             "gbps": nbytes / seconds / 1e9, "ok": ok})
-                if pydatacopy.my_pe() == 0:
-                    r = rows[-1]
-                    print(f"  {r['op']:<10} {r['path']:<12} {r['direction']:<4} {r['size']:>6} "
-                          f"{r['gbps']:8.1f} GB/s", file=sys.stderr, flush=True)
+            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl"):
+                if op not in ops or (op == "torch_symm" and direction == "both"):
+                    continue  # torch's put reads and writes one tensor: one direction only
+                add_row(op, direction, nbytes, *(
+                    sweep.memcpy_baseline() if op == "memcpy" else
+                    sweep.torch_symm_mem() if op == "torch_symm" else
+                    sweep.put(labels[op][1]) if op.startswith("put") else
+                    sweep.sendrecv() if op == "sendrecv" else sweep.nccl()))
             del sweep
+    # NIXL last, so that UCX (its hooks and progress threads stay once loaded) colours no other
+    # row; one direction (a WRITE is one-sided). A failure drops the baseline, not the run.
+    if "nixl" in ops and "one" in directions:
+        for nbytes in sizes:
+            sweep = Sweep(nbytes, False, args)
+            try:
+                add_row("nixl", "one", nbytes, *sweep.nixl())
+            except pydatacopy.Error as error:  # raised on every rank alike
+                if pydatacopy.my_pe() == 0:
+                    print(f"  NIXL baseline dropped from {_human(nbytes)} on: {error}", file=sys.stderr, flush=True)
+                break
+            finally:
+                del sweep
     rows.extend(fixed_rows)
     if "tokens" in ops:
         for n_tokens, token_size in args.tokens:
