@@ -188,25 +188,41 @@ class Sweep:
         self.sends = both or self.me == 0
         self.receives = both or self.me == 1
         self.src = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.me)
-        self.expected = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.peer)
         self.out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        self.checked_runs = 0
 
-    def measure(self, run, check) -> tuple[float, float, bool]:
-        """(seconds by CUDA events, seconds by the host's clock, data check on every rank)."""
+    def measure(self, run, dst: torch.Tensor, src: torch.Tensor | None = None) -> tuple[float, float, bool]:
+        """Times `run`, then checks one more run of it that must deliver fresh data: the sender
+        refills `src` (default self.src) from a new seed, the receiver clears `dst`, and after
+        that one run `dst` must hold exactly the sender's new data (a stale, lost or replayed
+        delivery fails). Returns (seconds by CUDA events, by the host's clock, check on all)."""
         seconds, host_seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats)
+        src = self.src if src is None else src
+        self.checked_runs += 1
+        seed = 1000 * self.checked_runs
+        torch.cuda.synchronize()
+        dist.barrier()  # the timed operations are over on both ranks
+        if self.sends:
+            _fill(src, seed + self.me)
+        if self.receives:
+            dst.zero_()
         torch.cuda.synchronize()
         dist.barrier()
-        return seconds, host_seconds, _agree(check())
+        run()
+        torch.cuda.synchronize()
+        dist.barrier()
+        ok = True
+        if self.receives:
+            ok = torch.equal(dst, _fill(torch.empty_like(dst), seed + self.peer))
+        return seconds, host_seconds, _agree(ok)
 
     def _into_symmetric(self, make_run) -> tuple[float, float, bool]:
-        """Time make_run(symmetric)'s operation into a fresh zeroed symmetric tensor on the
-        receiver, then check what arrived there."""
+        """Time and check make_run(symmetric)'s operation into a fresh symmetric tensor."""
         symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
         symmetric.zero_()
         pydatacopy.barrier()
         try:
-            return self.measure(make_run(symmetric),
-                                lambda: not self.receives or torch.equal(symmetric, self.expected))
+            return self.measure(make_run(symmetric), symmetric)
         finally:
             pydatacopy.barrier()
             pydatacopy.free(symmetric)
@@ -256,7 +272,7 @@ class Sweep:
                 pydatacopy.quiet()  # one NVSHMEM in the process: this completes torch's put too
 
         try:
-            return self.measure(run, lambda: not self.receives or torch.equal(tensor, self.expected))
+            return self.measure(run, tensor, src=tensor)  # one tensor: the sender's is the source
         finally:
             torch.cuda.synchronize()
             dist.barrier()
@@ -271,7 +287,7 @@ class Sweep:
             else:
                 pydatacopy.recv(self.out, self.peer)
 
-        return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
+        return self.measure(run, self.out)
 
     def nccl(self):
         def run():
@@ -283,18 +299,15 @@ class Sweep:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-        self.out.zero_()
-        return self.measure(run, lambda: not self.receives or torch.equal(self.out, self.expected))
+        return self.measure(run, self.out)
 
     def nixl(self) -> tuple[float, float, bool]:
         """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only, timed by
         the host's clock. Raises pydatacopy.Error on every rank when NIXL failed on any."""
         from ._nixl import NixlWrite
 
-        self.out.zero_()
         with NixlWrite(self.src, self.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
-            _, host_seconds, ok = self.measure(
-                transfer.write, lambda: not self.receives or torch.equal(self.out, self.expected))
+            _, host_seconds, ok = self.measure(transfer.write, self.out)
             failure = transfer.agreed_failure()
         if failure:
             raise pydatacopy.Error(f"NIXL's WRITE of {_human(self.nbytes)} bytes: {failure}")
