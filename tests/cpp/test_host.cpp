@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "pydatacopy/double_buffer_manager.hpp"
+#include "check.hpp"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/send_recv.hpp"
@@ -15,30 +16,8 @@
 
 namespace {
 
-int passed = 0, failed = 0;
-
-void check(bool condition, const char* what) {
-  if (condition) {
-    ++passed;
-  } else {
-    ++failed;
-    std::printf("FAILED: %s\n", what);
-  }
-}
-
-// The call must throw pydatacopy::Error whose text contains `words`.
-void check_throws(const std::function<void()>& call, const std::string& words, const char* what) {
-  try {
-    call();
-  } catch (const pydatacopy::Error& e) {
-    const bool ok = std::string(e.what()).find(words) != std::string::npos;
-    if (!ok) std::printf("  message was: %s\n", e.what());
-    return check(ok, what);
-  } catch (...) {
-    return check(false, what);
-  }
-  check(false, what);
-}
+using pydatacopy_test::check;
+using pydatacopy_test::check_throws;
 
 }  // namespace
 
@@ -78,7 +57,7 @@ int main() {
   DoubleBufferManager().cleanup();  // harmless when never initialised
   finalize();                       // harmless when not initialised
   finalize();
-  check(!is_symmetric(&passed, sizeof(passed)), "host memory is not symmetric");
+  check(!is_symmetric(&pydatacopy_test::passed, sizeof(int)), "host memory is not symmetric");
 
   check(DoubleBufferManager::default_dst_pe(0, 2) == 1 && DoubleBufferManager::default_src_pe(1, 2) == 0,
         "two PEs pair up");
@@ -96,6 +75,6 @@ int main() {
   check(default_timeout_seconds() == 60.0, "default timeout");
   check_device_errors();  // nothing reported
 
-  std::printf("%d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  std::printf("%d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
+  return pydatacopy_test::failed == 0 ? 0 : 1;
 }

@@ -10,34 +10,14 @@
 #include <thread>
 #include <vector>
 
+#include "check.hpp"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration_cache.hpp"
 
 namespace {
 
-int passed = 0, failed = 0;
-
-void check(bool condition, const char* what) {
-  if (condition) {
-    ++passed;
-  } else {
-    ++failed;
-    std::printf("FAILED: %s\n", what);
-  }
-}
-
-void check_throws(const std::function<void()>& call, const std::string& words, const char* what) {
-  try {
-    call();
-  } catch (const pydatacopy::Error& e) {
-    const bool ok = std::string(e.what()).find(words) != std::string::npos;
-    if (!ok) std::printf("  message was: %s\n", e.what());
-    return check(ok, what);
-  } catch (...) {
-    return check(false, what);
-  }
-  check(false, what);
-}
+using pydatacopy_test::check;
+using pydatacopy_test::check_throws;
 
 const void* at(std::uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
@@ -326,6 +306,6 @@ int main() {
   test_unreused_freed_memory_swept();
   test_clear();
   test_threads();
-  std::printf("registration cache: %d passed, %d failed\n", passed, failed);
-  return failed == 0 ? 0 : 1;
+  std::printf("registration cache: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
+  return pydatacopy_test::failed == 0 ? 0 : 1;
 }
