@@ -279,6 +279,8 @@ def test_ranks_on_two_hosts_go_through_an_active_nic(machine):
 def test_ranks_on_one_host_need_none(machine):
     kwargs = machine()
     _network.check_transport_preconditions(4, {}, nodes=1, **kwargs)
+    # Two torchrun "nodes" on one machine: the hosts init() saw overrule LOCAL_WORLD_SIZE.
+    _network.check_transport_preconditions(4, {"LOCAL_WORLD_SIZE": "2"}, nodes=1, **kwargs)
     assert kwargs["load"].asked == []
 
 

@@ -191,15 +191,17 @@ def check_transport_preconditions(world_size: int, environ=os.environ, *,
     """Refuse set-ups on which NVSHMEM would print an error and exit() the whole process.
 
     Peers need NVSHMEM's remote transport when the job spans nodes (`nodes`, the number of
-    distinct hosts pydatacopy.init saw among the ranks, above 1; or torchrun's LOCAL_WORLD_SIZE
-    below world_size) or NVSHMEM_DISABLE_P2P is on; when that transport cannot work here
+    distinct hosts pydatacopy.init saw among the ranks, above 1; where it is not known,
+    torchrun's LOCAL_WORLD_SIZE below world_size) or NVSHMEM_DISABLE_P2P is on; when that transport cannot work here
     (remote_transport_problem), NVSHMEM ends the process during init ("Unable to initialize any
     transports", or UCX's "AMO not supported" on its first atomic), as seen on the 2-GPU machine.
     """
     if world_size <= 1:
         return
     local = _local_world_size(environ)
-    spans_nodes = (nodes is not None and nodes > 1) or (local is not None and local < world_size)
+    # The hosts init() saw are the truth (two torchrun "nodes" on one machine share its P2P);
+    # without them, torchrun's count of PEs per node.
+    spans_nodes = nodes > 1 if nodes is not None else local is not None and local < world_size
     p2p_off = _p2p_off(environ)
     if not (spans_nodes or p2p_off):
         return

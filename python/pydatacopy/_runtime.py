@@ -270,7 +270,7 @@ def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:
         _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
         mine = None
     except Error as error:
-        mine = str(error)
+        mine = str(error).removeprefix(f"{call}: ")
     verdicts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(verdicts, mine, group=group)
     refused = [rank for rank, verdict in enumerate(verdicts) if verdict]
