@@ -284,12 +284,10 @@ def test_ranks_on_one_host_need_none(machine):
     assert kwargs["load"].asked == []
 
 
-def test_host_identity_is_the_boot_id_else_the_hostname(tmp_path):
-    boot_id = tmp_path / "boot_id"
-    boot_id.write_text("0f3c-node-a\n")
-    assert _network.host_identity(str(boot_id)) == "0f3c-node-a"
+def test_host_identity_is_the_hostname_with_the_boot_id(tmp_path):
     import socket
 
-    assert _network.host_identity(str(tmp_path / "absent")) == socket.gethostname()
-    boot_id.write_text("")
-    assert _network.host_identity(str(boot_id)) == socket.gethostname()
+    boot_id = tmp_path / "boot_id"
+    boot_id.write_text("0f3c-node-a\n")
+    assert _network.host_identity(str(boot_id)) == f"{socket.gethostname()}/0f3c-node-a"
+    assert _network.host_identity(str(tmp_path / "absent")) == f"{socket.gethostname()}/"

@@ -172,16 +172,16 @@ def apply_network_settings(environ=os.environ) -> dict[str, str]:
 
 
 def host_identity(boot_id_path: str = "/proc/sys/kernel/random/boot_id") -> str:
-    """What tells this node from others: the kernel's boot ID (containers on one node share it;
-    hostnames can repeat across nodes), else the hostname."""
+    """What tells this node from others: the hostname with the kernel's boot ID (NCCL's host
+    hash takes both). Containers of one machine with hostnames of their own count as hosts of
+    their own, as NVSHMEM's P2P transport, which goes by a hash of the hostname, sees them."""
+    boot_id = ""
     try:
         with open(boot_id_path) as f:
             boot_id = f.read().strip()
-        if boot_id:
-            return boot_id
     except OSError:
         pass
-    return socket.gethostname()
+    return f"{socket.gethostname()}/{boot_id}"
 
 
 def check_transport_preconditions(world_size: int, environ=os.environ, *,

@@ -166,8 +166,10 @@ def init_nvshmem(root_unique_id: UniqueIdLike, rank: int, world_size: int,
 
 
 def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: DeviceLike,
-           timeout: float | None, call: str, nodes: int | None) -> int:
-    """init_nvshmem's work; `nodes` is the number of hosts among the ranks when init() saw them."""
+           timeout: float | None, call: str, nodes: int | None, preflight_done: bool = False) -> int:
+    """init_nvshmem's work; `nodes` is the number of hosts among the ranks when init() saw them;
+    `preflight_done`: init() has agreed on the remote-transport check with every rank (a
+    second, local check could disagree and leave the others in NVSHMEM's bootstrap)."""
     values = _id_to_list(root_unique_id, call)
     check_int("world_size", world_size, 1, _env.INT32_MAX, call=call)
     check_int("rank", rank, 0, _env.INT32_MAX, call=call)
@@ -183,7 +185,8 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
         device = _choose_device(rank, call)
     torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
-    _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
+    if not preflight_done:
+        _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
     _C.set_rma_options(*_env.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
@@ -257,7 +260,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     unique_id, nodes = _share_unique_id(group)
     _network.apply_network_settings()
     _agree_on_preflight(group, world_size, nodes, call)
-    return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes)
+    return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes, preflight_done=True)
 
 
 def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:
@@ -271,6 +274,8 @@ def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:
         mine = None
     except Error as error:
         mine = str(error).removeprefix(f"{call}: ")
+    except Exception as error:  # the check itself failed here (sysfs, a loader): still agree
+        mine = f"the remote-transport check failed: {type(error).__name__}: {error}"
     verdicts: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(verdicts, mine, group=group)
     refused = [rank for rank, verdict in enumerate(verdicts) if verdict]

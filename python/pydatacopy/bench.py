@@ -212,8 +212,13 @@ class Sweep:
         torch.cuda.synchronize()
         dist.barrier()
         ok = True
+        try:
+            pydatacopy.check_errors()  # a device-side wait that timed out in the checked run
+        except pydatacopy.Error as error:
+            print(f"  rank {self.me}: {error}", file=sys.stderr, flush=True)
+            ok = False
         if self.receives:
-            ok = torch.equal(dst, _fill(torch.empty_like(dst), seed + self.peer))
+            ok = ok and torch.equal(dst, _fill(torch.empty_like(dst), seed + self.peer))
         return seconds, host_seconds, _agree(ok)
 
     def _into_symmetric(self, make_run) -> tuple[float, float, bool]:
@@ -273,10 +278,9 @@ class Sweep:
 
         try:
             return self.measure(run, tensor, src=tensor)  # one tensor: the sender's is the source
-        finally:
+        finally:  # the tensor (and run, which holds it) go when this returns
             torch.cuda.synchronize()
             dist.barrier()
-            del tensor
 
     def sendrecv(self):
         def run():
