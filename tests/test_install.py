@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import re
 import struct
 from pathlib import Path
