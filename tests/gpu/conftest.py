@@ -1,51 +1,162 @@
-"""Two-GPU tests: run under two processes, e.g. `torchrun --nproc_per_node=2 -m pytest tests/gpu`
-(scripts/gpu-check.sh does). Every process runs the same tests in the same order, so the
-collective calls inside them line up. Elsewhere they are skipped with the reason."""
+"""GPU tests: run under torchrun, one process per PE, e.g.
+    torchrun --nproc_per_node=2 -m pytest tests/gpu                          (2+ GPUs)
+    PYDATACOPY_RANKS_PER_GPU=2 torchrun --nproc_per_node=2 -m pytest tests/gpu   (one GPU, under MPS)
+    PYDATACOPY_RANKS_PER_GPU=4 torchrun --nproc_per_node=4 -m pytest tests/gpu -m any_pes
+(scripts/gpu-check.sh does, and manages CUDA MPS on one GPU). Every process runs the same tests
+in the same order, so the collective calls inside them line up.
+
+Modules marked `pytestmark = pytest.mark.any_pes` work for any number of PEs >= 2; every other
+module here is a two-PE module (`peer = 1 - rank`), skipped with the reason when WORLD_SIZE != 2.
+Local rank r uses CUDA device r // PYDATACOPY_RANKS_PER_GPU (default 1), the package's rule;
+torch.distributed runs on gloo when ranks share a GPU (NCCL refuses two ranks on one GPU), on
+nccl otherwise. Where the job cannot run at all (no GPU, not under torchrun, fewer GPUs than the
+ranks need), everything is skipped with the reason."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 
-def _why_not() -> str | None:
-    if os.environ.get("WORLD_SIZE") != "2":
-        return "needs two processes: torchrun --nproc_per_node=2 -m pytest tests/gpu (scripts/gpu-check.sh)"
-    if torch.cuda.device_count() < 2:
-        return f"needs 2 GPUs, this machine has {torch.cuda.device_count()}"
+def _int_env(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise pytest.UsageError(f"{name}={text!r} is not a whole number") from None
+
+
+def ranks_per_gpu() -> int:
+    """PYDATACOPY_RANKS_PER_GPU (default 1): how many local ranks share one GPU."""
+    value = _int_env("PYDATACOPY_RANKS_PER_GPU", 1)
+    if value < 1:
+        raise pytest.UsageError(f"PYDATACOPY_RANKS_PER_GPU={value}: give a whole number >= 1")
+    return value
+
+
+def device_of(local_rank: int) -> int:
+    """The CUDA device of a local rank by the package's rule (pydatacopy.choose_device applies it
+    in the package; computed here too, so the fixture does not depend on torch's CUDA state)."""
+    return local_rank // ranks_per_gpu()
+
+
+def _why_not(any_pes: bool) -> str | None:
+    """Why this module cannot run in this job (the same answer on every rank), or None."""
+    if "WORLD_SIZE" not in os.environ or "LOCAL_RANK" not in os.environ:
+        return ("run under torchrun, one process per PE: torchrun --nproc_per_node=2 -m pytest "
+                "tests/gpu (scripts/gpu-check.sh; on one GPU add PYDATACOPY_RANKS_PER_GPU=2)")
+    world_size = _int_env("WORLD_SIZE", 0)
+    if any_pes and world_size < 2:
+        return f"needs at least 2 PEs, WORLD_SIZE={world_size}"
+    if not any_pes and world_size != 2:
+        return (f"a two-PE module (peer = 1 - rank), WORLD_SIZE={world_size}; the N-PE tests are "
+                "the modules marked any_pes (pytest -m any_pes)")
+    count = torch.cuda.device_count()
+    if count == 0:
+        return "no CUDA device visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+    local_world_size = _int_env("LOCAL_WORLD_SIZE", world_size)
+    needed = device_of(local_world_size - 1) + 1
+    if needed > count:
+        return (f"{local_world_size} local ranks with PYDATACOPY_RANKS_PER_GPU={ranks_per_gpu()} "
+                f"need {needed} GPU(s), this process sees {count}: set PYDATACOPY_RANKS_PER_GPU="
+                f"{-(-local_world_size // count)} to share them")
     return None
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = _why_not()
-    if reason is None:
-        return
+    reasons: dict[bool, str | None] = {}
     for item in items:
-        if "tests/gpu" in str(item.fspath).replace(os.sep, "/"):
-            item.add_marker(pytest.mark.skip(reason=reason))
+        if "tests/gpu" not in str(item.fspath).replace(os.sep, "/"):
+            continue
+        any_pes = item.get_closest_marker("any_pes") is not None
+        if any_pes not in reasons:
+            reasons[any_pes] = _why_not(any_pes)
+        if reasons[any_pes] is not None:
+            item.add_marker(pytest.mark.skip(reason=reasons[any_pes]))
+
+
+def shares_a_gpu() -> bool:
+    """True when this job puts several ranks on one GPU (then torch.distributed is on gloo)."""
+    return ranks_per_gpu() > 1
 
 
 @pytest.fixture(scope="session")
-def world():
-    """torch.distributed (nccl) and NVSHMEM through the design note's own path."""
+def local_device() -> int:
+    """The CUDA device index this rank uses."""
+    return device_of(int(os.environ["LOCAL_RANK"]))
+
+
+@pytest.fixture(scope="session")
+def world(local_device):
+    """torch.distributed and NVSHMEM through the design note's own path: (rank, world_size,
+    unique_id). gloo when ranks share a GPU, nccl otherwise."""
     import torch.distributed as dist
 
     import pydatacopy
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.set_device(local_device)
+    if shares_a_gpu():
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_device))
     # The note's test: rank 0 makes the ID, all_gather_object shares it, every rank joins.
     unique_id = pydatacopy.get_unique_id() if rank == 0 else None
     gathered = [None] * world_size
     dist.all_gather_object(gathered, unique_id)
     pe = pydatacopy.init_nvshmem(gathered[0], rank, world_size)
     assert pe == rank
+    assert torch.cuda.current_device() == local_device
     yield rank, world_size, gathered[0]
     pydatacopy.finalize()
     dist.destroy_process_group()
+
+
+_FULL_SM_COUNT = r"""
+import ctypes, sys
+cuda = ctypes.CDLL("libcuda.so.1")
+device, count = ctypes.c_int(), ctypes.c_int()
+assert cuda.cuInit(0) == 0 and cuda.cuDeviceGet(ctypes.byref(device), int(sys.argv[1])) == 0
+assert cuda.cuDeviceGetAttribute(ctypes.byref(count), 16, device) == 0  # MULTIPROCESSOR_COUNT
+print(count.value)
+"""
+
+
+def _whole_gpu_sm_count(device: int, reported: int) -> int:
+    """The GPU's SM count outside this client's MPS limit: asked of a short process without
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (whether the count a limited client sees is already its
+    share is not documented); `reported` (this process's count) if that process fails."""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    try:
+        out = subprocess.run([sys.executable, "-c", _FULL_SM_COUNT, str(device)], env=env,
+                             capture_output=True, text=True, timeout=60)
+        return max(int(out.stdout.strip()), reported)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return reported
+
+
+@pytest.fixture(scope="session")
+def sm_share(local_device) -> int:
+    """The SMs this process may use: its CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the GPU's SMs
+    under MPS, else all of them. Kernels that hold SMs on purpose are sized by it."""
+    reported = torch.cuda.get_device_properties(local_device).multi_processor_count
+    percent = os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "").strip()
+    try:
+        fraction = float(percent) / 100 if percent else 1.0
+    except ValueError:
+        fraction = 1.0
+    if not 0 < fraction < 1:
+        return reported
+    whole = _whole_gpu_sm_count(local_device, reported)
+    # MPS hands SMs out in pairs (TPCs) on recent GPUs and may round either way: round down to a
+    # pair, never more than this client reports, never fewer than one.
+    return max(1, min(reported, int(whole * fraction) // 2 * 2))
 
 
 @pytest.fixture

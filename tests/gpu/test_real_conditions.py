@@ -294,7 +294,9 @@ def test_send_recv_any_block_count(world, peer, blocks):
 
 @pytest.mark.parametrize("free_sms", [4, 1])
 @pytest.mark.parametrize("what", ["sendrecv", "exchange"])
-def test_progress_while_another_kernel_holds_all_but_a_few_sms(world, peer, what, free_sms):
+def test_progress_while_another_kernel_holds_all_but_a_few_sms(world, peer, sm_share, what, free_sms):
+    """`sm_share`: the SMs this process may use (its MPS client's share when PEs share a GPU;
+    a kernel sized to the whole GPU would queue blocks behind itself and hold every SM)."""
     rank = world[0]
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
     shared = properties.shared_memory_per_block_optin if hasattr(properties, "shared_memory_per_block_optin") \
@@ -317,9 +319,11 @@ def test_progress_while_another_kernel_holds_all_but_a_few_sms(world, peer, what
     release.zero_()
     torch.cuda.synchronize()
     dist.barrier()
-    # One block per SM (all of its shared memory), on all but `free_sms` SMs, for at most 20 s:
-    # the transfer must finish on the SMs left and release it, not wait for its deadline.
-    _C._test_occupy_sms(properties.multi_processor_count - free_sms, 1024, shared, release.data_ptr(),
+    # One block per SM (all of its shared memory), on all but `free_sms` of this process's SMs,
+    # for at most 20 s: the transfer must finish on the SMs left and release it, not wait for
+    # its deadline.
+    assert sm_share > free_sms, f"this process may use {sm_share} SMs, too few to leave {free_sms} free"
+    _C._test_occupy_sms(sm_share - free_sms, 1024, shared, release.data_ptr(),
                         by_flag.data_ptr(), 20.0, hog.cuda_stream)
     with torch.cuda.stream(work):
         torch.cuda._sleep(1_000_000)  # let the hog reach the SMs first
@@ -395,9 +399,9 @@ def test_one_channel_from_two_streams(world, peer):
 def test_allocation_too_large_is_an_error_on_every_pe(world, peer, what):
     rank = world[0]
     free_bytes, _ = torch.cuda.mem_get_info()
-    free_bytes = torch.tensor([free_bytes], device="cuda")
-    dist.all_reduce(free_bytes, op=dist.ReduceOp.MAX)  # every PE asks the same size
-    nbytes = (1 << 40) if what == "1 TiB" else 2 * int(free_bytes.item())
+    every_free = [None] * world[1]
+    dist.all_gather_object(every_free, free_bytes)  # on gloo and nccl alike
+    nbytes = (1 << 40) if what == "1 TiB" else 2 * max(every_free)  # every PE asks the same size
     with pytest.raises(pydatacopy.Error, match="GPU memory free") as info:
         pydatacopy.empty((nbytes,), dtype=torch.uint8)
     assert str(nbytes) in str(info.value)

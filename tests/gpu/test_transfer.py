@@ -1,4 +1,4 @@
-"""Byte-exact data movement on two GPUs: put/get on every path, signals, send/recv of any tensor,
+"""Byte-exact data movement between two PEs (two GPUs, or two PEs sharing one): put/get on every path, signals, send/recv of any tensor,
 batched puts, the forced RMA path, and argument errors (see conftest.py for how to run)."""
 
 from __future__ import annotations
@@ -270,10 +270,8 @@ def test_bad_inputs_raise_the_project_error(world, peer):
     symmetric = pydatacopy.empty(1024, dtype=torch.float32)
     signal = pydatacopy.empty(1, dtype=torch.uint64)
     local = torch.zeros(1024, dtype=torch.float32, device="cuda")
-    other_device = torch.zeros(1024, dtype=torch.float32, device=f"cuda:{peer}")
     cases = [
         (lambda: pydatacopy.put(symmetric, local.cpu(), peer), "use .cuda"),
-        (lambda: pydatacopy.put(symmetric, other_device, peer), "move it there"),
         (lambda: pydatacopy.put(symmetric, local[:10], peer), "size mismatch"),
         (lambda: pydatacopy.put(symmetric, local.int(), peer), "dtype mismatch"),
         (lambda: pydatacopy.put(symmetric.view(32, 32).t(), local.view(32, 32), peer), "contiguous"),
@@ -314,6 +312,35 @@ def test_bad_inputs_raise_the_project_error(world, peer):
     finally:
         pydatacopy.barrier()
         pydatacopy.free(signal)
+        pydatacopy.free(symmetric)
+
+
+def test_tensor_on_another_device_raises_the_project_error(world, peer, local_device):
+    """A source on a CUDA device other than this PE's is refused. Needs a second visible device:
+    the ranks agree first, so that all of them run the case or all skip it (a rank raising alone
+    would put the channel out of step)."""
+    rank = world[0]
+    count = torch.cuda.device_count()
+    counts = [None] * world[1]
+    dist.all_gather_object(counts, count)
+    if min(counts) < 2:
+        pytest.skip(f"needs a second CUDA device beside this PE's: the ranks see {counts} device(s)")
+    # Not the peer's device: with ranks sharing a GPU that is this PE's own.
+    other = (local_device + 1) % count
+    symmetric = pydatacopy.empty(1024, dtype=torch.float32)
+    try:
+        with pytest.raises(pydatacopy.Error) as info:
+            pydatacopy.put(symmetric, torch.zeros(1024, dtype=torch.float32, device=f"cuda:{other}"), peer)
+        assert "move it there" in str(info.value), str(info.value)
+        with pytest.raises(pydatacopy.Error) as info:
+            pydatacopy.send(torch.zeros(64, dtype=torch.uint8, device=f"cuda:{other}"), peer)
+        assert "move it there" in str(info.value), str(info.value)
+        # Nothing moved: the send/recv channel is still in step.
+        received = torch.empty(4097, dtype=torch.uint8, device="cuda")
+        pydatacopy.sendrecv(_bytes(rank, 4343, 4097), peer, received, peer)
+        assert torch.equal(received, _bytes(peer, 4343, 4097))
+    finally:
+        pydatacopy.barrier()
         pydatacopy.free(symmetric)
 
 
