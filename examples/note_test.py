@@ -1,5 +1,7 @@
 """The design note's test, as the note writes it: run with
     torchrun --nproc_per_node=2 examples/note_test.py
+Two ranks sharing one GPU (under CUDA MPS, see README): PYDATACOPY_RANKS_PER_GPU=2 torchrun ...;
+then torch.distributed runs on gloo (NCCL refuses two ranks on one GPU) and both use cuda:0.
 """
 import os
 import time
@@ -11,10 +13,12 @@ import pydatacopy
 
 
 def main():
-    dist.init_process_group(backend="nccl")
+    ranks_per_gpu = int(os.environ.get("PYDATACOPY_RANKS_PER_GPU") or 1)
+    dist.init_process_group(backend="gloo" if ranks_per_gpu > 1 else "nccl")
     rank = dist.get_rank()
     world_size = dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    # pydatacopy's device rule: local rank r uses GPU r // PYDATACOPY_RANKS_PER_GPU.
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) // ranks_per_gpu)
 
     # Rank 0 creates the NVSHMEM unique ID; torch.distributed shares it.
     unique_id = pydatacopy.get_unique_id() if rank == 0 else None

@@ -10,7 +10,10 @@ Starts worker processes (not under torchrun, whose agent would end the survivor 
 - absent-init: only rank 0 of 2 starts; init_nvshmem must raise TimeoutError and the
   interpreter must then exit normally (NVSHMEM's bootstrap thread is left waiting);
 - init-after-finalize: one PE inits, finalizes twice, inits again: a clear pydatacopy.Error.
-Prints one line per scenario; exits non-zero on failure.
+Prints one line per scenario; exits non-zero on failure. `--only NAME` runs one scenario (its
+mode name: kill, no-finalize, absent-barrier, absent-alloc, absent-init, init-after-finalize):
+on one GPU under CUDA MPS, scripts/gpu-check.sh restarts MPS between them, as a killed client
+can leave MPS refusing the next one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import time
 WORKER = r"""
 import os, sys, time, torch, torch.distributed as dist, pydatacopy
 rank = int(os.environ["RANK"]); mode = os.environ["KILL_MODE"]; timeout = float(os.environ["KILL_TIMEOUT"])
-torch.cuda.set_device(rank)
+# pydatacopy's device rule: rank r on device r // PYDATACOPY_RANKS_PER_GPU (both on cuda:0 when
+# they share one GPU; torch.distributed is on gloo either way).
+torch.cuda.set_device(rank // int(os.environ.get("PYDATACOPY_RANKS_PER_GPU") or 1))
 if mode == "init-after-finalize":  # one PE, no peer needed
     pydatacopy.init_nvshmem(pydatacopy.get_unique_id(), 0, 1)
     pydatacopy.finalize()
@@ -158,16 +163,18 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
             os.unlink(store)
 
 
+SCENARIOS = [("kill", "kill PE 1 mid-transfer"), ("no-finalize", "exit without finalize()"),
+             ("absent-barrier", "PE 1 skips barrier()"), ("absent-alloc", "PE 1 skips empty()"),
+             ("absent-init", "rank 1 never starts"), ("init-after-finalize", "init after finalize()")]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--only", choices=[mode for mode, _ in SCENARIOS], help="run this scenario only")
     args = parser.parse_args()
-    results = [("kill PE 1 mid-transfer", *run("kill", args.timeout)),
-               ("exit without finalize()", *run("no-finalize", args.timeout)),
-               ("PE 1 skips barrier()", *run("absent-barrier", args.timeout)),
-               ("PE 1 skips empty()", *run("absent-alloc", args.timeout)),
-               ("rank 1 never starts", *run("absent-init", args.timeout)),
-               ("init after finalize()", *run("init-after-finalize", args.timeout))]
+    results = [(name, *run(mode, args.timeout)) for mode, name in SCENARIOS
+               if args.only in (None, mode)]
     for name, ok, detail in results:
         print(f"kill-check: {name:<26} {'PASS' if ok else 'FAIL'}  {detail}")
     return 0 if all(ok for _, ok, _ in results) else 1

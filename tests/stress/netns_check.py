@@ -1,6 +1,7 @@
 """Bootstrap across a real network hop: python tests/stress/netns_check.py [--timeout 60]
 
-Needs root (network namespaces) and 2 GPUs; needs no `ip` tool (the GPU machine has none): the
+Needs root (network namespaces) and a GPU (two PEs share it with PYDATACOPY_RANKS_PER_GPU=2,
+under CUDA MPS: scripts/gpu-check.sh); needs no `ip` tool (the GPU machine has none): the
 veth pair is made over rtnetlink from Python. Rank 0 stays in this namespace on `pdc0`
 (10.231.0.1), rank 1 runs in a fresh namespace (`unshare -n`, entered with `nsenter`) on `pdc1`
 (10.231.0.2), so every byte of torch.distributed's rendezvous and of NVSHMEM's unique-ID
@@ -89,7 +90,7 @@ if os.environ.get("NETNS_DRY") == "1":  # no GPU: check the rendezvous and the I
     print("RESULT ok", flush=True)
     sys.exit(0)
 import pydatacopy
-torch.cuda.set_device(rank)
+torch.cuda.set_device(rank // int(os.environ.get("PYDATACOPY_RANKS_PER_GPU") or 1))  # the device rule
 begin = time.time()
 try:
     pydatacopy.init(timeout=float(os.environ["NETNS_TIMEOUT"]))

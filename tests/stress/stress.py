@@ -1,4 +1,5 @@
 """Integrity under load: torchrun --nproc_per_node=2 tests/stress/stress.py --rounds 10000
+(two PEs sharing one GPU: PYDATACOPY_RANKS_PER_GPU=2, under CUDA MPS; scripts/gpu-check.sh)
 
 Random rounds mixing every data path (put on the copy engine, SM and RMA paths, get, put_signal,
 send/recv both ways, put_many, the DoubleBufferManager exchange), sizes from 1 byte to 256 MiB
@@ -37,10 +38,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--empty-cache-every", type=int, default=0,
                         help="return torch's cached memory to the driver every N rounds (0: never)")
+    parser.add_argument("--max-seconds", type=float, default=0,
+                        help="stop after this many seconds, at a round all PEs agree on (0: no limit); "
+                             "the summary says how many rounds ran")
     args = parser.parse_args()
 
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    # pydatacopy's device rule: local rank r on device r // PYDATACOPY_RANKS_PER_GPU. Ranks that
+    # share a GPU talk over gloo (NCCL refuses two ranks on one GPU).
+    ranks_per_gpu = int(os.environ.get("PYDATACOPY_RANKS_PER_GPU") or 1)
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) // ranks_per_gpu)
+    if ranks_per_gpu > 1:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     pe = pydatacopy.init()
     peer = 1 - pe
     rng = random.Random(args.seed)  # the same sequence on both PEs
@@ -58,7 +68,14 @@ def main() -> int:
     forced = pydatacopy._C.rma_forced()
     kinds = [k for k in KINDS if not (forced and k in ("put_ce", "put_sm"))]
     get_paths = ["auto", "rma"] if forced else ["auto", "sm", "rma"]
+    rounds_done = 0
     for round_ in range(args.rounds):
+        if args.max_seconds and round_ % 50 == 0 and round_:
+            # PE 0's clock decides for all: every PE stops after the same round.
+            stop = [time.time() - start > args.max_seconds]
+            dist.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                break
         if args.empty_cache_every and round_ % args.empty_cache_every == 0:
             # Segments go back to the driver and come again, often at the same addresses: the
             # registrations of the RMA path must follow (stale ones dropped, new ones made).
@@ -114,13 +131,16 @@ def main() -> int:
         pydatacopy.barrier()  # the peer has checked before this round's buffers are reused
         moved += nbytes
         counts[kind] += 1
+        rounds_done += 1
         if pe == 0 and (round_ + 1) % 2000 == 0:
             print(f"  {round_ + 1} rounds verified, {moved / 2**30:.1f} GiB received per PE", flush=True)
     torch.cuda.synchronize()
     pydatacopy.check_errors()
     elapsed = time.time() - start
     if pe == 0:
-        print(f"stress: {args.rounds} rounds verified byte-exact on both PEs in {elapsed:.0f} s, "
+        cut = f" (of {args.rounds}: stopped at --max-seconds {args.max_seconds:.0f})" \
+            if rounds_done < args.rounds else ""
+        print(f"stress: {rounds_done} rounds{cut} verified byte-exact on both PEs in {elapsed:.0f} s, "
               f"{moved / 2**30:.1f} GiB received per PE; rounds per path: {counts}; "
               f"registrations: {pydatacopy._C.registration_stats()}")
     dbm.cleanup()

@@ -1,8 +1,9 @@
 """One NVSHMEM, two users: python tests/stress/torch_order_check.py [--timeout 180] [--order O]
 
 pydatacopy and torch's symmetric memory on its NVSHMEM backend share the one NVSHMEM of a
-process. Each scenario starts a fresh pair of worker processes (rank = GPU, not under torchrun,
-nccl process group on 127.0.0.1 and a free port) and brings both up, in one order or the other:
+process. Each scenario starts a fresh pair of worker processes (not under torchrun; rank r on
+GPU r // PYDATACOPY_RANKS_PER_GPU; an nccl process group on 127.0.0.1 and a free port, gloo when
+the two share a GPU) and brings both up, in one order or the other:
 - torch-first: symm_mem.set_backend("NVSHMEM"), symm_mem.empty(), rendezvous(), then pydatacopy.init();
 - pydatacopy-first: pydatacopy.init(), then the same torch steps.
 Then, on both ranks, byte-exact with data that differs per rank and per step, destinations
@@ -35,6 +36,15 @@ GRACE_S = 15.0  # how long the other rank may take to exit once one has failed
 
 # ---- worker ----------------------------------------------------------------------------------
 
+def ranks_per_gpu() -> int:
+    return int(os.environ.get("PYDATACOPY_RANKS_PER_GPU") or 1)
+
+
+def device_of(rank: int) -> int:
+    """pydatacopy's device rule (both workers are local): rank // PYDATACOPY_RANKS_PER_GPU."""
+    return rank // ranks_per_gpu()
+
+
 class Mismatch(Exception):
     pass
 
@@ -49,6 +59,7 @@ class Worker:
 
         self.torch, self.dist, self.pydatacopy = torch, dist, pydatacopy
         self.rank, self.peer = rank, 1 - rank
+        self.device = torch.device("cuda", device_of(rank))
         self.t = self.handle = None
 
     def pattern(self, rank: int, step: int, nbytes: int):
@@ -76,7 +87,7 @@ class Worker:
 
         torch, dist = self.torch, self.dist
         symm_mem.set_backend("NVSHMEM")
-        self.t = symm_mem.empty((4 << 20) + 7, dtype=torch.uint8, device=torch.device("cuda", self.rank))
+        self.t = symm_mem.empty((4 << 20) + 7, dtype=torch.uint8, device=self.device)
         self.handle = symm_mem.rendezvous(self.t, dist.group.WORLD.group_name)
         if (self.handle.rank, self.handle.world_size) != (self.rank, 2):
             raise RuntimeError(f"torch symm_mem handle is rank {self.handle.rank} of "
@@ -171,8 +182,11 @@ def run_worker(order: str) -> int:
     try:
         import pydatacopy
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+        torch.cuda.set_device(device_of(rank))
+        if ranks_per_gpu() > 1:  # NCCL refuses two ranks on one GPU
+            dist.init_process_group("gloo")
+        else:
+            dist.init_process_group("nccl", device_id=torch.device("cuda", device_of(rank)))
         if rank == 0:
             print(f"INFO torch {torch.__version__}, pydatacopy {pydatacopy.__version__}, NVSHMEM "
                   f"{pydatacopy.nvshmem_versions()}, order {order}", flush=True)

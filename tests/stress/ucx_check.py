@@ -22,7 +22,7 @@ import time
 WORKER = r"""
 import os, sys, time, torch, torch.distributed as dist, pydatacopy
 rank = int(os.environ["RANK"]); peer = 1 - rank
-torch.cuda.set_device(rank)
+torch.cuda.set_device(rank // int(os.environ.get("PYDATACOPY_RANKS_PER_GPU") or 1))  # the device rule
 dist.init_process_group("gloo")
 try:
     pydatacopy.init()
