@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# Build from the working tree and run the multi-GPU tests and the benchmark, in one call:
-#   device run (kind nvidia-h200-x2):  bash scripts/gpu-check.sh
-# Logs go to $OUT (or ./gpu-check-out); the summary table is printed last. SANITIZE=0 leaves out
-# the compute-sanitizer runs, SWEEP=1 adds the send/recv sweep, SKIP="name ..." skips steps.
-# A device call runs at most 10 minutes, and everything together can take longer: PART=a (the
-# suites, stress, torch order, UCX; about 4 minutes) and PART=b (real-conditions groups, kill and
-# network checks, the bench, the sanitizers) split it in two calls; each builds first.
+# Build from the working tree and run the GPU tests, the checks and the benchmark, in one call:
+#   device run (kind nvidia-h200-x2):  bash scripts/gpu-check.sh          (one PE per GPU, as before)
+#   device run (kind nvidia-h200):     bash scripts/gpu-check.sh          (one GPU: PEs share cuda:0)
+# One GPU: every two-PE step runs 2 PEs on cuda:0 (PYDATACOPY_RANKS_PER_GPU=2, torch.distributed on
+# gloo) under CUDA MPS, started here (scripts/mps.sh, as root), 50% of the SMs per client; MPS is
+# restarted before every GPU step (a failed client leaves it refusing new ones) and stopped at the end.
+# The N-PE steps run 4 PEs: on one GPU at 25% each; on 2+ GPUs PYDATACOPY_RANKS_PER_GPU=ceil(4/NGPU)
+# (under MPS where that is more than one).
+# A device call runs at most 10 minutes: PART=a (suites on the direct and forced-RMA paths, the
+# N-PE tests, note test, stress) and PART=b (kill ring, torch order, UCX, kill and network checks,
+# sanitizers, bench, the real-conditions groups one by one on 2+ GPUs) each fit one call; each
+# builds first and stops starting steps at DEADLINE_S, so that its summary always comes back.
+# QUICK=1: build, the suite on the direct and the forced-RMA path (2 PEs) and the N-PE step, in at
+# most 4 minutes, for iterating. ONLY="step ..." runs just those steps (and the build);
+# SKIP="step ..." leaves steps out; SANITIZE=0 leaves out the compute-sanitizer runs; SWEEP=1 adds
+# the send/recv sweep; HOSTILE=1 runs the real-conditions groups one by one on one GPU too (by
+# default there only after a failed suite: the same tests run inside the suites). MPS=0: no MPS
+# (time-sliced, slow). Logs are packed into $OUT/logs.tgz; the summary table is printed last.
 set -uo pipefail
-case "${PART:-all}" in
-  a) SKIP="${SKIP:-} hostile kill-check netns-check bench"; SANITIZE=0 ;;
-  b) SKIP="${SKIP:-} cpu-tests doctor gpu2-tests gpu2-tests-rma note-test stress stress-rma stress-rma-async torch-order ucx-check" ;;
-  all) ;;
+QUICK=${QUICK:-0}
+PART=${PART:-all}
+[ "$QUICK" = 1 ] && PART=quick
+case "$PART" in
+  a|b|all|quick) ;;
   *) echo "gpu-check: PART=${PART} is not a, b or all"; exit 2 ;;
 esac
+NGPU=$(nvidia-smi -L | wc -l)
 # A part stops starting steps (and cuts the one running) at DEADLINE_S, so that its summary
-# table still comes back within the device call's 10 minutes.
-DEADLINE_S=${DEADLINE_S:-$([ "${PART:-all}" = all ] && echo 86400 || echo 560)}
+# table still comes back within the device call.
+case "$PART" in
+  quick) DEADLINE_S=${DEADLINE_S:-225} ;;
+  all) DEADLINE_S=${DEADLINE_S:-86400} ;;
+  *) DEADLINE_S=${DEADLINE_S:-510} ;;
+esac
 # NVLink multicast can take the shared GPUs down: keep it off everywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYDATACOPY_TIMEOUT_S=${PYDATACOPY_TIMEOUT_S:-30}
@@ -24,6 +41,7 @@ export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+HERE=$(cd "$(dirname "$0")" && pwd)
 # Optional packages the machine lacks (nixl-cu13 for the bench's NIXL baseline, libucx-cu13 for
 # the UCX check) travel as wheels in .whl/, made by scripts/device-wheels.sh and named in the
 # call's carry; the steps that need them skip without.
@@ -31,75 +49,214 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-NGPU=$(nvidia-smi -L | wc -l)
-declare -a SUMMARY
 
+# ---- PEs, GPUs and MPS ---------------------------------------------------------------------
+N_PES=${N_PES:-4}                          # the N-PE steps
+NPES_PER_GPU=$(( (N_PES + NGPU - 1) / NGPU ))
+export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/pydatacopy-mps}
+export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/pydatacopy-mps-log}
+MPS_ON=0
+mps() {  # mps start|stop|restart, logged; MPS_ON follows
+  [ "${MPS:-1}" = 0 ] && return 0
+  [ "$1" = stop ] && [ "$MPS_ON" = 0 ] && return 0  # only the daemon this script started
+  bash "$HERE/mps.sh" "$1" >> "$OUT/mps.log" 2>&1
+  local rc=$?
+  case "$1" in stop) MPS_ON=0 ;; *) [ $rc = 0 ] && MPS_ON=1 || MPS_ON=0 ;; esac
+  [ $rc = 0 ] || echo "gpu-check: mps $1 failed: $(tail -n 2 "$OUT/mps.log" | tr '\n' ' ')"
+  return $rc
+}
+trap 'mps stop' EXIT
+ONE_GPU=0
+if [ "$NGPU" = 1 ]; then
+  ONE_GPU=1
+  export PYDATACOPY_RANKS_PER_GPU=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
+  GPU_CHECK_MPS=1; [ "${MPS:-1}" = 0 ] && GPU_CHECK_MPS=0
+  export GPU_CHECK_MPS  # scripts/gpu-hostile.sh: MPS is managed here
+  mps start
+fi
+# The environment of a step of `pes` PEs: ranks per GPU and each client's share of the SMs.
+pes() {
+  local per_gpu=$(( ($1 + NGPU - 1) / NGPU ))
+  if [ "$per_gpu" -gt 1 ]; then
+    echo "PYDATACOPY_RANKS_PER_GPU=$per_gpu CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / per_gpu))"
+  else
+    echo "PYDATACOPY_RANKS_PER_GPU=1"
+  fi
+}
+
+# ---- steps ---------------------------------------------------------------------------------
+declare -a SUMMARY NOTES
+declare -A RESULT
+GPU_STEPS_RUN=0
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail and seconds
   local name=$1; shift
   local start=$SECONDS
-  if [[ " ${SKIP:-} " == *" $name "* ]]; then  # SKIP="bench netns-check": a shorter check
-    SUMMARY+=("$(printf '%-28s %-6s' "$name" SKIPPED)"); : > "$OUT/$name.log"; return 0
+  if [[ " ${SKIP:-} " == *" $name "* ]] || { [ -n "${ONLY:-}" ] && [ "$name" != build ] && [[ " $ONLY " != *" $name "* ]]; }; then
+    SUMMARY+=("$(printf '%-28s %-8s' "$name" SKIPPED)"); RESULT[$name]=SKIPPED; : > "$OUT/$name.log"; return 0
   fi
   local left=$((DEADLINE_S - SECONDS))
   if [ "$left" -lt 20 ]; then  # no time left in this part
-    SUMMARY+=("$(printf '%-28s %-6s' "$name" NO-TIME)"); : > "$OUT/$name.log"; return 1
+    SUMMARY+=("$(printf '%-28s %-8s' "$name" NO-TIME)"); RESULT[$name]=NO-TIME; : > "$OUT/$name.log"; return 1
+  fi
+  # A fresh MPS for every GPU step: a client that failed or was killed in the last one can
+  # leave it refusing new clients.
+  if [ "$name" != build ] && [ "$name" != cpu-tests ]; then
+    if [ "$MPS_ON" = 1 ] && [ "$GPU_STEPS_RUN" -gt 0 ]; then mps restart; fi
+    GPU_STEPS_RUN=$((GPU_STEPS_RUN + 1))
   fi
   echo "=== $name: $*"
   timeout -k 5 "$left" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   tail -n 25 "$OUT/$name.log"
-  SUMMARY+=("$(printf '%-28s %-6s %5ss' "$name" "$([ $rc = 0 ] && echo PASS || echo FAIL:$rc)" $((SECONDS - start)))")
+  local verdict; verdict=$([ $rc = 0 ] && echo PASS || echo "FAIL:$rc")
+  RESULT[$name]=$verdict
+  SUMMARY+=("$(printf '%-28s %-8s %5ss  %s' "$name" "$verdict" $((SECONDS - start)) "$(counts "$name")")")
   return $rc
 }
+counts() {  # what a step's log counts: pytest's last line, the stress rounds, or PASS/FAIL lines
+  local log="$OUT/$1.log" line
+  line=$(grep -hE "[0-9]+ (passed|failed|errors?|skipped|deselected)" "$log" 2>/dev/null | tail -n 1 | sed 's/=//g; s/^ *//')
+  [ -z "$line" ] && line=$(grep -hoE "^stress: [0-9]+ rounds( \(of [0-9]+)?" "$log" 2>/dev/null | tail -n 1)
+  if [ -z "$line" ]; then
+    local pass fail
+    pass=$(grep -cE "^[a-z_-]+[: ].*\bPASS\b" "$log" 2>/dev/null); fail=$(grep -cE "^[a-z_-]+[: ].*\bFAIL\b" "$log" 2>/dev/null)
+    [ "$((pass + fail))" -gt 0 ] && line="$pass PASS, $fail FAIL lines"
+  fi
+  echo "$line" | cut -c1-100
+}
+has() { [[ " $1 " == *" $2 "* ]]; }
+
+case "$PART" in
+  quick) STEPS="gpu2-tests gpu2-tests-rma n-pes" ;;
+  a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async" ;;
+  b) STEPS="hostile kill-ring torch-order ucx-check kill-check netns-check sanitizers bench" ;;
+  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async hostile kill-ring torch-order ucx-check kill-check netns-check sanitizers bench" ;;
+esac
+# On one GPU the stress runs are cut by time (fewer rounds), so that a part fits one call.
+if [ "$ONE_GPU" = 1 ]; then
+  STRESS_CAP="--max-seconds ${STRESS_SECONDS:-50}"; STRESS_RMA_CAP="--max-seconds ${STRESS_RMA_SECONDS:-35}"
+  STRESS_ASYNC_CAP="--max-seconds ${STRESS_ASYNC_SECONDS:-25}"
+  NOTES+=("one GPU: 2 PEs on cuda:0 under MPS at 50% each (PYDATACOPY_RANKS_PER_GPU=2, gloo), N-PE steps 4 PEs at 25%; stress runs cut at ${STRESS_SECONDS:-50}/${STRESS_RMA_SECONDS:-35}/${STRESS_ASYNC_SECONDS:-25} s (rounds done: below)")
+else
+  STRESS_CAP=""; STRESS_RMA_CAP=""; STRESS_ASYNC_CAP=""
+fi
+SUITE="-m pytest tests/gpu -q -p no:cacheprovider -rs"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
-# The real-conditions tests one group per process first (a group that hangs or kills its
-# processes cannot hide the others), then with the rest of the suite.
-step hostile bash scripts/gpu-hostile.sh --no-build
-step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
-step doctor $PY -m pydatacopy.doctor
-step gpu2-tests timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
-# The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer,
-# with every local address handed to NVSHMEM checked to be symmetric or registered.
-step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 -m pytest tests/gpu -q -p no:cacheprovider ${GPU_TEST_ARGS:-}
-step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
-step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000}
-step stress-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-3000} --empty-cache-every 25
-# torch's cudaMallocAsync allocator: every tensor its own allocation, addresses reused at once.
-step stress-rma-async env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 300 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-1000} --empty-cache-every 25
-step torch-order timeout 400 $PY tests/stress/torch_order_check.py
-step ucx-check timeout 200 $PY tests/stress/ucx_check.py
-step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
-step netns-check timeout 400 $PY tests/stress/netns_check.py --timeout 30
-step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:--b 4K -e 1G -f 4 -d all}
-if [ "${SANITIZE:-1}" = 1 ]; then
+has "$STEPS" cpu-tests && step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
+has "$STEPS" doctor && step doctor $PY -m pydatacopy.doctor
+if has "$STEPS" gpu2-tests; then
+  step gpu2-tests timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
+  # The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer,
+  # with every local address handed to NVSHMEM checked to be symmetric or registered.
+  step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
+fi
+# 2+ GPUs with more PEs than GPUs (the N-PE steps): MPS for as long as those run.
+SHARED_MPS=0
+shared_mps() {  # shared_mps start|stop
+  if [ "$1" = start ] && [ "$ONE_GPU" = 0 ] && [ "$NPES_PER_GPU" -gt 1 ] && [ "$MPS_ON" = 0 ]; then
+    mps start && SHARED_MPS=1
+  elif [ "$1" = stop ] && [ "$SHARED_MPS" = 1 ]; then
+    mps stop; SHARED_MPS=0
+  fi
+  return 0
+}
+# The tests for any number of PEs, with 4.
+if has "$STEPS" n-pes; then
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step n-pes env $(pes "$N_PES") timeout 300 torchrun --nproc_per_node="$N_PES" $SUITE -m any_pes
+  shared_mps stop
+fi
+# The real-conditions tests one group per process (a group that hangs or kills its processes
+# cannot hide the others). On one GPU only to find the culprit after a failed suite (the same
+# tests ran inside it), or with HOSTILE=1.
+hostile_wanted() {
+  [ "$ONE_GPU" = 0 ] && has "$STEPS" hostile && return 0
+  [ "${HOSTILE:-auto}" = 1 ] && has "$STEPS" hostile && return 0
+  [ "${HOSTILE:-auto}" = auto ] && [ "$PART" != quick ] && \
+    [[ "${RESULT[gpu2-tests]:-}${RESULT[gpu2-tests-rma]:-}" == *FAIL* ]]
+}
+if [ "$ONE_GPU" = 1 ] && hostile_wanted; then step hostile bash scripts/gpu-hostile.sh --no-build; fi
+has "$STEPS" note-test && step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
+if has "$STEPS" stress; then
+  step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000} $STRESS_CAP
+  step stress-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-3000} --empty-cache-every 25 $STRESS_RMA_CAP
+  # torch's cudaMallocAsync allocator: every tensor its own allocation, addresses reused at once.
+  step stress-rma-async env PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 300 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-1000} --empty-cache-every 25 $STRESS_ASYNC_CAP
+fi
+if [ "$ONE_GPU" = 0 ] && hostile_wanted; then step hostile bash scripts/gpu-hostile.sh --no-build; fi
+if has "$STEPS" kill-ring; then  # 4 processes of its own, one killed (tests/stress/kill_ring.py)
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step kill-ring env $(pes "$N_PES") timeout 300 $PY tests/stress/kill_ring.py
+  shared_mps stop
+fi
+has "$STEPS" torch-order && step torch-order timeout 400 $PY tests/stress/torch_order_check.py
+has "$STEPS" ucx-check && step ucx-check timeout 200 $PY tests/stress/ucx_check.py
+if has "$STEPS" kill-check; then
+  if [ "$MPS_ON" = 1 ]; then  # a killed client can leave MPS refusing the next: one MPS per scenario
+    step kill-check bash -c 'rc=0; for s in kill no-finalize absent-barrier absent-alloc absent-init init-after-finalize; do
+        timeout 150 '"$PY"' tests/stress/kill_check.py --timeout 5 --only $s || rc=1
+        bash '"$HERE"'/mps.sh restart > /dev/null; done; exit $rc'
+  else
+    step kill-check timeout 400 $PY tests/stress/kill_check.py --timeout 5
+  fi
+fi
+has "$STEPS" netns-check && step netns-check timeout 400 $PY tests/stress/netns_check.py --timeout 30
+if has "$STEPS" sanitizers && [ "${SANITIZE:-1}" = 1 ]; then
   # A representative subset under compute-sanitizer (slow: device puts drop to a few GB/s).
+  # --report-api-errors no: NCCL's and NVSHMEM's init probe kernel images and get
+  # cudaErrorNoKernelImageForDevice back by design; those return codes are not our errors.
+  SUBSET="byte_exact_both_ways and 3-7 or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or barrier_with_deadline or graph_sendrecv and 4K or any_block_count and 7 or bad_block_index or one_stream_wait or two_sizes"
   for tool in memcheck racecheck; do
-    # --report-api-errors no: NCCL's and NVSHMEM's init probe kernel images and get
-    # cudaErrorNoKernelImageForDevice back by design; those return codes are not our errors.
     step sanitizer-$tool timeout 300 torchrun --nproc_per_node=2 --no-python compute-sanitizer \
-      --tool $tool --report-api-errors no --error-exitcode 9 --print-limit 40 $PY -m pytest tests/gpu -q -p no:cacheprovider \
-      -k "byte_exact_both_ways and 3-7 or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or barrier_with_deadline or graph_sendrecv and 4K or any_block_count and 7 or bad_block_index or one_stream_wait or two_sizes"
+      --tool $tool --report-api-errors no --error-exitcode 9 --print-limit 40 $PY $SUITE -k "$SUBSET"
+    # Should the sanitizer refuse MPS clients, the same subset time-sliced, without MPS.
+    if [ "$MPS_ON" = 1 ] && [[ "${RESULT[sanitizer-$tool]}" == FAIL* ]] && \
+       grep -qiE "MPS|busy or unavailable|not supported" "$OUT/sanitizer-$tool.log"; then
+      mps stop
+      step sanitizer-$tool-no-mps env -u CUDA_MPS_ACTIVE_THREAD_PERCENTAGE timeout 300 torchrun --nproc_per_node=2 --no-python \
+        compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 9 --print-limit 40 $PY $SUITE -k "$SUBSET"
+      NOTES+=("sanitizer-$tool refused under MPS: sanitizer-$tool-no-mps ran it time-sliced")
+      mps start
+    fi
   done
 fi
+if has "$STEPS" bench; then
+  # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
+  # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
+  if [ "$ONE_GPU" = 1 ]; then
+    DEFAULT_BENCH="-b 4K -e 256M -f 4 -d all --ops memcpy,put_ce,put_sm,put_rma,sendrecv,tokens,latency,host,put_many"
+  else
+    DEFAULT_BENCH="-b 4K -e 1G -f 4 -d all"
+  fi
+  step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-$DEFAULT_BENCH}
+fi
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
+mps stop
 
 echo
-echo "=== gpu-check $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+echo "=== gpu-check PART=$PART $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), ${SECONDS}s of ${DEADLINE_S}s"
+printf '%s\n' "${NOTES[@]}"
 printf '%s\n' "${SUMMARY[@]}"
 grep -h " rc=" "$OUT/hostile.log" 2>/dev/null
-for log in cpu-tests gpu2-tests gpu2-tests-rma; do echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"; done
-grep -h "test_bandwidth" "$OUT/note-test.log" | tail -n 2
-grep -h "^stress:\|MISMATCH\|Error" "$OUT/stress.log" "$OUT/stress-rma.log" "$OUT/stress-rma-async.log" | tail -n 6
-grep -h "^torch-order-check" "$OUT/torch-order.log"
-grep -h "^ucx-check" "$OUT/ucx-check.log"
-grep -h "^kill-check" "$OUT/kill-check.log"
-grep -h "^netns-check" "$OUT/netns-check.log"
-cat "$OUT/doctor.log"
+for log in cpu-tests gpu2-tests gpu2-tests-rma n-pes; do
+  [ -s "$OUT/$log.log" ] && echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"
+done
+grep -h "^SKIPPED" "$OUT"/gpu2-tests*.log "$OUT/n-pes.log" 2>/dev/null | sort | uniq -c | head -n 20
+grep -h "test_bandwidth" "$OUT/note-test.log" 2>/dev/null | tail -n 2
+grep -h "^stress:\|MISMATCH\|Error" "$OUT"/stress*.log 2>/dev/null | tail -n 6
+grep -h "^kill-ring\|^kill_ring" "$OUT/kill-ring.log" 2>/dev/null | tail -n 8
+grep -h "^torch-order-check" "$OUT/torch-order.log" 2>/dev/null
+grep -h "^ucx-check" "$OUT/ucx-check.log" 2>/dev/null
+grep -h "^kill-check" "$OUT/kill-check.log" 2>/dev/null
+grep -h "^netns-check" "$OUT/netns-check.log" 2>/dev/null
+[ -s "$OUT/doctor.log" ] && cat "$OUT/doctor.log"
 grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
-sed -n '/^op /,$p' "$OUT/bench.log"
+[ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
 # At most 8 files come back from the device tool: keep the summary, pack the logs.
-(cd "$OUT" && tar czf logs.tgz *.log && find . -name '*.log' ! -name gpu-check.log -delete) 2>/dev/null
-! printf '%s\n' "${SUMMARY[@]}" | grep -q FAIL
+(cd "$OUT" && tar czf logs.tgz -- *.log && find . -name '*.log' ! -name gpu-check.log -delete) 2>/dev/null
+! printf '%s\n' "${SUMMARY[@]}" | grep -q "FAIL\|NO-TIME"
