@@ -10,7 +10,10 @@ set -uo pipefail
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/pydatacopy-mps}
 export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/pydatacopy-mps-log}
 
-running() { pgrep -x nvidia-cuda-mps-control > /dev/null; }
+# The kernel keeps 15 characters of a process name: nvidia-cuda-mps-control and -server are both
+# "nvidia-cuda-mps" there.
+mps_pids() { pgrep -x nvidia-cuda-mps; }
+running() { mps_pids > /dev/null; }
 
 start() {
   command -v nvidia-cuda-mps-control > /dev/null || { echo "mps: nvidia-cuda-mps-control not found"; return 1; }
@@ -26,13 +29,13 @@ stop() {
   running || return 0
   echo quit | nvidia-cuda-mps-control > /dev/null 2>&1
   for _ in $(seq 100); do  # quit waits for the server's clients: up to 10 s
-    pgrep -x nvidia-cuda-mps-control > /dev/null || pgrep -x nvidia-cuda-mps-server > /dev/null || break
+    running || break
     sleep 0.1
   done
   # A client stuck in a kernel keeps the server: end the daemon and server this script started,
   # by their process IDs.
   local pids
-  pids=$(pgrep -x nvidia-cuda-mps-control; pgrep -x nvidia-cuda-mps-server)
+  pids=$(mps_pids)
   if [ -n "$pids" ]; then
     echo "mps: did not quit within 10 s; ending processes $(echo $pids)"
     # shellcheck disable=SC2086  # one PID per word
