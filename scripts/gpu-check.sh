@@ -149,7 +149,9 @@ SUITE="-m pytest tests/gpu -q -p no:cacheprovider -rs"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
-has "$STEPS" cpu-tests && step cpu-tests $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
+# The CPU tests set their own environment: not the one-GPU settings of this script.
+has "$STEPS" cpu-tests && step cpu-tests env -u PYDATACOPY_RANKS_PER_GPU -u CUDA_MPS_ACTIVE_THREAD_PERCENTAGE \
+  $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
 has "$STEPS" doctor && step doctor $PY -m pydatacopy.doctor
 if has "$STEPS" gpu2-tests; then
   step gpu2-tests timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}

@@ -1,5 +1,6 @@
-"""Byte-exact data movement between two PEs (two GPUs, or two PEs sharing one): put/get on every path, signals, send/recv of any tensor,
-batched puts, the forced RMA path, and argument errors (see conftest.py for how to run)."""
+"""Byte-exact data movement between two PEs (on two GPUs, or sharing one): put/get on every path,
+signals, send/recv of any tensor, batched puts, the forced RMA path, and argument errors (see
+conftest.py for how to run)."""
 
 from __future__ import annotations
 
