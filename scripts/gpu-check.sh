@@ -56,6 +56,7 @@ NPES_PER_GPU=$(( (N_PES + NGPU - 1) / NGPU ))
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/pydatacopy-mps}
 export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/pydatacopy-mps-log}
 MPS_ON=0
+declare -a SUMMARY NOTES
 mps() {  # mps start|stop|restart, logged; MPS_ON follows
   [ "${MPS:-1}" = 0 ] && return 0
   [ "$1" = stop ] && [ "$MPS_ON" = 0 ] && return 0  # only the daemon this script started
@@ -72,7 +73,7 @@ if [ "$NGPU" = 1 ]; then
   export PYDATACOPY_RANKS_PER_GPU=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50
   GPU_CHECK_MPS=1; [ "${MPS:-1}" = 0 ] && GPU_CHECK_MPS=0
   export GPU_CHECK_MPS  # scripts/gpu-hostile.sh: MPS is managed here
-  mps start
+  mps start || NOTES+=("MPS did not start (mps.log in logs.tgz): the PEs time-slice the GPU, slowly")
 fi
 # The environment of a step of `pes` PEs: ranks per GPU and each client's share of the SMs.
 pes() {
@@ -85,7 +86,6 @@ pes() {
 }
 
 # ---- steps ---------------------------------------------------------------------------------
-declare -a SUMMARY NOTES
 declare -A RESULT
 GPU_STEPS_RUN=0
 step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail and seconds
@@ -266,6 +266,9 @@ grep -h "^netns-check" "$OUT/netns-check.log" 2>/dev/null
 grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 [ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
+for f in control server; do  # MPS's own logs, for a client it refused
+  [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
+done
 # At most 8 files come back from the device tool: keep the summary, pack the logs.
 (cd "$OUT" && tar czf logs.tgz -- *.log && find . -name '*.log' ! -name gpu-check.log -delete) 2>/dev/null
 # Passed: every step that ran passed and none was left without time.
