@@ -46,7 +46,7 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def _cleared(nbytes: int, offset: int = 1) -> torch.Tensor:
-    """A zeroed receive buffer at an odd offset into its allocation."""
+    """A zeroed receive buffer, `offset` bytes into its allocation (odd by default)."""
     return torch.zeros(nbytes + offset, dtype=torch.uint8, device="cuda")[offset:]
 
 
@@ -154,7 +154,8 @@ def test_graph_ring_sendrecv_every_replay_is_fresh(world, nbytes):
         if replay % n == rank:
             torch.cuda._sleep(500_000)
         graph.replay()
-        _assert_bytes(received, _bytes(prev_pe, rank, tag, nbytes), f"replay {replay}: PE {rank} from PE {prev_pe}")
+        _assert_bytes(received, _bytes(prev_pe, rank, tag, nbytes),
+                      f"replay {replay}: PE {rank} from PE {prev_pe}")
     torch.cuda.synchronize()
     pydatacopy.check_errors()
 
@@ -162,7 +163,8 @@ def test_graph_ring_sendrecv_every_replay_is_fresh(world, nbytes):
 # ---- token exchange --------------------------------------------------------------------------
 
 def _tokens(src_pe: int, dst_pe: int, round_: int, n_tokens: int, token_size: int, salt: int) -> torch.Tensor:
-    return _bytes(src_pe, dst_pe, 40_000_000 + 1000 * salt + round_, n_tokens * token_size).view(n_tokens, token_size)
+    tag = 40_000_000 + 1000 * salt + round_
+    return _bytes(src_pe, dst_pe, tag, n_tokens * token_size).view(n_tokens, token_size)
 
 
 @pytest.mark.parametrize("n_tokens, token_size", [(3, 7), (1000, 7168)])
@@ -233,7 +235,8 @@ def test_put_blocks_to_every_peer(world, path):
         perm = torch.randperm(pool_rows, device="cuda", generator=shared)
         dst_indices = perm[src_pe * rows_per_pe:(src_pe + 1) * rows_per_pe].contiguous()
         # Which source rows go depends on the destination too: each peer gets its own rows.
-        own = torch.Generator(device="cuda").manual_seed(70_000 + iteration * 4099 * 4099 + src_pe * 4099 + dst_pe)
+        own = torch.Generator(device="cuda").manual_seed(
+            70_000 + iteration * 4099 * 4099 + src_pe * 4099 + dst_pe)
         src_indices = torch.randint(0, src_rows, (rows_per_pe,), device="cuda", generator=own)
         return dst_indices, src_indices
 
@@ -315,10 +318,12 @@ def test_put_signal_fan_in(world):
                 pydatacopy.check_errors()
                 for pe in range(n):
                     if pe != root:
-                        assert int(signals[pe].item()) == value[pe], (iteration, pe, int(signals[pe].item()))
+                        seen = int(signals.view(torch.int64)[pe].item())  # values stay below 2^63
+                        assert seen == value[pe], f"iteration {iteration}: PE {pe}'s signal is {seen}"
                         _assert_bytes(data[pe], _bytes(pe, root, 90_000 + iteration, slot_bytes),
                                       f"iteration {iteration}: root {root}, slot of PE {pe}")
-                assert int(data[root].count_nonzero()) == 0, f"iteration {iteration}: the root's own slot was written"
+                assert int(data[root].count_nonzero()) == 0, \
+                    f"iteration {iteration}: the root's own slot was written"
             pydatacopy.barrier(timeout=TIMEOUT_S)  # the root has checked before the next round
     finally:
         torch.cuda.synchronize()

@@ -209,6 +209,7 @@ def _worker(rank: int, scenario: str, timeout: float, go_file: str, store: str) 
         _emit("live_pair", pair=list(pair), **result)
 
     _emit("finalize", **_outcome(pydatacopy.finalize))
+    _emit("gloo_destroyed", **_outcome(dist.destroy_process_group))  # local; a hang shows here
     _emit("exiting")
     return 0  # a normal interpreter exit: it must not hang either
 
@@ -540,7 +541,8 @@ def main() -> int:
     devices = sorted({r // k for r in range(WORLD)})
     print(f"kill-ring: {WORLD} PEs, PYDATACOPY_RANKS_PER_GPU={k} (cuda:{', cuda:'.join(map(str, devices))}), "
           f"timeout {args.timeout:g} s + margin {args.margin:g} s"
-          + (f", MPS {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'default')}%"
+          + (f", MPS with {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', 'no SM limit')}"
+             f"{'%' if os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') else ''} per client"
              if os.environ.get("CUDA_MPS_PIPE_DIRECTORY") else "")
           + (f", dry run ({args.dry_run})" if args.dry_run else ""), flush=True)
     total_deadline = time.monotonic() + args.total_timeout
