@@ -292,7 +292,7 @@ uint64_t gpu_identity(int device) {
   // Only without a UUID: the host (as the Python layer names it: hostname, then the boot ID)
   // and the PCI address.
   char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';  // then the boot ID and PCI address
   std::string boot_id;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
   std::ostringstream fallback;
