@@ -29,6 +29,8 @@ double default_init_timeout_seconds();
 // it, registering this library's device-side NVSHMEM state.
 // Throws TimeoutError when not every rank joined within `timeout_seconds`; NVSHMEM cannot be
 // started again in that process afterwards (its bootstrap cannot be cancelled): exit it.
+// Once started, every PE tells the others which GPU it uses (gpu_identities()), in a barrier
+// bounded by the same timeout.
 int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world_size,
                  int device = -1, double timeout_seconds = default_init_timeout_seconds());
 
@@ -50,6 +52,18 @@ void enqueue_barrier(cudaStream_t stream, double timeout_seconds);
 // and gets back every PE's vote, indexed by PE (so that all can take the same decision). Its
 // arrivals are counted apart from the stream-ordered barrier's, so neither satisfies the other.
 std::vector<uint64_t> barrier_all_blocking(const char* what, double timeout_seconds, uint64_t vote = 0);
+
+// A 64-bit identity of CUDA `device`'s GPU: a hash of its UUID, which is the same in every
+// process and container that uses that GPU (and differs per MIG instance), so PEs with equal
+// identities share that GPU's memory and SMs. Falls back to the host (hostname and boot ID) with
+// the PCI address when the driver reports no UUID.
+uint64_t gpu_identity(int device);
+// The hash behind it: FNV-1a over the 16 UUID bytes, or over `fallback` when they are all zero.
+uint64_t gpu_identity_of(const unsigned char (&uuid)[16], const std::string& fallback);
+// Every PE's gpu_identity, indexed by PE, gathered by init_nvshmem in a bounded barrier.
+std::vector<uint64_t> gpu_identities();
+// How many PEs (this one included) use this PE's GPU.
+int pes_sharing_my_gpu();
 
 bool is_initialized();
 int my_pe();

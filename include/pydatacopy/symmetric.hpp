@@ -2,12 +2,46 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
 
 namespace pydatacopy {
 
 // Collective: every PE calls it with the same size, in the same order. Throws (naming
-// NVSHMEM_SYMMETRIC_SIZE and the bytes needed) when the heap is too small. Never returns null.
+// NVSHMEM_SYMMETRIC_SIZE and the bytes needed) when the heap is too small, and, on every PE
+// alike with nothing allocated anywhere, when the PEs sharing some GPU cannot hold the request
+// together (see symmetric_room_refusal). Never returns null.
 void* symmetric_malloc(std::size_t bytes);
+
+// ---- symmetric_malloc's room vote, as plain arithmetic (tested without a GPU) ----
+//
+// NVSHMEM grows each PE's heap into its GPU's free memory, and when it cannot it ends every
+// process. So before nvshmem_malloc every PE votes, in one blocking barrier word, the room it
+// has: the unused part of its heap (NVSHMEM_SYMMETRIC_SIZE less live allocations) and the room
+// on its GPU (free memory less a reserve). PEs on one GPU share that GPU's free memory: a
+// request fits when, for every GPU, the growth beyond each heap's unused part, summed over the
+// PEs on that GPU, fits the GPU's room. Every PE sees every vote and every PE's GPU (gathered by
+// init_nvshmem), so all decide alike.
+struct RoomVote {
+  uint64_t heap_room_mib = 0;  // the heap's unused part, rounded down to MiB
+  uint64_t gpu_room_mib = 0;   // the GPU's free memory less the reserve, rounded down to MiB
+};
+// Packs both into one word, 32 bits each (MiB: up to 4 PiB, saturated beyond).
+uint64_t pack_room_vote(std::size_t heap_room_bytes, std::size_t gpu_room_bytes);
+RoomVote unpack_room_vote(uint64_t word);
+// The reserve kept free on a GPU that `pes_on_gpu` PEs share: 1 GiB or 2% of the GPU, whichever
+// is more, for the CUDA contexts' working memory, plus NVSHMEM's growth granularity (512 MiB,
+// NVSHMEM_CUMEM_GRANULARITY's default) for each further PE, since each rounds its own growth up.
+std::size_t gpu_reserve_bytes(std::size_t gpu_total_bytes, int pes_on_gpu);
+// Empty when `bytes` on every PE fits; else the refusal, listing the room per GPU and per PE
+// and what to do. `gpu_of_pe` and `votes` are indexed by PE (same length).
+std::string symmetric_room_refusal(std::size_t bytes, const std::vector<uint64_t>& gpu_of_pe,
+                                   const std::vector<uint64_t>& votes);
+
+namespace detail {
+std::string gib(std::size_t bytes);  // "1.5 GiB", three significant digits
+}  // namespace detail
 
 // Collective: waits for this PE's device work to finish, then frees on every PE.
 void symmetric_free(void* ptr);

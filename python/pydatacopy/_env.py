@@ -219,6 +219,65 @@ def local_rank(environ: Mapping[str, str] = os.environ) -> int | None:
                      "which torchrun sets")
 
 
+def local_world_size(environ: Mapping[str, str] = os.environ) -> int | None:
+    """LOCAL_WORLD_SIZE (torchrun sets it: the number of processes on this node), or None when
+    unset or not a positive whole number (then not torchrun's, as _network reads it too)."""
+    text = environ.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(text) if text.isdigit() and text.isascii() and int(text) > 0 else None
+
+
+#: The most ranks pydatacopy lets share one GPU (MPS serves at most 48 clients per GPU on Volta
+#: and up to 60 on later GPUs; without MPS every one more rank is one more time slice).
+MAX_RANKS_PER_GPU = 64
+
+
+def ranks_per_gpu(environ: Mapping[str, str] = os.environ) -> int:
+    """PYDATACOPY_RANKS_PER_GPU (default 1): how many ranks of a node share one CUDA device.
+    choose_device gives local rank r the device r // ranks_per_gpu."""
+    text = environ.get("PYDATACOPY_RANKS_PER_GPU")
+    if text is None:
+        return 1
+    return parse_int(text, "PYDATACOPY_RANKS_PER_GPU", 1, MAX_RANKS_PER_GPU, 2,
+                     "how many ranks of a node share one GPU: local rank r uses CUDA device r // it")
+
+
+def mps_thread_percentage(environ: Mapping[str, str] = os.environ) -> float | None:
+    """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of a GPU's threads, so of its SMs, an MPS
+    client may use), or None when unset. NVSHMEM reads it with atof and sums it over the PEs of
+    one GPU; pydatacopy refuses what is not a number in (0, 100]."""
+    text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 100:
+        raise SettingError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={text!r} is not a percentage in "
+                           "(0, 100]: the share of the GPU's SMs this MPS client may use; with K "
+                           "ranks on one GPU set it to 100/K or less (e.g. 50 for two), or unset it")
+    return value
+
+
+#: Where MPS clients look for the control daemon when CUDA_MPS_PIPE_DIRECTORY is unset.
+MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+
+
+def mps_control_pipe(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The MPS control daemon's named pipe this process would connect to (CUDA_MPS_PIPE_DIRECTORY,
+    else /tmp/nvidia-mps, then 'control'), or None when there is none: then CUDA contexts made
+    here are not MPS clients. A pipe left by a daemon killed hard also counts (it is not opened:
+    writing into it could disturb a live daemon)."""
+    import stat
+
+    path = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY,
+                        "control")
+    try:
+        return path if stat.S_ISFIFO(os.stat(path).st_mode) else None
+    except OSError:
+        return None
+
+
 # ---- network interfaces --------------------------------------------------------------------
 
 class _SockAddr(ctypes.Structure):
@@ -420,7 +479,8 @@ def nvshmem_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[str,
 
 
 def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
-    """Like nvshmem_problems, for PYDATACOPY_*."""
+    """Like nvshmem_problems, for PYDATACOPY_* and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (which
+    init() sums over the ranks sharing a GPU)."""
     checks = [
         ("PYDATACOPY_TIMEOUT_S", lambda t: parse_seconds(t, "PYDATACOPY_TIMEOUT_S", 60)),
         ("PYDATACOPY_INIT_TIMEOUT_S", lambda t: parse_seconds(t, "PYDATACOPY_INIT_TIMEOUT_S", 300)),
@@ -432,6 +492,10 @@ def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[s
             t, "PYDATACOPY_CHECK_RMA", "verify every local address handed to an NVSHMEM RMA call")),
         ("PYDATACOPY_AUTO_REGISTER", lambda t: parse_switch(
             t, "PYDATACOPY_AUTO_REGISTER", "register local buffers with NVSHMEM on first use")),
+        ("PYDATACOPY_RANKS_PER_GPU", lambda t: ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": t})),
+        # Not ours, but init() sums it over the ranks of a GPU (see _runtime._shared_gpu_verdict).
+        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+         lambda t: mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t})),
     ]
     problems = []
     for name, check in checks:

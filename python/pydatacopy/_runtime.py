@@ -6,7 +6,8 @@ import hashlib
 import os
 import re
 import sys
-from typing import Sequence, Union
+import warnings
+from typing import NamedTuple, Sequence, Union
 
 import torch
 
@@ -112,7 +113,8 @@ def _device_index(device: DeviceLike, call: str) -> int | None:
 
 def _choose_device(rank: int, call: str) -> int:
     try:
-        device = _env.local_rank()
+        local = _env.local_rank()
+        per_gpu = _env.ranks_per_gpu()
     except _env.SettingError as error:
         raise Error(f"{call}: {error}; or pass device= to {call}") from None
     count = torch.cuda.device_count()
@@ -120,12 +122,25 @@ def _choose_device(rank: int, call: str) -> int:
         raise Error(f"{call}: {_NO_GPU}")
     if torch.cuda.is_initialized():
         return torch.cuda.current_device()
-    if device is not None:
-        if device >= count:
-            raise Error(f"{call}: LOCAL_RANK={device} but this process sees {count} CUDA "
-                        "device(s); check CUDA_VISIBLE_DEVICES and torchrun's --nproc_per_node")
-        return device
-    return rank % count
+    if local is None:
+        return (rank // per_gpu) % count
+    # Every rank of the node reads the same LOCAL_WORLD_SIZE, so all of them refuse here alike,
+    # before any collective: none is left waiting in the ID's broadcast for a rank that refused.
+    on_node = _env.local_world_size()
+    needed = max(local + 1, on_node or 0)
+    if needed > count * per_gpu:
+        where = (f"LOCAL_WORLD_SIZE={on_node} ranks on this node" if on_node and on_node > local
+                 else f"LOCAL_RANK={local}")
+        share = -(-needed // count)  # ceil: ranks each GPU must take
+        raise Error(
+            f"{call}: {where} but this process sees {count} CUDA device(s), and with "
+            f"PYDATACOPY_RANKS_PER_GPU={per_gpu} local rank r uses device r // {per_gpu}, so "
+            f"LOCAL_RANK={needed - 1} would need device {(needed - 1) // per_gpu}. To run several "
+            f"ranks on one GPU, set PYDATACOPY_RANKS_PER_GPU={share} on every rank (with "
+            "torch.distributed on gloo: NCCL refuses two ranks on one GPU; CUDA MPS recommended, "
+            f"see the README's 'Several ranks on one GPU'), or pass device= to {call}; otherwise "
+            "check CUDA_VISIBLE_DEVICES and torchrun's --nproc_per_node")
+    return local // per_gpu
 
 
 def choose_device(rank: int) -> int:
@@ -133,8 +148,16 @@ def choose_device(rank: int) -> int:
 
     1. if torch has already initialised CUDA in this process, its current device (the caller
        chose one, e.g. with torch.cuda.set_device);
-    2. else LOCAL_RANK from the environment (torchrun and the SLURM recipes set it);
-    3. else rank modulo the number of visible devices.
+    2. else LOCAL_RANK // PYDATACOPY_RANKS_PER_GPU (torchrun and the SLURM recipes set
+       LOCAL_RANK; PYDATACOPY_RANKS_PER_GPU, default 1, says how many ranks of a node share one
+       GPU: with 4 ranks and PYDATACOPY_RANKS_PER_GPU=2, local ranks 0 and 1 use cuda:0, 2 and
+       3 cuda:1). A local rank, or a LOCAL_WORLD_SIZE, that needs more devices than this process
+       sees is refused (pydatacopy.Error naming PYDATACOPY_RANKS_PER_GPU and device=): ranks are
+       never folded onto devices by a silent modulo;
+    3. else (rank // PYDATACOPY_RANKS_PER_GPU) modulo the number of visible devices (no
+       LOCAL_RANK: one rank per node, or a launcher that sets only RANK).
+
+    init(device=...) and init_nvshmem(..., device) override the rule.
     """
     check_int("rank", rank, 0, _env.INT32_MAX, call="pydatacopy.choose_device")
     return _choose_device(rank, "pydatacopy.choose_device")
@@ -204,6 +227,44 @@ def share_unique_id(group=None) -> list[int]:
 def _share_unique_id(group=None) -> tuple[list[int], int]:
     """share_unique_id, and the number of distinct hosts among the group's ranks (gathered in
     the same collective as the ID's check)."""
+    unique_id, ranks = _share_unique_id_and_ranks(group)
+    return unique_id, len({rank.host for rank in ranks})
+
+
+class RankInfo(NamedTuple):
+    """What init() learns about each rank of its group, in the ID's check (one collective)."""
+    digest: str  # of the unique ID the rank received
+    host: str  # _network.host_identity()
+    gpu: str | None  # the GPU's UUID (None: no CUDA device here); one physical GPU, one UUID
+    mps: bool  # an MPS control daemon is there for this rank (_env.mps_control_pipe)
+    thread_percentage: float | None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, None when unset
+
+
+def _gpu_identity() -> str | None:
+    """The UUID of this process's current CUDA device (the same in every process and container
+    that uses that GPU, and different for each MIG instance), else its host and PCI bus as a
+    stand-in; None without a CUDA device."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+        return None
+    device = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "")
+    if uuid.strip("0-") == "":
+        bus = getattr(props, "pci_bus_id", device)
+        uuid = f"{_network.host_identity()}/pci:{getattr(props, 'pci_domain_id', 0)}:{bus}"
+    return uuid
+
+
+def _this_rank(digest: str) -> RankInfo:
+    try:
+        percentage = _env.mps_thread_percentage()
+    except _env.SettingError:
+        percentage = None  # check_environment refused it already where init() runs
+    return RankInfo(digest, _network.host_identity(), _gpu_identity(),
+                    _env.mps_control_pipe() is not None, percentage)
+
+
+def _share_unique_id_and_ranks(group=None) -> tuple[list[int], list[RankInfo]]:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
@@ -215,17 +276,114 @@ def _share_unique_id(group=None) -> tuple[list[int], int]:
     device = None
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    dist.broadcast_object_list(payload, src=source, group=group, device=device)
+    try:
+        dist.broadcast_object_list(payload, src=source, group=group, device=device)
+    except Exception as error:
+        if "duplicate gpu" not in str(error).lower():
+            raise
+        raise Error(f"pydatacopy.init: {_NCCL_REFUSES} (NCCL said: {error})") from error
     unique_id = _id_to_list(payload[0], "pydatacopy.share_unique_id")
     digest = hashlib.sha256(bytes(unique_id)).hexdigest()
-    gathered: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (digest, _network.host_identity()), group=group)
-    digests = {entry[0] for entry in gathered}
-    if len(digests) != 1:
+    gathered: list[RankInfo | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, tuple(_this_rank(digest)), group=group)
+    ranks = [RankInfo(*entry) for entry in gathered]
+    if len({rank.digest for rank in ranks}) != 1:
         raise Error("pydatacopy.share_unique_id: ranks received different NVSHMEM unique IDs; "
                     "check that every rank of the group calls pydatacopy.init() once, in the same "
                     "order")
-    return unique_id, len({entry[1] for entry in gathered})
+    return unique_id, ranks
+
+
+_NCCL_REFUSES_HOWTO = (
+    "NCCL refuses two ranks on one GPU ('Duplicate GPU detected'). Create the group with "
+    "torch.distributed.init_process_group('gloo') (pydatacopy only sends its 128-byte ID through "
+    "it; the data moves through NVSHMEM, which runs several ranks on one GPU), or give every "
+    "rank a GPU of its own (PYDATACOPY_RANKS_PER_GPU=1)")
+_NCCL_REFUSES = ("ranks of this torch.distributed group share a GPU, and its backend is nccl: "
+                 + _NCCL_REFUSES_HOWTO)
+
+
+def shared_gpus(ranks: Sequence[RankInfo]) -> list[list[int]]:
+    """The ranks (group ranks, ascending) of every GPU that more than one rank uses."""
+    by_gpu: dict[str, list[int]] = {}
+    for index, rank in enumerate(ranks):
+        if rank.gpu is not None:
+            by_gpu.setdefault(rank.gpu, []).append(index)
+    return [members for members in by_gpu.values() if len(members) > 1]
+
+
+def shared_gpu_verdict(ranks: Sequence[RankInfo], ignore_percentage: bool = False
+                       ) -> tuple[str | None, list[str]]:
+    """(refusal or None, warnings) for ranks sharing GPUs, the same on every rank (all see the
+    same `ranks`), so that every rank refuses alike.
+
+    NVSHMEM's rules for several PEs on one GPU ("multiple processes per GPU", MPG; its
+    init.cpp, and NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE in its environment
+    variables): full support only under CUDA MPS with the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of
+    the PEs of one GPU summing to at most 100; otherwise "limited MPG" support, and past 100
+    "NVSHMEM synchronizing APIs might deadlock". Without MPS the GPU time-slices between the
+    processes, so a kernel waiting for a peer on the same GPU still lets the peer run: right,
+    but slow (sendrecv 64 MiB about 7 GB/s per direction on an H200, 135 GB/s under MPS): a
+    warning. Under MPS there is no time slicing: the clients' kernels run side by side only
+    while they fit, and a waiting kernel that holds SMs the peer needs never gives them up
+    (seen: a 256-block send/recv between two clients with no limit ran past 60 s). So a sum
+    above 100 that every client set explicitly is refused (unless
+    NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE asks NVSHMEM to run anyway: then a
+    warning); an unset percentage takes the MPS daemon's default, which this process cannot
+    read (100 unless set_default_active_thread_percentage changed it): a warning.
+    """
+    refusals, warnings_ = [], []
+    for members in shared_gpus(ranks):
+        k = len(members)
+        names = f"ranks {', '.join(map(str, members))} share GPU {ranks[members[0]].gpu}"
+        if not all(ranks[m].mps for m in members):
+            warnings_.append(
+                f"{names} without CUDA MPS: NVSHMEM runs them time-sliced, right but slow (about "
+                "7 GB/s per direction for a 64 MiB sendrecv on an H200, 135 GB/s under MPS). "
+                "Start MPS (nvidia-cuda-mps-control -d) and give each rank "
+                f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // k}; see the README's 'Several ranks "
+                "on one GPU'")
+            continue
+        shares = [ranks[m].thread_percentage for m in members]
+        howto = (f"set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // k} (100 / {k} ranks) on each "
+                 "of them")
+        if any(share is None for share in shares):
+            unset = [m for m, share in zip(members, shares) if share is None]
+            warnings_.append(
+                f"{names} under CUDA MPS, and rank {', '.join(map(str, unset))} did not set "
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE: it gets the MPS daemon's default (100% unless "
+                "changed), and when the shares of one GPU sum to more than 100, NVSHMEM gives "
+                "only limited support and a kernel waiting for a peer on the same GPU can hold "
+                f"the SMs the peer needs until its timeout: {howto}")
+            continue
+        total = sum(shares)
+        if total <= 100:
+            continue
+        text = (f"{names} under CUDA MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE "
+                f"{' + '.join(f'{share:g}' for share in shares)} = {total:g} > 100: NVSHMEM "
+                "supports several PEs on one GPU fully only when their shares sum to at most "
+                "100; beyond, a kernel waiting for a peer on the same GPU can hold the SMs the "
+                f"peer needs, and transfers hang until their timeout. {howto}")
+        if ignore_percentage:
+            warnings_.append(text + " (NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set: "
+                                    "going on at your own risk)")
+        else:
+            refusals.append(text + ", or set NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1 "
+                                   "to go on at your own risk")
+    return ("; ".join(refusals) or None), warnings_
+
+
+def _check_shared_gpus(group, ranks: Sequence[RankInfo], call: str) -> None:
+    """Refuse (on every rank alike) or warn (on the group's rank 0) per shared_gpu_verdict."""
+    import torch.distributed as dist
+
+    ignore = _env.nvshmem_bool(os.environ.get("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0"))
+    refusal, notes = shared_gpu_verdict(ranks, ignore)
+    if refusal:
+        raise Error(f"{call}: NVSHMEM was not started on any rank: {refusal}")
+    if notes and dist.get_rank(group) == 0:
+        for note in notes:
+            warnings.warn(f"{call}: {note}", RuntimeWarning, stacklevel=3)
 
 
 def init(group=None, *, device: DeviceLike = None, timeout: float | None = None) -> int:
@@ -254,10 +412,19 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
                         "pydatacopy.finalize() first (NVSHMEM starts once per process)")
         return _C.my_pe()
     _env.check_environment(call)
+    if dist.get_backend(group) == "nccl" and _env.ranks_per_gpu() > 1:
+        # Refused before NCCL is touched: NCCL would fail its first collective on some ranks only.
+        raise Error(f"{call}: PYDATACOPY_RANKS_PER_GPU={_env.ranks_per_gpu()} puts several "
+                    f"ranks on one GPU, and the torch.distributed group's backend is nccl: "
+                    f"{_NCCL_REFUSES_HOWTO}")
     if device is None:
         device = _choose_device(rank, call)
     torch.cuda.set_device(device)
-    unique_id, nodes = _share_unique_id(group)
+    unique_id, ranks = _share_unique_id_and_ranks(group)
+    nodes = len({r.host for r in ranks})
+    if dist.get_backend(group) == "nccl" and shared_gpus(ranks):  # NCCL let it pass: say so anyway
+        raise Error(f"{call}: {_NCCL_REFUSES}")
+    _check_shared_gpus(group, ranks, call)
     _network.apply_network_settings()
     _agree_on_preflight(group, world_size, nodes, call)
     return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes, preflight_done=True)

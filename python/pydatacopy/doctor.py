@@ -29,7 +29,9 @@ WATCHED = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_A
            "NVSHMEM_IB_ENABLE_IBGDA", "NVSHMEM_DISABLE_GDRCOPY", "LOCAL_WORLD_SIZE", "NCCL_SOCKET_IFNAME",
            "NCCL_IB_HCA", "PYDATACOPY_TIMEOUT_S",
            "PYDATACOPY_INIT_TIMEOUT_S", "PYDATACOPY_FORCE_RMA", "PYDATACOPY_CHUNK_BYTES",
-           "PYDATACOPY_NUM_CHUNKS", "PYDATACOPY_SEND_BLOCKS", "PYDATACOPY_IBGDA"]
+           "PYDATACOPY_NUM_CHUNKS", "PYDATACOPY_SEND_BLOCKS", "PYDATACOPY_IBGDA",
+           "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PIPE_DIRECTORY",
+           "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"]
 
 
 class Report:
@@ -91,6 +93,97 @@ def multicast_line(name: str, safe: str, environ=os.environ,
         return "OK", f"{name}={current} (set by you: NVLink multicast off)"
     return "WARN", (f"{name}={current} (set by you): NVLink multicast may be on, which can take "
                     f"shared GPUs down; set {name}={safe} unless you need it")
+
+
+MPS_START = ("export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=/tmp/nvidia-mps-log; "
+             "nvidia-cuda-mps-control -d")
+
+
+def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
+                     control_pipe: str | None | bool = False) -> list[tuple[str, str]]:
+    """(verdict, line)s on ranks sharing a GPU: PYDATACOPY_RANKS_PER_GPU and what LOCAL_WORLD_SIZE
+    and the `count` visible GPUs imply, the torch.distributed backend, whether CUDA MPS is there
+    (`control_pipe`: its control pipe, None when absent; by default looked up) and this
+    process's share of the `sms` SMs of its GPU (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."""
+    if control_pipe is False:
+        control_pipe = _env.mps_control_pipe(environ)
+    lines: list[tuple[str, str]] = []
+    try:
+        per_gpu = _env.ranks_per_gpu(environ)
+    except _env.SettingError as error:
+        lines.append(("FAIL", str(error)))
+        per_gpu = 1
+    on_node = _env.local_world_size(environ)
+    setting = (f"PYDATACOPY_RANKS_PER_GPU={per_gpu}" if "PYDATACOPY_RANKS_PER_GPU" in environ
+               else "PYDATACOPY_RANKS_PER_GPU unset (1)")
+    rule = f"local rank r uses cuda:r // {per_gpu}" if per_gpu > 1 else "local rank r uses cuda:r"
+    if count and on_node and on_node > count * per_gpu:
+        share = -(-on_node // count)
+        lines.append(("FAIL", f"{setting}: LOCAL_WORLD_SIZE={on_node} ranks on {count} GPU(s) need "
+                              f"{share} ranks per GPU, and init() refuses ({rule}): set "
+                              f"PYDATACOPY_RANKS_PER_GPU={share} on every rank (torch.distributed "
+                              "on gloo), or start fewer ranks per node"))
+    elif count and on_node:
+        used = -(-on_node // per_gpu)
+        lines.append(("OK", f"{setting}: {rule}; LOCAL_WORLD_SIZE={on_node} ranks: "
+                            f"{min(per_gpu, on_node)} per GPU on {used} of this node's {count} GPU(s)"))
+    else:
+        lines.append(("INFO", f"{setting}: {rule}"
+                              + ("" if on_node else " (LOCAL_WORLD_SIZE unset: torchrun sets it)")))
+    # Ranks of this node that share one GPU (as init() will map them; the setting alone when
+    # LOCAL_WORLD_SIZE is not known).
+    ranks_here = min(per_gpu, on_node) if on_node else per_gpu
+    sharing = ranks_here > 1 or bool(count and on_node and on_node > count)
+    if sharing:
+        lines.append(("INFO", "ranks share a GPU: create the torch.distributed group with the gloo "
+                              "backend. NCCL refuses two ranks on one GPU ('Duplicate GPU "
+                              "detected'), and pydatacopy.init() refuses an nccl group then; "
+                              "pydatacopy sends only its 128-byte ID through torch.distributed, "
+                              "its data moves through NVSHMEM"))
+    if control_pipe:
+        lines.append(("OK", f"CUDA MPS: a control daemon's pipe is at {control_pipe}: CUDA "
+                            "processes started here become MPS clients and run side by side"))
+    elif sharing:
+        where = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or _env.MPS_DEFAULT_PIPE_DIRECTORY,
+                             "control")
+        lines.append(("WARN", f"CUDA MPS is not running (no control pipe at {where}): ranks sharing "
+                              "a GPU are time-sliced, right but slow (a 64 MiB sendrecv about 7 GB/s "
+                              "per direction on an H200, 135 GB/s under MPS). Start it (as the "
+                              f"GPU's owner or root): {MPS_START}; stop it with "
+                              "'echo quit | nvidia-cuda-mps-control'"))
+    else:
+        lines.append(("INFO", "CUDA MPS is not running (not needed with one rank per GPU)"))
+    try:
+        percentage = _env.mps_thread_percentage(environ)
+    except _env.SettingError as error:
+        lines.append(("FAIL", str(error)))
+        return lines
+    ranks_here = max(ranks_here, -(-on_node // count) if count and on_node else 1)
+    of_sms = f" of its {sms} SMs" if sms else ""
+    if percentage is not None:
+        about = f"about {int(sms * percentage // 100)}{of_sms}" if sms else "that share of its SMs"
+        text = (f"SM share: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage:g}: this process may use "
+                f"{percentage:g}% of its GPU's threads, {about}"
+                + ("" if control_pipe else " (it takes effect only under MPS)"))
+        if sharing and control_pipe and percentage * ranks_here > 100:
+            lines.append(("WARN", f"{text}; {ranks_here} ranks x {percentage:g}% is more than 100: "
+                                  "NVSHMEM supports several PEs per GPU fully only when their "
+                                  "shares sum to at most 100 (a kernel waiting for a peer on the "
+                                  "same GPU can hold the SMs the peer needs), and init() refuses "
+                                  f"it: set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // ranks_here}"))
+        else:
+            lines.append(("OK", text))
+    elif sharing and control_pipe:
+        lines.append(("WARN", "SM share: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is unset, so each MPS "
+                              "client gets the daemon's default (100% unless changed) and the "
+                              "shares of one GPU can sum past 100, where NVSHMEM gives only "
+                              "limited support and a transfer can wait on a starved peer until "
+                              f"its timeout: set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // ranks_here} "
+                              "on every rank"))
+    else:
+        lines.append(("INFO", f"SM share: the whole GPU{(' (' + str(sms) + ' SMs)') if sms else ''}"
+                              + (", time-sliced with the other ranks on it" if sharing else "")))
+    return lines
 
 
 def _positive_int(text: str) -> int:
@@ -182,6 +275,13 @@ def run(argv: list[str] | None = None) -> int:
             row = ["  -" if i == j else (" yes" if torch.cuda.can_device_access_peer(i, j) else "  NO")
                    for j in range(count)]
             r.line("OK" if "  NO" not in row else "WARN", f"peer access from cuda:{i}: {' '.join(row)}")
+    r.section("ranks per GPU")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if count else None
+    for verdict, text in shared_gpu_lines(count, sms):
+        r.line(verdict, text)
+    for name in ("PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"):
+        reported.add(name)  # a bad value has had its FAIL line above
+
     smi = shutil.which("nvidia-smi")
     if smi and count:
         try:
@@ -191,6 +291,11 @@ def run(argv: list[str] | None = None) -> int:
             r.line("OK" if links else "WARN", f"NVLink between GPUs: {', '.join(links) or 'none (PCIe or remote only)'}")
         except (OSError, subprocess.TimeoutExpired) as error:
             r.line("WARN", f"nvidia-smi topo -m failed: {error}")
+
+    try:
+        per_gpu = _env.ranks_per_gpu()
+    except _env.SettingError:
+        per_gpu = 1  # its FAIL line is in "ranks per GPU"
 
     r.section("network")
     for verdict, text in _network.remote_transport_report():
@@ -218,8 +323,9 @@ def run(argv: list[str] | None = None) -> int:
         if count == 0:
             r.line("INFO", f"transport: no GPU here, so no PE can start on this machine; nothing "
                            f"in the transport settings stops {args.world_size} PEs on GPU nodes")
-        elif args.world_size <= count:
-            r.line("OK", f"transport: {args.world_size} PEs fit this node's {count} GPUs")
+        elif args.world_size <= count * per_gpu:
+            r.line("OK", f"transport: {args.world_size} PEs fit this node's {count} GPUs"
+                         + (f" at {per_gpu} per GPU" if per_gpu > 1 else ""))
         elif ib:
             r.line("OK", f"transport: {args.world_size} PEs, more than this node's {count} GPUs: "
                          f"the others are reached over InfiniBand/RoCE ({', '.join(ib)})")

@@ -7,9 +7,12 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <thread>
+
+#include <unistd.h>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -37,6 +40,7 @@ struct RuntimeState {
   int my_pe = -1;
   int n_pes = 0;
   std::vector<uint8_t> unique_id;
+  std::vector<uint64_t> gpu_of_pe;  // gpu_identity() of every PE, gathered at init
   detail::DeviceStatus* status_host = nullptr;
   detail::DeviceStatus* status_device = nullptr;
   // Symmetric [4][n_pes]: arrivals of stream-ordered barriers, arrivals of host-blocking
@@ -271,7 +275,44 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
   s.my_pe = rank;
   s.n_pes = world_size;
   s.unique_id = root_unique_id;
+  s.gpu_of_pe.assign(static_cast<std::size_t>(world_size), 0);
+  // Which PEs share a GPU (symmetric_malloc's room vote needs it), in a bounded barrier: a PE
+  // that died after NVSHMEM's bootstrap gives TimeoutError here, not a hang.
+  s.gpu_of_pe = barrier_all_blocking("init_nvshmem (every PE tells which GPU it uses)",
+                                     timeout_seconds, gpu_identity(device));
   return rank;
+}
+
+uint64_t gpu_identity(int device) {
+  cudaDeviceProp prop;
+  PDC_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  unsigned char uuid[16];
+  static_assert(sizeof(prop.uuid.bytes) == sizeof(uuid), "cudaUUID_t is 16 bytes");
+  std::memcpy(uuid, prop.uuid.bytes, sizeof(uuid));
+  // Only without a UUID: the host (as the Python layer names it: hostname, then the boot ID)
+  // and the PCI address.
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';  // then the boot ID and PCI address
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  std::ostringstream fallback;
+  fallback << host << "/" << boot_id << "/pci:" << prop.pciDomainID << ":" << prop.pciBusID << ":"
+           << prop.pciDeviceID;
+  return gpu_identity_of(uuid, fallback.str());
+}
+
+std::vector<uint64_t> gpu_identities() {
+  require_initialized("gpu_identities()");
+  return state().gpu_of_pe;
+}
+
+int pes_sharing_my_gpu() {
+  require_initialized("pes_sharing_my_gpu()");
+  const RuntimeState& s = state();
+  const uint64_t mine = s.gpu_of_pe.at(static_cast<std::size_t>(s.my_pe));
+  int count = 0;
+  for (uint64_t gpu : s.gpu_of_pe) count += gpu == mine;
+  return count;
 }
 
 void enqueue_barrier(cudaStream_t stream, double timeout_seconds) {
@@ -345,6 +386,7 @@ void finalize(bool end_nvshmem) {
   }
   s.owns_nvshmem = false;
   s.unique_id.clear();
+  s.gpu_of_pe.clear();
   s.my_pe = -1;
   s.n_pes = 0;
   if (!error.empty()) throw TimeoutError(error + " (finalize skipped NVSHMEM's collective teardown)");

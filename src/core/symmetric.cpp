@@ -57,13 +57,6 @@ std::size_t live_symmetric_bytes() {
   return total;
 }
 
-std::string gib(std::size_t bytes) {
-  std::ostringstream text;
-  text.precision(3);
-  text << static_cast<double>(bytes) / static_cast<double>(kGiB) << " GiB";
-  return text.str();
-}
-
 }  // namespace
 
 void* symmetric_malloc(std::size_t bytes) {
@@ -71,32 +64,27 @@ void* symmetric_malloc(std::size_t bytes) {
   PDC_REQUIRE(bytes > 0, "cannot allocate 0 bytes of symmetric memory");
   // nvshmem_malloc waits for every PE with no deadline: meet them in a bounded barrier first.
   // NVSHMEM grows its heap into free GPU memory, and when it cannot it ends every process (seen
-  // asking for 200 GiB and 1 TiB), so a request that some PE cannot hold is refused here, on
-  // every PE alike: in that barrier each PE votes the room it has (the heap's unused part plus
-  // its free GPU memory, less a reserve for NVSHMEM's growth granularity and the CUDA context),
-  // and all PEs see all votes.
+  // asking for 200 GiB and 1 TiB, and with two PEs on one GPU each asking 0.6x its free
+  // memory), so a request the PEs of some GPU cannot hold together is refused here, on every PE
+  // alike: in that barrier each PE votes its room (see symmetric.hpp) and all PEs see all votes.
   std::size_t free_bytes = 0, total_bytes = 0;
   PDC_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
   const std::size_t heap = configured_heap_bytes(), live = live_symmetric_bytes();
   const std::size_t heap_room = heap > live ? heap - live : 0;
-  const std::size_t reserve = std::max<std::size_t>(kGiB, total_bytes / 50);
-  const std::size_t my_room = heap_room + (free_bytes > reserve ? free_bytes - reserve : 0);
-  const std::vector<uint64_t> room_per_pe = barrier_all_blocking(
-      "symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds(), my_room);
-  if (bytes > *std::min_element(room_per_pe.begin(), room_per_pe.end())) {
-    std::ostringstream text;
-    text << "pydatacopy.empty / symmetric_malloc: " << bytes << " bytes (" << gib(bytes)
-         << ") of symmetric memory asked, and not every PE can hold them. Room per PE (the "
-            "NVSHMEM heap's unused part, then the GPU memory free that the heap grows into, less "
-            "a reserve):";
-    for (std::size_t pe = 0; pe < room_per_pe.size(); ++pe)
-      text << (pe ? "," : "") << " " << gib(room_per_pe[pe]) << " on PE " << pe;
-    text << ". Here: heap " << gib(heap) << " (NVSHMEM_SYMMETRIC_SIZE) with " << gib(live)
-         << " in live symmetric allocations, GPU memory free " << gib(free_bytes) << ", reserve "
-         << gib(reserve) << ". Nothing was allocated on any PE. Ask for less, free symmetric "
-            "tensors (pydatacopy.free), or release GPU memory (torch.cuda.empty_cache()) on "
-            "every PE";
-    PDC_REQUIRE(false, text.str());
+  const std::size_t reserve = gpu_reserve_bytes(total_bytes, pes_sharing_my_gpu());
+  const std::size_t gpu_room = free_bytes > reserve ? free_bytes - reserve : 0;
+  const std::vector<uint64_t> votes = barrier_all_blocking(
+      "symmetric_malloc (collective: every PE must allocate)", default_timeout_seconds(),
+      pack_room_vote(heap_room, gpu_room));
+  const std::string refusal = symmetric_room_refusal(bytes, gpu_identities(), votes);
+  if (!refusal.empty()) {
+    using detail::gib;
+    std::ostringstream here;
+    here << ". On PE " << my_pe() << ": heap " << gib(heap) << " (NVSHMEM_SYMMETRIC_SIZE) with "
+         << gib(live) << " in live symmetric allocations, GPU memory free " << gib(free_bytes)
+         << " of " << gib(total_bytes) << ", reserve " << gib(reserve) << " for "
+         << pes_sharing_my_gpu() << " PE(s) on this GPU";
+    PDC_REQUIRE(false, refusal << here.str());
   }
   void* ptr = nvshmem_malloc(bytes);
   if (ptr == nullptr) {

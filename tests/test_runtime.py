@@ -1,0 +1,346 @@
+"""Several ranks on one GPU, without a GPU: PYDATACOPY_RANKS_PER_GPU, the device rule and its
+refusals, what init() decides from the ranks' GPUs and MPS shares, the NCCL refusal, the doctor."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pydatacopy
+from pydatacopy import _env, _runtime, doctor
+from pydatacopy._runtime import RankInfo
+
+SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+            "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """A node with `gpus` visible devices, CUDA not yet initialised, and the given variables."""
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+
+    def set_up(gpus: int, **variables: str) -> None:
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+    return set_up
+
+
+# ---- the setting ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [("1", 1), ("2", 2), (" 4 ", 4), ("+8", 8), ("64", 64)])
+def test_ranks_per_gpu_reads_whole_numbers(text, value):
+    assert _env.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text}) == value
+
+
+def test_ranks_per_gpu_defaults_to_one():
+    assert _env.ranks_per_gpu({}) == 1
+
+
+@pytest.mark.parametrize("text, words", [
+    ("0", "out of range"), ("65", "out of range"), ("two", "not a whole number"),
+    ("1.5", "not a whole number"), ("", "not a whole number"), ("-2", "not a whole number"),
+])
+def test_ranks_per_gpu_refuses_the_rest(text, words):
+    with pytest.raises(_env.SettingError, match=words) as info:
+        _env.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text})
+    assert "PYDATACOPY_RANKS_PER_GPU" in str(info.value) and "r // " in str(info.value)
+
+
+def test_init_checks_the_setting_before_anything_starts():
+    problems = dict(_env.pydatacopy_problems({"PYDATACOPY_RANKS_PER_GPU": "0"}))
+    assert "out of range" in problems["PYDATACOPY_RANKS_PER_GPU"]
+    with pytest.raises(pydatacopy.Error, match="pydatacopy.init: PYDATACOPY_RANKS_PER_GPU='x'"):
+        _env.check_environment("pydatacopy.init", {"PYDATACOPY_RANKS_PER_GPU": "x"})
+
+
+@pytest.mark.parametrize("text, value", [(None, None), ("25", 25.0), ("12.5", 12.5), ("100", 100.0)])
+def test_mps_thread_percentage(text, value):
+    assert _env.mps_thread_percentage({} if text is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}) == value
+
+
+@pytest.mark.parametrize("text", ["0", "101", "-5", "half", "nan", ""])
+def test_mps_thread_percentage_refuses_what_is_no_share(text):
+    with pytest.raises(_env.SettingError, match=r"not a percentage in \(0, 100\]"):
+        _env.mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text})
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in dict(
+        _env.pydatacopy_problems({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}))
+
+
+def test_mps_control_pipe_is_a_named_pipe_in_the_pipe_directory(tmp_path):
+    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
+    (tmp_path / "control").write_text("")  # a plain file is no daemon's pipe
+    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
+    os.remove(tmp_path / "control")
+    os.mkfifo(tmp_path / "control")
+    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) == str(tmp_path / "control")
+
+
+# ---- the device rule -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("gpus, per_gpu, on_node, local_rank, device", [
+    (2, None, "2", "1", 1),   # one rank per GPU, as before
+    (1, "2", "2", "1", 0),    # two ranks on one GPU
+    (1, "4", "4", "3", 0),
+    (2, "2", "4", "1", 0),    # two GPUs, two ranks each
+    (2, "2", "4", "2", 1),
+    (2, "2", "4", "3", 1),
+    (4, "2", None, "5", 2),   # no LOCAL_WORLD_SIZE: the local rank alone
+])
+def test_local_rank_r_uses_device_r_over_ranks_per_gpu(launch, gpus, per_gpu, on_node, local_rank, device):
+    variables = {"LOCAL_RANK": local_rank}
+    if per_gpu:
+        variables["PYDATACOPY_RANKS_PER_GPU"] = per_gpu
+    if on_node:
+        variables["LOCAL_WORLD_SIZE"] = on_node
+    launch(gpus, **variables)
+    assert pydatacopy.choose_device(7) == device
+
+
+@pytest.mark.parametrize("rank, device", [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0)])
+def test_without_local_rank_rank_over_ranks_per_gpu_modulo_devices(launch, rank, device):
+    launch(2, PYDATACOPY_RANKS_PER_GPU="2")
+    assert pydatacopy.choose_device(rank) == device
+
+
+def test_more_local_ranks_than_devices_is_refused_naming_the_setting(launch):
+    """The refusal seen with torchrun --nproc_per_node=2 on one GPU now says how to share it."""
+    launch(1, LOCAL_RANK="1")
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.choose_device(1)
+    message = str(info.value)
+    assert message.startswith("pydatacopy.choose_device: LOCAL_RANK=1 but this process sees 1 CUDA device(s)")
+    assert "PYDATACOPY_RANKS_PER_GPU=2" in message and "device=" in message and "gloo" in message
+
+
+@pytest.mark.parametrize("local_rank", ["0", "1", "2", "3"])
+def test_every_rank_of_the_node_refuses_alike(launch, local_rank):
+    """LOCAL_WORLD_SIZE=4 on one GPU with 2 per GPU: rank 0 refuses too, so that none waits in
+    the ID's broadcast for ranks that refused (never a silent modulo onto cuda:0)."""
+    launch(1, LOCAL_RANK=local_rank, LOCAL_WORLD_SIZE="4", PYDATACOPY_RANKS_PER_GPU="2")
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.choose_device(int(local_rank))
+    message = str(info.value)
+    assert "LOCAL_WORLD_SIZE=4 ranks on this node but this process sees 1 CUDA device(s)" in message
+    assert "PYDATACOPY_RANKS_PER_GPU=4 on every rank" in message and "device=" in message
+
+
+def test_a_bad_setting_is_refused_by_choose_device(launch):
+    launch(1, LOCAL_RANK="0", PYDATACOPY_RANKS_PER_GPU="many")
+    with pytest.raises(pydatacopy.Error, match="PYDATACOPY_RANKS_PER_GPU='many' is not a whole number"):
+        pydatacopy.choose_device(0)
+
+
+def test_the_rule_is_documented():
+    doc = pydatacopy.choose_device.__doc__
+    assert "LOCAL_RANK // PYDATACOPY_RANKS_PER_GPU" in doc and "silent modulo" in doc
+
+
+# ---- what init() decides from every rank's GPU and MPS share --------------------------------
+
+def _ranks(*specs) -> list[RankInfo]:
+    """(gpu, mps, percentage) per rank."""
+    return [RankInfo("d", "host", gpu, mps, pct) for gpu, mps, pct in specs]
+
+
+def test_one_rank_per_gpu_has_nothing_to_say():
+    assert _runtime.shared_gpu_verdict(_ranks(("A", False, None), ("B", False, None))) == (None, [])
+    assert _runtime.shared_gpus(_ranks(("A", False, None), ("B", False, None), (None, False, None))) == []
+
+
+def test_shared_gpus_groups_ranks_by_gpu():
+    ranks = _ranks(("A", 1, 25), ("B", 1, 25), ("A", 1, 25), ("B", 1, 25), ("C", 1, None))
+    assert _runtime.shared_gpus(ranks) == [[0, 2], [1, 3]]
+
+
+def test_sharing_without_mps_warns_of_time_slicing():
+    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", False, None), ("A", False, None)))
+    assert refusal is None and len(notes) == 1
+    assert "ranks 0, 1 share GPU A without CUDA MPS" in notes[0] and "time-sliced" in notes[0]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in notes[0]
+
+
+@pytest.mark.parametrize("shares", [(50, 50), (25, 25, 25, 25), (30, 30), (12.5,) * 8])
+def test_shares_summing_to_at_most_100_pass(shares):
+    assert _runtime.shared_gpu_verdict(_ranks(*[("A", True, s) for s in shares])) == (None, [])
+
+
+def test_shares_past_100_are_refused_on_every_rank_alike():
+    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", True, 50), ("A", True, 60), ("B", True, 100)))
+    assert notes == []
+    assert "ranks 0, 1 share GPU A under CUDA MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 50 + 60 = 110 > 100" in refusal
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 (100 / 2 ranks)" in refusal
+    assert "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=1" in refusal
+
+
+def test_nvshmems_own_override_turns_the_refusal_into_a_warning():
+    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", True, 100), ("A", True, 100)), True)
+    assert refusal is None and "own risk" in notes[0]
+
+
+def test_an_unset_share_under_mps_warns():
+    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", True, 50), ("A", True, None)))
+    assert refusal is None
+    assert "rank 1 did not set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in notes[0]
+
+
+def test_the_gpu_identity_is_none_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _runtime._gpu_identity() is None
+
+
+# ---- through a real gloo group: every rank decides alike --------------------------------------
+
+def _sharing_worker(rank: int, store_file: str, shares: list, results) -> None:
+    from pydatacopy import _env, _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(shares))
+    try:
+        _runtime._gpu_identity = lambda: "GPU-one"  # every rank on one GPU
+        _env.mps_control_pipe = lambda environ=None: "/tmp/nvidia-mps/control"
+        if shares[rank] is not None:
+            os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(shares[rank])
+        _, ranks = _runtime._share_unique_id_and_ranks()
+        try:
+            _runtime._check_shared_gpus(None, ranks, "pydatacopy.init")
+            results[rank] = ("started", [r.gpu for r in ranks])
+        except pydatacopy.Error as error:
+            results[rank] = (str(error), [r.gpu for r in ranks])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shares, refused", [([50, 50], False), ([50, 75, 25], True)])
+def test_ranks_learn_who_shares_their_gpu_and_refuse_together(tmp_path, shares, refused):
+    results = mp.Manager().dict()
+    mp.spawn(_sharing_worker, args=(str(tmp_path / "rendezvous"), shares, results), nprocs=len(shares), join=True)
+    for rank in range(len(shares)):
+        verdict, gpus = results[rank]
+        assert gpus == ["GPU-one"] * len(shares)
+        if refused:
+            assert verdict.startswith("pydatacopy.init: NVSHMEM was not started on any rank: ranks 0, 1, 2 "
+                                      "share GPU GPU-one under CUDA MPS"), verdict
+        else:
+            assert verdict == "started"
+
+
+# ---- torch.distributed on nccl with ranks on one GPU ------------------------------------------
+
+@pytest.fixture
+def gloo_posing_as_nccl(tmp_path, monkeypatch):
+    """A one-rank gloo group that reports the nccl backend."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_refuses_ranks_per_gpu_on_an_nccl_group_before_nccl_runs(gloo_posing_as_nccl, launch, monkeypatch):
+    launch(1, LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", PYDATACOPY_RANKS_PER_GPU="2")
+    touched = []
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: touched.append("broadcast"))
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.init()
+    message = str(info.value)
+    assert message.startswith("pydatacopy.init: PYDATACOPY_RANKS_PER_GPU=2 puts several ranks on one GPU, "
+                              "and the torch.distributed group's backend is nccl: NCCL refuses two ranks on one GPU")
+    assert "init_process_group('gloo')" in message
+    assert touched == [], "refused before any collective"
+
+
+def test_ncclss_duplicate_gpu_error_becomes_ours(gloo_posing_as_nccl, monkeypatch):
+    def broadcast(*args, **kwargs):  # what torch raises when NCCL finds two ranks on one GPU
+        raise dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage\n"
+                                    "Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1000")
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(pydatacopy.Error) as info:
+        _runtime._share_unique_id_and_ranks()
+    message = str(info.value)
+    assert "share a GPU, and its backend is nccl: NCCL refuses two ranks on one GPU" in message
+    assert "init_process_group('gloo')" in message and "Duplicate GPU detected" in message
+
+
+def test_other_nccl_errors_pass_through(gloo_posing_as_nccl, monkeypatch):
+    def broadcast(*args, **kwargs):
+        raise dist.DistBackendError("NCCL error: unhandled system error")
+    monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(dist.DistBackendError, match="unhandled system error"):
+        _runtime._share_unique_id_and_ranks()
+
+
+# ---- the doctor ----------------------------------------------------------------------------
+
+def _lines(count, sms, environ, pipe):
+    return doctor.shared_gpu_lines(count, sms, environ, control_pipe=pipe)
+
+
+def _verdicts(lines):
+    return [verdict for verdict, _ in lines]
+
+
+def test_doctor_one_rank_per_gpu():
+    lines = _lines(2, 132, {"LOCAL_WORLD_SIZE": "2"}, None)
+    assert lines[0] == ("OK", "PYDATACOPY_RANKS_PER_GPU unset (1): local rank r uses cuda:r; "
+                              "LOCAL_WORLD_SIZE=2 ranks: 1 per GPU on 2 of this node's 2 GPU(s)")
+    assert "WARN" not in _verdicts(lines) and "FAIL" not in _verdicts(lines)
+    assert not any("gloo" in text for _, text in lines)
+
+
+def test_doctor_four_ranks_on_one_gpu_under_mps_at_25():
+    environ = {"LOCAL_WORLD_SIZE": "4", "PYDATACOPY_RANKS_PER_GPU": "4", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
+    lines = _lines(1, 132, environ, "/tmp/nvidia-mps/control")
+    text = "\n".join(t for _, t in lines)
+    assert _verdicts(lines) == ["OK", "INFO", "OK", "OK"], lines
+    assert "4 per GPU on 1 of this node's 1 GPU(s)" in text
+    assert "gloo" in text and "NCCL refuses two ranks on one GPU" in text
+    assert "CUDA MPS: a control daemon's pipe is at /tmp/nvidia-mps/control" in text
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25: this process may use 25% of its GPU's threads, about 33 of its 132 SMs" in text
+
+
+def test_doctor_sharing_without_mps_warns_of_the_speed():
+    lines = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2", "PYDATACOPY_RANKS_PER_GPU": "2"}, None)
+    warnings_ = [t for v, t in lines if v == "WARN"]
+    assert len(warnings_) == 1 and "time-sliced" in warnings_[0] and "nvidia-cuda-mps-control -d" in warnings_[0]
+    assert lines[-1] == ("INFO", "SM share: the whole GPU (132 SMs), time-sliced with the other ranks on it")
+
+
+def test_doctor_shares_past_100_and_unset_shares_warn():
+    over = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2", "PYDATACOPY_RANKS_PER_GPU": "2",
+                           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}, "/p/control")
+    assert over[-1][0] == "WARN" and "2 ranks x 60% is more than 100" in over[-1][1]
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in over[-1][1]
+    unset = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2", "PYDATACOPY_RANKS_PER_GPU": "2"}, "/p/control")
+    assert unset[-1][0] == "WARN" and "is unset" in unset[-1][1]
+
+
+def test_doctor_fails_what_init_refuses():
+    lines = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2"}, None)
+    assert lines[0][0] == "FAIL"
+    assert "LOCAL_WORLD_SIZE=2 ranks on 1 GPU(s) need 2 ranks per GPU" in lines[0][1]
+    assert "PYDATACOPY_RANKS_PER_GPU=2 on every rank" in lines[0][1]
+    bad = _lines(1, 132, {"PYDATACOPY_RANKS_PER_GPU": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "200"}, None)
+    assert [v for v in _verdicts(bad) if v == "FAIL"] == ["FAIL", "FAIL"], bad
+
+
+def test_doctor_reports_ranks_per_gpu(capsys, monkeypatch):
+    for name in SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PYDATACOPY_RANKS_PER_GPU", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent-mps")
+    doctor.run(["--world-size", "2"])
+    out = capsys.readouterr().out
+    assert "== ranks per GPU" in out
+    assert "PYDATACOPY_RANKS_PER_GPU=2: local rank r uses cuda:r // 2" in out
+    assert "CUDA MPS is not running (no control pipe at /nonexistent-mps/control)" in out
+    assert "gloo" in out
