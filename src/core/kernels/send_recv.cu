@@ -1,5 +1,10 @@
+#include <cuda.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 
 #include "../device_status.cuh"
 #include "api.cuh"
@@ -316,15 +321,41 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
-int chunk_batch_resident_blocks() {
-  int device = 0, sms = 0, small = 0, large = 0;
-  PDC_CHECK_CUDA(cudaGetDevice(&device));
-  // Under MPS with an active thread percentage this is the client's share of the SMs.
+namespace {
+// SMs this process's context may use: under Volta+ MPS with an active thread percentage the
+// context's execution affinity (cuCtxGetExecAffinity, through the runtime's driver entry point:
+// the core does not link libcuda), else, when that is unavailable, the percentage in the
+// environment; the whole device otherwise. cudaDevAttrMultiProcessorCount is the whole GPU.
+int usable_sms(int device) {
+  int sms = 0;
   PDC_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  using GetExecAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &function, 11040, cudaEnableDefault,
+                                       &found) == cudaSuccess &&
+      found == cudaDriverEntryPointSuccess && function != nullptr) {
+    CUexecAffinityParam affinity{};
+    if (reinterpret_cast<GetExecAffinity>(function)(&affinity, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS &&
+        affinity.param.smCount.val > 0)
+      return std::min(sms, static_cast<int>(affinity.param.smCount.val));
+  }
+  cudaGetLastError();  // a failed query is no error of the caller's
+  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
+    const double percent = std::atof(text);
+    if (percent > 0 && percent < 100) return std::max(1, static_cast<int>(std::ceil(sms * percent / 100)));
+  }
+  return sms;
+}
+}  // namespace
+
+int chunk_batch_resident_blocks() {
+  int device = 0, small = 0, large = 0;
+  PDC_CHECK_CUDA(cudaGetDevice(&device));
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&small, chunk_batch_kernel<2>, kThreads, 0));
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&large, chunk_batch_kernel<kMaxBatchOps>,
                                                                kThreads, 0));
-  return max(1, sms * max(1, min(small, large)));
+  return std::max(1, usable_sms(device) * std::max(1, std::min(small, large)));
 }
 
 void preload_send_recv_kernels() {
