@@ -325,27 +325,37 @@ namespace {
 // SMs this process's context may use: under Volta+ MPS with an active thread percentage the
 // context's execution affinity (cuCtxGetExecAffinity, through the runtime's driver entry point:
 // the core does not link libcuda), else, when that is unavailable, the percentage in the
-// environment; the whole device otherwise. cudaDevAttrMultiProcessorCount is the whole GPU.
+// environment; the whole device otherwise (cudaDevAttrMultiProcessorCount is the whole GPU).
+// With PYDATACOPY_RANKS_PER_GPU=K ranks sharing the GPU, at most a K-th of it: the K launches
+// of a sendrecv between them must all fit at once, also when MPS sets no limit.
 int usable_sms(int device) {
   int sms = 0;
   PDC_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int usable = sms;
   using GetExecAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
   void* function = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  bool affinity_known = false;
   if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &function, 11040, cudaEnableDefault,
                                        &found) == cudaSuccess &&
       found == cudaDriverEntryPointSuccess && function != nullptr) {
     CUexecAffinityParam affinity{};
     if (reinterpret_cast<GetExecAffinity>(function)(&affinity, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS &&
-        affinity.param.smCount.val > 0)
-      return std::min(sms, static_cast<int>(affinity.param.smCount.val));
+        affinity.param.smCount.val > 0) {
+      usable = std::min(usable, static_cast<int>(affinity.param.smCount.val));
+      affinity_known = true;
+    }
   }
   cudaGetLastError();  // a failed query is no error of the caller's
-  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
+  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"); text != nullptr && !affinity_known) {
     const double percent = std::atof(text);
-    if (percent > 0 && percent < 100) return std::max(1, static_cast<int>(std::ceil(sms * percent / 100)));
+    if (percent > 0 && percent < 100) usable = std::min(usable, static_cast<int>(std::ceil(sms * percent / 100)));
   }
-  return sms;
+  if (const char* text = std::getenv("PYDATACOPY_RANKS_PER_GPU")) {
+    const int ranks = std::atoi(text);  // validated where the device is chosen (choose_device)
+    if (ranks > 1) usable = std::min(usable, sms / ranks);
+  }
+  return std::max(1, usable);
 }
 }  // namespace
 
