@@ -247,6 +247,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         const int64_t chunk = next[i][j];
         if (chunk >= chunk_count(a)) continue;
         all_done = false;
+        // Ops of one channel move in the channel's order, slice by slice: a send's wait reads
+        // `filled`, which only the slot's previous chunk (maybe an earlier op's) sets.
+        bool behind = false;
+        for (int e = 0; e < i; ++e)
+          behind = behind || (batch.ops[e].sequence == a.sequence && next[e][j] < chunk_count(batch.ops[e]));
+        if (behind) continue;
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
         if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
           if (threadIdx.x == 0) next[i][j] = chunk_count(a);
