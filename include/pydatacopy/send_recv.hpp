@@ -88,6 +88,10 @@ class SendRecvEngine {
   static std::size_t symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
                                             int blocks);
 
+  // Stream-ordered. timeout_seconds: how long the channel may go without moving a chunk (not a
+  // deadline for the whole message); a timeout is reported by check_errors() and marks the peer
+  // (every later call with it raises TimeoutError at once; calls with other PEs go on). A size
+  // mismatch with the peer raises pydatacopy.Error here or at check_errors() (see above).
   void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
             double timeout_seconds);
   void recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
