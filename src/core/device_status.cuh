@@ -18,6 +18,7 @@ enum class WaitOp : int {
   kChunkArrival = 5,  // recv(): the sender filling a staging chunk
   kBlockIndex = 6,    // put_blocks(): an index out of range (code 2, not a timeout)
   kBarrier = 7,       // barrier(): a PE not arriving
+  kChannelRefused = 8,  // send/recv on a channel refused since a size mismatch (not a wait)
 };
 
 const char* wait_op_name(WaitOp op);
@@ -44,8 +45,9 @@ struct DeviceStatus {
   ErrorRecord timeout;    // sticky: a peer did not answer in time (the first one, for its message)
   ErrorRecord bad_input;  // reported once, by the next put_blocks or check_errors()
   // Reported once, by the next send/recv or check_errors(); op kChunkArrival (found by this
-  // PE's recv) or kChunkCredit (this PE's send, told by the receiver), peer: the other side,
-  // expected: this PE's message bytes, seen: the other side's. The channel itself
+  // PE's recv), kChunkCredit (this PE's send, told by the receiver) or kChannelRefused (a later
+  // call on the refused channel), peer: the other side, expected: this call's bytes, seen: the
+  // other side's bytes in the mismatched message. The channel itself
   // stays refused on the device until setup_send_recv() rebuilds it (send_recv.hpp).
   ErrorRecord mismatch;
   int timed_out_pes[kTrackedPes];  // nonzero: a wait on that PE timed out

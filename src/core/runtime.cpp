@@ -167,6 +167,7 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kChunkArrival: return "recv (waiting for the sender's next chunk)";
     case WaitOp::kBlockIndex: return "put_blocks";
     case WaitOp::kBarrier: return "barrier (waiting for the PE to arrive)";
+    case WaitOp::kChannelRefused: return "send/recv (a channel refused since a size mismatch)";
     default: return "wait";
   }
 }
@@ -471,15 +472,19 @@ void check_size_mismatch() {
   if (status == nullptr) return;
   detail::ErrorRecord& r = status->mismatch;
   if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) != detail::kMismatch) return;
-  const bool found_by_recv = static_cast<detail::WaitOp>(r.op) == detail::WaitOp::kChunkArrival;
+  const auto why = static_cast<detail::WaitOp>(r.op);
   std::ostringstream text;
-  if (found_by_recv)
+  if (why == detail::WaitOp::kChunkArrival)
     text << "recv on PE " << r.pe << " from PE " << r.peer << ": the sender's message is " << r.seen
          << " bytes but this recv expected " << r.expected << " bytes";
-  else
+  else if (why == detail::WaitOp::kChunkCredit)
     text << "send from PE " << r.pe << " to PE " << r.peer << ": the receiver expected " << r.seen
          << " bytes for a message this PE sent with another size (this call: " << r.expected
          << " bytes)";
+  else
+    text << "send/recv between PE " << r.pe << " and PE " << r.peer
+         << " refused: a message on this channel had mismatched sizes (the other side's: " << r.seen
+         << " bytes; this call: " << r.expected << " bytes)";
   text << ". Both sides must move the same number of bytes, in the same order, per pair of PEs. "
           "Nothing more was delivered on this channel, and it refuses every later send/recv "
           "between the two PEs: call pydatacopy.setup_send_recv() on every PE to rebuild it.";

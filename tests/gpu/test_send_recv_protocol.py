@@ -84,7 +84,7 @@ def test_size_mismatch_raises_on_both_pes_and_nothing_wrong_is_delivered(world, 
     assert torch.count_nonzero(out).item() == 0, "a refused channel delivered data"
     # The channel stays refused until it is rebuilt: every later call raises again.
     dist.barrier()
-    with pytest.raises(pydatacopy.Error, match="setup_send_recv"):
+    with pytest.raises(pydatacopy.Error, match="refused.*setup_send_recv"):
         pydatacopy.sendrecv(nines, peer, out, peer)
         torch.cuda.synchronize()
         pydatacopy.check_errors()
@@ -109,7 +109,8 @@ def test_size_mismatch_reaches_the_sender(world, peer, path, fresh_channels):
         assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
     dist.barrier()  # the receiver told the sender before this
     later = torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda")
-    expected = r"receiver expected 4194304 bytes" if rank == 0 else "setup_send_recv"
+    # The sender hears of it at its next send on the channel (the receiver's size in the text).
+    expected = r"4194304 bytes.*setup_send_recv" if rank == 0 else "refused.*setup_send_recv"
     with pytest.raises(pydatacopy.Error, match=expected):
         if rank == 0:
             pydatacopy.send(_bytes(rank, 3, 4 * KiB), peer)

@@ -87,12 +87,12 @@ __device__ __forceinline__ bool report_timeout(const ChunkStreamArgs& a, bool se
   return __syncthreads_or(short_page) != 0;
 }
 
-// The channel is refused (a size mismatch, found here or by the receiver): record it once more
-// for this call, so that the caller hears of it, and fail the channel for this launch.
-__device__ __forceinline__ void refuse(const ChunkStreamArgs& a, bool send, uint64_t other_bytes) {
-  detail::record_error(&a.status->mismatch, detail::kMismatch,
-                       send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival, a.peer,
-                       a.my_pe, static_cast<uint64_t>(a.bytes), other_bytes);
+// The channel is refused (a size mismatch: found by this recv, told to this send, or found in
+// an earlier launch): record it for this call, so that the caller hears of it, and fail the
+// channel for the rest of this launch.
+__device__ __forceinline__ void refuse(const ChunkStreamArgs& a, detail::WaitOp why, uint64_t other_bytes) {
+  detail::record_error(&a.status->mismatch, detail::kMismatch, why, a.peer, a.my_pe,
+                       static_cast<uint64_t>(a.bytes), other_bytes);
   atomicExch(a.failed, 1u);
 }
 
@@ -163,7 +163,7 @@ __device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
         nvshmemx_signal_op(a.remote_broken, static_cast<uint64_t>(a.bytes) + 1, NVSHMEM_SIGNAL_SET, a.peer);
         nvshmem_quiet();  // delivered by the time this launch ends (the sender may look next)
       }
-      refuse(a, false, bytes);
+      refuse(a, detail::WaitOp::kChunkArrival, bytes);
     }
   }
   __syncthreads();
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       since[i] = now;
       // A refused channel moves nothing until setup_send_recv() rebuilds it.
       const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
-      if (broken != 0) refuse(a, batch.is_send[i], broken - 1);
+      if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
       for (int j = 0; j < kMaxSlicesPerBlock; ++j)
         next[i][j] = broken == 0 && block + j * grid < a.active_blocks ? 0 : chunk_count(a);
     }
@@ -263,7 +263,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (!slice_ready(a, send, slice, chunk, k)) {
           // A send also reads its refusal word: the receiver found a size mismatch.
           if (send && __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
-            if (threadIdx.x == 0) refuse(a, true, *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
+            if (threadIdx.x == 0)
+              refuse(a, detail::WaitOp::kChunkCredit, *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
             __syncthreads();
             continue;
           }
