@@ -104,6 +104,9 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   const int pages = data_pages(a, i);
   const uint8_t* from = a.src + i * a.chunk_bytes;
   const int64_t to = slot * a.chunk_bytes;
+  // A slice with no page in this (short, last) chunk moves nothing and writes no header: page
+  // `slice`, whose credit guards header `slice`, is not its to wait for in this chunk.
+  if (slice >= pages) return;
   const SlotHeader header{k + 1, static_cast<uint64_t>(a.bytes), static_cast<uint64_t>(i), 0};
   // The header first, ordered before any of the slice's arrival signals.
   if (threadIdx.x == 0) {
@@ -146,6 +149,7 @@ __device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   const int64_t signals = slot * a.pages;
   const int64_t length = chunk_length(a, i);
   const int pages = data_pages(a, i);
+  if (slice >= pages) return true;  // no page of this chunk: nothing to check or copy
   __shared__ int mismatch;
   if (threadIdx.x == 0) {
     // Written before the arrival signal this slice acquired (a fence on either path).
