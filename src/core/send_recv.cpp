@@ -73,8 +73,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   // of its last progress, the slices finished in the launch in flight and whether the channel
   // failed in it; per send channel, the sequence that last filled each page of each slot. On the
   // device, so that graph replays advance them.
-  const std::size_t pages_per_peer = static_cast<std::size_t>(num_chunks) * (chunk_bytes_for(chunk_bytes) /
-                                                                             page_bytes_for(chunk_bytes));
+  const std::size_t pages_per_peer = static_cast<std::size_t>(num_chunks) * (chunk_bytes / page_bytes_);
   const std::size_t counter_bytes = 2 * pes * (2 * sizeof(uint64_t) + 2 * sizeof(unsigned int)) +
                                     pes * pages_per_peer * sizeof(uint64_t);
   void* counters = nullptr;
