@@ -85,16 +85,32 @@ double default_timeout_seconds();
 // A per-call timeout in nanoseconds for the device-side deadline; throws unless positive and finite.
 uint64_t timeout_nanoseconds(double seconds);
 
-// Throws the TimeoutError a device-side wait reported (naming the operation and the peer). Sticky:
-// after a peer timed out, NVSHMEM's state cannot be trusted.
+// Failure is per peer where that is sound. A device-side wait that times out marks the PE it
+// waited on. check_timeouts() throws once any PE is marked: for what needs every PE (barriers,
+// allocation, setup_send_recv, the token exchange) and for one-sided calls, which refuse after
+// any timeout. check_peer_timeouts(pe) throws only when `pe` is marked: send/recv check it, so
+// that transfers between live PEs go on after one peer died, while calls with the dead PE raise
+// at once. A mark stays for the rest of the process (the channels with that PE are out of step).
+//
+// Throws the TimeoutError a device-side wait reported (naming the operation and the peer). Sticky.
 void check_timeouts();
-// check_timeouts(), then the bad input a kernel found on the device (an index out of range),
-// which is reported once and cleared.
+// Throws TimeoutError when a wait on `pe` timed out; `what` names the caller's operation.
+void check_peer_timeouts(int pe, const char* what);
+// Throws (once) the size mismatch a send/recv found on the device (send_recv.hpp): the two sides
+// of a message disagreed on its byte count. Cleared when reported; the channel stays refused on
+// the device until setup_send_recv() rebuilds it.
+void check_size_mismatch();
+// Forgets an unreported size mismatch (SendRecvEngine::init: the channels start afresh).
+void clear_size_mismatch();
+// check_timeouts(), check_size_mismatch(), then the bad input a kernel found on the device (an
+// index out of range), which is reported once and cleared.
 void check_device_errors();
 
 // True once a device-side wait has timed out: a peer is presumed dead, so collective teardown
 // (barriers, nvshmem_free, nvshmem_finalize) is skipped instead of waiting on it forever.
 bool peer_failed();
+// True once a device-side wait on `pe` has timed out.
+bool peer_timed_out(int pe);
 
 // The id of the CUDA graph capture `stream` takes part in, 0 when it is not capturing. Calls
 // order two streams with events only when both are in the same state (both eager, or both in

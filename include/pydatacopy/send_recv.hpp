@@ -1,11 +1,44 @@
 // Two-sided copies of any device buffer, neither side needing symmetric memory.
 //
 // A message streams through `num_chunks` symmetric staging chunks per sending peer, held at the
-// receiver, with flow control: the sender's blocks put chunk k into slot k % num_chunks and raise
-// its arrival signals; the receiver's blocks copy the slot out and return credits, so the put of
-// chunk k + 1 overlaps the receiver draining chunk k. Slots are cut into 32 KiB pages with a
-// signal each; a block owns a fixed set of pages and waits only for their signals, so no block
-// needs any other block of either launch to be resident (any block count, any free SM count).
+// receiver, with flow control: the sender puts chunk k into slot k % num_chunks and raises its
+// arrival signals; the receiver copies the slot out and returns credits, so the put of chunk
+// k + 1 overlaps the receiver draining chunk k. Slots are cut into 32 KiB pages with an arrival
+// and a credit signal each. A message moves on `active` slices (from its size); slice s owns the
+// pages s, s + active, ... of every slot and waits only for their signals. The launch has no
+// more blocks than can be resident at once (block b drives slices b, b + grid, ...), and a block
+// never blocks on one slice: it moves whichever slice's next chunk is ready. So no slice waits
+// for a block that starts only when another ends, whatever the block count or the SMs left free.
+//
+// Signals: a chunk signals only the pages it fills (a 4 KiB message: one page, one put with its
+// signal, one credit). Signal values are sequence numbers + 1 and only grow. The receiver of
+// chunk k waits for arrival >= k + 1 on the pages chunk k fills. The sender keeps, per slot and
+// page, the sequence + 1 of the last chunk that put data there (`filled`, on the device) and, to
+// reuse a page, waits for its credit to reach that value: a page that later chunks left alone
+// still holds the credit of the last chunk that used it, so messages cut differently (4 KiB,
+// then 3 MiB + 5, then 4 KiB) find every page's state up to date.
+//
+// Byte-count handshake: with each chunk, slice s of the sender writes a header (the chunk's
+// sequence + 1, its message's bytes, the chunk's index in the message) into header s of the
+// slot at the receiver, before the slice's arrival signals (a store then a system fence on the
+// direct path; a put, nvshmem_fence, then the putmem_signal calls on the RMA path). The receiver
+// checks it against its own message before copying anything out. On a mismatch it copies
+// nothing, refuses the channel on its side and on the sender's (a refusal word in symmetric
+// memory holding the other side's bytes + 1), and records the sizes. The sender reads its word
+// when it waits for a credit and at the start of every launch on the channel, so both PEs raise
+// pydatacopy.Error (at their next send/recv, or check_errors() after the stream's work): the
+// receiver at once, the sender at its next send to that peer. A refused channel moves nothing
+// (every later call on it raises again) until setup_send_recv() rebuilds all channels on every
+// PE; nothing is resynchronised in place. Sends of a message that fits in the staging complete
+// before the receiver looks, so the sender learns of a mismatch one call later.
+//
+// Timeouts are a watchdog on progress: an op times out when its channel has moved no chunk for
+// `timeout` seconds (the clock restarts whenever any block moves one of the channel's chunks).
+// A channel that timed out fails for the rest of its launch, while the launch's other ops go
+// on; the host then refuses every call with that peer (runtime.hpp: check_peer_timeouts) and
+// keeps serving the others. A send that fits in the staging can complete although its receiver
+// is dead (as an eager send does with NCCL).
+//
 // Chunk sequence numbers are counted on the device, so a call captured in a CUDA graph moves a
 // fresh message at every replay, and replays mix freely with eager calls on the same channel.
 // Launches on one channel must not overlap: between eager calls on different streams (and
@@ -28,6 +61,7 @@
 namespace pydatacopy {
 namespace kernels {
 struct ChunkStreamArgs;
+struct SlotHeader;
 }
 
 
@@ -39,7 +73,9 @@ class SendRecvEngine {
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
 
   // Collective and blocking. chunk_bytes is rounded up to a multiple of the 32 KiB page; a
-  // message moves on up to `blocks` thread blocks on each side (fewer for small messages).
+  // message moves on up to `blocks` slices on each side (fewer for small messages), driven by at
+  // most as many thread blocks as can be resident at once. Also the way back after a size
+  // mismatch (cleanup(), then init(): every channel starts afresh).
   void init(std::size_t chunk_bytes, int num_chunks, int blocks);
   void cleanup();  // collective and blocking; harmless twice
   bool initialized() const { return base_ != nullptr; }
@@ -52,6 +88,10 @@ class SendRecvEngine {
   static std::size_t symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
                                             int blocks);
 
+  // Stream-ordered. timeout_seconds: how long the channel may go without moving a chunk (not a
+  // deadline for the whole message); a timeout is reported by check_errors() and marks the peer
+  // (every later call with it raises TimeoutError at once; calls with other PEs go on). A size
+  // mismatch with the peer raises pydatacopy.Error here or at check_errors() (see above).
   void send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
             double timeout_seconds);
   void recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
@@ -76,11 +116,18 @@ class SendRecvEngine {
   uint8_t* staging(int src_pe) const;
   uint64_t* arrivals(int src_pe) const;
   uint64_t* credits(int dst_pe) const;
+  kernels::SlotHeader* headers(int src_pe) const;
+  kernels::SlotHeader* outgoing_headers(int dst_pe) const;
+  uint64_t* broken(bool send, int peer) const;
 
   uint8_t* base_ = nullptr;
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
   uint64_t* sequences_ = nullptr;  // device [2][n_pes]: next chunk of each send / recv channel
+  uint64_t* progress_ = nullptr;   // device [2][n_pes]: %globaltimer of each channel's last chunk
+  uint64_t* filled_ = nullptr;     // device [n_pes][num_chunks][pages]: sequence + 1 last put per page
+  unsigned int* failed_ = nullptr; // device [2][n_pes]: the channel failed in the launch in flight
+  int resident_blocks_ = 1;        // send/recv kernel blocks resident at once (the grid's cap)
   // Per channel: the stream of its last launch and that stream's capture (capture_id). A launch
   // on another stream is ordered after it, as two launches on one channel must not overlap.
   std::vector<cudaStream_t> last_stream_;

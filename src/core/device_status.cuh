@@ -18,6 +18,7 @@ enum class WaitOp : int {
   kChunkArrival = 5,  // recv(): the sender filling a staging chunk
   kBlockIndex = 6,    // put_blocks(): an index out of range (code 2, not a timeout)
   kBarrier = 7,       // barrier(): a PE not arriving
+  kChannelRefused = 8,  // send/recv on a channel refused since a size mismatch (not a wait)
 };
 
 const char* wait_op_name(WaitOp op);
@@ -26,21 +27,40 @@ const char* wait_op_name(WaitOp op);
 // written, then `code` is published; the host clears a published bad-input record with a
 // compare-and-swap too, so that no update is lost to a plain store.
 struct ErrorRecord {
-  int code;  // 0: none; kWriting: being filled; kTimedOut or kBadInput: published
+  int code;  // 0: none; kWriting: being filled; kTimedOut, kBadInput or kMismatch: published
   int op;    // WaitOp
   int peer;  // the PE waited on
   int pe;    // the PE that waited
   unsigned long long expected;  // the value waited for (bad input: the value found)
   unsigned long long seen;      // the last value read (bad input: the limit)
 };
-constexpr int kWriting = 3, kTimedOut = 1, kBadInput = 2;
+constexpr int kWriting = 3, kTimedOut = 1, kBadInput = 2, kMismatch = 4;
 
-// Timeouts and bad inputs are kept apart: a bad index reported by put_blocks must not cancel a
-// wait in flight on another stream, and clearing it must not lose a timeout.
+// Timeouts, bad inputs and size mismatches are kept apart: a bad index reported by put_blocks
+// must not cancel a wait in flight on another stream, and clearing it must not lose a timeout.
+// A timeout also marks its peer in timed_out_pes (PEs beyond kTrackedPes share the last entry),
+// so that the host refuses only the operations that involve a failed peer (runtime.hpp).
+constexpr int kTrackedPes = 4096;
 struct DeviceStatus {
-  ErrorRecord timeout;    // sticky: a peer did not answer in time
+  ErrorRecord timeout;    // sticky: a peer did not answer in time (the first one, for its message)
   ErrorRecord bad_input;  // reported once, by the next put_blocks or check_errors()
+  // Reported once, by the next send/recv or check_errors(); op kChunkArrival (found by this
+  // PE's recv), kChunkCredit (this PE's send, told by the receiver) or kChannelRefused (a later
+  // call on the refused channel), peer: the other side, expected: this call's bytes, seen: the
+  // other side's bytes in the mismatched message. The channel itself
+  // stays refused on the device until setup_send_recv() rebuilds it (send_recv.hpp).
+  ErrorRecord mismatch;
+  int timed_out_pes[kTrackedPes];  // nonzero: a wait on that PE timed out
 };
+
+#ifdef __CUDACC__
+#define PDC_HOST_DEVICE __host__ __device__
+#else
+#define PDC_HOST_DEVICE
+#endif
+PDC_HOST_DEVICE inline int tracked_pe_index(int pe) {
+  return pe < 0 ? kTrackedPes - 1 : (pe < kTrackedPes ? pe : kTrackedPes - 1);
+}
 
 // Host-mapped status of this process (valid after init_nvshmem).
 DeviceStatus* device_status();
@@ -74,6 +94,15 @@ __device__ __forceinline__ void record_error(ErrorRecord* record, int code, Wait
   atomicExch(&record->code, code);
 }
 
+// A wait on `peer` ran out of time: the first such record wins; the peer is marked either way.
+__device__ __forceinline__ void record_timeout(DeviceStatus* status, WaitOp op, int peer, int my_pe,
+                                               uint64_t expected, uint64_t seen) {
+  // Mark before the record is published: a host that sees the record also sees the mark.
+  atomicExch(&status->timed_out_pes[tracked_pe_index(peer)], 1);
+  __threadfence_system();
+  record_error(&status->timeout, kTimedOut, op, peer, my_pe, expected, seen);
+}
+
 // Spins until *address >= expected. Returns false (after recording the timeout) when this
 // wait's own deadline passes; other calls' errors never end it early.
 __device__ __forceinline__ bool wait_until_at_least(const uint64_t* address, uint64_t expected,
@@ -82,7 +111,7 @@ __device__ __forceinline__ bool wait_until_at_least(const uint64_t* address, uin
   uint64_t seen = load_acquire_sys(address);
   for (uint32_t spins = 0; seen < expected; ++spins) {
     if ((spins & 1023u) == 1023u && globaltimer_ns() > deadline_ns) {
-      record_error(&status->timeout, kTimedOut, op, peer, my_pe, expected, seen);
+      record_timeout(status, op, peer, my_pe, expected, seen);
       return false;
     }
     seen = load_acquire_sys(address);

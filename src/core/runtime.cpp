@@ -171,6 +171,7 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kChunkArrival: return "recv (waiting for the sender's next chunk)";
     case WaitOp::kBlockIndex: return "put_blocks";
     case WaitOp::kBarrier: return "barrier (waiting for the PE to arrive)";
+    case WaitOp::kChannelRefused: return "send/recv (a channel refused since a size mismatch)";
     default: return "wait";
   }
 }
@@ -406,6 +407,12 @@ bool peer_failed() {
   return status != nullptr && __atomic_load_n(&status->timeout.code, __ATOMIC_ACQUIRE) == detail::kTimedOut;
 }
 
+bool peer_timed_out(int pe) {
+  const detail::DeviceStatus* status = state().status_host;
+  return status != nullptr &&
+         __atomic_load_n(&status->timed_out_pes[detail::tracked_pe_index(pe)], __ATOMIC_ACQUIRE) != 0;
+}
+
 void require_initialized(const char* what) {
   PDC_REQUIRE(state().initialized, what << " needs NVSHMEM: call pydatacopy.init() (or "
                                            "init_nvshmem(id, rank, world_size)) first");
@@ -457,21 +464,80 @@ uint64_t timeout_nanoseconds(double seconds) {
   return static_cast<uint64_t>(seconds * 1e9);
 }
 
+namespace {
+std::string timeout_text(const detail::ErrorRecord& r) {
+  std::ostringstream text;
+  text << "PE " << r.pe << " timed out in " << detail::wait_op_name(static_cast<detail::WaitOp>(r.op))
+       << " on PE " << r.peer << " (expected signal >= " << r.expected << ", saw " << r.seen
+       << ", no progress for the call's timeout)";
+  return text.str();
+}
+}  // namespace
+
 void check_timeouts() {
   const detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
   if (__atomic_load_n(&status->timeout.code, __ATOMIC_ACQUIRE) != detail::kTimedOut) return;
-  const detail::ErrorRecord& r = status->timeout;
+  throw TimeoutError(timeout_text(status->timeout) +
+                     ". The peer may have died, hung, or not made the matching call. Operations "
+                     "that need every PE (barriers, allocation, setup_send_recv, the token "
+                     "exchange, one-sided calls) are refused from now on; send/recv between PEs "
+                     "that did not time out still work. To recover fully, exit the process "
+                     "(finalize() will not wait on the peer).");
+}
+
+void check_peer_timeouts(int pe, const char* what) {
+  if (!peer_timed_out(pe)) return;
+  const detail::DeviceStatus* status = state().status_host;
   std::ostringstream text;
-  text << "PE " << r.pe << " timed out in " << detail::wait_op_name(static_cast<detail::WaitOp>(r.op))
-       << " on PE " << r.peer << " (expected signal >= " << r.expected << ", saw " << r.seen
-       << "). The peer may have died, hung, or not made the matching call. NVSHMEM state is no "
-          "longer usable in this process: exit it (finalize() will not wait on the peer).";
+  text << what << " with PE " << pe << ": an earlier wait on PE " << pe << " timed out";
+  if (__atomic_load_n(&status->timeout.code, __ATOMIC_ACQUIRE) == detail::kTimedOut &&
+      status->timeout.peer == pe)
+    text << " (" << timeout_text(status->timeout) << ")";
+  text << ". The peer may have died, hung, or not made the matching call, and its channels "
+          "are out of step: operations with PE "
+       << pe << " are refused for the rest of this process (those with other PEs go on); exit "
+                "the process to recover.";
   throw TimeoutError(text.str());
+}
+
+void clear_size_mismatch() {
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  int published = detail::kMismatch;
+  __atomic_compare_exchange_n(&status->mismatch.code, &published, 0, false, __ATOMIC_ACQ_REL,
+                              __ATOMIC_ACQUIRE);
+}
+
+void check_size_mismatch() {
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  detail::ErrorRecord& r = status->mismatch;
+  if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) != detail::kMismatch) return;
+  const auto why = static_cast<detail::WaitOp>(r.op);
+  std::ostringstream text;
+  if (why == detail::WaitOp::kChunkArrival)
+    text << "recv on PE " << r.pe << " from PE " << r.peer << ": the sender's message is " << r.seen
+         << " bytes but this recv expected " << r.expected << " bytes";
+  else if (why == detail::WaitOp::kChunkCredit)
+    text << "send from PE " << r.pe << " to PE " << r.peer << ": the receiver expected " << r.seen
+         << " bytes for a message this PE sent with another size (this call: " << r.expected
+         << " bytes)";
+  else
+    text << "send/recv between PE " << r.pe << " and PE " << r.peer
+         << " refused: a message on this channel had mismatched sizes (the other side's: " << r.seen
+         << " bytes; this call: " << r.expected << " bytes)";
+  text << ". Both sides must move the same number of bytes, in the same order, per pair of PEs. "
+          "Nothing more was delivered on this channel, and it refuses every later send/recv "
+          "between the two PEs: call pydatacopy.setup_send_recv() on every PE to rebuild it.";
+  int published = detail::kMismatch;
+  __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  throw Error(text.str());
 }
 
 void check_device_errors() {
   check_timeouts();
+  check_size_mismatch();
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
   detail::ErrorRecord& r = status->bad_input;

@@ -29,9 +29,18 @@ std::size_t page_bytes_for(std::size_t chunk_bytes) {
 std::size_t chunk_bytes_for(std::size_t chunk_bytes) {
   return align_up(chunk_bytes, page_bytes_for(chunk_bytes));
 }
-// Staging: [n_pes][num_chunks][chunk]; then arrivals and credits, [n_pes][num_chunks][pages] each.
+// Staging: [n_pes][num_chunks][chunk]; then arrivals and credits, [n_pes][num_chunks][pages]
+// each; then incoming and outgoing slot headers, [n_pes][num_chunks][pages] each; then the
+// refusal words, [2][n_pes] (send channels, then recv channels).
 std::size_t signal_array_bytes(int n_pes, int num_chunks, std::size_t pages) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * pages * sizeof(uint64_t), kAlignment);
+}
+std::size_t header_array_bytes(int n_pes, int num_chunks, std::size_t pages) {
+  return align_up(static_cast<std::size_t>(n_pes) * num_chunks * pages * sizeof(kernels::SlotHeader),
+                  kAlignment);
+}
+std::size_t broken_array_bytes(int n_pes) {
+  return align_up(2 * static_cast<std::size_t>(n_pes) * sizeof(uint64_t), kAlignment);
 }
 std::size_t staging_array_bytes(int n_pes, int num_chunks, std::size_t chunk_bytes) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * chunk_bytes, kAlignment);
@@ -45,7 +54,8 @@ std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_
   const std::size_t page = page_bytes_for(chunk_bytes);
   chunk_bytes = chunk_bytes_for(chunk_bytes);
   return staging_array_bytes(n_pes, num_chunks, chunk_bytes) +
-         2 * signal_array_bytes(n_pes, num_chunks, chunk_bytes / page);
+         2 * signal_array_bytes(n_pes, num_chunks, chunk_bytes / page) +
+         2 * header_array_bytes(n_pes, num_chunks, chunk_bytes / page) + broken_array_bytes(n_pes);
 }
 
 void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
@@ -59,12 +69,19 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);
   page_bytes_ = page_bytes_for(chunk_bytes);
   chunk_bytes = chunk_bytes_for(chunk_bytes);
-  // Per channel (send to / receive from each PE): the next chunk's sequence number and the
-  // blocks finished in the launch in flight. On the device, so that graph replays advance them.
+  // Per channel (send to / receive from each PE): the next chunk's sequence number, the time
+  // of its last progress, the slices finished in the launch in flight and whether the channel
+  // failed in it; per send channel, the sequence that last filled each page of each slot. On the
+  // device, so that graph replays advance them.
+  const std::size_t pages_per_peer = static_cast<std::size_t>(num_chunks) * (chunk_bytes / page_bytes_);
+  const std::size_t counter_bytes = 2 * pes * (2 * sizeof(uint64_t) + 2 * sizeof(unsigned int)) +
+                                    pes * pages_per_peer * sizeof(uint64_t);
   void* counters = nullptr;
-  const std::size_t counter_bytes = 2 * pes * (sizeof(uint64_t) + sizeof(unsigned int));
   PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
-  PDC_CHECK_CUDA(cudaMemset(counters, 0, counter_bytes));
+  if (cudaError_t e = cudaMemset(counters, 0, counter_bytes); e != cudaSuccess) {
+    cudaFree(counters);
+    PDC_CHECK_CUDA(e);
+  }
   void* base = nullptr;
   try {
     base = symmetric_malloc(total);
@@ -78,13 +95,18 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   last_stream_.assign(2 * pes, nullptr);
   last_capture_.assign(2 * pes, 0);
   PDC_CHECK_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
-  done_ = reinterpret_cast<unsigned int*>(sequences_ + 2 * pes);
+  progress_ = sequences_ + 2 * pes;
+  filled_ = progress_ + 2 * pes;
+  done_ = reinterpret_cast<unsigned int*>(filled_ + pes * pages_per_peer);
+  failed_ = done_ + 2 * pes;
+  resident_blocks_ = kernels::chunk_batch_resident_blocks();
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
   n_pes_ = pes;
   symmetric_bytes_ = total;
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
+  clear_size_mismatch();  // about channels that no longer exist
   // Nobody signals into memory a peer has not zeroed yet.
   barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
 }
@@ -97,8 +119,8 @@ void SendRecvEngine::cleanup() {
   base_ = nullptr;
   symmetric_free(base);  // synchronises the device first: no kernel still uses the counters
   if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
-  sequences_ = nullptr;
-  done_ = nullptr;
+  sequences_ = progress_ = filled_ = nullptr;
+  done_ = failed_ = nullptr;
   if (order_event_ != nullptr) cudaEventDestroy(order_event_);  // local; nothing depends on it
   order_event_ = nullptr;
   last_stream_.clear();
@@ -120,11 +142,31 @@ uint64_t* SendRecvEngine::credits(int dst_pe) const {
          static_cast<std::size_t>(dst_pe) * num_chunks_ * pages();
 }
 
+kernels::SlotHeader* SendRecvEngine::headers(int src_pe) const {
+  return reinterpret_cast<kernels::SlotHeader*>(reinterpret_cast<uint8_t*>(credits(0)) +
+                                                signal_array_bytes(n_pes_, num_chunks_, pages())) +
+         static_cast<std::size_t>(src_pe) * num_chunks_ * pages();
+}
+
+kernels::SlotHeader* SendRecvEngine::outgoing_headers(int dst_pe) const {
+  return reinterpret_cast<kernels::SlotHeader*>(reinterpret_cast<uint8_t*>(headers(0)) +
+                                                header_array_bytes(n_pes_, num_chunks_, pages())) +
+         static_cast<std::size_t>(dst_pe) * num_chunks_ * pages();
+}
+
+uint64_t* SendRecvEngine::broken(bool send, int peer) const {
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(outgoing_headers(0)) +
+                                     header_array_bytes(n_pes_, num_chunks_, pages())) +
+         (send ? 0 : n_pes_) + peer;
+}
+
 void SendRecvEngine::require_ready(const char* what, int pe) const {
   require_valid_pe(pe, what);
   PDC_REQUIRE(base_ != nullptr, what << ": the send/recv engine is not set up (pydatacopy.init() "
                                         "does it; from C++ call SendRecvEngine::init)");
-  check_timeouts();
+  // Per peer: after a wait on another PE timed out, transfers with live PEs go on.
+  check_peer_timeouts(pe, what);
+  check_size_mismatch();
 }
 
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
@@ -145,8 +187,12 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.page_bytes = static_cast<int64_t>(page_bytes_);
   a.pages = pages();
   a.num_slots = num_chunks_;
-  a.sequence = sequences_ + (send ? 0 : n_pes_) + peer;
-  a.done = done_ + (send ? 0 : n_pes_) + peer;
+  const int channel = (send ? 0 : n_pes_) + peer;
+  a.sequence = sequences_ + channel;
+  a.progress = progress_ + channel;
+  a.done = done_ + channel;
+  a.failed = failed_ + channel;
+  a.broken = broken(send, peer);
   a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
   a.peer = peer;
@@ -157,15 +203,24 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     a.staging = staging(me);
     a.arrivals = arrivals(me);
     a.credits = credits(peer);
+    a.headers = headers(me);
+    a.outgoing = outgoing_headers(peer);
+    a.filled = filled_ + static_cast<std::size_t>(peer) * num_chunks_ * pages();
     a.peer_staging = static_cast<uint8_t*>(peer_pointer(a.staging, peer));
     a.peer_arrivals = static_cast<uint64_t*>(peer_pointer(a.arrivals, peer));
-    if (a.peer_staging == nullptr || a.peer_arrivals == nullptr) a.peer_staging = nullptr, a.peer_arrivals = nullptr;
+    a.peer_headers = static_cast<kernels::SlotHeader*>(peer_pointer(a.headers, peer));
+    if (a.peer_staging == nullptr || a.peer_arrivals == nullptr || a.peer_headers == nullptr)
+      a.peer_staging = nullptr, a.peer_arrivals = nullptr, a.peer_headers = nullptr;
   } else {
     a.dst = static_cast<uint8_t*>(buffer);
     a.staging = staging(peer);
     a.arrivals = arrivals(peer);
     a.credits = credits(me);
+    a.headers = headers(peer);
     a.peer_credits = static_cast<uint64_t*>(peer_pointer(a.credits, peer));
+    // The sender's refusal word for this channel: its send channel to this PE.
+    a.remote_broken = broken(true, me);
+    a.peer_broken = static_cast<uint64_t*>(peer_pointer(a.remote_broken, peer));
   }
   return a;
 }
@@ -197,6 +252,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   timeout_nanoseconds(timeout_seconds);
   for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
   kernels::ChunkBatch launch{};
+  launch.max_grid = resident_blocks_;
   for (const Operation& op : ops) {
     if (op.bytes == 0) continue;
     launch.is_send[launch.count] = op.send;
@@ -208,7 +264,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   // Several ops of the batch on one channel (direction and peer) follow each other in the
   // channel's sequence: each learns its offset, and all learn the channel's totals. They share
   // one block count (the largest), so that a page of the channel has one owner in the launch:
-  // the block that sends (receives) a message's page also drained (filled) it for the last one.
+  // the slice that sends (receives) a message's page also drained (filled) it for the last one.
   for (int i = 0; i < launch.count; ++i) {
     kernels::ChunkStreamArgs& op = launch.ops[i];
     for (int j = 0; j < launch.count; ++j)

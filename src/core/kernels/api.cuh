@@ -71,6 +71,16 @@ namespace pydatacopy::kernels {
 // ones; the peer_* pointers are the peer's copies through nvshmem_ptr, or null for NVSHMEM RMA.
 // Sequence numbers live on the device (`sequence`), so a captured CUDA graph replays as fresh
 // messages; the launch carries only offsets within its batch.
+//
+// What the sender writes with each chunk, per slice, so that the receiver can check that both
+// sides cut the same message (the byte-count handshake of send_recv.hpp).
+struct SlotHeader {
+  uint64_t sequence;       // the chunk's sequence number + 1 (the value of its arrival signals)
+  uint64_t message_bytes;  // the sender's message size
+  uint64_t chunk_index;    // the chunk's index in its message
+  uint64_t unused;
+};
+
 struct ChunkStreamArgs {
   const uint8_t* src;        // send: the user's buffer
   uint8_t* dst;              // recv: the user's buffer
@@ -80,19 +90,28 @@ struct ChunkStreamArgs {
   int pages;                 // per slot: chunk_bytes / page_bytes, each with its own signals
   int num_slots;
   uint64_t* sequence;        // device: this channel's next chunk sequence number
-  unsigned int* done;        // device: blocks of this channel finished in the current launch
+  unsigned int* done;        // device: slices of this channel finished in the current launch
+  unsigned int* failed;      // device: nonzero once the channel failed in the current launch
+  uint64_t* progress;        // device: %globaltimer of the channel's last chunk moved
+  uint64_t* filled;          // send, device [num_slots][pages]: last sequence + 1 put in the page
   uint64_t offset_chunks;    // chunks of earlier ops of this batch on the same channel
   uint64_t channel_chunks;   // chunks of all ops of this batch on the channel
-  int channel_blocks;        // blocks of all ops of this batch on the channel
+  int channel_blocks;        // slices of all ops of this batch on the channel
   uint8_t* staging;          // [num_slots][chunk_bytes] of this channel, at the receiver
   uint8_t* peer_staging;
   uint64_t* arrivals;        // [num_slots][pages] at the receiver: chunks landed
   uint64_t* peer_arrivals;
   uint64_t* credits;         // [num_slots][pages] at the sender: chunks drained
   uint64_t* peer_credits;
-  int active_blocks;         // blocks moving this message (<= pages), from its size
+  SlotHeader* headers;       // [num_slots][pages] at the receiver: one per slice
+  SlotHeader* peer_headers;
+  SlotHeader* outgoing;      // send: [num_slots][pages], this PE's source for RMA header puts
+  uint64_t* broken;          // this channel's refusal word (nonzero: the other side's bytes + 1)
+  uint64_t* remote_broken;   // recv: the sender's word for this channel (symmetric address)
+  uint64_t* peer_broken;     // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
+  int active_blocks;         // slices moving this message (<= pages), from its size
   int my_pe, peer;
-  uint64_t timeout_ns;
+  uint64_t timeout_ns;       // no progress of the channel for this long: a timeout
   detail::DeviceStatus* status;
 };
 
@@ -103,7 +122,11 @@ struct ChunkBatch {
   ChunkStreamArgs ops[kMaxBatchOps];
   bool is_send[kMaxBatchOps];
   int count;
+  int max_grid;  // blocks of the launch at most (those that can be resident at once)
 };
+// Blocks of the send/recv kernel that can be resident at once on the current device (for this
+// process: under MPS, its share of the SMs).
+int chunk_batch_resident_blocks();
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels

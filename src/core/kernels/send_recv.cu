@@ -1,5 +1,10 @@
+#include <cuda.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 
 #include "../device_status.cuh"
 #include "api.cuh"
@@ -10,79 +15,112 @@ namespace pydatacopy::kernels {
 namespace {
 
 constexpr int kThreads = 512;
+// A block drives at most this many slices of each op: the grid is cut to what can be resident
+// at once, so a message's slices never wait for blocks that start only when others end.
+constexpr int kMaxSlicesPerBlock = 32;
 
 // A staging slot is cut into fixed pages, each with its own arrival and credit signal, the same
-// for every message; a message moving on `active_blocks` blocks gives block b the pages b,
-// b + active, b + 2 * active, ... of every slot, and every op of a batch on one channel uses the
-// same count. Block b of the launch drives slice b of every op of the batch (sends and recvs
-// alike) with a loop that never blocks on one op: it moves whichever op's next chunk is ready.
-// So a block's progress needs only its partner block (same index) of the peer's launch, and one
-// resident block per GPU is enough: no co-residency is assumed, whatever the block count, the
-// SMs left free by other kernels, or the shape of a group().
-// Every owned page is signalled for every chunk, data or not, so that any later message, cut
-// differently, finds each page's credit up to date.
+// for every message; a message moving on `active_blocks` slices gives slice s the pages s,
+// s + active, s + 2 * active, ... of every slot, and every op of a batch on one channel uses the
+// same count. Block b of the launch drives slices b, b + grid, ... of every op of the batch
+// (sends and recvs alike) with a loop that never blocks on one op: it moves whichever slice's
+// next chunk is ready. Slice s needs only slice s of the peer's launch, and the grid is no
+// larger than what can be resident, so no slice waits for another block to end: a dead peer's
+// op holds no live op back.
+//
+// Only the pages a chunk fills are signalled (send_recv.hpp): the receiver waits for the
+// arrival (sequence + 1) of the pages its chunk fills; the sender remembers in `filled` which
+// sequence last put data into each page of each slot and waits for that page's credit to reach
+// it. Signals only grow, and a page untouched by later chunks keeps the credit of the last
+// chunk that used it, which is what `filled` asks for; so any later message, cut differently,
+// finds every page's state up to date.
 
-// Whether every signal of the block's own pages in the slot reached `expected` (one look, no
+__device__ __forceinline__ int64_t chunk_count(const ChunkStreamArgs& a) {
+  return (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
+}
+
+__device__ __forceinline__ int64_t chunk_length(const ChunkStreamArgs& a, int64_t i) {
+  return min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
+}
+
+// Pages chunk i fills.
+__device__ __forceinline__ int data_pages(const ChunkStreamArgs& a, int64_t i) {
+  return static_cast<int>((chunk_length(a, i) + a.page_bytes - 1) / a.page_bytes);
+}
+
+// Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
 // waiting). All threads of the block must call.
-__device__ __forceinline__ bool own_pages_ready(const uint64_t* slot_signals, int block,
-                                                uint64_t expected, const ChunkStreamArgs& a) {
+__device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
+                                            int64_t i, uint64_t k) {
+  const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
+  const int pages = data_pages(a, i);
   int ok = 1;
-  for (int p = block + static_cast<int>(threadIdx.x) * a.active_blocks; ok && p < a.pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks)
-    ok = detail::load_acquire_sys(slot_signals + p) >= expected;
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; ok && p < pages;
+       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+    if (send)
+      ok = detail::load_acquire_sys(a.credits + signals + p) >= a.filled[signals + p];
+    else
+      ok = detail::load_acquire_sys(a.arrivals + signals + p) >= k + 1;
+  }
   return __syncthreads_and(ok) != 0;
 }
 
-// The deadline passed: record a page of the block's still short of `expected`. Returns false
-// (for every thread) when none is short any more: the data came in since the last look, so the
-// block goes on instead of giving up unrecorded. All threads of the block must call.
-__device__ __forceinline__ bool report_timeout(const uint64_t* slot_signals, int block,
-                                               uint64_t expected, const ChunkStreamArgs& a,
-                                               detail::WaitOp op) {
+// The channel made no progress for the timeout: record a page of the slice still short.
+// Returns false (for every thread) when none is short any more: the data came in since the last
+// look, so the block goes on instead of giving up unrecorded. All threads of the block must call.
+__device__ __forceinline__ bool report_timeout(const ChunkStreamArgs& a, bool send, int slice,
+                                               int64_t i, uint64_t k) {
+  const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
+  const int pages = data_pages(a, i);
   int short_page = 0;
-  for (int p = block + static_cast<int>(threadIdx.x) * a.active_blocks; !short_page && p < a.pages;
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; !short_page && p < pages;
        p += static_cast<int>(blockDim.x) * a.active_blocks) {
-    const uint64_t seen = detail::load_acquire_sys(slot_signals + p);
+    const uint64_t* signal = (send ? a.credits : a.arrivals) + signals + p;
+    const uint64_t expected = send ? a.filled[signals + p] : k + 1;
+    const uint64_t seen = detail::load_acquire_sys(signal);
     if (seen < expected) {
-      detail::record_error(&a.status->timeout, detail::kTimedOut, op, a.peer, a.my_pe, expected, seen);
+      detail::record_timeout(a.status, send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival,
+                             a.peer, a.my_pe, expected, seen);
       short_page = 1;
     }
   }
   return __syncthreads_or(short_page) != 0;
 }
 
-// After the block's copies (and a __syncthreads): raise every signal the block owns in the slot.
-// peer_slot_signals null: through NVSHMEM (signal_op), skipping the pages below `skip_below`
-// (their putmem_signal raised them already).
-__device__ __forceinline__ void signal_own_pages(uint64_t* peer_slot_signals, uint64_t* slot_signals,
-                                                 int block, uint64_t value, const ChunkStreamArgs& a,
-                                                 int skip_below) {
-  bool fenced = false;
-  for (int p = block + static_cast<int>(threadIdx.x) * a.active_blocks; p < a.pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks) {
-    if (peer_slot_signals != nullptr) {
-      if (!fenced) __threadfence_system();  // cumulative: covers the block's stores seen through the barrier
-      fenced = true;
-      store_release_sys(peer_slot_signals + p, value);
-    } else if (p >= skip_below) {
-      nvshmemx_signal_op(slot_signals + p, value, NVSHMEM_SIGNAL_SET, a.peer);
-    }
-  }
+// The channel is refused (a size mismatch: found by this recv, told to this send, or found in
+// an earlier launch): record it for this call, so that the caller hears of it, and fail the
+// channel for the rest of this launch.
+__device__ __forceinline__ void refuse(const ChunkStreamArgs& a, detail::WaitOp why, uint64_t other_bytes) {
+  detail::record_error(&a.status->mismatch, detail::kMismatch, why, a.peer, a.my_pe,
+                       static_cast<uint64_t>(a.bytes), other_bytes);
+  atomicExch(a.failed, 1u);
 }
 
-__device__ __forceinline__ int64_t chunk_count(const ChunkStreamArgs& a) {
-  return (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
-}
-
-// Chunk i of a send, on the block's own pages of its slot (whose credits are in).
-__device__ void send_chunk(const ChunkStreamArgs& a, int block, int64_t i, uint64_t k) {
+// Chunk i of a send, on the slice's pages of its slot (whose credits are in).
+__device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
   const int64_t slot = static_cast<int64_t>(k % a.num_slots);
   const int64_t signals = slot * a.pages;
-  const int64_t length = min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
+  const int64_t length = chunk_length(a, i);
+  const int pages = data_pages(a, i);
   const uint8_t* from = a.src + i * a.chunk_bytes;
   const int64_t to = slot * a.chunk_bytes;
-  int data_pages_end = 0;  // pages below it that this block put with their own signal (RMA)
-  for (int p = block; p < a.pages && p * a.page_bytes < length; p += a.active_blocks) {
+  // A slice with no page in this (short, last) chunk moves nothing and writes no header: page
+  // `slice`, whose credit guards header `slice`, is not its to wait for in this chunk.
+  if (slice >= pages) return;
+  const SlotHeader header{k + 1, static_cast<uint64_t>(a.bytes), static_cast<uint64_t>(i), 0};
+  // The header first, ordered before any of the slice's arrival signals.
+  if (threadIdx.x == 0) {
+    if (a.peer_staging != nullptr) {
+      a.peer_headers[signals + slice] = header;
+    } else {
+      a.outgoing[signals + slice] = header;
+      nvshmem_putmem(a.headers + signals + slice, a.outgoing + signals + slice, sizeof(SlotHeader), a.peer);
+      nvshmem_fence();  // delivered before the putmem_signal calls below
+    }
+  }
+  __syncthreads();
+  bool fenced = false;
+  for (int p = slice; p < pages; p += a.active_blocks) {
     const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
     if (a.peer_staging != nullptr) {
       copy_bytes(a.peer_staging + to + offset, from + offset, n, threadIdx.x, blockDim.x);
@@ -90,39 +128,81 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int block, int64_t i, uint6
       // NVSHMEM RMA: the put's own signal guarantees the page's data.
       nvshmemx_putmem_signal_block(a.staging + to + offset, from + offset, static_cast<size_t>(n),
                                    a.arrivals + signals + p, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
-      data_pages_end = p + 1;
     }
   }
   __syncthreads();
-  signal_own_pages(a.peer_staging != nullptr ? a.peer_arrivals + signals : nullptr,
-                   a.arrivals + signals, block, k + 1, a, data_pages_end);
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; p < pages;
+       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+    a.filled[signals + p] = k + 1;  // the credit that frees this page again
+    if (a.peer_staging != nullptr) {
+      if (!fenced) __threadfence_system();  // cumulative: covers the block's stores seen through the barrier
+      fenced = true;
+      store_release_sys(a.peer_arrivals + signals + p, k + 1);
+    }
+  }
 }
 
-// Chunk i of a recv, from the block's own pages of its slot (whose arrivals are in).
-__device__ void recv_chunk(const ChunkStreamArgs& a, int block, int64_t i, uint64_t k) {
+// Chunk i of a recv, from the slice's pages of its slot (whose arrivals are in). Returns false
+// (for every thread) when the sender cut another message: nothing is copied out then.
+__device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
   const int64_t slot = static_cast<int64_t>(k % a.num_slots);
   const int64_t signals = slot * a.pages;
-  const int64_t length = min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
-  for (int p = block; p < a.pages && p * a.page_bytes < length; p += a.active_blocks) {
+  const int64_t length = chunk_length(a, i);
+  const int pages = data_pages(a, i);
+  if (slice >= pages) return true;  // no page of this chunk: nothing to check or copy
+  __shared__ int mismatch;
+  if (threadIdx.x == 0) {
+    // Written before the arrival signal this slice acquired (a fence on either path).
+    const volatile SlotHeader* h = a.headers + signals + slice;
+    const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
+    mismatch = sequence != k + 1 || bytes != static_cast<uint64_t>(a.bytes) || index != static_cast<uint64_t>(i);
+    if (mismatch) {
+      // Refuse the channel on both sides: ours, and the sender's, which its next wait or
+      // launch on the channel reads (value: our bytes + 1).
+      *reinterpret_cast<volatile uint64_t*>(a.broken) = bytes + 1;
+      if (a.peer_broken != nullptr) {
+        __threadfence_system();
+        store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+      } else {
+        nvshmemx_signal_op(a.remote_broken, static_cast<uint64_t>(a.bytes) + 1, NVSHMEM_SIGNAL_SET, a.peer);
+        nvshmem_quiet();  // delivered by the time this launch ends (the sender may look next)
+      }
+      refuse(a, detail::WaitOp::kChunkArrival, bytes);
+    }
+  }
+  __syncthreads();
+  if (mismatch) return false;
+  for (int p = slice; p < pages; p += a.active_blocks) {
     const int64_t offset = p * a.page_bytes;
     copy_bytes(a.dst + i * a.chunk_bytes + offset, a.staging + slot * a.chunk_bytes + offset,
                min(a.page_bytes, length - offset), threadIdx.x, blockDim.x);
   }
   __syncthreads();
-  // Our reads of the slot are done: the sender may overwrite it.
-  signal_own_pages(a.peer_credits == nullptr ? nullptr : a.peer_credits + signals, a.credits + signals,
-                   block, k + 1, a, 0);
+  // Our reads of the slot are done: the sender may overwrite the pages.
+  bool fenced = false;
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; p < pages;
+       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+    if (a.peer_credits != nullptr) {
+      if (!fenced) __threadfence_system();
+      fenced = true;
+      store_release_sys(a.peer_credits + signals + p, k + 1);
+    } else {
+      nvshmemx_signal_op(a.credits + signals + p, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
+    }
+  }
+  return true;
 }
 
-// Once the block is done with an op (or gave up): the last block of the op's channel in this
-// launch moves the channel's counter on. Every block read the counter at its start, before it
-// counted itself, so the counter moves only after all of them read it.
-__device__ __forceinline__ void finish_op(const ChunkStreamArgs& a, uint64_t first) {
+// Once the block is done with a slice (or gave up): the last slice of the op's channel in this
+// launch moves the channel's counter on and clears its failure flag. Every block read the
+// counter at its start, before it counted a slice, so the counter moves only after all read it.
+__device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t first) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
   if (atomicAdd(a.done, 1u) + 1 == static_cast<unsigned>(a.channel_blocks)) {
     *a.done = 0;
+    *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
     *reinterpret_cast<volatile uint64_t*>(a.sequence) = first - a.offset_chunks + a.channel_chunks;
     __threadfence();
   }
@@ -139,58 +219,89 @@ struct SizedBatch {
 
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
-  const int block = static_cast<int>(blockIdx.x);
+  const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // Per op: the channel's sequence number of the message's first chunk (the device counter,
   // advanced by the previous launch on the channel, plus the chunks of earlier ops of this batch
-  // on it) and the next chunk to move; ops this block has no slice of start done.
+  // on it), this block's last progress on it (its start at first), and per slice the next chunk
+  // to move; slices past the op's count start done.
   __shared__ uint64_t first[kCapacity];
-  __shared__ int64_t next[kCapacity];
+  __shared__ uint64_t since[kCapacity];
+  __shared__ int64_t next[kCapacity][kMaxSlicesPerBlock];
   if (threadIdx.x == 0) {
+    const uint64_t now = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
       first[i] = *reinterpret_cast<volatile uint64_t*>(a.sequence) + a.offset_chunks;
-      next[i] = block < a.active_blocks ? 0 : chunk_count(a);
+      since[i] = now;
+      // A refused channel moves nothing until setup_send_recv() rebuilds it.
+      const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+      if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
+      for (int j = 0; j < kMaxSlicesPerBlock; ++j)
+        next[i][j] = broken == 0 && block + j * grid < a.active_blocks ? 0 : chunk_count(a);
     }
   }
   __syncthreads();
-  const uint64_t start = detail::globaltimer_ns();
-  bool gave_up = false;
-  while (!gave_up) {
-    bool all_done = true;
+  for (bool all_done = false; !all_done;) {
+    all_done = true;
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
-      const int64_t chunk = next[i];
-      if (chunk >= chunk_count(a)) continue;
-      all_done = false;
-      const uint64_t k = first[i] + chunk;
-      const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
-      // A send needs the slot drained of the chunk that used it num_slots ago; a recv needs the
-      // chunk landed.
       const bool send = batch.is_send[i];
-      const uint64_t* wait_on = send ? a.credits + signals : a.arrivals + signals;
-      const uint64_t expected = send ? (k >= static_cast<uint64_t>(a.num_slots) ? k - a.num_slots + 1 : 0) : k + 1;
-      if (!own_pages_ready(wait_on, block, expected, a)) {
-        // One clock reading for the whole block (thread 0's): threads that disagreed about the
-        // deadline would leave the loop apart and break the block's barriers.
-        if (__syncthreads_or(threadIdx.x == 0 && detail::globaltimer_ns() - start > a.timeout_ns) &&
-            report_timeout(wait_on, block, expected, a,
-                           send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival)) {
-          gave_up = true;  // the channel is broken; the host reports the timeout
-          break;
+      for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < a.active_blocks; ++j) {
+        const int slice = block + j * grid;
+        const int64_t chunk = next[i][j];
+        if (chunk >= chunk_count(a)) continue;
+        all_done = false;
+        // Ops of one channel move in the channel's order, slice by slice: a send's wait reads
+        // `filled`, which only the slot's previous chunk (maybe an earlier op's) sets.
+        bool behind = false;
+        for (int e = 0; e < i; ++e)
+          behind = behind || (batch.ops[e].sequence == a.sequence && next[e][j] < chunk_count(batch.ops[e]));
+        if (behind) continue;
+        // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
+        if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
+          if (threadIdx.x == 0) next[i][j] = chunk_count(a);
+          __syncthreads();
+          continue;
         }
-        continue;
+        const uint64_t k = first[i] + chunk;
+        if (!slice_ready(a, send, slice, chunk, k)) {
+          // A send also reads its refusal word: the receiver found a size mismatch.
+          if (send && __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
+            if (threadIdx.x == 0)
+              refuse(a, detail::WaitOp::kChunkCredit, *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
+            __syncthreads();
+            continue;
+          }
+          // A watchdog on progress: the channel's last chunk moved (by any block) or this
+          // block's own last progress, whichever is later. One clock reading for the whole
+          // block (thread 0's): threads that disagreed would break the block's barriers.
+          const bool stalled = __syncthreads_or(
+              threadIdx.x == 0 &&
+              detail::globaltimer_ns() - max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress)) > a.timeout_ns);
+          if (stalled && report_timeout(a, send, slice, chunk, k)) {
+            if (threadIdx.x == 0) atomicExch(a.failed, 1u);  // the host refuses this peer from now on
+            __syncthreads();
+          }
+          continue;
+        }
+        bool moved = true;
+        if (send)
+          send_chunk(a, slice, chunk, k);
+        else
+          moved = recv_chunk(a, slice, chunk, k);
+        if (threadIdx.x == 0) {
+          next[i][j] = moved ? chunk + 1 : chunk_count(a);
+          const uint64_t now = detail::globaltimer_ns();
+          since[i] = now;
+          atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+        }
+        __syncthreads();
       }
-      if (send)
-        send_chunk(a, block, chunk, k);
-      else
-        recv_chunk(a, block, chunk, k);
-      if (threadIdx.x == 0) next[i] = chunk + 1;
-      __syncthreads();
     }
-    if (all_done) break;
   }
   for (int i = 0; i < batch.count; ++i)
-    if (block < batch.ops[i].active_blocks) finish_op(batch.ops[i], first[i]);
+    for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[i].active_blocks; ++j)
+      finish_slice(batch.ops[i], first[i]);
 }
 
 }  // namespace
@@ -207,14 +318,65 @@ void launch_sized(const ChunkBatch& batch, int blocks, cudaStream_t stream) {
 }
 
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
-  int blocks = 0;  // block b drives slice b of every op
-  for (int i = 0; i < batch.count; ++i) blocks = max(blocks, batch.ops[i].active_blocks);
-  if (blocks == 0) return;
+  int slices = 0;  // block b drives slices b, b + grid, ... of every op
+  for (int i = 0; i < batch.count; ++i) slices = max(slices, batch.ops[i].active_blocks);
+  if (slices == 0) return;
+  // No more blocks than can be resident at once (a block that waits its turn would hold its
+  // slices' peers back until a block ahead of it ends), and no more slices than a block holds.
+  const int least = (slices + kMaxSlicesPerBlock - 1) / kMaxSlicesPerBlock;
+  const int blocks = max(least, min(slices, max(1, batch.max_grid)));
   if (batch.count <= 2)
     launch_sized<2>(batch, blocks, stream);
   else
     launch_sized<kMaxBatchOps>(batch, blocks, stream);
   PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+namespace {
+// SMs this process's context may use: under Volta+ MPS with an active thread percentage the
+// context's execution affinity (cuCtxGetExecAffinity, through the runtime's driver entry point:
+// the core does not link libcuda), else, when that is unavailable, the percentage in the
+// environment; the whole device otherwise (cudaDevAttrMultiProcessorCount is the whole GPU).
+// With PYDATACOPY_RANKS_PER_GPU=K ranks sharing the GPU, at most a K-th of it: the K launches
+// of a sendrecv between them must all fit at once, also when MPS sets no limit.
+int usable_sms(int device) {
+  int sms = 0;
+  PDC_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int usable = sms;
+  using GetExecAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
+  void* function = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  bool affinity_known = false;
+  if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &function, 11040, cudaEnableDefault,
+                                       &found) == cudaSuccess &&
+      found == cudaDriverEntryPointSuccess && function != nullptr) {
+    CUexecAffinityParam affinity{};
+    if (reinterpret_cast<GetExecAffinity>(function)(&affinity, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS &&
+        affinity.param.smCount.val > 0) {
+      usable = std::min(usable, static_cast<int>(affinity.param.smCount.val));
+      affinity_known = true;
+    }
+  }
+  cudaGetLastError();  // a failed query is no error of the caller's
+  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"); text != nullptr && !affinity_known) {
+    const double percent = std::atof(text);
+    if (percent > 0 && percent < 100) usable = std::min(usable, static_cast<int>(std::ceil(sms * percent / 100)));
+  }
+  if (const char* text = std::getenv("PYDATACOPY_RANKS_PER_GPU")) {
+    const int ranks = std::atoi(text);  // validated where the device is chosen (choose_device)
+    if (ranks > 1) usable = std::min(usable, sms / ranks);
+  }
+  return std::max(1, usable);
+}
+}  // namespace
+
+int chunk_batch_resident_blocks() {
+  int device = 0, small = 0, large = 0;
+  PDC_CHECK_CUDA(cudaGetDevice(&device));
+  PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&small, chunk_batch_kernel<2>, kThreads, 0));
+  PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&large, chunk_batch_kernel<kMaxBatchOps>,
+                                                               kThreads, 0));
+  return std::max(1, usable_sms(device) * std::max(1, std::min(small, large)));
 }
 
 void preload_send_recv_kernels() {
