@@ -206,7 +206,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ptr"), release_gil());
   m.def("is_symmetric",
         [](std::uintptr_t ptr, std::size_t bytes) { return is_symmetric(as_pointer<void>(ptr), bytes); },
-        py::arg("ptr"), py::arg("bytes"), release_gil());
+        py::arg("ptr"), py::arg("bytes"));  // a map lookup under a lock nobody holds long: keeps the GIL
   m.def("peer_pointer",
         [](std::uintptr_t ptr, int pe) { return as_address(peer_pointer(as_pointer<void>(ptr), pe)); },
         py::arg("ptr"), py::arg("pe"));
