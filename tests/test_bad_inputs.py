@@ -268,6 +268,23 @@ BAD_INPUTS = [
     ("core: engine before init", lambda: _C.SendRecvEngine().init(1 << 20, 4, 8), "SendRecvEngine.init needs NVSHMEM: call"),
     ("core: put_blocks before init", lambda: _C.put_blocks(0, 1, 0, 1, 16, 0, 0, 1, 0, 0, 0), "put_blocks needs NVSHMEM: call"),
     ("core: signal_wait before init", lambda: _C.signal_wait(0, 1, 0, 1.0), "signal_wait needs NVSHMEM: call"),
+    # put_many's rows, read and checked in one native pass before the core is called
+    ("core: put_many before init", lambda: _C.put_many_tensors([], [], 0, 0, 0, 0, torch.Tensor),
+     "put_many needs NVSHMEM: call"),
+    ("put_many of empty lists before init", lambda: pydatacopy.put_many([], [], 0),
+     "pydatacopy.put_many needs NVSHMEM: call"),
+    ("core: put_many row not a tensor", lambda: _C.put_many_tensors([3], [_t], 0, 0, 0, 0, torch.Tensor),
+     "pydatacopy.put_many: dsts[0] must be a torch.Tensor, got int"),
+    ("core: put_many lists not sequences", lambda: _C.put_many_tensors(5, [], 0, 0, 0, 0, torch.Tensor),
+     "pydatacopy.put_many: dsts must be a list or tuple of tensors, got int"),
+    ("core: put_many lists of unequal length", lambda: _C.put_many_tensors([_t, _t], (_t,), 0, 0, 0, 0, torch.Tensor),
+     "pydatacopy.put_many: 2 destinations but 1 sources; pass one source per destination"),
+    ("core: put_many CPU source", lambda: _C.put_many_tensors([_t], [_t], 0, 0, 0, 0, torch.Tensor),
+     "pydatacopy.put_many: srcs[0] is not on a CUDA device; pydatacopy moves CUDA tensors: use .cuda() first"),
+    ("core: put_many strided row", lambda: _C.put_many_tensors([torch.zeros(4, 4).t()], [_t], 0, 0, 0, 0, torch.Tensor),
+     "pydatacopy.put_many: dsts[0] must be contiguous (call .contiguous() first)"),
+    ("core: put_many unknown path", lambda: _C.put_many_tensors([], [], 0, 0, 7, 0, torch.Tensor),
+     "path must be one of auto, copy_engine, sm, rma"),
     # pydatacopy's environment variables, checked by init_nvshmem before anything starts
     *[(f"{name}={value!r}", _env_call({name: value}, lambda: pydatacopy.init_nvshmem(UID, 0, 1)), words)
       for name, value, words in [

@@ -23,9 +23,13 @@
 
 namespace pydatacopy {
 
-// PYDATACOPY_CHECK_RMA=1 (`check`): every local address the library passes to an NVSHMEM RMA call
-// is verified, just before the call, to lie in the symmetric heap or in a live registration, and
-// Error is raised if not. PYDATACOPY_AUTO_REGISTER=0 (`auto_register` false): a buffer that is
+namespace kernels {
+struct ChunkStreamArgs;
+}
+
+// PYDATACOPY_CHECK_RMA=1 (`check`): every address the library passes to an NVSHMEM RMA or signal
+// call is verified just before the call (check_rma_remote, check_rma_local below), and Error is
+// raised if it is wrong. PYDATACOPY_AUTO_REGISTER=0 (`auto_register` false): a buffer that is
 // neither symmetric nor registered by register_memory() raises Error instead of being registered.
 void set_rma_options(bool check, bool auto_register);
 bool rma_check_enabled();
@@ -50,14 +54,39 @@ bool is_rma_ready(const void* ptr, std::size_t bytes);
 void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what);
 
 // The checking mode's verification: throws naming `what` unless [ptr, ptr + bytes) lies in the
-// symmetric heap or in a live registration (range and buffer ID queried afresh).
+// symmetric heap or in a live registration (range and buffer ID queried afresh). Counted as a
+// violation when it throws.
 void verify_rma_local(const void* ptr, std::size_t bytes, const char* what);
+
+// The checking mode, one call before each NVSHMEM RMA or signal call of the core; a relaxed load
+// and a return when PYDATACOPY_CHECK_RMA is off. A failure is counted
+// (RegistrationStats::check_violations) and thrown as Error naming `what` and the address.
+// check_rma_remote: the peer's side (a put's dst, a get's src, a signal, staging, the token
+// exchange's receive set) must lie on NVSHMEM's symmetric heap: nvshmem_ptr(address, my_pe) is
+// non-null for its first and last byte (pydatacopy's allocations, and torch's symmetric memory
+// when it shares NVSHMEM). Not is_symmetric(): this asks NVSHMEM what it will be given.
+void check_rma_remote(const void* ptr, std::size_t bytes, const char* what);
+// check_rma_local: this PE's side of an RMA that leaves through NVSHMEM's transport (a put's
+// src, a get's dst) must be symmetric or in a live registration (verify_rma_local).
+void check_rma_local(const void* ptr, std::size_t bytes, const char* what);
+
+// Test support: the checking mode refuses every check whose `what` starts with `what_prefix`, as
+// if its address were wrong (empty: none), so that a test can show that a path checks before it
+// calls NVSHMEM; real addresses cannot be made wrong through the public API.
+void refuse_rma_checks_for_tests(const char* what_prefix);
+
+// One op of a send/recv batch (send_recv.cpp) on the RMA path: a send's buffer is made RMA-ready
+// (prepare_rma_local) and, in checking mode, the staging slots and arrival signals it puts into
+// are checked; a recv's credits, which it raises at the sender through NVSHMEM, likewise. A
+// direct (load/store) op hands NVSHMEM nothing: a no-op.
+void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send);
 
 struct RegistrationStats {
   uint64_t registrations = 0;       // nvshmemx_buffer_register calls made
   uint64_t stale_dropped = 0;       // entries dropped because their allocation had gone
   std::size_t live_entries = 0;
   std::size_t registered_bytes = 0;
+  uint64_t check_violations = 0;    // addresses PYDATACOPY_CHECK_RMA refused (any kind)
 };
 RegistrationStats registration_stats();
 

@@ -45,9 +45,7 @@ def unregister(tensor: torch.Tensor) -> None:
     stays registered until its memory is freed or ``finalize()``). Call it only after the
     transfers that use the tensor are done (synchronise their stream)."""
     _checked(tensor, "unregister")
-    if _C.is_symmetric(tensor.data_ptr(), 1):
-        return
-    _C.unregister_memory(tensor.data_ptr())
+    _C.unregister_memory(tensor.data_ptr())  # a no-op for symmetric memory
 
 
 def is_registered(tensor: torch.Tensor) -> bool:

@@ -178,7 +178,7 @@ def refuse_capture(what: str, handle: int | None = None) -> None:
 
 
 def _check_signal(signal: torch.Tensor) -> torch.Tensor:
-    _check_tensor(signal, "signal", symmetric=True)
+    _check_tensor(signal, "signal")  # the core checks that it is symmetric
     if signal.dtype not in (torch.uint64, torch.int64) or signal.numel() != 1:
         raise Error("signal must be a one-element uint64 (or int64) symmetric tensor, e.g. "
                     "pydatacopy.empty(1, dtype=torch.uint64)")
@@ -223,7 +223,7 @@ def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tens
                *, stream=None) -> None:
     """``put``, then set PE `pe`'s copy of `signal` to `value` once the data is visible there."""
     _check_pe(pe, "put_signal")
-    _check_tensor(dst, "dst", symmetric=True)
+    _check_tensor(dst, "dst")  # the core checks that dst and signal are symmetric
     _check_tensor(src, "src")
     nbytes = _check_pair(dst, src, "put_signal")
     _check_signal(signal)
@@ -283,31 +283,20 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
              stream=None, path: str = "auto") -> None:
     """Many puts to one PE in a single kernel launch (KV-cache blocks, expert tokens).
 
-    dsts[i] (symmetric) receives srcs[i]; each pair is checked as in ``put``. Visibility as in
-    ``put``. ``path``: auto or sm (one kernel's direct stores where the peer is reachable, NVSHMEM
-    RMA where it is not), or rma.
+    dsts[i] (symmetric) receives srcs[i] (a list or tuple each); each pair is checked as in
+    ``put``, in one pass in the native layer (no Python loop per row). Visibility as in ``put``;
+    the lists and the tensors may be dropped as soon as this returns (the table of addresses
+    travels in the launch itself), and the call can be captured in a CUDA graph. ``path``: auto
+    or sm (one kernel's direct stores where the peer is reachable, NVSHMEM RMA where it is
+    not), or rma. For pools with device-side indices, ``put_blocks`` needs no host work per row.
     """
     _check_pe(pe, "put_many")
-    if len(dsts) != len(srcs):
-        raise Error(f"pydatacopy.put_many: {len(dsts)} destinations but {len(srcs)} sources; pass "
-                    "one source per destination")
     if path not in ("auto", "sm", "rma"):
         raise Error(f"pydatacopy.put_many: path must be auto, sm or rma (one kernel moves the "
                     f"tensors), got {path!r}")
-    dst_addresses, src_addresses, sizes = [], [], []
-    for i, (dst, src) in enumerate(zip(dsts, srcs)):
-        _check_tensor(dst, f"dsts[{i}]", symmetric=True)
-        _check_tensor(src, f"srcs[{i}]")
-        sizes.append(_check_pair(dst, src, "put_many"))
-        dst_addresses.append(dst.data_ptr())
-        src_addresses.append(src.data_ptr())
-    handle = _stream(stream)
-    if _capturing(handle):
-        raise Error("pydatacopy.put_many copies its table of addresses from host memory, which "
-                    "cannot be captured in a CUDA graph: use put_blocks (index tensors stay on "
-                    "the GPU) inside graphs")
-    _C.put_many(dst_addresses, src_addresses, sizes, pe, handle, _path(path))
-    _keep_alive(stream, *srcs)
+    _C.put_many_tensors(dsts, srcs, pe, _stream(stream), PATHS[path], _C.cuda_device(), torch.Tensor)
+    if stream is not None:
+        _keep_alive(stream, *srcs)
 
 
 def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torch.Tensor,
@@ -322,7 +311,7 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     """
     _require_init("put_blocks")
     check_int("pe", pe, None, _PE_MAX)
-    _check_tensor(dst_pool, "dst_pool", symmetric=True)
+    _check_tensor(dst_pool, "dst_pool")  # the core checks that it is symmetric
     _check_tensor(src_pool, "src_pool")
     if dst_pool.dim() < 1 or src_pool.dim() < 1:
         raise Error("put_blocks: pools must have a leading block dimension")

@@ -3,7 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "pydatacopy/double_buffer_manager.hpp"
@@ -29,6 +31,122 @@ Path as_path(int path) {
   return static_cast<Path>(path);
 }
 
+// The engines' hot calls run without the GIL (a first-use registration can block behind the
+// legacy default stream); the GIL used to keep two Python threads out of one engine's host
+// state, so these locks do now. Collective init/cleanup take none: a thread waiting in one must
+// not keep another from the transfers its peers wait for.
+std::mutex g_send_recv_mutex, g_token_exchange_mutex;
+
+// put_many's rows, read from sequences of tensors through the tensors' own Python methods (this
+// module links no libtorch) in one C++ pass: no Python loop, each fact asked once. The core
+// checks that every dst is symmetric; what it cannot know (types, devices, layouts, dtypes,
+// sizes) is checked here.
+class TensorRows {
+ public:
+  TensorRows(py::handle tensor_type, int device) : type_(tensor_type), device_(device) {}
+
+  std::vector<TransferDescriptor> read(py::handle dsts, py::handle srcs) {
+    const py::object dst_list = fast(dsts, "dsts"), src_list = fast(srcs, "srcs");
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(dst_list.ptr());
+    PDC_REQUIRE(count == PySequence_Fast_GET_SIZE(src_list.ptr()),
+                "pydatacopy.put_many: " << count << " destinations but "
+                    << PySequence_Fast_GET_SIZE(src_list.ptr())
+                    << " sources; pass one source per destination");
+    PDC_REQUIRE(count <= INT_MAX, "pydatacopy.put_many: at most " << INT_MAX << " tensors per call");
+    PyObject** dst_items = PySequence_Fast_ITEMS(dst_list.ptr());
+    PyObject** src_items = PySequence_Fast_ITEMS(src_list.ptr());
+    std::vector<TransferDescriptor> rows;
+    rows.reserve(static_cast<std::size_t>(count));
+    for (Py_ssize_t i = 0; i < count; ++i) {
+      // dst's device needs no question: the core refuses any dst off this PE's symmetric heap.
+      const Facts dst = facts(dst_items[i], "dsts", i, false);
+      const Facts src = facts(src_items[i], "srcs", i, true);
+      PDC_REQUIRE(dst.dtype.is(src.dtype),
+                  "pydatacopy.put_many: dtype mismatch in row " << i << ": dst is "
+                      << py::str(dst.dtype).cast<std::string>() << ", src is "
+                      << py::str(src.dtype).cast<std::string>()
+                      << "; use one dtype on both sides (src.to(dst.dtype))");
+      PDC_REQUIRE(dst.bytes == src.bytes,
+                  "pydatacopy.put_many: size mismatch in row " << i << ": dst has " << dst.bytes
+                      << " bytes, src has " << src.bytes
+                      << "; pass equal-sized tensors (a slice of the larger one)");
+      if (src.bytes > 0) rows.push_back({dst.address, src.address, src.bytes});
+    }
+    return rows;
+  }
+
+ private:
+  struct Facts {
+    std::uintptr_t address = 0;
+    std::size_t bytes = 0;
+    py::object dtype;
+  };
+
+  static py::object fast(py::handle sequence, const char* name) {
+    PyObject* list = PySequence_Fast(sequence.ptr(), "");
+    if (list == nullptr) {
+      PyErr_Clear();
+      PDC_REQUIRE(false, "pydatacopy.put_many: " << name << " must be a list or tuple of tensors, got "
+                                                  << Py_TYPE(sequence.ptr())->tp_name);
+    }
+    return py::reinterpret_steal<py::object>(list);
+  }
+
+  // Interned once (and never freed: the module lives as long as the interpreter).
+  static PyObject* name(const char* text) { return PyUnicode_InternFromString(text); }
+
+  static py::object call(PyObject* self, PyObject* method) {
+    PyObject* args[] = {self};
+    PyObject* result = PyObject_VectorcallMethod(method, args, 1, nullptr);
+    if (result == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(result);
+  }
+
+  static py::object attribute(PyObject* self, PyObject* attribute_name) {
+    PyObject* result = PyObject_GetAttr(self, attribute_name);
+    if (result == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(result);
+  }
+
+  // An int result as unsigned; a failed conversion is the Python error it raised.
+  static unsigned long long as_unsigned(const py::object& value) {
+    const unsigned long long result = PyLong_AsUnsignedLongLong(value.ptr());
+    if (result == static_cast<unsigned long long>(-1) && PyErr_Occurred()) throw py::error_already_set();
+    return result;
+  }
+
+  Facts facts(PyObject* tensor, const char* list, Py_ssize_t i, bool check_device) {
+    static PyObject* const get_device = name("get_device");
+    static PyObject* const is_contiguous = name("is_contiguous");
+    static PyObject* const data_ptr = name("data_ptr");
+    static PyObject* const nbytes = name("nbytes");
+    static PyObject* const dtype = name("dtype");
+    PDC_REQUIRE(PyObject_TypeCheck(tensor, reinterpret_cast<PyTypeObject*>(type_.ptr())),
+                "pydatacopy.put_many: " << list << "[" << i << "] must be a torch.Tensor, got "
+                                        << Py_TYPE(tensor)->tp_name);
+    if (check_device) {
+      const long device = PyLong_AsLong(call(tensor, get_device).ptr());  // -1: CPU
+      if (device == -1 && PyErr_Occurred()) throw py::error_already_set();
+      PDC_REQUIRE(device == device_,
+                  "pydatacopy.put_many: " << list << "[" << i << "] is "
+                      << (device < 0 ? std::string("not on a CUDA device; pydatacopy moves CUDA tensors: use .cuda() first")
+                                     : "on cuda:" + std::to_string(device) +
+                                           ", but this process runs pydatacopy on cuda:" +
+                                           std::to_string(device_) + "; move it there first"));
+    }
+    PDC_REQUIRE(call(tensor, is_contiguous).ptr() == Py_True,
+                "pydatacopy.put_many: " << list << "[" << i << "] must be contiguous (call .contiguous() first)");
+    Facts f;
+    f.address = static_cast<std::uintptr_t>(as_unsigned(call(tensor, data_ptr)));
+    f.bytes = static_cast<std::size_t>(as_unsigned(attribute(tensor, nbytes)));
+    f.dtype = attribute(tensor, dtype);
+    return f;
+  }
+
+  py::handle type_;
+  int device_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -51,7 +169,7 @@ PYBIND11_MODULE(_C, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
 
   // Runtime.
-  m.def("get_unique_id", &get_unique_id,
+  m.def("get_unique_id", &get_unique_id, release_gil(),
         "Create an NVSHMEM unique ID (128 bytes, as a list of ints). Needs no GPU.");
   m.def("init_nvshmem", &init_nvshmem, py::arg("root_unique_id"), py::arg("rank"),
         py::arg("world_size"), py::arg("device") = -1,
@@ -88,7 +206,7 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ptr"), release_gil());
   m.def("is_symmetric",
         [](std::uintptr_t ptr, std::size_t bytes) { return is_symmetric(as_pointer<void>(ptr), bytes); },
-        py::arg("ptr"), py::arg("bytes"));
+        py::arg("ptr"), py::arg("bytes"));  // a map lookup under a lock nobody holds long: keeps the GIL
   m.def("peer_pointer",
         [](std::uintptr_t ptr, int pe) { return as_address(peer_pointer(as_pointer<void>(ptr), pe)); },
         py::arg("ptr"), py::arg("pe"));
@@ -105,10 +223,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("ptr"), release_gil());
   m.def("is_rma_ready",
         [](std::uintptr_t ptr, std::size_t bytes) { return is_rma_ready(as_pointer<void>(ptr), bytes); },
-        py::arg("ptr"), py::arg("bytes"));
+        py::arg("ptr"), py::arg("bytes"), release_gil());
   m.def("_verify_rma_local",
         [](std::uintptr_t ptr, std::size_t bytes) { verify_rma_local(as_pointer<void>(ptr), bytes, "test"); },
-        py::arg("ptr"), py::arg("bytes"), "The checking mode's verification, whatever the mode (tests).");
+        py::arg("ptr"), py::arg("bytes"), release_gil(),
+        "The checking mode's verification, whatever the mode (tests).");
+  m.def("_check_rma_remote",
+        [](std::uintptr_t ptr, std::size_t bytes) { check_rma_remote(as_pointer<void>(ptr), bytes, "test"); },
+        py::arg("ptr"), py::arg("bytes"), release_gil(),
+        "The checking mode's check of a peer-side address (tests; a no-op when the mode is off).");
+  m.def("_refuse_rma_checks", [](const std::string& what_prefix) { refuse_rma_checks_for_tests(what_prefix.c_str()); },
+        py::arg("what_prefix"),
+        "Tests: the checking mode refuses every check whose label starts with what_prefix ('' : none).");
   m.def("registration_stats", [] {
     const RegistrationStats s = registration_stats();
     py::dict d;
@@ -116,6 +242,7 @@ PYBIND11_MODULE(_C, m) {
     d["stale_dropped"] = s.stale_dropped;
     d["live_entries"] = s.live_entries;
     d["registered_bytes"] = s.registered_bytes;
+    d["check_violations"] = s.check_violations;
     return d;
   });
 
@@ -143,12 +270,18 @@ PYBIND11_MODULE(_C, m) {
              return as_address(self.recv_buffer(set)); }, py::arg("set"))
       .def("exchange",
            [](DoubleBufferManager& self, int dst_pe, int src_pe, std::uintptr_t stream,
-              double timeout) { return self.exchange(dst_pe, src_pe, as_stream(stream), timeout); },
-           py::arg("dst_pe"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+              double timeout) {
+             std::lock_guard<std::mutex> lock(g_token_exchange_mutex);
+             return self.exchange(dst_pe, src_pe, as_stream(stream), timeout);
+           },
+           py::arg("dst_pe"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("wait",
            [](DoubleBufferManager& self, int64_t round, int src_pe, std::uintptr_t stream,
-              double timeout) { self.wait(round, src_pe, as_stream(stream), timeout); },
-           py::arg("round"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+              double timeout) {
+             std::lock_guard<std::mutex> lock(g_token_exchange_mutex);
+             self.wait(round, src_pe, as_stream(stream), timeout);
+           },
+           py::arg("round"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def_static("symmetric_bytes_needed", &DoubleBufferManager::symmetric_bytes_needed,
                   py::arg("n_tokens"), py::arg("token_size"), py::arg("n_pes"))
       .def_static("default_dst_pe", &DoubleBufferManager::default_dst_pe, py::arg("pe"),
@@ -160,34 +293,46 @@ PYBIND11_MODULE(_C, m) {
   m.def("put", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe,
                   std::uintptr_t stream, int path) {
           put(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, as_stream(stream), as_path(path));
-        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0, release_gil());
   m.def("get", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe,
                   std::uintptr_t stream, int path) {
           get(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, as_stream(stream), as_path(path));
-        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0, release_gil());
   m.def("put_signal", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t signal,
                          uint64_t value, int pe, std::uintptr_t stream) {
           put_signal(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_pointer<uint64_t>(signal),
                      value, pe, as_stream(stream));
         }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("signal"), py::arg("value"), py::arg("pe"),
-        py::arg("stream"));
+        py::arg("stream"), release_gil());
   m.def("signal_set", [](std::uintptr_t signal, uint64_t value, int pe, std::uintptr_t stream) {
           signal_set(as_pointer<uint64_t>(signal), value, pe, as_stream(stream));
-        }, py::arg("signal"), py::arg("value"), py::arg("pe"), py::arg("stream"));
+        }, py::arg("signal"), py::arg("value"), py::arg("pe"), py::arg("stream"), release_gil());
   m.def("signal_wait", [](std::uintptr_t signal, uint64_t value, std::uintptr_t stream, double timeout) {
           signal_wait(as_pointer<const uint64_t>(signal), value, as_stream(stream), timeout);
-        }, py::arg("signal"), py::arg("value"), py::arg("stream"), py::arg("timeout"));
-  m.def("quiet", [](std::uintptr_t stream) { quiet(as_stream(stream)); }, py::arg("stream"));
+        }, py::arg("signal"), py::arg("value"), py::arg("stream"), py::arg("timeout"), release_gil());
+  m.def("quiet", [](std::uintptr_t stream) { quiet(as_stream(stream)); }, py::arg("stream"), release_gil());
   m.def("barrier", [](std::uintptr_t stream, double timeout_seconds) { barrier(as_stream(stream), timeout_seconds); },
-        py::arg("stream"), py::arg("timeout_seconds"));
+        py::arg("stream"), py::arg("timeout_seconds"), release_gil());
   m.def("put_many", [](const std::vector<std::uintptr_t>& dsts, const std::vector<std::uintptr_t>& srcs,
                        const std::vector<std::size_t>& bytes, int pe, std::uintptr_t stream, int path) {
           PDC_REQUIRE(dsts.size() == srcs.size() && srcs.size() == bytes.size(),
                       "put_many: dsts, srcs and bytes must have the same length");
           std::vector<TransferDescriptor> table(dsts.size());
           for (std::size_t i = 0; i < table.size(); ++i) table[i] = {dsts[i], srcs[i], bytes[i]};
+          PDC_REQUIRE(table.size() <= INT_MAX, "put_many: at most " << INT_MAX << " rows per call");
           put_many(table.data(), static_cast<int>(table.size()), pe, as_stream(stream), as_path(path));
-        }, py::arg("dsts"), py::arg("srcs"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+        }, py::arg("dsts"), py::arg("srcs"), py::arg("bytes"), py::arg("pe"), py::arg("stream"), py::arg("path") = 0,
+        release_gil(), "Addresses and byte counts as lists of ints.");
+  m.def("put_many_tensors", [](py::handle dsts, py::handle srcs, int pe, std::uintptr_t stream, int path,
+                               int device, py::handle tensor_type) {
+          const Path resolved = as_path(path);
+          const std::vector<TransferDescriptor> rows = TensorRows(tensor_type, device).read(dsts, srcs);
+          py::gil_scoped_release release;  // the rows are plain C++ from here on
+          put_many(rows.data(), static_cast<int>(rows.size()), pe, as_stream(stream), resolved);
+        }, py::arg("dsts"), py::arg("srcs"), py::arg("pe"), py::arg("stream"), py::arg("path"),
+        py::arg("device"), py::arg("tensor_type"),
+        "put_many from two lists (or tuples) of tensors, read and checked in one C++ pass; "
+        "tensor_type is torch.Tensor, device the CUDA device every src must be on.");
   m.def("put_blocks", [](std::uintptr_t dst_pool, int64_t dst_blocks, std::uintptr_t src_pool,
                          int64_t src_blocks, std::size_t block_bytes, std::uintptr_t dst_indices,
                          std::uintptr_t src_indices, int64_t count, int pe, std::uintptr_t stream, int path) {
@@ -196,7 +341,7 @@ PYBIND11_MODULE(_C, m) {
                      count, pe, as_stream(stream), as_path(path));
         }, py::arg("dst_pool"), py::arg("dst_blocks"), py::arg("src_pool"), py::arg("src_blocks"),
         py::arg("block_bytes"), py::arg("dst_indices"), py::arg("src_indices"), py::arg("count"),
-        py::arg("pe"), py::arg("stream"), py::arg("path") = 0);
+        py::arg("pe"), py::arg("stream"), py::arg("path") = 0, release_gil());
   m.def("resolve_path", [](int path, bool reachable, std::size_t bytes) {
           return std::string(path_name(resolve_path(as_path(path), reachable, bytes)));
         }, py::arg("path"), py::arg("peer_reachable"), py::arg("bytes"));
@@ -212,7 +357,7 @@ PYBIND11_MODULE(_C, m) {
           signal_pingpong(as_pointer<uint64_t>(signal), peer, iterations, initiator, as_stream(stream),
                           timeout);
         }, py::arg("signal"), py::arg("peer"), py::arg("iterations"), py::arg("initiator"),
-        py::arg("stream"), py::arg("timeout"));
+        py::arg("stream"), py::arg("timeout"), release_gil());
 
   // Test support (tests/gpu): a kernel that holds most SMs until a flag is set or a deadline.
   m.def("_test_occupy_sms", [](int blocks, int threads, std::size_t shared_bytes, std::uintptr_t release,
@@ -238,25 +383,29 @@ PYBIND11_MODULE(_C, m) {
                   py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"))
       .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,
                       std::uintptr_t stream, double timeout) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.send(as_pointer<const void>(src), bytes, dst_pe, as_stream(stream), timeout);
-           }, py::arg("src"), py::arg("bytes"), py::arg("dst_pe"), py::arg("stream"), py::arg("timeout"))
+           }, py::arg("src"), py::arg("bytes"), py::arg("dst_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("recv", [](SendRecvEngine& self, std::uintptr_t dst, std::size_t bytes, int src_pe,
                       std::uintptr_t stream, double timeout) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.recv(as_pointer<void>(dst), bytes, src_pe, as_stream(stream), timeout);
-           }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+           }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("sendrecv", [](SendRecvEngine& self, std::uintptr_t src, std::size_t send_bytes, int dst_pe,
                           std::uintptr_t dst, std::size_t recv_bytes, int src_pe, std::uintptr_t stream,
                           double timeout) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst),
                            recv_bytes, src_pe, as_stream(stream), timeout);
            }, py::arg("src"), py::arg("send_bytes"), py::arg("dst_pe"), py::arg("dst"),
-           py::arg("recv_bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"))
+           py::arg("recv_bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("batch", [](SendRecvEngine& self, const std::vector<std::tuple<bool, std::uintptr_t, std::size_t, int>>& ops,
                        std::uintptr_t stream, double timeout) {
              std::vector<SendRecvEngine::Operation> list;
              for (const auto& [send, buffer, bytes, peer] : ops)
                list.push_back({send, as_pointer<void>(buffer), bytes, peer});
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.batch(list, as_stream(stream), timeout);
-           }, py::arg("ops"), py::arg("stream"), py::arg("timeout"),
+           }, py::arg("ops"), py::arg("stream"), py::arg("timeout"), release_gil(),
            "ops: (is_send, address, bytes, peer) tuples, run in one launch");
 }

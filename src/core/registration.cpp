@@ -8,7 +8,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <string>
 
+#include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
 
@@ -17,6 +21,18 @@ namespace {
 
 std::atomic<bool> g_check{false};
 std::atomic<bool> g_auto_register{true};
+std::atomic<uint64_t> g_check_violations{0};
+
+// refuse_rma_checks_for_tests(): the prefix of the checks to refuse (none when the flag is off).
+std::atomic<bool> g_refusing{false};
+std::mutex g_refused_mutex;
+std::string g_refused_prefix;
+
+bool refused_for_tests(const char* what) {
+  if (!g_refusing.load(std::memory_order_relaxed)) return false;
+  std::lock_guard<std::mutex> lock(g_refused_mutex);
+  return std::strncmp(what, g_refused_prefix.c_str(), g_refused_prefix.size()) == 0;
+}
 
 // Driver functions through the runtime's entry point: the core links no libcuda.
 template <typename Function>
@@ -145,18 +161,60 @@ void prepare_rma_local(const void* ptr, std::size_t bytes, const char* what) {
                    "need the local side of an RMA registered. Call pydatacopy.register(tensor) "
                    "once for this buffer, or unset PYDATACOPY_AUTO_REGISTER");
   // The checking mode verifies afresh (range and buffer ID) what NVSHMEM is about to be given.
-  if (g_check) verify_rma_local(ptr, bytes, what);
+  if (g_check.load(std::memory_order_relaxed)) verify_rma_local(ptr, bytes, what);
 }
 
 void verify_rma_local(const void* ptr, std::size_t bytes, const char* what) {
-  PDC_REQUIRE(is_rma_ready(ptr, bytes),
-              "PYDATACOPY_CHECK_RMA: " << what << ": " << bytes << " bytes at " << ptr
-                  << " go to an NVSHMEM RMA call but lie neither in the symmetric heap nor in "
-                     "live registered memory: a remote transport would fail on them. This is a "
-                     "pydatacopy bug if you did not turn off registration; please report it");
+  if (!refused_for_tests(what) && is_rma_ready(ptr, bytes)) return;
+  g_check_violations.fetch_add(1, std::memory_order_relaxed);
+  PDC_REQUIRE(false, "PYDATACOPY_CHECK_RMA: " << what << ": " << bytes << " bytes at " << ptr
+                         << " go to an NVSHMEM RMA call but lie neither in the symmetric heap nor in "
+                            "live registered memory: a remote transport would fail on them. This is a "
+                            "pydatacopy bug if you did not turn off registration; please report it");
 }
 
-RegistrationStats registration_stats() { return cache().stats(); }
+void check_rma_remote(const void* ptr, std::size_t bytes, const char* what) {
+  if (!g_check.load(std::memory_order_relaxed) || bytes == 0) return;
+  if (!refused_for_tests(what) && is_initialized() && in_symmetric_heap(ptr, bytes)) return;
+  g_check_violations.fetch_add(1, std::memory_order_relaxed);
+  PDC_REQUIRE(false, "PYDATACOPY_CHECK_RMA: " << what << ": " << bytes << " bytes at " << ptr
+                         << " are given to NVSHMEM as the peer's side of an RMA or signal call but "
+                            "do not lie on NVSHMEM's symmetric heap (nvshmem_ptr(address, my_pe) is "
+                            "null): NVSHMEM would write or read the peer's memory at a wrong address. "
+                            "This is a pydatacopy bug unless you passed that address yourself; "
+                            "please report it");
+}
+
+void check_rma_local(const void* ptr, std::size_t bytes, const char* what) {
+  if (!g_check.load(std::memory_order_relaxed) || bytes == 0) return;
+  verify_rma_local(ptr, bytes, what);
+}
+
+void refuse_rma_checks_for_tests(const char* what_prefix) {
+  std::lock_guard<std::mutex> lock(g_refused_mutex);
+  g_refused_prefix = what_prefix;
+  g_refusing = !g_refused_prefix.empty();
+}
+
+void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send) {
+  const std::size_t slots = static_cast<std::size_t>(op.num_slots);
+  const std::size_t signal_bytes = slots * static_cast<std::size_t>(op.pages) * sizeof(uint64_t);
+  if (send) {
+    if (op.peer_staging != nullptr) return;  // direct stores into the peer's staging
+    prepare_rma_local(op.src, static_cast<std::size_t>(op.bytes), "send: the tensor sent");
+    check_rma_remote(op.staging, slots * static_cast<std::size_t>(op.chunk_bytes),
+                     "send: the receiver's staging slots");
+    check_rma_remote(op.arrivals, signal_bytes, "send: the receiver's arrival signals");
+  } else if (op.peer_credits == nullptr) {
+    check_rma_remote(op.credits, signal_bytes, "recv: the sender's credit signals");
+  }
+}
+
+RegistrationStats registration_stats() {
+  RegistrationStats stats = cache().stats();
+  stats.check_violations = g_check_violations.load(std::memory_order_relaxed);
+  return stats;
+}
 
 void unregister_all_memory() { cache().clear(); }
 

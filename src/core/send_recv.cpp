@@ -259,7 +259,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     kernels::ChunkStreamArgs& a = launch.ops[launch.count++];
     a = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
-    if (op.send && a.peer_staging == nullptr) prepare_rma_local(op.buffer, op.bytes, "send");
+    prepare_rma_chunk_stream(a, op.send);
   }
   // Several ops of the batch on one channel (direction and peer) follow each other in the
   // channel's sequence: each learns its offset, and all learn the channel's totals. They share

@@ -69,6 +69,7 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
     case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
     default:
       prepare_rma_local(src, bytes, "put: src");
+      check_rma_remote(dst, bytes, "put: dst");
       nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream);
       break;
   }
@@ -87,6 +88,7 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
     case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
     default:
       prepare_rma_local(dst, bytes, "get: dst");
+      check_rma_remote(src, bytes, "get: src");
       nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream);
       break;
   }
@@ -98,8 +100,12 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
   check_timeouts();
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
-  if (takes_rma(dst, pe, Path::kAuto))  // to a reachable peer NVSHMEM stores directly
-    prepare_rma_local(src, bytes, "put_signal: src");
+  // To a reachable peer NVSHMEM stores directly and src needs no registration; under
+  // PYDATACOPY_FORCE_RMA it is registered and checked as for a peer on another server (NVSHMEM
+  // itself still stores directly: docs/multinode.md).
+  if (takes_rma(dst, pe, Path::kAuto)) prepare_rma_local(src, bytes, "put_signal: src");
+  check_rma_remote(dst, bytes, "put_signal: dst");
+  check_rma_remote(signal, sizeof(uint64_t), "put_signal: signal");
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
 
@@ -107,6 +113,7 @@ void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream) {
   require_valid_pe(pe, "signal_set");
   check_timeouts();
   require_symmetric(signal, sizeof(uint64_t), "signal_set: signal");
+  check_rma_remote(signal, sizeof(uint64_t), "signal_set: signal");
   nvshmemx_quiet_on_stream(stream);
   nvshmemx_signal_op_on_stream(signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
@@ -143,18 +150,18 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
     require_symmetric(reinterpret_cast<const void*>(descriptors[i].dst), descriptors[i].bytes,
                       "put_many: every dst");
   if (count == 0) return;
+  // Every dst is on one heap and goes to one PE: the first tells whether all take NVSHMEM RMA.
   const bool rma = takes_rma(reinterpret_cast<const void*>(descriptors[0].dst), pe, path);
-  for (int i = 0; i < count && rma; ++i)
+  for (int i = 0; i < count && rma; ++i) {
     prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes,
                       "put_many: every src");
-  // Stream-ordered upload: cudaMemcpyAsync from pageable memory has copied the descriptors out
-  // by the time it returns, so the caller's array may go at once.
-  const std::size_t table_bytes = sizeof(TransferDescriptor) * static_cast<std::size_t>(count);
-  void* table = nullptr;
-  PDC_CHECK_CUDA(cudaMallocAsync(&table, table_bytes, stream));
-  PDC_CHECK_CUDA(cudaMemcpyAsync(table, descriptors, table_bytes, cudaMemcpyHostToDevice, stream));
-  kernels::launch_put_many(table, count, pe, path == Path::kRMA || rma_forced(), stream);
-  PDC_CHECK_CUDA(cudaFreeAsync(table, stream));
+    check_rma_remote(reinterpret_cast<const void*>(descriptors[i].dst), descriptors[i].bytes,
+                     "put_many: every dst");
+  }
+  // The table travels in the launches' parameters (kernels::kPutManyRowsPerLaunch rows each):
+  // no device allocation, no host-to-device copy; the caller's array may go as soon as this
+  // returns, concurrent calls on other streams share nothing, and a capture bakes it in.
+  kernels::launch_put_many(descriptors, count, pe, path == Path::kRMA || rma_forced(), stream);
 }
 
 void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_t src_blocks,
@@ -181,9 +188,11 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.my_pe = my_pe();
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
-  if (takes_rma(dst_pool, pe, path))
+  if (takes_rma(dst_pool, pe, path)) {
     prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes,
                       "put_blocks: src_pool");
+    check_rma_remote(dst_pool, static_cast<std::size_t>(dst_blocks) * block_bytes, "put_blocks: dst_pool");
+  }
   kernels::launch_put_blocks(a, stream);
   // After this call's own work is enqueued (the peer counts on it): a bad index that an earlier
   // put_blocks found on the device.
@@ -196,6 +205,7 @@ void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
   check_timeouts();
   require_symmetric(signal, sizeof(uint64_t), "signal_pingpong: signal");
   PDC_REQUIRE(iterations > 0, "iterations must be positive, got " << iterations);
+  check_rma_remote(signal, sizeof(uint64_t), "signal_pingpong: signal");
   kernels::launch_pingpong(signal, my_pe(), peer, iterations, initiator, timeout_nanoseconds(timeout_seconds),
                            detail::device_status(), stream);
 }

@@ -204,11 +204,10 @@ def test_graph_put_signal_wait(world, peer):
 
 
 @pytest.mark.parametrize("call", ["empty", "free", "setup_send_recv", "barrier_blocking",
-                                  "wait_blocking", "signal_wait_blocking", "put_many", "dbm_init",
+                                  "wait_blocking", "signal_wait_blocking", "dbm_init",
                                   "dbm_cleanup", "test_bandwidth", "init", "finalize"])
 def test_calls_that_block_refuse_capture(world, peer, call):
     x = pydatacopy.empty(16, dtype=torch.uint8)
-    src = torch.zeros(16, dtype=torch.uint8, device="cuda")
     dbm = pydatacopy.DoubleBufferManager()
     signal = pydatacopy.empty(1, dtype=torch.uint64)
     if call in ("wait_blocking", "test_bandwidth", "dbm_cleanup"):
@@ -220,7 +219,6 @@ def test_calls_that_block_refuse_capture(world, peer, call):
         "setup_send_recv": lambda: pydatacopy.setup_send_recv(),
         "barrier_blocking": lambda: pydatacopy.barrier(blocking=True),
         "wait_blocking": lambda: dbm.wait(blocking=True),
-        "put_many": lambda: pydatacopy.put_many([x], [src], peer),
         "dbm_init": lambda: pydatacopy.DoubleBufferManager().init(4, 64),
         "test_bandwidth": lambda: dbm.test_bandwidth(world[0], world[1]),
         "signal_wait_blocking": lambda: pydatacopy.signal_wait(signal, 0, blocking=True),

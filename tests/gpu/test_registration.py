@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import pydatacopy
 from pydatacopy import _C
+from pydatacopy._torch_utils import tensor_from_address
 
 
 def _bytes(pe: int, tag: int, nbytes: int) -> torch.Tensor:
@@ -210,3 +211,186 @@ def test_capture_registers_a_new_buffer(world, force_rma):
             assert int((dst != _bytes(1 - rank, 8 + replay, nbytes)).sum()) == 0
             dist.barrier()
     pydatacopy.free(dst)
+
+
+# ---- the checking mode covers every address handed to NVSHMEM ----------------------------------
+
+def _violations() -> int:
+    return _C.registration_stats()["check_violations"]
+
+
+@contextlib.contextmanager
+def _refusing(label: str):
+    """The checking mode refuses the checks labelled `label` (as if their address were wrong)."""
+    _C._refuse_rma_checks(label)
+    try:
+        yield
+    finally:
+        _C._refuse_rma_checks("")
+
+
+def test_remote_side_check_refuses_memory_off_the_heap(world):
+    """check_rma_remote asks NVSHMEM (nvshmem_ptr to this PE): symmetric memory passes, a plain
+    CUDA allocation is refused, counted; with the mode off it checks nothing."""
+    local = _fresh(4096)
+    symmetric = pydatacopy.empty(4096, dtype=torch.uint8)
+    try:
+        with _rma_options(check=True, auto_register=True):
+            _C._check_rma_remote(symmetric.data_ptr(), 4096)
+            _C._check_rma_remote(symmetric.data_ptr() + 4000, 96)
+            before = _violations()
+            with pytest.raises(pydatacopy.Error, match="PYDATACOPY_CHECK_RMA: test: 4096 bytes at .* symmetric heap"):
+                _C._check_rma_remote(local.data_ptr(), 4096)
+            assert _violations() == before + 1
+        with _rma_options(check=False, auto_register=True):
+            _C._check_rma_remote(local.data_ptr(), 4096)
+    finally:
+        pydatacopy.free(symmetric)
+
+
+def _put_cases(peer: int, dst: torch.Tensor, src: torch.Tensor, signal: torch.Tensor):
+    pool = dst.view(16, -1)
+    rows = torch.arange(16, device="cuda")
+    return {
+        "put: dst": lambda: pydatacopy.put(dst, src, peer, path="rma"),
+        "put: src": lambda: pydatacopy.put(dst, src, peer, path="rma"),
+        "get: src": lambda: pydatacopy.get(src, dst, peer, path="rma"),
+        "get: dst": lambda: pydatacopy.get(src, dst, peer, path="rma"),
+        "put_signal: dst": lambda: pydatacopy.put_signal(dst, src, peer, signal, 1),
+        "put_signal: signal": lambda: pydatacopy.put_signal(dst, src, peer, signal, 1),
+        "put_signal: src": lambda: pydatacopy.put_signal(dst, src, peer, signal, 1),
+        "signal_set: signal": lambda: pydatacopy.signal_set(signal, 1, peer),
+        "put_many: every dst": lambda: pydatacopy.put_many(list(pool), list(src.view(16, -1)), peer),
+        "put_many: every src": lambda: pydatacopy.put_many(list(pool), list(src.view(16, -1)), peer),
+        "put_blocks: dst_pool": lambda: pydatacopy.put_blocks(pool, src.view(16, -1), rows, rows, peer),
+        "put_blocks: src_pool": lambda: pydatacopy.put_blocks(pool, src.view(16, -1), rows, rows, peer),
+    }
+
+
+# Under forced RMA every one-sided call hands NVSHMEM both sides; put_signal and signal_set hand
+# it the peer's side on every path. Each label is refused in turn (real addresses cannot be made
+# wrong through the API): the call must raise before NVSHMEM is called, naming it, counted.
+FORCED_LABELS = ["put: dst", "put: src", "get: src", "get: dst", "put_signal: dst", "put_signal: signal",
+                 "put_signal: src", "signal_set: signal", "put_many: every dst", "put_many: every src",
+                 "put_blocks: dst_pool", "put_blocks: src_pool"]
+DIRECT_LABELS = ["put_signal: dst", "put_signal: signal", "signal_set: signal"]
+
+
+def _refused_call_is_caught(world, label: str) -> None:
+    rank, peer = world[0], 1 - world[0]
+    nbytes = 16 * 4096
+    dst = pydatacopy.empty(nbytes, dtype=torch.uint8)
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    src = _fresh(nbytes)
+    src.copy_(_bytes(rank, 30, nbytes))
+    try:
+        dst.zero_()
+        signal.zero_()
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        call = _put_cases(peer, dst, src, signal)[label]
+        before = _violations()
+        with _rma_options(check=True, auto_register=True), _refusing(label):
+            with pytest.raises(pydatacopy.Error, match=f"PYDATACOPY_CHECK_RMA: {label}"):
+                call()
+        assert _violations() == before + 1
+        pydatacopy.barrier(blocking=True)
+        # Refused before NVSHMEM was called: nothing arrived.
+        assert int(dst.count_nonzero()) == 0 and int(signal.item()) == 0
+        assert int((src != _bytes(rank, 30, nbytes)).sum()) == 0  # nor did a get write
+        with _rma_options(check=True, auto_register=True):
+            call()  # the same call, checked and passed
+        pydatacopy.barrier(blocking=True)
+    finally:
+        pydatacopy.free(signal)
+        pydatacopy.free(dst)
+
+
+@pytest.mark.parametrize("label", FORCED_LABELS)
+def test_forced_rma_checks_every_address(world, force_rma, label):
+    _refused_call_is_caught(world, label)
+
+
+@pytest.mark.parametrize("label", DIRECT_LABELS)
+def test_signals_are_checked_on_the_direct_path_too(world, label):
+    if _C.rma_forced():
+        pytest.skip("the direct path: PYDATACOPY_FORCE_RMA is set for the whole run")
+    _refused_call_is_caught(world, label)
+
+
+@pytest.mark.parametrize("label", ["send: the tensor sent", "send: the receiver's staging slots",
+                                   "send: the receiver's arrival signals", "recv: the sender's credit signals"])
+def test_forced_rma_checks_send_recv_staging(world, force_rma, label):
+    rank, peer = world[0], 1 - world[0]
+    nbytes = (3 << 20) + 5
+    src = _fresh(nbytes)
+    src.copy_(_bytes(rank, 31, nbytes))
+    out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    before = _violations()
+    with _rma_options(check=True, auto_register=True):
+        with _refusing(label):
+            with pytest.raises(pydatacopy.Error, match=f"PYDATACOPY_CHECK_RMA: {label}"):
+                pydatacopy.sendrecv(src, peer, out, peer)
+        assert _violations() == before + 1
+        # Nothing was launched: the channel is where it was, and the next message is right.
+        pydatacopy.sendrecv(src, peer, out, peer)
+        torch.cuda.synchronize()
+    assert int((out != _bytes(peer, 31, nbytes)).sum()) == 0
+
+
+@pytest.mark.parametrize("label", ["DoubleBufferManager.exchange: credit",
+                                   "DoubleBufferManager.exchange: send set",
+                                   "DoubleBufferManager.exchange: receive set",
+                                   "DoubleBufferManager.exchange: token signals"])
+def test_forced_rma_checks_the_token_exchange(world, force_rma, label):
+    rank, peer = world[0], 1 - world[0]
+    n_tokens, token_size = 64, 1000
+    manager = _C.DoubleBufferManager()
+    manager.init(n_tokens, token_size)
+    try:
+        stream = torch.cuda.current_stream().cuda_stream
+        send = tensor_from_address(manager.send_buffer(0), (n_tokens * token_size,),
+                                                           torch.uint8, _C.cuda_device())
+        recv = tensor_from_address(manager.recv_buffer(0), (n_tokens * token_size,),
+                                                           torch.uint8, _C.cuda_device())
+        send.copy_(_bytes(rank, 32, n_tokens * token_size))
+        before = _violations()
+        with _rma_options(check=True, auto_register=True):
+            with _refusing(label):
+                with pytest.raises(pydatacopy.Error, match=f"PYDATACOPY_CHECK_RMA: {label}"):
+                    manager.exchange(peer, peer, stream, 30.0)
+            assert _violations() == before + 1
+            assert manager.round == 0  # refused before the launch: no round was used
+            round_ = manager.exchange(peer, peer, stream, 30.0)
+            manager.wait(round_, peer, stream, 30.0)
+        torch.cuda.synchronize()
+        _C.check_device_errors()
+        assert int((recv != _bytes(peer, 32, n_tokens * token_size)).sum()) == 0
+    finally:
+        torch.cuda.synchronize()
+        manager.cleanup()
+
+
+def test_put_signal_source_is_registered_under_forced_rma(world, force_rma):
+    """Forced RMA treats put_signal's local side as a remote peer's: registered, then checked."""
+    rank, peer = world[0], 1 - world[0]
+    nbytes = (1 << 20) + 3
+    src = _fresh(nbytes)
+    src.copy_(_bytes(rank, 33, nbytes))
+    dst = pydatacopy.empty(nbytes, dtype=torch.uint8)
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    try:
+        dst.zero_()
+        signal.zero_()
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        assert not pydatacopy.is_registered(src)
+        with _rma_options(check=True, auto_register=True):
+            pydatacopy.put_signal(dst, src, peer, signal, 5)
+        assert pydatacopy.is_registered(src)
+        pydatacopy.signal_wait(signal, 5, blocking=True)
+        assert int((dst != _bytes(peer, 33, nbytes)).sum()) == 0
+        pydatacopy.barrier(blocking=True)
+    finally:
+        pydatacopy.free(signal)
+        pydatacopy.free(dst)

@@ -9,6 +9,10 @@
 
 #include "../device_status.cuh"
 
+namespace pydatacopy {
+struct TransferDescriptor;  // transfer.hpp
+}
+
 namespace pydatacopy::kernels {
 
 // Per-round arguments of the token exchange; pointers are this PE's symmetric addresses.
@@ -47,9 +51,12 @@ void preload_kernels();
 // SM-store copy of `bytes` from src to dst (dst may be a peer's memory through nvshmem_ptr).
 void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 
-// One launch for many puts to `pe`: direct stores where nvshmem_ptr reaches the peer (unless
-// force_rma), NVSHMEM RMA otherwise.
-void launch_put_many(const void* device_descriptors, int count, int pe, bool force_rma,
+// Many puts to `pe`: direct stores where nvshmem_ptr reaches the peer (unless force_rma), NVSHMEM
+// RMA otherwise. The host table is passed by value in kernel parameters, one launch per
+// kPutManyRowsPerLaunch rows (24 bytes each, under the 32 KiB parameter limit), so it may be
+// freed when this returns and nothing is allocated or copied beside the launch.
+constexpr int kPutManyRowsPerLaunch = 1280;
+void launch_put_many(const TransferDescriptor* host_descriptors, int count, int pe, bool force_rma,
                      cudaStream_t stream);
 
 // Every PE takes its next epoch from the device counter *epoch_counter, adds one to its slot

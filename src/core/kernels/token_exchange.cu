@@ -5,6 +5,7 @@
 #include "api.cuh"
 #include "copy.cuh"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/registration.hpp"
 
 namespace pydatacopy::kernels {
 namespace {
@@ -86,6 +87,17 @@ __global__ void __launch_bounds__(kWaitThreads)
 }  // namespace
 
 void launch_token_exchange(const TokenExchangeArgs& args, int num_blocks, cudaStream_t stream) {
+  // PYDATACOPY_CHECK_RMA: what the kernel hands NVSHMEM. The credit goes to src_pe through
+  // nvshmemx_signal_op on every path; with no direct pointers (another server, or
+  // PYDATACOPY_FORCE_RMA) the tokens and their signals go through nvshmemx_putmem_signal_warp.
+  check_rma_remote(args.credits + args.my_pe, sizeof(uint64_t), "DoubleBufferManager.exchange: credit");
+  if (args.peer_recv == nullptr) {
+    const auto set_bytes = static_cast<std::size_t>(args.n_tokens * args.token_bytes);
+    check_rma_local(args.send, set_bytes, "DoubleBufferManager.exchange: send set");
+    check_rma_remote(args.recv, set_bytes, "DoubleBufferManager.exchange: receive set");
+    check_rma_remote(args.signals, static_cast<std::size_t>(args.n_tokens) * sizeof(uint64_t),
+                     "DoubleBufferManager.exchange: token signals");
+  }
   token_exchange_kernel<<<num_blocks, kExchangeThreads, 0, stream>>>(args);
   PDC_CHECK_CUDA(cudaGetLastError());
 }

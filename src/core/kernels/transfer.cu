@@ -25,13 +25,25 @@ __global__ void __launch_bounds__(kCopyThreads)
   if (begin < end) copy_bytes(dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
 }
 
+// A put_many table in kernel parameters, sized by the launch (a short list does not carry the
+// largest table).
+template <int kRows>
+struct PutManyTable {
+  TransferDescriptor rows[kRows];
+};
+static_assert(sizeof(PutManyTable<kPutManyRowsPerLaunch>) + 64 <= 32764,
+              "put_many's table must fit in the kernel parameters");
+
+// __grid_constant__: rows indexed at run time are read from the parameter space, not copied
+// into every thread's local memory.
+template <int kRows>
 __global__ void __launch_bounds__(kCopyThreads)
-    put_many_kernel(const TransferDescriptor* descriptors, int count, int pe, bool force_rma) {
+    put_many_kernel(const __grid_constant__ PutManyTable<kRows> table, int count, int pe, bool force_rma) {
   // One warp per descriptor: small tensors of a KV-cache block list each get a warp.
   const int lane = threadIdx.x % 32;
   const int warps = gridDim.x * (kCopyThreads / 32);
   for (int i = blockIdx.x * (kCopyThreads / 32) + threadIdx.x / 32; i < count; i += warps) {
-    const TransferDescriptor d = descriptors[i];
+    const TransferDescriptor& d = table.rows[i];
     void* dst = reinterpret_cast<void*>(d.dst);
     const void* src = reinterpret_cast<const void*>(d.src);
     void* peer = force_rma ? nullptr : nvshmem_ptr(dst, pe);
@@ -41,6 +53,17 @@ __global__ void __launch_bounds__(kCopyThreads)
     else
       nvshmemx_putmem_warp(dst, src, d.bytes, pe);
   }
+}
+
+template <int kRows>
+void launch_put_many_rows(const TransferDescriptor* rows, int count, int pe, bool force_rma,
+                          cudaStream_t stream) {
+  PutManyTable<kRows> table;
+  std::copy(rows, rows + count, table.rows);
+  const int warps_per_block = kCopyThreads / 32;
+  const int blocks = std::min((count + warps_per_block - 1) / warps_per_block, multiprocessor_count());
+  put_many_kernel<kRows><<<blocks, kCopyThreads, 0, stream>>>(table, count, pe, force_rma);
+  PDC_CHECK_CUDA(cudaGetLastError());
 }
 
 __global__ void __launch_bounds__(kCopyThreads) put_blocks_kernel(const BlockCopyArgs a) {
@@ -119,14 +142,18 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
-void launch_put_many(const void* device_descriptors, int count, int pe, bool force_rma,
+void launch_put_many(const TransferDescriptor* host_descriptors, int count, int pe, bool force_rma,
                      cudaStream_t stream) {
-  if (count == 0) return;
-  const int warps_per_block = kCopyThreads / 32;
-  const int blocks = std::min((count + warps_per_block - 1) / warps_per_block, multiprocessor_count());
-  put_many_kernel<<<blocks, kCopyThreads, 0, stream>>>(
-      static_cast<const TransferDescriptor*>(device_descriptors), count, pe, force_rma);
-  PDC_CHECK_CUDA(cudaGetLastError());
+  for (int first = 0; first < count; first += kPutManyRowsPerLaunch) {
+    const int rows = std::min(count - first, kPutManyRowsPerLaunch);
+    const TransferDescriptor* part = host_descriptors + first;
+    if (rows <= 32)
+      launch_put_many_rows<32>(part, rows, pe, force_rma, stream);
+    else if (rows <= 256)
+      launch_put_many_rows<256>(part, rows, pe, force_rma, stream);
+    else
+      launch_put_many_rows<kPutManyRowsPerLaunch>(part, rows, pe, force_rma, stream);
+  }
 }
 
 void launch_put_blocks(const BlockCopyArgs& args, cudaStream_t stream) {
@@ -150,7 +177,9 @@ void preload_token_kernels();
 void preload_kernels() {
   cudaFuncAttributes attributes;
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, copy_kernel));
-  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<32>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<256>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<kPutManyRowsPerLaunch>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_blocks_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, signal_wait_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, barrier_kernel));
