@@ -205,8 +205,13 @@ void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send) {
     check_rma_remote(op.staging, slots * static_cast<std::size_t>(op.chunk_bytes),
                      "send: the receiver's staging slots");
     check_rma_remote(op.arrivals, signal_bytes, "send: the receiver's arrival signals");
+    const std::size_t header_bytes =
+        slots * static_cast<std::size_t>(op.pages) * sizeof(kernels::SlotHeader);
+    check_rma_remote(op.headers, header_bytes, "send: the receiver's slot headers");
+    check_rma_local(op.outgoing, header_bytes, "send: the slot headers put from here");
   } else if (op.peer_credits == nullptr) {
     check_rma_remote(op.credits, signal_bytes, "recv: the sender's credit signals");
+    check_rma_remote(op.remote_broken, sizeof(uint64_t), "recv: the sender's refusal word");
   }
 }
 
