@@ -9,8 +9,9 @@
 // Chunk sequence numbers are counted on the device, so a call captured in a CUDA graph moves a
 // fresh message at every replay, and replays mix freely with eager calls on the same channel.
 // Launches on one channel must not overlap: between eager calls on different streams (and
-// between calls of one capture) the engine orders them itself; a graph replayed on one stream
-// and eager calls on another must be ordered by the caller, as with NCCL.
+// between calls of one capture) the engine orders them itself, through one owned event per
+// channel (ChannelOrder; no stream of the caller is kept); a graph replayed on one stream and
+// eager calls on another must be ordered by the caller, as with NCCL.
 //
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
@@ -24,6 +25,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "pydatacopy/channel_order.hpp"
 
 namespace pydatacopy {
 namespace kernels {
@@ -81,11 +84,8 @@ class SendRecvEngine {
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
   uint64_t* sequences_ = nullptr;  // device [2][n_pes]: next chunk of each send / recv channel
-  // Per channel: the stream of its last launch and that stream's capture (capture_id). A launch
-  // on another stream is ordered after it, as two launches on one channel must not overlap.
-  std::vector<cudaStream_t> last_stream_;
-  std::vector<unsigned long long> last_capture_;
-  cudaEvent_t order_event_ = nullptr;
+  // Channels [2][n_pes] as sequences_: a launch waits for the channel's last one, on any stream.
+  ChannelOrder order_;
   unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
 };
 
