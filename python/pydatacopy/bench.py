@@ -6,9 +6,20 @@ memory (torch's copy_ into the peer's mapping, a cudaMemcpyAsync: the practical 
 send/recv through torch.distributed, torch symmetric memory's NVSHMEM put (one direction;
 when this torch has it) and NIXL's WRITE on UCX (one direction; when NIXL is installed:
 pip install "pydatacopy[nixl]"; host-timed, as its completion is polled from the host).
-Times are CUDA events after warm-up, the median of repeats, the slower of the two PEs; data is
-fresh and non-zero, and every row is checked (`ok`). Ratios between rows of one run decide:
-the GPUs are shared and absolute figures move.
+Beside every size, a bare copy of the same bytes on the same GPU (cudaMemcpyAsync, no
+pydatacopy code; `local copy`) is timed the same way: `xbase` is a row's time over its baseline's
+(device time; `xbaseH`: host time per call, issuing only), the ratio that matters on a GPU whose
+memory is local (2 PEs sharing one GPU) as on two. Also: put_many against put_blocks, a 4 KiB
+put replayed in a CUDA graph against bare copies replayed alike, and the token exchange against
+a bare copy of its bytes.
+
+Two PEs on two GPUs (nccl), or sharing one GPU (PYDATACOPY_RANKS_PER_GPU=2, or more ranks than
+GPUs: torch.distributed on gloo, as NCCL refuses two ranks on one GPU; the NCCL and torch
+symm_mem baselines are then skipped, and say so).
+Times are CUDA events after warm-up, the median of repeats, the slower of the two PEs. Every row
+is checked (`ok`) by one more run after the timings, with fresh data from a new seed and the
+destination cleared first, so a stale, lost or replayed delivery fails. Ratios between rows of
+one run decide: the GPUs are shared and absolute figures move.
 """
 
 from __future__ import annotations
@@ -55,7 +66,7 @@ def _int_at_least(minimum: int, meaning: str):
 
 
 OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "nixl", "tokens",
-       "latency", "host", "put_many")
+       "latency", "host", "put_many", "graph")
 
 
 def _ops(text: str) -> set[str]:
@@ -145,13 +156,20 @@ def _fill(tensor: torch.Tensor, seed: int) -> torch.Tensor:
     return tensor
 
 
-def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> tuple[float, float]:
-    """Seconds per operation, median over repeats, the slower PE: by CUDA events, and by the
-    host's clock until the last operation is complete (what NIXL, whose completion is polled on
-    the host, can only be timed by; its ratios use these)."""
+def _reduce_device() -> str:
+    """Where torch.distributed reduces: NCCL takes CUDA tensors, gloo (ranks sharing a GPU) CPU."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _time(run: Callable[[], None], iterations: int, warmup: int,
+          repeats: int) -> tuple[float, float, float]:
+    """Seconds per operation, median over repeats, the slower PE: by CUDA events; by the host's
+    clock until the last operation is complete (what NIXL, whose completion is polled on the
+    host, can only be timed by; its ratios use these); and the host's time to issue one call
+    (the loop alone, before waiting for the GPU)."""
     for _ in range(warmup):
         run()
-    samples, host_samples = [], []
+    samples, host_samples, issue_samples = [], [], []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -160,22 +178,42 @@ def _time(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -
         start.record()
         for _ in range(iterations):
             run()
+        issued = time.perf_counter()
         stop.record()
         stop.synchronize()
         ended = time.perf_counter()
         pydatacopy.check_errors()
         samples.append(start.elapsed_time(stop) / 1e3 / iterations)
         host_samples.append((ended - began) / iterations)
-    seconds = torch.tensor([statistics.median(samples), statistics.median(host_samples)],
-                           dtype=torch.float64, device="cuda")
+        issue_samples.append((issued - began) / iterations)
+    seconds = torch.tensor([statistics.median(samples), statistics.median(host_samples),
+                            statistics.median(issue_samples)], dtype=torch.float64,
+                           device=_reduce_device())
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds[0].item()), float(seconds[1].item())
+    return float(seconds[0].item()), float(seconds[1].item()), float(seconds[2].item())
 
 
 def _agree(ok: bool) -> bool:
-    flag = torch.tensor([1 if ok else 0], device="cuda")
+    flag = torch.tensor([1 if ok else 0], device=_reduce_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def _row(op: str, path: str, direction: str, nbytes: int, timed: tuple[float, float, float],
+         ok: bool, size: str | None = None) -> dict:
+    seconds, host_seconds, issue_seconds = timed
+    return {"op": op, "path": path, "direction": direction, "bytes": nbytes,
+            "size": size or _human(nbytes), "us": seconds * 1e6, "host_us": host_seconds * 1e6,
+            "issue_us": issue_seconds * 1e6, "gbps": nbytes / seconds / 1e9, "ok": ok}
+
+
+def _against(row: dict, base: dict) -> dict:
+    """Set row's ratios to `base`, a baseline measured in the same run: time over time."""
+    row["base"] = f"{base['op']} ({base['path']})"
+    row["xbase"] = row["us"] / base["us"]
+    if row.get("issue_us") and base.get("issue_us"):
+        row["xbase_host"] = row["issue_us"] / base["issue_us"]
+    return row
 
 
 class Sweep:
@@ -191,20 +229,23 @@ class Sweep:
         self.out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
         self.checked_runs = 0
 
-    def measure(self, run, dst: torch.Tensor, src: torch.Tensor | None = None) -> tuple[float, float, bool]:
+    def measure(self, run, dst: torch.Tensor, src: torch.Tensor | None = None,
+                local: bool = False) -> tuple[tuple[float, float, float], bool]:
         """Times `run`, then checks one more run of it that must deliver fresh data: the sender
         refills `src` (default self.src) from a new seed, the receiver clears `dst`, and after
         that one run `dst` must hold exactly the sender's new data (a stale, lost or replayed
-        delivery fails). Returns (seconds by CUDA events, by the host's clock, check on all)."""
-        seconds, host_seconds = _time(run, self.args.iters, self.args.warmup, self.args.repeats)
+        delivery fails). `local`: a copy on the sender's own GPU, checked by the sender.
+        Returns ((seconds by CUDA events, by the host's clock, to issue), check on all)."""
+        timed = _time(run, self.args.iters, self.args.warmup, self.args.repeats)
         src = self.src if src is None else src
         self.checked_runs += 1
         seed = 1000 * self.checked_runs
         torch.cuda.synchronize()
         dist.barrier()  # the timed operations are over on both ranks
+        checks = self.sends if local else self.receives
         if self.sends:
             _fill(src, seed + self.me)
-        if self.receives:
+        if checks:
             dst.zero_()
         torch.cuda.synchronize()
         dist.barrier()
@@ -217,11 +258,23 @@ class Sweep:
         except pydatacopy.Error as error:
             print(f"  rank {self.me}: {error}", file=sys.stderr, flush=True)
             ok = False
-        if self.receives:
-            ok = ok and torch.equal(dst, _fill(torch.empty_like(dst), seed + self.peer))
-        return seconds, host_seconds, _agree(ok)
+        if checks:
+            ok = ok and torch.equal(dst, _fill(torch.empty_like(dst), seed + (self.me if local else self.peer)))
+        return timed, _agree(ok)
 
-    def _into_symmetric(self, make_run) -> tuple[float, float, bool]:
+    def local_copy(self):
+        """The baseline of every row: a bare cudaMemcpyAsync of the same bytes on the sender's own
+        GPU (both PEs at once when both send), no pydatacopy code on the path."""
+        stream = torch.cuda.current_stream().cuda_stream
+        src, dst, nbytes = self.src.data_ptr(), self.out.data_ptr(), self.nbytes
+
+        def run():
+            if self.sends:
+                pydatacopy._C.bench_memcpy(dst, src, nbytes, stream)
+
+        return self.measure(run, self.out, local=True)
+
+    def _into_symmetric(self, make_run) -> tuple[tuple[float, float, float], bool]:
         """Time and check make_run(symmetric)'s operation into a fresh symmetric tensor."""
         symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
         symmetric.zero_()
@@ -305,17 +358,17 @@ class Sweep:
 
         return self.measure(run, self.out)
 
-    def nixl(self) -> tuple[float, float, bool]:
+    def nixl(self) -> tuple[tuple[float, float, float], bool]:
         """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only, timed by
         the host's clock. Raises pydatacopy.Error on every rank when NIXL failed on any."""
         from ._nixl import NixlWrite
 
         with NixlWrite(self.src, self.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
-            _, host_seconds, ok = self.measure(transfer.write, self.out)
+            (_, host_seconds, issue_seconds), ok = self.measure(transfer.write, self.out)
             failure = transfer.agreed_failure()
         if failure:
             raise pydatacopy.Error(f"NIXL's WRITE of {_human(self.nbytes)} bytes: {failure}")
-        return host_seconds, host_seconds, ok
+        return (host_seconds, host_seconds, issue_seconds), ok
 
 
 def _nixl_ready() -> bool:
@@ -347,10 +400,37 @@ def _torch_symm_mem_ready() -> bool:
     return ready
 
 
-def bench_token_exchange(n_tokens: int, token_size: int, args) -> dict:
-    """DoubleBufferManager exchange, both directions at once, rounds back to back."""
+def _bare_copy(nbytes: int, args, both: bool = True) -> dict:
+    """A bare cudaMemcpyAsync of `nbytes` on this GPU, both PEs at once (or rank 0 alone),
+    timed as the rows it is the baseline of; checked."""
+    me = pydatacopy.my_pe()
+    copies = both or me == 0
+    src = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 31 + me)
+    dst = torch.zeros_like(src)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run():
+        if copies:
+            pydatacopy._C.bench_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+
+    timed = _time(run, args.iters, args.warmup, args.repeats)
+    _fill(src, 41 + me)
+    dst.zero_()
+    run()
+    torch.cuda.synchronize()
+    ok = _agree(not copies or torch.equal(dst, src))
+    return _row("baseline", "local copy", "both" if both else "one", nbytes, timed, ok)
+
+
+def bench_token_exchange(n_tokens: int, token_size: int, args) -> list[dict]:
+    """DoubleBufferManager exchange, both directions at once, rounds back to back; beside a bare
+    copy of the same bytes on this GPU."""
     me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
     peer = pydatacopy._C.DoubleBufferManager.default_src_pe(me, n)
+    nbytes = n_tokens * token_size
+    size = f"{n_tokens}x{token_size}"
+    base = _bare_copy(nbytes, args)
+    base["size"] = size
     dbm = pydatacopy.DoubleBufferManager()
     dbm.init(n_tokens, token_size)
     try:
@@ -360,15 +440,28 @@ def bench_token_exchange(n_tokens: int, token_size: int, args) -> dict:
         def run():
             dbm.wait(dbm.exchange())
 
-        seconds = _time(run, args.iters, args.warmup, args.repeats)[0]
+        timed = _time(run, args.iters, args.warmup, args.repeats)
+        # The checked round: fresh data from a new seed, this round's receive buffer cleared
+        # (free: its round two back was waited for).
+        torch.cuda.synchronize()
+        dist.barrier()
+        round_ = dbm.round
+        _fill(dbm.send_buffer_of(round_), 7000 + 10 * me + round_ % 2)
+        dbm.recv_buffer(round_).zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        got = dbm.wait(dbm.exchange())
+        torch.cuda.synchronize()
         ok = True
+        try:
+            pydatacopy.check_errors()
+        except pydatacopy.Error as error:
+            print(f"  rank {me}: {error}", file=sys.stderr, flush=True)
+            ok = False
         expected = torch.empty((n_tokens, token_size), dtype=torch.uint8, device="cuda")
-        for r in (dbm.round - 2, dbm.round - 1):
-            _fill(expected, 1000 * peer + r % 2)
-            ok = ok and torch.equal(dbm.recv_buffer(r), expected)
-        return {"op": "token_exchange", "path": "DoubleBufferManager", "direction": "both",
-                "bytes": n_tokens * token_size, "size": f"{n_tokens}x{token_size}",
-                "us": seconds * 1e6, "gbps": n_tokens * token_size / seconds / 1e9, "ok": _agree(ok)}
+        ok = ok and torch.equal(got, _fill(expected, 7000 + 10 * peer + round_ % 2))
+        row = _row("token_exchange", "DoubleBufferManager", "both", nbytes, timed, _agree(ok), size)
+        return [base, _against(row, base)]
     finally:
         dbm.cleanup()
 
@@ -400,29 +493,114 @@ def bench_latency(args, iterations: int = 20000) -> dict:
 
 
 def bench_host_overhead(args, calls: int = 2000) -> list[dict]:
-    """Host time of one 4 KiB put from Python (no synchronisation inside the loop)."""
-    import time
-
-    rows = []
+    """Host time of one 4 KiB put from Python (no synchronisation inside the loop), beside a bare
+    cudaMemcpyAsync call of 4 KiB on this GPU."""
+    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
     symmetric = pydatacopy.empty(4096, dtype=torch.uint8)
     src = _fill(torch.empty(4096, dtype=torch.uint8, device="cuda"), 5)
+    local = torch.empty_like(src)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def host_us(call) -> float:
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for _ in range(calls):
+            call()
+        spent = (time.perf_counter() - begin) / calls * 1e6
+        torch.cuda.synchronize()
+        seconds = torch.tensor([spent], dtype=torch.float64, device=_reduce_device())
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return float(seconds.item())
+
+    def row(path: str, us: float, ok: bool) -> dict:
+        return {"op": "host_per_call", "path": path, "direction": "both", "bytes": 4096,
+                "size": "4K", "us": us, "issue_us": us, "gbps": 4096 / us / 1e3, "ok": ok}
+
+    rows = []
     try:
-        for path in ("auto", "copy_engine"):
-            for _ in range(50):
-                pydatacopy.put(symmetric, src, 1 - pydatacopy.my_pe(), path=path)
+        us = host_us(lambda: pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream))
+        _fill(src, 6 + me)
+        local.zero_()
+        pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream)
+        torch.cuda.synchronize()
+        base = row("cudaMemcpyAsync 4K", us, _agree(torch.equal(local, src)))
+        rows.append(base)
+        for number, path in enumerate(("auto", "copy_engine")):
+            us = host_us(lambda: pydatacopy.put(symmetric, src, peer, path=path))
+            # Checked: fresh data, the destination cleared first, one put.
+            seed = 100 * (number + 1)
             torch.cuda.synchronize()
-            begin = time.perf_counter()
-            for _ in range(calls):
-                pydatacopy.put(symmetric, src, 1 - pydatacopy.my_pe(), path=path)
-            host_us = (time.perf_counter() - begin) / calls * 1e6
+            pydatacopy.barrier()
+            _fill(src, seed + me)
+            symmetric.zero_()
+            torch.cuda.synchronize()
+            pydatacopy.barrier()
+            pydatacopy.put(symmetric, src, peer, path=path)
+            pydatacopy.quiet()
             torch.cuda.synchronize()
             pydatacopy.barrier()
             torch.cuda.synchronize()
-            ok = _agree(torch.equal(symmetric, _fill(torch.empty_like(src), 5)))
-            rows.append({"op": "host_per_call", "path": f"put 4K ({path})", "direction": "both",
-                         "bytes": 4096, "size": "4K", "us": host_us, "gbps": 4096 / host_us / 1e3,
-                         "ok": ok})
+            ok = _agree(torch.equal(symmetric, _fill(torch.empty_like(src), seed + peer)))
+            rows.append(_against(row(f"put 4K ({path})", us, ok), base))
     finally:
+        pydatacopy.barrier()
+        pydatacopy.free(symmetric)
+    return rows
+
+
+def bench_graph_put(args, nbytes: int = 4096, puts: int = 100) -> list[dict]:
+    """`puts` puts of `nbytes` (rank 0 -> rank 1, then one quiet) captured in a CUDA graph and
+    replayed, per put; beside `puts` bare cudaMemcpyAsync calls on this GPU replayed alike."""
+    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
+    symmetric = pydatacopy.empty(nbytes, dtype=torch.uint8)
+    src = _fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 9 + me)
+    local = torch.zeros_like(src)
+    rows = []
+    try:
+        symmetric.zero_()
+        if me == 0:
+            pydatacopy.put(symmetric, src, peer)  # first use (a registration, if any) outside
+            pydatacopy.quiet()
+        torch.cuda.synchronize()
+        copies, transfers = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(copies):
+            stream = torch.cuda.current_stream().cuda_stream
+            for _ in range(puts):
+                pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), nbytes, stream)
+        if me == 0:
+            with torch.cuda.graph(transfers):
+                for _ in range(puts):
+                    pydatacopy.put(symmetric, src, peer)
+                pydatacopy.quiet()
+        for name, graph in (("copies", copies), ("puts", transfers)):
+            def run():
+                if me == 0:  # one way, as the puts
+                    graph.replay()
+
+            timed = tuple(t / puts for t in _time(run, args.iters, args.warmup, args.repeats))
+            # Checked: fresh data from a new seed, the destination cleared, one replay.
+            seed = 500 if name == "copies" else 600
+            torch.cuda.synchronize()
+            dist.barrier()
+            _fill(src, seed + me)
+            (local if name == "copies" else symmetric).zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            run()
+            torch.cuda.synchronize()
+            dist.barrier()
+            if name == "copies":
+                ok = me != 0 or torch.equal(local, src)
+                rows.append(_row("baseline", f"graph copy {_human(nbytes)}", "one", nbytes, timed, _agree(ok)))
+            else:
+                ok = me == 0 or torch.equal(symmetric, _fill(torch.empty_like(src), seed + peer))
+                rows.append(_against(_row("put", f"graph {_human(nbytes)}", "one", nbytes, timed,
+                                          _agree(ok)), rows[0]))
+        del copies, transfers
+    finally:
+        torch.cuda.synchronize()
         pydatacopy.barrier()
         pydatacopy.free(symmetric)
     return rows
@@ -430,16 +608,16 @@ def bench_host_overhead(args, calls: int = 2000) -> list[dict]:
 
 def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dict]:
     """`count` tensors of `tensor_bytes` in one call, rank 0 -> rank 1: put_many (a list of
-    tensors, checked one by one on the host) and put_blocks (pools + device index tensors)."""
+    tensors, checked one by one on the host) against put_blocks (pools + device index tensors)."""
     me = pydatacopy.my_pe()
     pool = pydatacopy.empty((count, tensor_bytes), dtype=torch.uint8)
     source = _fill(torch.empty((count, tensor_bytes), dtype=torch.uint8, device="cuda"), 77)
     order = torch.randperm(count, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     identity = torch.arange(count, device="cuda")
     dsts, srcs = list(pool), list(source)
-    rows = []
+    rows: dict[str, dict] = {}
     try:
-        for name in ("put_many", "put_blocks"):
+        for number, name in enumerate(("put_blocks", "put_many")):
             pool.zero_()
             pydatacopy.barrier()
 
@@ -452,18 +630,26 @@ def bench_batched(args, count: int = 1024, tensor_bytes: int = 4096) -> list[dic
                     pydatacopy.put_blocks(pool, source, order, identity, 1)
                 pydatacopy.quiet()
 
-            seconds = _time(run, args.iters, args.warmup, args.repeats)[0]
+            timed = _time(run, args.iters, args.warmup, args.repeats)
+            # Checked: fresh rows from a new seed (in place: dsts/srcs view them), the pool
+            # cleared, one call.
+            torch.cuda.synchronize()
+            dist.barrier()
+            _fill(source, 800 + number)
+            pool.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            run()
             torch.cuda.synchronize()
             dist.barrier()
             expected = source if name == "put_many" else torch.empty_like(source).index_copy_(0, order, source)
             ok = _agree(me == 0 or torch.equal(pool, expected))
-            rows.append({"op": name, "path": f"{count} x {tensor_bytes}B", "direction": "one",
-                         "bytes": count * tensor_bytes, "size": _human(count * tensor_bytes),
-                         "us": seconds * 1e6, "gbps": count * tensor_bytes / seconds / 1e9, "ok": ok})
+            rows[name] = _row(name, f"{count} x {tensor_bytes}B", "one", count * tensor_bytes, timed, ok)
+        _against(rows["put_many"], rows["put_blocks"])
     finally:
         pydatacopy.barrier()
         pydatacopy.free(pool)
-    return rows
+    return [rows[name] for name in ("put_blocks", "put_many") if name in rows]
 
 
 def report(rows: list[dict], args) -> None:
@@ -473,12 +659,18 @@ def report(rows: list[dict], args) -> None:
 
     nccl, copy_engine = by_size("NCCL"), by_size("cudaMemcpyAsync")
     nixl_host_us = by_size("NIXL", "host_us")  # NIXL is timed on the host: so are its ratios
-    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6} "
-          f"{'xCE':>6} {'xNIXL':>6}  ok")
+    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'hostus':>7} {'GB/s':>8} "
+          f"{'xNCCL':>6} {'xCE':>6} {'xNIXL':>6} {'xbase':>6} {'xbaseH':>6}  ok")
 
     def ratio(r, baselines):
         base = baselines.get((r["direction"], r["bytes"]))
         return f"{r['gbps'] / base:6.2f}" if base else "     -"
+
+    def x_base(r, key="xbase"):
+        return f"{r[key]:6.2f}" if r.get(key) else "     -"
+
+    def issue(r):
+        return f"{r['issue_us']:7.1f}" if r.get("issue_us") else "      -"
 
     def x_nixl(r):
         base = nixl_host_us.get((r["direction"], r["bytes"]))
@@ -486,24 +678,28 @@ def report(rows: list[dict], args) -> None:
 
     for r in rows:
         print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)}  "
-              f"{'yes' if r['ok'] else 'NO'}")
+              f"{issue(r)} {r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)} "
+              f"{x_base(r)} {x_base(r, 'xbase_host')}  {'yes' if r['ok'] else 'NO'}")
+    print("xbase: time over the row's baseline (a bare copy of the same bytes on this GPU, or the "
+          "`base` named in --json/--csv), same run; xbaseH: host time per call, issuing only")
     if getattr(args, "csv", None):
         import csv
 
         with open(args.csv, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "host_us",
-                                                   "gbps", "ok"])
+                                                   "gbps", "ok", "issue_us", "base", "xbase", "xbase_host"])
             writer.writeheader()
             writer.writerows({k: r.get(k, "") for k in writer.fieldnames} for r in rows)
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
-            f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | x NIXL | ok |\n"
-                    "|---|---|---|---:|---:|---:|---:|---:|---:|---|\n")
+            f.write("| op | path | direction | size | us | host us | GB/s | x NCCL | x CE | x NIXL | "
+                    "x base | x base host | ok |\n"
+                    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
             for r in rows:
                 f.write(f"| {r['op']} | {r['path']} | {r['direction']} | {r['size']} | {r['us']:.1f} | "
+                        f"{issue(r).strip()} | "
                         f"{r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
-                        f"{x_nixl(r).strip()} | "
+                        f"{x_nixl(r).strip()} | {x_base(r).strip()} | {x_base(r, 'xbase_host').strip()} | "
                         f"{'yes' if r['ok'] else 'NO'} |\n")
     if getattr(args, "plot", None):
         plot(rows, args.plot)
@@ -544,6 +740,32 @@ def plot(rows: list[dict], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def _placement() -> tuple[int, int]:
+    """(CUDA device, ranks per GPU) of this rank: PYDATACOPY_RANKS_PER_GPU=K puts local rank r
+    on device r // K; unset, ranks share GPUs when there are more of them than GPUs."""
+    local_rank = _env.local_rank() or 0
+    count = torch.cuda.device_count()
+    text = os.environ.get("PYDATACOPY_RANKS_PER_GPU")
+    if text:
+        per_gpu = _env.parse_int(text, "PYDATACOPY_RANKS_PER_GPU", 1, _env.INT32_MAX, 2,
+                                 "ranks sharing one GPU")
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        per_gpu = max(1, -(-local_world // max(count, 1)))
+    device = local_rank // per_gpu
+    if device >= count:
+        raise _env.SettingError(f"local rank {local_rank} with {per_gpu} rank(s) per GPU needs device "
+                                f"{device}, but this process sees {count}: set PYDATACOPY_RANKS_PER_GPU")
+    return device, per_gpu
+
+
+SHARED_GPU_SKIPS = {
+    "nccl": "NCCL refuses two ranks on one GPU (torch.distributed runs on gloo here)",
+    "torch_symm": "torch's symmetric memory refuses PEs sharing a GPU (\"TeamManager on multiple "
+                  "devices\")",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
@@ -555,17 +777,26 @@ def main(argv: list[str] | None = None) -> int:
         print("run under torchrun: torchrun --nproc_per_node=2 -m pydatacopy.bench", file=sys.stderr)
         return 2
     try:
-        local_rank = _env.local_rank() or 0
+        device, per_gpu = _placement()
     except _env.SettingError as error:
         print(f"python -m pydatacopy.bench: {error}", file=sys.stderr)
         return 2
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-    pydatacopy.init()
+    torch.cuda.set_device(device)
+    if per_gpu > 1:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    pydatacopy.init(device=device)
     if pydatacopy.n_pes() != 2:
         print("the size sweep runs on exactly 2 PEs", file=sys.stderr)
         return 2
     ops = set(args.ops)
+    skipped: list[str] = []
+    if per_gpu > 1:
+        for op, why in SHARED_GPU_SKIPS.items():
+            if op in ops:
+                ops.discard(op)
+                skipped.append(f"{op}: {why}")
     directions = ["one", "both"] if args.direction == "all" else [args.direction]
     rows = []
     size = args.minbytes
@@ -573,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     while size <= args.maxbytes:
         sizes.append(size)
         size *= args.stepfactor
-    labels = {"memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
+    labels = {"copy": ("baseline", "local copy"),
+              "memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
               "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
               "torch_symm": ("baseline", "torch symm_mem"),
               "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL"),
@@ -586,22 +818,27 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.extend(bench_host_overhead(args))
     if "put_many" in ops:
         fixed_rows.extend(bench_batched(args))
+    if "graph" in ops:
+        fixed_rows.extend(bench_graph_put(args))
     if "torch_symm" in ops and not _torch_symm_mem_ready():
         ops.discard("torch_symm")
     if "nixl" in ops and not _nixl_ready():
         ops.discard("nixl")
 
-    def add_row(op, direction, nbytes, seconds, host_seconds, ok):
-        rows.append({"op": labels[op][0], "path": labels[op][1], "direction": direction,
-                     "bytes": nbytes, "size": _human(nbytes), "us": seconds * 1e6,
-                     "host_us": host_seconds * 1e6, "gbps": nbytes / seconds / 1e9, "ok": ok})
+    def add_row(op, direction, nbytes, timed, ok, base=None):
+        rows.append(_row(labels[op][0], labels[op][1], direction, nbytes, timed, ok))
+        if base is not None:
+            _against(rows[-1], base)
         if pydatacopy.my_pe() == 0:
             print(f"  {labels[op][0]:<10} {labels[op][1]:<12} {direction:<4} {_human(nbytes):>6} "
                   f"{rows[-1]['gbps']:8.1f} GB/s", file=sys.stderr, flush=True)
+        return rows[-1]
 
     for direction in directions:
         for nbytes in sizes:
             sweep = Sweep(nbytes, direction == "both", args)
+            # Every size's baseline first: a bare copy of the same bytes on this GPU.
+            base = add_row("copy", direction, nbytes, *sweep.local_copy())
             for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl"):
                 if op not in ops or (op == "torch_symm" and direction == "both"):
                     continue  # torch's put reads and writes one tensor: one direction only
@@ -609,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                     sweep.memcpy_baseline() if op == "memcpy" else
                     sweep.torch_symm_mem() if op == "torch_symm" else
                     sweep.put(labels[op][1]) if op.startswith("put") else
-                    sweep.sendrecv() if op == "sendrecv" else sweep.nccl()))
+                    sweep.sendrecv() if op == "sendrecv" else sweep.nccl()), base=base)
             del sweep
     # NIXL last, so that UCX (its hooks and progress threads stay once loaded) colours no other
     # row; one direction (a WRITE is one-sided). A failure drops the baseline, not the run.
@@ -627,10 +864,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.extend(fixed_rows)
     if "tokens" in ops:
         for n_tokens, token_size in args.tokens:
-            rows.append(bench_token_exchange(n_tokens, token_size, args))
+            rows.extend(bench_token_exchange(n_tokens, token_size, args))
 
     if pydatacopy.my_pe() == 0:
         report(rows, args)
+        for line in skipped:
+            print(f"skipped {line}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -638,7 +877,6 @@ def main(argv: list[str] | None = None) -> int:
     pydatacopy.finalize()
     dist.destroy_process_group()
     return 0 if all_ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
