@@ -163,8 +163,8 @@ def test_send_recv_after_the_last_stream_of_the_channel_was_destroyed(world, pee
         user.torch.wait_stream(torch.cuda.current_stream())
         pydatacopy.sendrecv(send, peer, received, peer, stream=user.torch)
         with pydatacopy.group(stream=user.handle):  # a raw handle too
-            pydatacopy.send(send, peer)
-            pydatacopy.recv(received, peer)
+            pydatacopy.send(send, peer, stream=user.handle)
+            pydatacopy.recv(received, peer, stream=user.handle)
         user.destroy()
         _assert_bytes(received, _bytes(peer, 10, nbytes), "on the user's stream")
         for round_ in range(3):
