@@ -24,6 +24,10 @@ def _owned_stream(stream) -> torch.cuda.Stream | None:
         stream = torch.cuda.current_stream(_C.cuda_device())
     if isinstance(stream, torch.cuda.ExternalStream) or not isinstance(stream, torch.cuda.Stream):
         return None
+    # An external stream made current (torch.cuda.stream(ExternalStream(...))) comes back as a
+    # plain Stream: torch gives it the cudaStream_t itself as its id.
+    if stream.cuda_stream != 0 and stream.stream_id == stream.cuda_stream:
+        return None
     return stream
 
 
