@@ -208,8 +208,12 @@ def test_token_exchange_after_its_streams_were_destroyed(world, peer):
         for round_ in range(2):  # both buffer sets last waited for on the user's stream
             with torch.cuda.stream(user.torch):
                 dbm.send_buffer.copy_(_bytes(rank, 20 + round_, nbytes).view(n_tokens, token_size))
-                r = dbm.exchange(stream=user.torch)
-                got = dbm.wait(r, stream=user.torch)
+                if round_ == 0:  # given as stream=
+                    r = dbm.exchange(stream=user.torch)
+                    got = dbm.wait(r, stream=user.torch)
+                else:  # torch's current stream
+                    r = dbm.exchange()
+                    got = dbm.wait(r)
                 _assert_bytes(got.clone(), _bytes(peer, 20 + round_, nbytes), f"round {round_} on the user's stream")
         user.destroy()
         other.wait_stream(torch.cuda.current_stream())
