@@ -13,8 +13,8 @@ def report(rows: list[dict], args) -> None:
 
     nccl, copy_engine = by_size("NCCL"), by_size("cudaMemcpyAsync")
     nixl_host_us = by_size("NIXL", "host_us")  # NIXL is timed on the host: so are its ratios
-    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'hostus':>7} {'GB/s':>8} "
-          f"{'xNCCL':>6} {'xCE':>6} {'xNIXL':>6} {'xbase':>6} {'xbaseH':>6}  ok")
+    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6} "
+          f"{'xCE':>6} {'xNIXL':>6} {'hostus':>7} {'xbase':>6} {'xbaseH':>6}  ok")
 
     def ratio(r, baselines):
         base = baselines.get((r["direction"], r["bytes"]))
@@ -32,8 +32,8 @@ def report(rows: list[dict], args) -> None:
 
     for r in rows:
         print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-              f"{issue(r)} {r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)} "
-              f"{x_base(r)} {x_base(r, 'xbase_host')}  {'yes' if r['ok'] else 'NO'}")
+              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)} "
+              f"{issue(r)} {x_base(r)} {x_base(r, 'xbase_host')}  {'yes' if r['ok'] else 'NO'}")
     print("xbase: time over the row's baseline (a bare copy of the same bytes on this GPU, or the "
           "`base` named in --json/--csv), same run; xbaseH: host time per call, issuing only")
     if getattr(args, "csv", None):
@@ -46,14 +46,13 @@ def report(rows: list[dict], args) -> None:
             writer.writerows({k: r.get(k, "") for k in writer.fieldnames} for r in rows)
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
-            f.write("| op | path | direction | size | us | host us | GB/s | x NCCL | x CE | x NIXL | "
+            f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | x NIXL | host us | "
                     "x base | x base host | ok |\n"
                     "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
             for r in rows:
                 f.write(f"| {r['op']} | {r['path']} | {r['direction']} | {r['size']} | {r['us']:.1f} | "
-                        f"{issue(r).strip()} | "
                         f"{r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
-                        f"{x_nixl(r).strip()} | {x_base(r).strip()} | {x_base(r, 'xbase_host').strip()} | "
+                        f"{x_nixl(r).strip()} | {issue(r).strip()} | {x_base(r).strip()} | {x_base(r, 'xbase_host').strip()} | "
                         f"{'yes' if r['ok'] else 'NO'} |\n")
     if getattr(args, "plot", None):
         plot(rows, args.plot)
