@@ -13,15 +13,20 @@
 // How often each set has been exchanged is counted on the device, so exchange() and wait()
 // captured in a CUDA graph make a fresh round at every replay. exchange() and wait() may use
 // different streams: wait() orders its stream after the round's exchange(), and exchange()
-// orders its stream after the work enqueued so far on the stream that waited for the set's
-// previous round (its consumer), before it frees that receive buffer to the peer. (Between
-// calls in the same state, both eager or both in one capture; a captured call and an eager one
-// on other streams are ordered by the caller.)
+// orders its stream after the wait() for the set's previous round, before it frees that receive
+// buffer to the peer (ChannelOrder: owned events, no stream of the caller is kept, so a caller
+// may destroy its streams at any time). Work that reads a receive buffer after wait() on a
+// stream other than the next exchange()'s must be ordered before that exchange() by the caller
+// (the Python class does this for torch's own streams). (Between calls in the same state, both
+// eager or both in one capture; a captured call and an eager one on other streams are ordered by
+// the caller.)
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "pydatacopy/channel_order.hpp"
 
 namespace pydatacopy {
 
@@ -75,13 +80,11 @@ class DoubleBufferManager {
   uint8_t* base_ = nullptr;  // one symmetric allocation holding everything
   uint64_t* uses_ = nullptr;          // device [2]: exchanges of each set so far
   unsigned int* done_ = nullptr;      // device [2]: blocks finished in the exchange in flight
-  cudaEvent_t exchanged_[2] = {};     // recorded after each set's last exchange
-  cudaEvent_t consumed_[2] = {};      // recorded on the waiting stream before a set is freed
-  cudaStream_t exchange_stream_[2] = {};
-  cudaStream_t wait_stream_[2] = {};
-  bool waited_[2] = {false, false};
-  unsigned long long exchange_capture_[2] = {0, 0};  // capture_id of the set's last exchange / wait
-  unsigned long long wait_capture_[2] = {0, 0};
+  // Channels: each set's last exchange() and last wait(); no stream of the caller is kept.
+  static constexpr int kChannels = 4;
+  static int exchanged(int set) { return set; }
+  static int waited(int set) { return 2 + set; }
+  ChannelOrder order_;
   int64_t n_tokens_ = 0;
   int64_t token_size_ = 0;
   int64_t next_round_ = 0;

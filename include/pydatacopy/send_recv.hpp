@@ -42,8 +42,9 @@
 // Chunk sequence numbers are counted on the device, so a call captured in a CUDA graph moves a
 // fresh message at every replay, and replays mix freely with eager calls on the same channel.
 // Launches on one channel must not overlap: between eager calls on different streams (and
-// between calls of one capture) the engine orders them itself; a graph replayed on one stream
-// and eager calls on another must be ordered by the caller, as with NCCL.
+// between calls of one capture) the engine orders them itself, through one owned event per
+// channel (ChannelOrder; no stream of the caller is kept); a graph replayed on one stream and
+// eager calls on another must be ordered by the caller, as with NCCL.
 //
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
@@ -57,6 +58,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "pydatacopy/channel_order.hpp"
 
 namespace pydatacopy {
 namespace kernels {
@@ -128,11 +131,8 @@ class SendRecvEngine {
   uint64_t* filled_ = nullptr;     // device [n_pes][num_chunks][pages]: sequence + 1 last put per page
   unsigned int* failed_ = nullptr; // device [2][n_pes]: the channel failed in the launch in flight
   int resident_blocks_ = 1;        // send/recv kernel blocks resident at once (the grid's cap)
-  // Per channel: the stream of its last launch and that stream's capture (capture_id). A launch
-  // on another stream is ordered after it, as two launches on one channel must not overlap.
-  std::vector<cudaStream_t> last_stream_;
-  std::vector<unsigned long long> last_capture_;
-  cudaEvent_t order_event_ = nullptr;
+  // Channels [2][n_pes] as sequences_: a launch waits for the channel's last one, on any stream.
+  ChannelOrder order_;
   unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
 };
 

@@ -16,6 +16,21 @@ MAX_BUFFER_BYTES = 1 << 40  # and one buffer set holds at most 1 TiB
 _ROUND_MAX = 2**63 - 1
 
 
+def _owned_stream(stream) -> torch.cuda.Stream | None:
+    """`stream` as a torch stream that stays alive (torch pools its streams and never destroys
+    them), or None for streams torch does not own (ExternalStream, raw handles): the caller may
+    destroy those at any time, so nothing may be enqueued on them later."""
+    if stream is None:
+        stream = torch.cuda.current_stream(_C.cuda_device())
+    if isinstance(stream, torch.cuda.ExternalStream) or not isinstance(stream, torch.cuda.Stream):
+        return None
+    # An external stream made current (torch.cuda.stream(ExternalStream(...))) comes back as a
+    # plain Stream: torch gives it the cudaStream_t itself as its id.
+    if stream.cuda_stream != 0 and stream.stream_id == stream.cuda_stream:
+        return None
+    return stream
+
+
 def check_tokens(n_tokens: object, token_size: object, call: str) -> tuple[int, int]:
     """The sizes DoubleBufferManager.init takes (also the doctor's and the bench's --tokens)."""
     check_int("n_tokens", n_tokens, 1, MAX_TOKENS, call=call)
@@ -51,6 +66,8 @@ class DoubleBufferManager:
         self._send: list[torch.Tensor] = []
         self._recv: list[torch.Tensor] = []
         self._src_of_round: dict[int, int] = {}
+        # Per buffer set: the torch stream that waited for its last round (its consumer), or None.
+        self._consumer: list[torch.cuda.Stream | None] = [None, None]
 
     # ---- the note's API -------------------------------------------------------------------
     def init(self, n_tokens: int, token_size: int) -> None:
@@ -72,6 +89,7 @@ class DoubleBufferManager:
         self._recv = [tensor_from_address(self._core.recv_buffer(s), shape, torch.uint8, device, self)
                       for s in (0, 1)]
         self._src_of_round.clear()
+        self._consumer = [None, None]
 
     def cleanup(self) -> None:
         """Free both buffer sets on every PE (collective, blocking); harmless twice.
@@ -81,6 +99,7 @@ class DoubleBufferManager:
         refuse_capture("DoubleBufferManager.cleanup")
         self._send, self._recv = [], []
         self._src_of_round.clear()
+        self._consumer = [None, None]
         self._core.cleanup()
 
     def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
@@ -148,8 +167,9 @@ class DoubleBufferManager:
         """
         self._require_init("exchange")
         dst, src = self._peers(peer, dst_pe, src_pe)
-        round_ = self._core.exchange(dst, src, stream_handle(stream, _C.cuda_device()),
-                                     timeout_seconds(timeout))
+        handle = stream_handle(stream, _C.cuda_device())
+        self._after_consumer(self._core.round % 2, handle)
+        round_ = self._core.exchange(dst, src, handle, timeout_seconds(timeout))
         self._src_of_round[round_] = src
         self._src_of_round.pop(round_ - 3, None)
         return round_
@@ -172,12 +192,26 @@ class DoubleBufferManager:
         if blocking:
             refuse_capture("DoubleBufferManager.wait(blocking=True)", handle)
         self._core.wait(round_, src, handle, timeout_seconds(timeout))
+        self._consumer[round_ % 2] = _owned_stream(stream)
         if blocking:
             torch.cuda.ExternalStream(handle).synchronize()
             _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
         return self._recv[round_ % 2]
 
     # ---- helpers ------------------------------------------------------------------------------
+    def _after_consumer(self, set_: int, handle: int) -> None:
+        """exchange() frees the set's receive buffer to the peer: what was enqueued after wait()
+        on the stream that waited for it (the reader of the buffer) must be done first. The core
+        orders only after the wait() itself, as it keeps no stream; here torch's own streams,
+        which torch never destroys, are safe to record on. Eager calls only: an event cannot
+        cross into or out of a graph capture (captured consumers are the caller's to order)."""
+        consumer, self._consumer[set_] = self._consumer[set_], None
+        if consumer is None or consumer.cuda_stream == handle:
+            return
+        if _C.is_capturing(handle) or _C.is_capturing(consumer.cuda_stream):
+            return
+        torch.cuda.ExternalStream(handle).wait_stream(consumer)
+
     def _require_init(self, what: str) -> None:
         if not self._core.initialized:
             raise Error(f"pydatacopy.DoubleBufferManager.{what}: call init(n_tokens, token_size) "

@@ -400,9 +400,20 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
         engine.batch([(is_send, tensor.data_ptr(), _nbytes(tensor), peer)], _stream(stream), seconds)
         _keep_alive(stream, tensor)
         return
-    if pending["stream"] != stream:
-        raise Error("pydatacopy.send/recv inside pydatacopy.group(): every operation must use the "
-                    "group's stream; pass stream= to group() instead")
+    # The stream is resolved here, where the call is made (torch.cuda.stream() inside the group
+    # counts), not at the group's exit: that is where the caller ordered the tensor's producers.
+    if stream is None:
+        stream = pending["stream"]
+    handle = _stream(stream)
+    if pending["handle"] is None:
+        pending["handle"] = handle
+    elif pending["handle"] != handle:
+        raise Error("pydatacopy.send/recv inside pydatacopy.group(): the group's operations run as "
+                    f"one launch on one stream, but this call resolves to stream {handle:#x} and an "
+                    f"earlier one to {pending['handle']:#x}; issue them on one stream (pass stream= "
+                    "to group(), or make the calls under one torch.cuda.stream())")
+    if stream is not None:
+        pending["explicit"] = True  # _keep_alive's rule: tensors on a stream given explicitly
     pending["ops"].append((is_send, tensor.data_ptr(), _nbytes(tensor), peer))
     pending["tensors"].append(tensor)
     pending["timeout"] = max(pending["timeout"], seconds)
@@ -412,19 +423,27 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
 def group(*, stream=None) -> Iterator[None]:
     """Issue the send()/recv() calls inside together, as one kernel launch, so that they run at
     the same time: a PE that sends and receives at once must group them (as with NCCL's group
-    calls). Up to 16 operations, any peers. Ordered on the stream like any other call."""
+    calls). Up to 16 operations, any peers. The launch goes on the stream the calls were made
+    on: ``stream=`` of group(), else each call's ``stream=``, else torch's current stream at the
+    call; all of a group's calls must come to the same stream."""
     if getattr(_state, "pending", None) is not None:
         raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
                     "group() block")
-    _state.pending = {"stream": stream, "ops": [], "tensors": [], "timeout": 0.0}
+    _state.pending = {"stream": stream, "handle": None, "explicit": stream is not None, "ops": [],
+                      "tensors": [], "timeout": 0.0}
     try:
         yield
-        ops, tensors, seconds = _state.pending["ops"], _state.pending["tensors"], _state.pending["timeout"]
+        pending = _state.pending
     finally:
         _state.pending = None
-    if ops:
-        _require_engine("group").batch(ops, _stream(stream), seconds)
-        _keep_alive(stream, *tensors)
+    if not pending["ops"]:
+        return
+    handle = pending["handle"]
+    _require_engine("group").batch(pending["ops"], handle, pending["timeout"])
+    # The launch may be on a stream that is no longer torch's current one (the calls were made
+    # under torch.cuda.stream(s)): keep the tensors allocated until that stream is done with them.
+    if pending["explicit"] or handle != _stream(None):
+        _keep_alive(handle, *pending["tensors"])
 
 
 def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <utility>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -58,6 +59,7 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
               "n_tokens x token_size = " << n_tokens << " x " << token_size
                                          << " is larger than 1 TiB per buffer");
   const std::size_t total = symmetric_bytes_needed(n_tokens, token_size, n_pes());
+  ChannelOrder order(kChannels);  // local, before anything collective can need undoing
   void* counters = nullptr;
   PDC_CHECK_CUDA(cudaMalloc(&counters, 2 * (sizeof(uint64_t) + sizeof(unsigned int))));
   PDC_CHECK_CUDA(cudaMemset(counters, 0, 2 * (sizeof(uint64_t) + sizeof(unsigned int))));
@@ -70,13 +72,7 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
   }
   uses_ = static_cast<uint64_t*>(counters);
   done_ = reinterpret_cast<unsigned int*>(uses_ + 2);
-  for (int set = 0; set < 2; ++set) {
-    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&exchanged_[set], cudaEventDisableTiming));
-    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&consumed_[set], cudaEventDisableTiming));
-    exchange_stream_[set] = wait_stream_[set] = nullptr;
-    waited_[set] = false;
-    exchange_capture_[set] = wait_capture_[set] = 0;
-  }
+  order_ = std::move(order);
   // Zeroed signals and credits mean "nothing yet"; the barrier keeps peers from writing before.
   PDC_CHECK_CUDA(cudaMemset(base, 0, total));
   base_ = static_cast<uint8_t*>(base);
@@ -103,11 +99,7 @@ void DoubleBufferManager::cleanup() {
   cudaFree(uses_);
   uses_ = nullptr;
   done_ = nullptr;
-  for (int set = 0; set < 2; ++set) {
-    cudaEventDestroy(exchanged_[set]);
-    cudaEventDestroy(consumed_[set]);
-    exchanged_[set] = consumed_[set] = nullptr;
-  }
+  order_ = ChannelOrder();
 }
 
 uint8_t* DoubleBufferManager::send_buffer(int set) const {
@@ -153,16 +145,14 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
                   << " was never waited for; call wait() for a round before exchanging two "
                      "rounds past it (its receive buffer would be overwritten)");
   const int set = static_cast<int>(round % 2);
-  // This frees our receive set of two rounds ago to the peer: its consumer, enqueued on the
-  // stream that waited for it, must be done first. (Streams are ordered only between calls in
-  // the same state, both eager or both in one capture: an event recorded in a capture cannot be
-  // waited on outside it; a captured call and an eager one are ordered by the caller.)
+  // This frees our receive set of two rounds ago to the peer: the wait() for it must be done
+  // first, and the set's last exchange (its counters). Whatever the caller enqueued after that
+  // wait() on another stream (the consumer) is the caller's to order (the Python class does it
+  // for torch's streams): the engine keeps no stream of the caller's. See ChannelOrder for
+  // captures.
   const unsigned long long capture = capture_id(stream);
-  if (waited_[set] && wait_stream_[set] != stream && wait_capture_[set] == capture &&
-      capture_id(wait_stream_[set]) == capture) {
-    PDC_CHECK_CUDA(cudaEventRecord(consumed_[set], wait_stream_[set]));
-    PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, consumed_[set], 0));
-  }
+  order_.order_after_last(waited(set), stream, capture);
+  order_.order_after_last(exchanged(set), stream, capture);
   kernels::TokenExchangeArgs args{};
   args.send = send_buffer(set);
   args.recv = recv_buffer(set);
@@ -184,10 +174,7 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   const int64_t warps_needed = (n_tokens_ + 15) / 16;
   const int blocks = static_cast<int>(std::min<int64_t>(warps_needed, multiprocessor_count()));
   kernels::launch_token_exchange(args, blocks, stream);
-  PDC_CHECK_CUDA(cudaEventRecord(exchanged_[set], stream));
-  exchange_capture_[set] = capture;
-  exchange_stream_[set] = stream;
-  waited_[set] = false;
+  order_.record(exchanged(set), stream, capture);
   next_round_ = round + 1;
   return round;
 }
@@ -208,15 +195,12 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
   const uint64_t timeout_ns = timeout_nanoseconds(timeout_seconds);
   // The wait reads the set's use count, which the round's exchange() advances on the device.
   const unsigned long long capture = capture_id(stream);
-  if (exchange_stream_[set] != stream && exchange_capture_[set] == capture)
-    PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, exchanged_[set], 0));
+  order_.order_after_last(exchanged(set), stream, capture);
   const int blocks = static_cast<int>(
       std::min<int64_t>((n_tokens_ + 255) / 256, multiprocessor_count()));
   kernels::launch_token_wait(signals(set), n_tokens_, uses_ + set, my_pe(), src_pe, timeout_ns,
                              detail::device_status(), blocks, stream);
-  wait_stream_[set] = stream;
-  wait_capture_[set] = capture;
-  waited_[set] = true;
+  order_.record(waited(set), stream, capture);
   last_waited_round_ = std::max(last_waited_round_, round);
 }
 

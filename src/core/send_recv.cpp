@@ -4,6 +4,7 @@
 #include <nvshmem.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -67,6 +68,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   PDC_REQUIRE(chunk_bytes >= 1, "chunk_bytes must be positive, got " << chunk_bytes);
   const int pes = n_pes();
   const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);
+  ChannelOrder order(2 * pes);  // local, before anything collective can need undoing
   page_bytes_ = page_bytes_for(chunk_bytes);
   chunk_bytes = chunk_bytes_for(chunk_bytes);
   // Per channel (send to / receive from each PE): the next chunk's sequence number, the time
@@ -92,9 +94,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   }
   base_ = static_cast<uint8_t*>(base);
   sequences_ = static_cast<uint64_t*>(counters);
-  last_stream_.assign(2 * pes, nullptr);
-  last_capture_.assign(2 * pes, 0);
-  PDC_CHECK_CUDA(cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming));
+  order_ = std::move(order);
   progress_ = sequences_ + 2 * pes;
   filled_ = progress_ + 2 * pes;
   done_ = reinterpret_cast<unsigned int*>(filled_ + pes * pages_per_peer);
@@ -121,10 +121,7 @@ void SendRecvEngine::cleanup() {
   if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
   sequences_ = progress_ = filled_ = nullptr;
   done_ = failed_ = nullptr;
-  if (order_event_ != nullptr) cudaEventDestroy(order_event_);  // local; nothing depends on it
-  order_event_ = nullptr;
-  last_stream_.clear();
-  last_capture_.clear();
+  order_ = ChannelOrder();  // local events; nothing depends on them
 }
 
 uint8_t* SendRecvEngine::staging(int src_pe) const {
@@ -282,23 +279,14 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
       op.channel_blocks += other.active_blocks;
     }
   }
-  // A channel last used on another stream: order this launch after everything enqueued there.
-  // (Eager after eager, or within one capture; see capture_id.)
+  // Launches on one channel must not overlap: this one waits for the channel's last launch,
+  // on whatever stream that was (see ChannelOrder for captures).
   const unsigned long long capture = capture_id(stream);
-  for (int i = 0; i < launch.count; ++i) {
-    const std::size_t channel = static_cast<std::size_t>(launch.ops[i].sequence - sequences_);
-    cudaStream_t last = last_stream_[channel];
-    if (last != nullptr && last != stream && last_capture_[channel] == capture && capture_id(last) == capture) {
-      PDC_CHECK_CUDA(cudaEventRecord(order_event_, last));
-      PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, order_event_, 0));
-    }
-  }
+  for (int i = 0; i < launch.count; ++i)
+    order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
   kernels::launch_chunk_batch(launch, stream);
-  for (int i = 0; i < launch.count; ++i) {
-    const std::size_t channel = static_cast<std::size_t>(launch.ops[i].sequence - sequences_);
-    last_stream_[channel] = stream;
-    last_capture_[channel] = capture;
-  }
+  for (int i = 0; i < launch.count; ++i)
+    order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
 }
 
 }  // namespace pydatacopy

@@ -1,0 +1,145 @@
+"""Baselines, measured in the same run as the rows they judge: a bare copy on this GPU, the copy
+engine into the peer, NCCL, torch symm_mem's NVSHMEM put, NIXL's WRITE."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+
+from ._harness import agree, fill, human, make_row, time_op
+
+
+def bare_copy(nbytes: int, args, both: bool = True) -> dict:
+    """A bare cudaMemcpyAsync of `nbytes` on this GPU, both PEs at once (or rank 0 alone),
+    timed as the rows it is the baseline of; checked."""
+    me = pydatacopy.my_pe()
+    copies = both or me == 0
+    src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 31 + me)
+    dst = torch.zeros_like(src)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run():
+        if copies:
+            pydatacopy._C.bench_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+
+    timed = time_op(run, args.iters, args.warmup, args.repeats)
+    fill(src, 41 + me)
+    dst.zero_()
+    run()
+    torch.cuda.synchronize()
+    ok = agree(not copies or torch.equal(dst, src))
+    return make_row("baseline", "local copy", "both" if both else "one", nbytes, timed, ok)
+
+
+def local_copy(sweep):
+    """The baseline of every row: a bare cudaMemcpyAsync of the same bytes on the sender's own
+    GPU (both PEs at once when both send), no pydatacopy code on the path."""
+    stream = torch.cuda.current_stream().cuda_stream
+    src, dst, nbytes = sweep.src.data_ptr(), sweep.out.data_ptr(), sweep.nbytes
+
+    def run():
+        if sweep.sends:
+            pydatacopy._C.bench_memcpy(dst, src, nbytes, stream)
+
+    return sweep.measure(run, sweep.out, local=True)
+
+
+def memcpy(sweep):
+    """A bare cudaMemcpyAsync into the peer's memory: no pydatacopy code on the path (torch's
+    copy_ would add its own host cost: 1-2 ms per call into a peer mapping, measured)."""
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def make_run(symmetric):
+        peer_memory = pydatacopy.peer_view(symmetric, sweep.peer)
+        if peer_memory is None:
+            raise pydatacopy.Error("the memcpy baseline needs a peer reachable by load/store "
+                                   "(NVLink/PCIe): leave memcpy out of --ops")
+        peer_address = peer_memory.data_ptr()
+
+        def run():
+            if sweep.sends:
+                pydatacopy._C.bench_memcpy(peer_address, sweep.src.data_ptr(), sweep.nbytes, stream)
+        return run
+
+    return sweep._into_symmetric(make_run)
+
+
+def torch_symm_mem(sweep):
+    """torch.ops.symm_mem.nvshmem_put: the tensor goes to the same tensor on the peer."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    tensor = symm_mem.empty(sweep.nbytes, dtype=torch.uint8, device="cuda")
+    symm_mem.rendezvous(tensor, dist.group.WORLD.group_name)
+    tensor.copy_(sweep.src if sweep.sends else torch.zeros_like(sweep.src))
+    torch.cuda.synchronize()
+    dist.barrier()
+
+    def run():
+        if sweep.sends:
+            torch.ops.symm_mem.nvshmem_put(tensor, sweep.peer)
+            pydatacopy.quiet()  # one NVSHMEM in the process: this completes torch's put too
+
+    try:
+        return sweep.measure(run, tensor, src=tensor)  # one tensor: the sender's is the source
+    finally:  # the tensor (and run, which holds it) go when this returns
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def nccl(sweep):
+    def run():
+        ops = []
+        if sweep.sends:
+            ops.append(dist.P2POp(dist.isend, sweep.src, sweep.peer))
+        if sweep.receives:
+            ops.append(dist.P2POp(dist.irecv, sweep.out, sweep.peer))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    return sweep.measure(run, sweep.out)
+
+
+def nixl(sweep) -> tuple[tuple[float, float, float], bool]:
+    """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only, timed by
+    the host's clock. Raises pydatacopy.Error on every rank when NIXL failed on any."""
+    from .._nixl import NixlWrite
+
+    with NixlWrite(sweep.src, sweep.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
+        (_, host_seconds, issue_seconds), ok = sweep.measure(transfer.write, sweep.out)
+        failure = transfer.agreed_failure()
+    if failure:
+        raise pydatacopy.Error(f"NIXL's WRITE of {human(sweep.nbytes)} bytes: {failure}")
+    return (host_seconds, host_seconds, issue_seconds), ok
+
+
+def nixl_ready() -> bool:
+    """Whether NIXL can be used on every rank; says why not on rank 0."""
+    from .._nixl import nixl_problem
+
+    reason = nixl_problem()
+    ready = agree(not reason)
+    if not ready and pydatacopy.my_pe() == 0:
+        print(f"  NIXL baseline skipped: {reason or 'not installed on every rank'}", file=sys.stderr, flush=True)
+    return ready
+
+
+def torch_symm_mem_ready() -> bool:
+    """Whether torch's symmetric memory runs on NVSHMEM here (decided on every rank alike)."""
+    reason = ""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.set_backend("NVSHMEM")
+        if not symm_mem.is_nvshmem_available():
+            reason = "torch reports NVSHMEM unavailable"
+    except Exception as error:  # any torch without it: the baseline is skipped, not the run
+        reason = f"{type(error).__name__}: {error}"
+    ready = agree(not reason)
+    if not ready and pydatacopy.my_pe() == 0:
+        print(f"  torch symm_mem baseline skipped: {reason or 'not available on every rank'}",
+              file=sys.stderr, flush=True)
+    return ready

@@ -1,0 +1,60 @@
+#include "pydatacopy/channel_order.hpp"
+
+#include <utility>
+
+#include "pydatacopy/error.hpp"
+
+namespace pydatacopy {
+
+ChannelOrder::ChannelOrder(int channels) {
+  PDC_REQUIRE(channels >= 0, "ChannelOrder: the channel count must not be negative, got " << channels);
+  ChannelOrder made;  // released by its destructor if a later event cannot be created
+  made.channels_.resize(static_cast<std::size_t>(channels));
+  for (Channel& channel : made.channels_)
+    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&channel.event, cudaEventDisableTiming));
+  *this = std::move(made);
+}
+
+ChannelOrder::~ChannelOrder() { release(); }
+
+ChannelOrder::ChannelOrder(ChannelOrder&& other) noexcept : channels_(std::move(other.channels_)) {
+  other.channels_.clear();
+}
+
+ChannelOrder& ChannelOrder::operator=(ChannelOrder&& other) noexcept {
+  if (this != &other) {
+    release();
+    channels_ = std::move(other.channels_);
+    other.channels_.clear();
+  }
+  return *this;
+}
+
+void ChannelOrder::release() noexcept {
+  // Destroying an event that pending work will still record or wait on is allowed: the
+  // driver frees it once that work is done.
+  for (Channel& channel : channels_)
+    if (channel.event != nullptr) cudaEventDestroy(channel.event);
+  channels_.clear();
+}
+
+const ChannelOrder::Channel& ChannelOrder::at(int channel) const {
+  PDC_REQUIRE(channel >= 0 && channel < channels(),
+              "ChannelOrder: channel " << channel << " is out of range [0, " << channels() << ")");
+  return channels_[static_cast<std::size_t>(channel)];
+}
+
+void ChannelOrder::order_after_last(int channel, cudaStream_t stream,
+                                    unsigned long long capture) const {
+  const Channel& c = at(channel);
+  if (c.recorded && c.capture == capture) PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.event, 0));
+}
+
+void ChannelOrder::record(int channel, cudaStream_t stream, unsigned long long capture) {
+  Channel& c = const_cast<Channel&>(at(channel));
+  PDC_CHECK_CUDA(cudaEventRecord(c.event, stream));
+  c.recorded = true;
+  c.capture = capture;
+}
+
+}  // namespace pydatacopy
