@@ -275,9 +275,15 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           // A watchdog on progress: the channel's last chunk moved (by any block) or this
           // block's own last progress, whichever is later. One clock reading for the whole
           // block (thread 0's): threads that disagreed would break the block's barriers.
-          const bool stalled = __syncthreads_or(
-              threadIdx.x == 0 &&
-              detail::globaltimer_ns() - max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress)) > a.timeout_ns);
+          // The last progress is read before the clock: another block may have moved the
+          // channel just now, and a stamp later than our reading must not wrap the difference.
+          bool over = false;
+          if (threadIdx.x == 0) {
+            const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
+            const uint64_t now = detail::globaltimer_ns();
+            over = now > last && now - last > a.timeout_ns;
+          }
+          const bool stalled = __syncthreads_or(over);
           if (stalled && report_timeout(a, send, slice, chunk, k)) {
             if (threadIdx.x == 0) atomicExch(a.failed, 1u);  // the host refuses this peer from now on
             __syncthreads();
