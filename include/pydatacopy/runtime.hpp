@@ -87,10 +87,11 @@ uint64_t timeout_nanoseconds(double seconds);
 
 // Failure is per peer where that is sound. A device-side wait that times out marks the PE it
 // waited on. check_timeouts() throws once any PE is marked: for what needs every PE (barriers,
-// allocation, setup_send_recv, the token exchange) and for one-sided calls, which refuse after
-// any timeout. check_peer_timeouts(pe) throws only when `pe` is marked: send/recv check it, so
-// that transfers between live PEs go on after one peer died, while calls with the dead PE raise
-// at once. A mark stays for the rest of the process (the channels with that PE are out of step).
+// allocation, setup_send_recv, the token exchange). check_peer_timeouts(pe) throws only when
+// `pe` is marked: send/recv and the one-sided calls check it, so that transfers between live PEs
+// go on after one peer died, while calls with the dead PE raise at once. A mark stays for the
+// rest of the process (the channels with that PE are out of step); check_device_errors()
+// reports the timeout itself once.
 //
 // Throws the TimeoutError a device-side wait reported (naming the operation and the peer). Sticky.
 void check_timeouts();

@@ -42,6 +42,8 @@ struct RuntimeState {
   std::vector<uint8_t> unique_id;
   std::vector<uint64_t> gpu_of_pe;  // gpu_identity() of every PE, gathered at init
   detail::DeviceStatus* status_host = nullptr;
+  // check_errors() reports a timeout once; the PE stays marked (per-peer refusals, collectives).
+  std::atomic<bool> timeout_reported{false};
   detail::DeviceStatus* status_device = nullptr;
   // Symmetric [4][n_pes]: arrivals of stream-ordered barriers, arrivals of host-blocking
   // barriers, and two arrays of the values PEs vote with in a blocking barrier (by the parity
@@ -481,8 +483,8 @@ void check_timeouts() {
   throw TimeoutError(timeout_text(status->timeout) +
                      ". The peer may have died, hung, or not made the matching call. Operations "
                      "that need every PE (barriers, allocation, setup_send_recv, the token "
-                     "exchange, one-sided calls) are refused from now on; send/recv between PEs "
-                     "that did not time out still work. To recover fully, exit the process "
+                     "exchange) are refused from now on; send/recv and one-sided calls between "
+                     "PEs that did not time out still work. To recover fully, exit the process "
                      "(finalize() will not wait on the peer).");
 }
 
@@ -536,7 +538,9 @@ void check_size_mismatch() {
 }
 
 void check_device_errors() {
-  check_timeouts();
+  // Once: the timed-out peer stays marked, and the calls that involve it (and the collectives)
+  // keep refusing, but calls between live PEs must not hear of it again.
+  if (peer_failed() && !state().timeout_reported.exchange(true)) check_timeouts();
   check_size_mismatch();
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;

@@ -58,7 +58,7 @@ Path resolve_path(Path requested, bool peer_reachable, std::size_t bytes) {
 
 void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "put");
-  check_timeouts();
+  check_peer_timeouts(pe, "put");
   require_symmetric(dst, bytes, "put: dst");
   if (bytes == 0) return;
   void* peer = peer_pointer(dst, pe);
@@ -77,7 +77,7 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
 
 void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "get");
-  check_timeouts();
+  check_peer_timeouts(pe, "get");
   require_symmetric(src, bytes, "get: src");
   if (bytes == 0) return;
   const void* peer = peer_pointer(src, pe);
@@ -97,7 +97,7 @@ void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
 void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal, uint64_t value,
                 int pe, cudaStream_t stream) {
   require_valid_pe(pe, "put_signal");
-  check_timeouts();
+  check_peer_timeouts(pe, "put_signal");
   require_symmetric(dst, bytes, "put_signal: dst");
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
   // To a reachable peer NVSHMEM stores directly and src needs no registration; under
@@ -111,7 +111,7 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
 
 void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream) {
   require_valid_pe(pe, "signal_set");
-  check_timeouts();
+  check_peer_timeouts(pe, "signal_set");
   require_symmetric(signal, sizeof(uint64_t), "signal_set: signal");
   check_rma_remote(signal, sizeof(uint64_t), "signal_set: signal");
   nvshmemx_quiet_on_stream(stream);
@@ -142,7 +142,7 @@ void barrier(cudaStream_t stream, double timeout_seconds) {
 void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,
               Path path) {
   require_valid_pe(pe, "put_many");
-  check_timeouts();
+  check_peer_timeouts(pe, "put_many");
   PDC_REQUIRE(count >= 0, "put_many: count must not be negative, got " << count);
   PDC_REQUIRE(path == Path::kAuto || path == Path::kSM || path == Path::kRMA,
               "put_many moves many small tensors in one kernel: path must be auto, sm or rma");
@@ -168,7 +168,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
                 std::size_t block_bytes, const int64_t* dst_indices, const int64_t* src_indices,
                 int64_t count, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "put_blocks");
-  check_timeouts();
+  check_peer_timeouts(pe, "put_blocks");
   PDC_REQUIRE(count >= 0 && dst_blocks >= 0 && src_blocks >= 0,
               "put_blocks: counts must not be negative");
   PDC_REQUIRE(block_bytes > 0, "put_blocks: block_bytes must be positive");
@@ -202,7 +202,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
 void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
                      cudaStream_t stream, double timeout_seconds) {
   require_valid_pe(peer, "signal_pingpong");
-  check_timeouts();
+  check_peer_timeouts(peer, "signal_pingpong");
   require_symmetric(signal, sizeof(uint64_t), "signal_pingpong: signal");
   PDC_REQUIRE(iterations > 0, "iterations must be positive, got " << iterations);
   check_rma_remote(signal, sizeof(uint64_t), "signal_pingpong: signal");
