@@ -267,7 +267,7 @@ def test_a_slow_receiver_keeps_a_small_message_page_by_page(world, peer, path, s
 
 
 # ---- the timeout is a watchdog on progress --------------------------------------------------
-# A transfer made slow on purpose (one block, 4 KiB chunks, two slots: many short steps), sized
+# A transfer made slow on purpose (one block, 1 KiB chunks, two slots: many short steps), sized
 # from measurements in this run so that it takes at least four times its timeout, runs with that
 # timeout; the timeout is never under 0.5 s, so that a GPU shared with other processes (MPS)
 # cannot stall a live transfer that long. Old code took the timeout as a deadline from the
@@ -303,7 +303,7 @@ def _timed_sendrecv(world, peer, send, recv, nbytes) -> float:
 def test_a_transfer_still_moving_outlives_a_short_timeout(world, peer, fresh_channels):
     rank = world[0]
     outcome = _Outcome(world)
-    pydatacopy.setup_send_recv(chunk_bytes=4 * KiB, num_chunks=2, blocks=1)
+    pydatacopy.setup_send_recv(chunk_bytes=1 * KiB, num_chunks=2, blocks=1)
     send = _bytes(rank, 300, _MAX_TRANSFER_BYTES)
     recv = torch.zeros(_MAX_TRANSFER_BYTES, dtype=torch.uint8, device="cuda")
     pydatacopy.sendrecv(send[:MiB], peer, recv[:MiB], peer)  # warm-up
@@ -318,7 +318,7 @@ def test_a_transfer_still_moving_outlives_a_short_timeout(world, peer, fresh_cha
         elapsed = _timed_sendrecv(world, peer, send, recv, nbytes)
     timeout = max(_TIMEOUT_FLOOR_S, elapsed / _TRANSFER_OVER_TIMEOUT)
     if elapsed < _TRANSFER_OVER_TIMEOUT * timeout * 0.75:
-        pytest.skip(f"{nbytes} bytes at 4 KiB chunks on one block took only {elapsed:.3f} s: "
+        pytest.skip(f"{nbytes} bytes at 1 KiB chunks on one block took only {elapsed:.3f} s: "
                     f"too fast to outlast {_TRANSFER_OVER_TIMEOUT} timeouts of {timeout} s, so "
                     "this test could not fail")  # the same decision on every PE (same elapsed)
     recv.zero_()
