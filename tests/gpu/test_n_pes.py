@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import pydatacopy
 
@@ -35,14 +36,21 @@ def _bytes(src_pe: int, dst_pe: int, tag: int, nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=generator)
 
 
+# Wrong bytes seen by this PE in the running test. Recorded, not raised: a PE that raised alone
+# would leave the loop and its barriers (and free()'s) while the others are still in it, and every
+# PE would time out, poisoning the rest of the run. `in_step` gathers them from every PE after
+# the test and fails every PE together.
+_FAILURES: list[str] = []
+
+
 def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     got, want = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
     if got.numel() != want.numel():
-        raise AssertionError(f"{what}: {got.numel()} bytes, expected {want.numel()}")
-    if not torch.equal(got, want):
-        bad = (got != want).nonzero()
-        raise AssertionError(f"{what}: {bad.numel()} of {want.numel()} bytes differ, first at "
-                             f"{bad[0].item()}")
+        _FAILURES.append(f"{what}: {got.numel()} bytes, expected {want.numel()}")
+    elif not torch.equal(got, want):
+        differ = got != want
+        _FAILURES.append(f"{what}: {int(differ.sum())} of {want.numel()} bytes differ, first at "
+                         f"{int(differ.to(torch.uint8).argmax())}")
 
 
 def _cleared(nbytes: int, offset: int = 1) -> torch.Tensor:
@@ -57,10 +65,19 @@ def _ring(world) -> tuple[int, int, int, int]:
 
 @pytest.fixture(autouse=True)
 def in_step(world):
-    """After each test: every PE's work done, no pending device error, every PE here."""
+    """After each test: every PE's work done, no pending device error, every PE here; then the
+    wrong bytes any PE saw fail every PE (see _FAILURES)."""
+    _FAILURES.clear()
     yield
     torch.cuda.synchronize()
     pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
+    every: list = [None] * world[1]
+    dist.all_gather_object(every, list(_FAILURES))
+    _FAILURES.clear()
+    bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
+    if bad:
+        pytest.fail("wrong bytes: " + "; ".join(bad[:12])
+                    + (f"; and {len(bad) - 12} more" if len(bad) > 12 else ""), pytrace=False)
     pydatacopy.check_errors()
 
 

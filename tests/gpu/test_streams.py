@@ -66,6 +66,8 @@ class _UserStream:
         self.torch = torch.cuda.ExternalStream(self.handle)
 
     def destroy(self) -> None:
+        # cudaStreamDestroy returns at once and lets the queued work finish on its own: wait for
+        # it here, so that what the caller reads next is the work's result.
         self.torch.synchronize()
         code = self._cudart.cudaStreamDestroy(ctypes.c_void_p(self.handle))
         assert code == 0, f"cudaStreamDestroy returned {code}"
@@ -165,6 +167,9 @@ def test_send_recv_after_the_last_stream_of_the_channel_was_destroyed(world, pee
         with pydatacopy.group(stream=user.handle):  # a raw handle too
             pydatacopy.send(send, peer, stream=user.handle)
             pydatacopy.recv(received, peer, stream=user.handle)
+        # `received` is read on the current stream, which does not wait for the user's: the host
+        # waits for the user stream before it goes (cudaStreamDestroy itself does not wait).
+        user.torch.synchronize()
         user.destroy()
         _assert_bytes(received, _bytes(peer, 10, nbytes), "on the user's stream")
         for round_ in range(3):
@@ -215,6 +220,7 @@ def test_token_exchange_after_its_streams_were_destroyed(world, peer):
                     r = dbm.exchange()
                     got = dbm.wait(r)
                 _assert_bytes(got.clone(), _bytes(peer, 20 + round_, nbytes), f"round {round_} on the user's stream")
+        user.torch.synchronize()  # cudaStreamDestroy does not wait for the work queued on it
         user.destroy()
         other.wait_stream(torch.cuda.current_stream())
         copies = []
