@@ -7,10 +7,12 @@
 // its stream right after a call, and nothing here touches that stream again.
 //
 // CUDA graph capture: an event recorded inside a capture cannot be waited on outside it, nor
-// one recorded outside a capture from inside it. So each channel remembers the capture of its
-// last record (capture_id(): 0 when eager) and a launch waits only when its own capture is the
-// same: eager after eager, or within one capture. A captured call and an eager one on other
-// streams are ordered by the caller, as with NCCL.
+// one recorded outside a capture from inside it. So each channel keeps two slots: the eager one
+// (the last eager launch) and the capture one (the last captured launch, with its capture_id()),
+// and a launch waits on the slot of its own state: eager after eager, or within one capture. A
+// captured call never replaces the eager record, so eager calls on several streams stay ordered
+// around a capture made in between. A captured call and an eager one on other streams are
+// ordered by the caller, as with NCCL.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -38,9 +40,10 @@ class ChannelOrder {
 
  private:
   struct Channel {
-    cudaEvent_t event = nullptr;
-    bool recorded = false;           // false until the first launch
-    unsigned long long capture = 0;  // capture_id of the last record
+    cudaEvent_t eager = nullptr;     // recorded after the last eager launch
+    cudaEvent_t captured = nullptr;  // recorded after the last captured launch
+    bool eager_recorded = false;     // false until the first eager launch
+    unsigned long long capture = 0;  // capture_id of `captured`'s record (0: none yet)
   };
   const Channel& at(int channel) const;
   void release() noexcept;

@@ -32,6 +32,10 @@
 // PE; nothing is resynchronised in place. Sends of a message that fits in the staging complete
 // before the receiver looks, so the sender learns of a mismatch one call later.
 //
+// An empty message moves one header-only chunk (one page, no data, header checked, credit
+// returned): both sides' sequences stay in step, and a 0-byte call facing a non-empty one is a
+// size mismatch like any other.
+//
 // Timeouts are a watchdog on progress: an op times out when its channel has moved no chunk for
 // `timeout` seconds (the clock restarts whenever any block moves one of the channel's chunks).
 // A channel that timed out fails for the rest of its launch, while the launch's other ops go
@@ -74,6 +78,16 @@ class SendRecvEngine {
   ~SendRecvEngine() = default;  // never collective: call cleanup() on every PE
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
+  SendRecvEngine(SendRecvEngine&& other) noexcept;  // takes other's state; other is left empty
+  SendRecvEngine& operator=(SendRecvEngine&&) = delete;
+
+  // Local, never blocks: exchanges the whole state (channels, staging, counters) with `other`.
+  // With detach(), this lets a caller that serialises hot calls with a lock swap an engine's
+  // state in or out under the lock, and run the collective init()/cleanup() outside it (a
+  // thread in a barrier must not hold the lock a peer's matching transfer needs).
+  void swap(SendRecvEngine& other) noexcept;
+  // Moves the state out (this engine is left uninitialised); the caller calls cleanup() on it.
+  SendRecvEngine detach() noexcept;
 
   // Collective and blocking. chunk_bytes is rounded up to a multiple of the 32 KiB page; a
   // message moves on up to `blocks` slices on each side (fewer for small messages), driven by at
@@ -85,6 +99,11 @@ class SendRecvEngine {
   std::size_t chunk_bytes() const { return chunk_bytes_; }
   int num_chunks() const { return num_chunks_; }
   int blocks() const { return blocks_; }
+  // Blocks of a launch at most: what can be resident at once for this PE (its MPS share, and
+  // at most 1/K of the GPU with K PEs on it).
+  int max_grid() const { return resident_blocks_; }
+  // Slices a message of `bytes` moves on: <= blocks(), <= pages, <= kMaxSlicesPerBlock x max_grid().
+  int slices_for(std::size_t bytes) const { return active_blocks(bytes); }
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const { return symmetric_bytes_; }
   // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).
@@ -105,14 +124,18 @@ class SendRecvEngine {
     std::size_t bytes;
     int peer;
   };
-  // Up to 16 sends and recvs (any peers) in one launch.
+  // Up to 16 sends and recvs (any peers) in one launch. An op whose peer is refused (timed out,
+  // or an unreported size mismatch with it) is left out; the others launch, then the first
+  // refusal is raised.
   void batch(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds);
   // A send and a recv at once: batch() of the two.
   void sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
                 std::size_t recv_bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
 
  private:
-  void require_ready(const char* what, int pe) const;
+  void require_ready(const char* what, int pe) const;       // the call's own arguments
+  void require_peer_ready(const char* what, int pe) const;  // the peer: no timeout, no mismatch
+
   int active_blocks(std::size_t bytes) const;
   kernels::ChunkStreamArgs prepare(bool send, void* buffer, std::size_t bytes, int peer, double timeout);
   int pages() const { return static_cast<int>(chunk_bytes_ / page_bytes_); }

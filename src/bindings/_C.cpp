@@ -33,8 +33,10 @@ Path as_path(int path) {
 
 // The engines' hot calls run without the GIL (a first-use registration can block behind the
 // legacy default stream); the GIL used to keep two Python threads out of one engine's host
-// state, so these locks do now. Collective init/cleanup take none: a thread waiting in one must
-// not keep another from the transfers its peers wait for.
+// state, so these locks do now. The send/recv engine's collective init/cleanup hold its lock
+// only to swap the engine's state in or out (SendRecvEngine::swap/detach), never across their
+// barriers: a thread waiting in one must not keep another from the transfers its peers wait
+// for, and a hot call sees either the whole old state or none (it never uses freed staging).
 std::mutex g_send_recv_mutex, g_token_exchange_mutex;
 
 // put_many's rows, read from sequences of tensors through the tensors' own Python methods (this
@@ -181,6 +183,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("is_initialized", &is_initialized);
   m.def("my_pe", &my_pe);
   m.def("n_pes", &n_pes);
+  m.def("pes_sharing_my_gpu", &pes_sharing_my_gpu, "PEs on this PE's GPU (itself included), as init() learned");
+  m.def("send_recv_blocks_per_sm", &kernels::chunk_batch_blocks_per_sm,
+        "blocks of the send/recv kernel one SM holds at once (the grid cap is SMs x this)");
   m.def("cuda_device", &cuda_device);
   m.def("built_nvshmem_version", [] { return built_nvshmem_version().str(); });
   m.def("loaded_nvshmem_version", [] { return loaded_nvshmem_version().str(); });
@@ -371,14 +376,41 @@ PYBIND11_MODULE(_C, m) {
   // Two-sided copies through symmetric staging.
   py::class_<SendRecvEngine>(m, "SendRecvEngine")
       .def(py::init<>())
-      .def("init", &SendRecvEngine::init, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"),
-           release_gil())
-      .def("cleanup", &SendRecvEngine::cleanup, release_gil())
+      .def("init", [](SendRecvEngine& self, std::size_t chunk_bytes, int num_chunks, int blocks) {
+             {
+               std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+               PDC_REQUIRE(!self.initialized(), "SendRecvEngine.init: already initialised; call cleanup() first");
+             }
+             SendRecvEngine fresh;  // built (collectively) outside the lock, then swapped in
+             fresh.init(chunk_bytes, num_chunks, blocks);
+             bool lost = false;  // another thread's init won the race
+             {
+               std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+               if (self.initialized()) lost = true;
+               else self.swap(fresh);
+             }
+             if (lost) {
+               fresh.cleanup();  // collective, like the init every PE made; outside the lock
+               PDC_REQUIRE(false, "SendRecvEngine.init: initialised by another thread meanwhile; "
+                                  "call cleanup() first");
+             }
+           }, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"), release_gil())
+      .def("cleanup", [](SendRecvEngine& self) {
+             SendRecvEngine old = [&self] {
+               std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+               return self.detach();
+             }();
+             old.cleanup();  // collective (barrier, symmetric free) outside the lock
+           }, release_gil())
       .def_property_readonly("initialized", &SendRecvEngine::initialized)
       .def_property_readonly("chunk_bytes", &SendRecvEngine::chunk_bytes)
       .def_property_readonly("num_chunks", &SendRecvEngine::num_chunks)
       .def_property_readonly("blocks", &SendRecvEngine::blocks)
       .def_property_readonly("symmetric_bytes", &SendRecvEngine::symmetric_bytes)
+      .def_property_readonly("max_grid", &SendRecvEngine::max_grid,
+                             "blocks of a launch at most (what can be resident at once for this PE)")
+      .def("slices_for", &SendRecvEngine::slices_for, py::arg("bytes"),
+           "slices (per-op block slots) a message of `bytes` moves on")
       .def_static("symmetric_bytes_needed", &SendRecvEngine::symmetric_bytes_needed, py::arg("n_pes"),
                   py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"))
       .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,

@@ -10,8 +10,10 @@ ChannelOrder::ChannelOrder(int channels) {
   PDC_REQUIRE(channels >= 0, "ChannelOrder: the channel count must not be negative, got " << channels);
   ChannelOrder made;  // released by its destructor if a later event cannot be created
   made.channels_.resize(static_cast<std::size_t>(channels));
-  for (Channel& channel : made.channels_)
-    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&channel.event, cudaEventDisableTiming));
+  for (Channel& channel : made.channels_) {
+    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&channel.eager, cudaEventDisableTiming));
+    PDC_CHECK_CUDA(cudaEventCreateWithFlags(&channel.captured, cudaEventDisableTiming));
+  }
   *this = std::move(made);
 }
 
@@ -33,8 +35,10 @@ ChannelOrder& ChannelOrder::operator=(ChannelOrder&& other) noexcept {
 void ChannelOrder::release() noexcept {
   // Destroying an event that pending work will still record or wait on is allowed: the
   // driver frees it once that work is done.
-  for (Channel& channel : channels_)
-    if (channel.event != nullptr) cudaEventDestroy(channel.event);
+  for (Channel& channel : channels_) {
+    if (channel.eager != nullptr) cudaEventDestroy(channel.eager);
+    if (channel.captured != nullptr) cudaEventDestroy(channel.captured);
+  }
   channels_.clear();
 }
 
@@ -47,14 +51,24 @@ const ChannelOrder::Channel& ChannelOrder::at(int channel) const {
 void ChannelOrder::order_after_last(int channel, cudaStream_t stream,
                                     unsigned long long capture) const {
   const Channel& c = at(channel);
-  if (c.recorded && c.capture == capture) PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.event, 0));
+  if (capture == 0) {
+    if (c.eager_recorded) PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.eager, 0));
+  } else if (c.capture != 0 && c.capture == capture) {
+    PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.captured, 0));
+  }
 }
 
 void ChannelOrder::record(int channel, cudaStream_t stream, unsigned long long capture) {
   Channel& c = const_cast<Channel&>(at(channel));
-  PDC_CHECK_CUDA(cudaEventRecord(c.event, stream));
-  c.recorded = true;
-  c.capture = capture;
+  // A record inside a capture goes to the capture's own slot: the eager slot keeps the last
+  // eager launch, which the next eager launch (on any stream) must still wait for.
+  if (capture == 0) {
+    PDC_CHECK_CUDA(cudaEventRecord(c.eager, stream));
+    c.eager_recorded = true;
+  } else {
+    PDC_CHECK_CUDA(cudaEventRecord(c.captured, stream));
+    c.capture = capture;
+  }
 }
 
 }  // namespace pydatacopy

@@ -48,8 +48,9 @@ struct DeviceStatus {
   // PE's recv), kChunkCredit (this PE's send, told by the receiver) or kChannelRefused (a later
   // call on the refused channel), peer: the other side, expected: this call's bytes, seen: the
   // other side's bytes in the mismatched message. The channel itself
-  // stays refused on the device until setup_send_recv() rebuilds it (send_recv.hpp).
-  ErrorRecord mismatch;
+  // stays refused on the device until setup_send_recv() rebuilds it (send_recv.hpp). One record
+  // per peer (tracked_pe_index): a mismatch with one PE neither refuses nor hides another's.
+  ErrorRecord mismatch[kTrackedPes];
   int timed_out_pes[kTrackedPes];  // nonzero: a wait on that PE timed out
 };
 

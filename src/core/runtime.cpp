@@ -2,6 +2,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -503,19 +504,11 @@ void check_peer_timeouts(int pe, const char* what) {
   throw TimeoutError(text.str());
 }
 
-void clear_size_mismatch() {
-  detail::DeviceStatus* status = state().status_host;
-  if (status == nullptr) return;
-  int published = detail::kMismatch;
-  __atomic_compare_exchange_n(&status->mismatch.code, &published, 0, false, __ATOMIC_ACQ_REL,
-                              __ATOMIC_ACQUIRE);
-}
+namespace {
+// PEs with a mismatch record of their own (beyond kTrackedPes they share the last one).
+int tracked_mismatch_records() { return std::min(state().n_pes, detail::kTrackedPes); }
 
-void check_size_mismatch() {
-  detail::DeviceStatus* status = state().status_host;
-  if (status == nullptr) return;
-  detail::ErrorRecord& r = status->mismatch;
-  if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) != detail::kMismatch) return;
+void throw_size_mismatch(detail::ErrorRecord& r) {
   const auto why = static_cast<detail::WaitOp>(r.op);
   std::ostringstream text;
   if (why == detail::WaitOp::kChunkArrival)
@@ -535,6 +528,32 @@ void check_size_mismatch() {
   int published = detail::kMismatch;
   __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   throw Error(text.str());
+}
+}  // namespace
+
+void clear_size_mismatch() {
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  for (int i = 0; i < tracked_mismatch_records(); ++i) {
+    int published = detail::kMismatch;
+    __atomic_compare_exchange_n(&status->mismatch[i].code, &published, 0, false, __ATOMIC_ACQ_REL,
+                                __ATOMIC_ACQUIRE);
+  }
+}
+
+void check_size_mismatch(int pe) {
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  detail::ErrorRecord& r = status->mismatch[detail::tracked_pe_index(pe)];
+  if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) == detail::kMismatch) throw_size_mismatch(r);
+}
+
+void check_size_mismatch() {
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  for (int i = 0; i < tracked_mismatch_records(); ++i)
+    if (__atomic_load_n(&status->mismatch[i].code, __ATOMIC_ACQUIRE) == detail::kMismatch)
+      throw_size_mismatch(status->mismatch[i]);
 }
 
 void check_device_errors() {

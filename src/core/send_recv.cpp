@@ -4,6 +4,7 @@
 #include <nvshmem.h>
 
 #include <algorithm>
+#include <exception>
 #include <utility>
 
 #include "device_status.cuh"
@@ -99,7 +100,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   filled_ = progress_ + 2 * pes;
   done_ = reinterpret_cast<unsigned int*>(filled_ + pes * pages_per_peer);
   failed_ = done_ + 2 * pes;
-  resident_blocks_ = kernels::chunk_batch_resident_blocks();
+  resident_blocks_ = kernels::chunk_batch_resident_blocks(pes_sharing_my_gpu());
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
@@ -109,6 +110,32 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   clear_size_mismatch();  // about channels that no longer exist
   // Nobody signals into memory a peer has not zeroed yet.
   barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
+}
+
+SendRecvEngine::SendRecvEngine(SendRecvEngine&& other) noexcept { swap(other); }
+
+void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
+  using std::swap;
+  swap(base_, other.base_);
+  swap(chunk_bytes_, other.chunk_bytes_);
+  swap(page_bytes_, other.page_bytes_);
+  swap(symmetric_bytes_, other.symmetric_bytes_);
+  swap(num_chunks_, other.num_chunks_);
+  swap(blocks_, other.blocks_);
+  swap(n_pes_, other.n_pes_);
+  swap(sequences_, other.sequences_);
+  swap(progress_, other.progress_);
+  swap(filled_, other.filled_);
+  swap(failed_, other.failed_);
+  swap(resident_blocks_, other.resident_blocks_);
+  swap(order_, other.order_);
+  swap(done_, other.done_);
+}
+
+SendRecvEngine SendRecvEngine::detach() noexcept {
+  SendRecvEngine state;
+  swap(state);
+  return state;
 }
 
 void SendRecvEngine::cleanup() {
@@ -161,9 +188,13 @@ void SendRecvEngine::require_ready(const char* what, int pe) const {
   require_valid_pe(pe, what);
   PDC_REQUIRE(base_ != nullptr, what << ": the send/recv engine is not set up (pydatacopy.init() "
                                         "does it; from C++ call SendRecvEngine::init)");
-  // Per peer: after a wait on another PE timed out, transfers with live PEs go on.
+}
+
+void SendRecvEngine::require_peer_ready(const char* what, int pe) const {
+  // Per peer: after a wait on another PE timed out, or a size mismatch with another PE,
+  // transfers with the other PEs go on.
   check_peer_timeouts(pe, what);
-  check_size_mismatch();
+  check_size_mismatch(pe);
 }
 
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
@@ -171,7 +202,11 @@ int SendRecvEngine::active_blocks(std::size_t bytes) const {
   constexpr std::size_t kMinBytesPerBlock = 32 << 10;
   const std::size_t chunk = std::min(bytes, chunk_bytes_);
   const std::size_t wanted = (chunk + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
-  const std::size_t limit = std::min<std::size_t>(blocks_, pages());  // a block owns >= 1 page
+  // A block owns >= 1 page, and drives at most kMaxSlicesPerBlock slices of an op: more slices
+  // than that times the resident blocks would need a grid larger than what can be resident.
+  const std::size_t limit =
+      std::min({static_cast<std::size_t>(blocks_), static_cast<std::size_t>(pages()),
+                static_cast<std::size_t>(kernels::kMaxSlicesPerBlock) * static_cast<std::size_t>(resident_blocks_)});
   return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
 }
 
@@ -245,13 +280,23 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   PDC_REQUIRE(ops.size() <= static_cast<std::size_t>(kernels::kMaxBatchOps),
               "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
                                                << ops.size() << "; split it into several groups");
-  // Check everything before any sequence number moves.
+  // Check the arguments before any sequence number moves.
   timeout_nanoseconds(timeout_seconds);
   for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
+  // A peer that timed out or mismatched refuses its own ops only: the others launch (their
+  // peers wait for them), and the first refusal is raised after the launch.
+  std::exception_ptr refused;
   kernels::ChunkBatch launch{};
   launch.max_grid = resident_blocks_;
   for (const Operation& op : ops) {
-    if (op.bytes == 0) continue;
+    try {
+      require_peer_ready(op.send ? "send" : "recv", op.peer);
+    } catch (...) {
+      if (!refused) refused = std::current_exception();
+      continue;
+    }
+    // An empty message moves too (one header-only chunk), so that both sides' sequences stay
+    // in step and a 0-byte call facing a non-empty one is caught as a mismatch.
     launch.is_send[launch.count] = op.send;
     kernels::ChunkStreamArgs& a = launch.ops[launch.count++];
     a = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
@@ -273,7 +318,8 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     for (int j = 0; j < launch.count; ++j) {
       const kernels::ChunkStreamArgs& other = launch.ops[j];
       if (other.sequence != op.sequence) continue;
-      const uint64_t chunks = (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_;
+      const uint64_t chunks =
+          std::max<uint64_t>(1, (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_);
       if (j < i) op.offset_chunks += chunks;
       op.channel_chunks += chunks;
       op.channel_blocks += other.active_blocks;
@@ -281,12 +327,15 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   }
   // Launches on one channel must not overlap: this one waits for the channel's last launch,
   // on whatever stream that was (see ChannelOrder for captures).
-  const unsigned long long capture = capture_id(stream);
-  for (int i = 0; i < launch.count; ++i)
-    order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
-  kernels::launch_chunk_batch(launch, stream);
-  for (int i = 0; i < launch.count; ++i)
-    order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
+  if (launch.count > 0) {
+    const unsigned long long capture = capture_id(stream);
+    for (int i = 0; i < launch.count; ++i)
+      order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
+    kernels::launch_chunk_batch(launch, stream);
+    for (int i = 0; i < launch.count; ++i)
+      order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
+  }
+  if (refused) std::rethrow_exception(refused);
 }
 
 }  // namespace pydatacopy

@@ -125,15 +125,21 @@ struct ChunkStreamArgs {
 // Several sends and recvs in one launch (passed by value: 16 ops stay far under the 32 KiB
 // kernel-parameter limit).
 constexpr int kMaxBatchOps = 16;
+// A block of the send/recv kernel drives at most this many slices of each op: the host keeps
+// every op's slices <= this times the grid cap, so a grid never exceeds what is resident.
+constexpr int kMaxSlicesPerBlock = 32;
 struct ChunkBatch {
   ChunkStreamArgs ops[kMaxBatchOps];
   bool is_send[kMaxBatchOps];
   int count;
   int max_grid;  // blocks of the launch at most (those that can be resident at once)
 };
-// Blocks of the send/recv kernel that can be resident at once on the current device (for this
-// process: under MPS, its share of the SMs).
-int chunk_batch_resident_blocks();
+// Blocks of the send/recv kernel that can be resident at once on the current device for this
+// process: under MPS its share of the SMs, and at most a 1/pes_sharing_gpu of the GPU (the PEs
+// on this GPU, as init learned them; their launches of one exchange must all fit at once).
+int chunk_batch_resident_blocks(int pes_sharing_gpu);
+// Blocks of the send/recv kernel one SM holds at once (the smaller of its two batch sizes).
+int chunk_batch_blocks_per_sm();
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels

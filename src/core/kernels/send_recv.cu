@@ -15,9 +15,8 @@ namespace pydatacopy::kernels {
 namespace {
 
 constexpr int kThreads = 512;
-// A block drives at most this many slices of each op: the grid is cut to what can be resident
-// at once, so a message's slices never wait for blocks that start only when others end.
-constexpr int kMaxSlicesPerBlock = 32;
+// kMaxSlicesPerBlock (api.cuh): the grid is cut to what can be resident at once, so a message's
+// slices never wait for blocks that start only when others end.
 
 // A staging slot is cut into fixed pages, each with its own arrival and credit signal, the same
 // for every message; a message moving on `active_blocks` slices gives slice s the pages s,
@@ -35,17 +34,20 @@ constexpr int kMaxSlicesPerBlock = 32;
 // chunk that used it, which is what `filled` asks for; so any later message, cut differently,
 // finds every page's state up to date.
 
+// An empty message still moves one chunk: a header with no data on one page, checked and
+// credited like any other, so that the byte-count handshake sees it (a 0-byte recv facing a
+// 4 KiB send is a mismatch, not a silent shift of every later message by one).
 __device__ __forceinline__ int64_t chunk_count(const ChunkStreamArgs& a) {
-  return (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes;
+  return max(int64_t{1}, (a.bytes + a.chunk_bytes - 1) / a.chunk_bytes);
 }
 
 __device__ __forceinline__ int64_t chunk_length(const ChunkStreamArgs& a, int64_t i) {
   return min(a.chunk_bytes, a.bytes - i * a.chunk_bytes);
 }
 
-// Pages chunk i fills.
+// Pages chunk i fills (one, header only, for an empty message).
 __device__ __forceinline__ int data_pages(const ChunkStreamArgs& a, int64_t i) {
-  return static_cast<int>((chunk_length(a, i) + a.page_bytes - 1) / a.page_bytes);
+  return max(1, static_cast<int>((chunk_length(a, i) + a.page_bytes - 1) / a.page_bytes));
 }
 
 // Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
@@ -91,7 +93,7 @@ __device__ __forceinline__ bool report_timeout(const ChunkStreamArgs& a, bool se
 // an earlier launch): record it for this call, so that the caller hears of it, and fail the
 // channel for the rest of this launch.
 __device__ __forceinline__ void refuse(const ChunkStreamArgs& a, detail::WaitOp why, uint64_t other_bytes) {
-  detail::record_error(&a.status->mismatch, detail::kMismatch, why, a.peer, a.my_pe,
+  detail::record_error(&a.status->mismatch[detail::tracked_pe_index(a.peer)], detail::kMismatch, why, a.peer, a.my_pe,
                        static_cast<uint64_t>(a.bytes), other_bytes);
   atomicExch(a.failed, 1u);
 }
@@ -123,7 +125,12 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   for (int p = slice; p < pages; p += a.active_blocks) {
     const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
     if (a.peer_staging != nullptr) {
-      copy_bytes(a.peer_staging + to + offset, from + offset, n, threadIdx.x, blockDim.x);
+      if (n > 0) copy_bytes(a.peer_staging + to + offset, from + offset, n, threadIdx.x, blockDim.x);
+    } else if (n == 0) {
+      // An empty message's header-only page: the arrival signal alone (nvshmem_fence above
+      // orders it after the header).
+      if (threadIdx.x == 0)
+        nvshmemx_signal_op(a.arrivals + signals + p, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
     } else {
       // NVSHMEM RMA: the put's own signal guarantees the page's data.
       nvshmemx_putmem_signal_block(a.staging + to + offset, from + offset, static_cast<size_t>(n),
@@ -173,9 +180,10 @@ __device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   __syncthreads();
   if (mismatch) return false;
   for (int p = slice; p < pages; p += a.active_blocks) {
-    const int64_t offset = p * a.page_bytes;
-    copy_bytes(a.dst + i * a.chunk_bytes + offset, a.staging + slot * a.chunk_bytes + offset,
-               min(a.page_bytes, length - offset), threadIdx.x, blockDim.x);
+    const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
+    if (n > 0)  // an empty message's page carries only its header
+      copy_bytes(a.dst + i * a.chunk_bytes + offset, a.staging + slot * a.chunk_bytes + offset, n,
+                 threadIdx.x, blockDim.x);
   }
   __syncthreads();
   // Our reads of the slot are done: the sender may overwrite the pages.
@@ -343,9 +351,10 @@ namespace {
 // context's execution affinity (cuCtxGetExecAffinity, through the runtime's driver entry point:
 // the core does not link libcuda), else, when that is unavailable, the percentage in the
 // environment; the whole device otherwise (cudaDevAttrMultiProcessorCount is the whole GPU).
-// With PYDATACOPY_RANKS_PER_GPU=K ranks sharing the GPU, at most a K-th of it: the K launches
-// of a sendrecv between them must all fit at once, also when MPS sets no limit.
-int usable_sms(int device) {
+// With K PEs sharing the GPU (PYDATACOPY_RANKS_PER_GPU=K, or the K PEs init() found on this
+// GPU, whichever is more: ranks placed with device= set no variable), at most a K-th of it: the K
+// launches of a sendrecv between them must all fit at once, also when MPS sets no limit.
+int usable_sms(int device, int pes_sharing_gpu) {
   int sms = 0;
   PDC_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   int usable = sms;
@@ -372,17 +381,23 @@ int usable_sms(int device) {
     const int ranks = std::atoi(text);  // validated where the device is chosen (choose_device)
     if (ranks > 1) usable = std::min(usable, sms / ranks);
   }
+  if (pes_sharing_gpu > 1) usable = std::min(usable, sms / pes_sharing_gpu);
   return std::max(1, usable);
 }
 }  // namespace
 
-int chunk_batch_resident_blocks() {
-  int device = 0, small = 0, large = 0;
-  PDC_CHECK_CUDA(cudaGetDevice(&device));
+int chunk_batch_blocks_per_sm() {
+  int small = 0, large = 0;
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&small, chunk_batch_kernel<2>, kThreads, 0));
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&large, chunk_batch_kernel<kMaxBatchOps>,
                                                                kThreads, 0));
-  return std::max(1, usable_sms(device) * std::max(1, std::min(small, large)));
+  return std::max(1, std::min(small, large));
+}
+
+int chunk_batch_resident_blocks(int pes_sharing_gpu) {
+  int device = 0;
+  PDC_CHECK_CUDA(cudaGetDevice(&device));
+  return std::max(1, usable_sms(device, pes_sharing_gpu) * chunk_batch_blocks_per_sm());
 }
 
 void preload_send_recv_kernels() {

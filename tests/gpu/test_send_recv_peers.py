@@ -1,0 +1,297 @@
+"""The send/recv engine with several peers and several callers (issue 19's second review): empty
+messages keep the byte-count handshake; a refused peer (a size mismatch with it) refuses only
+its own ops, in a group as alone; the grid fits the PEs that share the GPU and a message's
+slices fit the grid; eager calls on several streams stay ordered around a captured call; the
+engine's init/cleanup never free what a hot call on another thread uses. Two PEs; peer = 1 - rank.
+A PE's own channel (send to itself, recv from itself) plays the refused peer where a second
+peer would be needed: a mismatch on it is recorded against this PE, not the other one. Each test
+says how the code before these fixes fails it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+from pydatacopy import _C, _transfer
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+def _bytes(pe: int, tag: int, nbytes: int) -> torch.Tensor:
+    """Random bytes PE `pe` sends under `tag`; the receiver regenerates them to compare."""
+    generator = torch.Generator(device="cuda").manual_seed((pe + 1) * 7_000_003 + tag)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=generator)
+
+
+def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        raise AssertionError(f"{what}: {bad.numel()} of {want.numel()} bytes differ, first at "
+                             f"{bad[0].item() if bad.numel() else None}")
+
+
+@pytest.fixture
+def peer(world):
+    return 1 - world[0]
+
+
+@pytest.fixture(params=["direct", "rma"])
+def path(request):
+    """Both paths: the direct stores PEs on one node use, and NVSHMEM RMA (another server)."""
+    if request.param == "rma":
+        request.getfixturevalue("force_rma")
+    return request.param
+
+
+@pytest.fixture
+def fresh_channels(world):
+    """Every channel rebuilt after the test, whatever it left behind (and no unreported error)."""
+    yield
+    torch.cuda.synchronize()
+    try:
+        pydatacopy.check_errors()
+    except _C.TimeoutError:
+        raise  # never provoked here: a peer hung
+    except pydatacopy.Error:
+        pass  # a mismatch the test left for the rebuild
+    dist.barrier()
+    pydatacopy.setup_send_recv()
+
+
+def _exchange_is_exact(rank: int, peer: int, tag: int, sizes) -> None:
+    for n, nbytes in enumerate(sizes):
+        recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        pydatacopy.sendrecv(_bytes(rank, tag + n, nbytes), peer, recv, peer)
+        _assert_bytes(recv, _bytes(peer, tag + n, nbytes), f"sendrecv of {nbytes} bytes")
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+
+
+# ---- 1. empty messages go through the handshake ---------------------------------------------
+# Old code skipped a 0-byte op (`if (op.bytes == 0) continue;`): rank 1's empty recv returned at
+# once, nothing raised, and its next 4 KiB recv took rank 0's previous message (tag 1) instead
+# of tag 2. The pytest.raises on rank 1 fails there (and so does rank 0's, which is told by the
+# receiver's refusal word).
+
+def test_empty_recv_facing_a_4k_send_is_a_mismatch(world, peer, path, fresh_channels):
+    rank = world[0]
+    empty = torch.zeros(0, dtype=torch.uint8, device="cuda")
+    if rank == 0:
+        pydatacopy.send(_bytes(rank, 1, 4 * KiB), peer)  # fits in the staging: done at once
+        torch.cuda.synchronize()
+    else:
+        with pytest.raises(pydatacopy.Error, match=r"4096 bytes but this recv expected 0 bytes"):
+            pydatacopy.recv(empty, peer)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+    dist.barrier()  # the receiver refused the channel on both sides before this
+    got = torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda")
+    with pytest.raises(pydatacopy.Error, match="setup_send_recv"):
+        if rank == 0:
+            pydatacopy.send(_bytes(rank, 2, 4 * KiB), peer)
+        else:
+            pydatacopy.recv(got, peer)
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    torch.cuda.synchronize()
+    assert torch.count_nonzero(got).item() == 0, "a refused channel delivered a message"
+
+
+# Matched empty messages keep both sides in step, alone, in groups beside data, and one way.
+# (Old code skipped both sides, so this passes there too: it guards the header-only chunk.)
+
+def test_matched_empty_messages_keep_the_channels_in_step(world, peer, path, fresh_channels):
+    rank = world[0]
+    empty_out = torch.zeros(0, dtype=torch.uint8, device="cuda")
+    empty_in = torch.zeros(0, dtype=torch.uint8, device="cuda")
+    for round_ in range(3):
+        pydatacopy.sendrecv(empty_out, peer, empty_in, peer)
+        got = torch.zeros(4 * KiB + 3, dtype=torch.uint8, device="cuda")
+        with pydatacopy.group():
+            pydatacopy.send(empty_out, peer)
+            pydatacopy.send(_bytes(rank, 10 + round_, 4 * KiB + 3), peer)
+            pydatacopy.recv(empty_in, peer)
+            pydatacopy.recv(got, peer)
+        _assert_bytes(got, _bytes(peer, 10 + round_, 4 * KiB + 3), f"after empty messages, round {round_}")
+        if rank == 0:
+            pydatacopy.send(empty_out, peer)
+        else:
+            pydatacopy.recv(empty_in, peer)
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+    _exchange_is_exact(rank, peer, 20, [4 * KiB, 3 * MiB + 5, 0, 4 * KiB])
+
+
+# ---- 2 and 3. a refused peer refuses only its own ops ----------------------------------------
+# Each PE leaves a size mismatch on its own channel unreported (send 4 KiB to itself, receive
+# 8 KiB from itself). Old code kept one process-wide record that every op's check threw: the
+# exchange with the other PE raised before it launched, so `got` stayed zero (and in the group,
+# nothing launched at all). Now the record is this PE's own; the exchange with the peer runs,
+# and the mismatch is reported for calls with this PE and by check_errors().
+
+def _leave_a_mismatch_on_my_own_channel(rank: int) -> None:
+    with pydatacopy.group():
+        pydatacopy.send(_bytes(rank, 30, 4 * KiB), rank)
+        pydatacopy.recv(torch.zeros(8 * KiB, dtype=torch.uint8, device="cuda"), rank)
+    torch.cuda.synchronize()
+
+
+def test_a_mismatch_with_one_pe_does_not_stop_calls_with_another(world, peer, fresh_channels):
+    rank = world[0]
+    _leave_a_mismatch_on_my_own_channel(rank)
+    dist.barrier()
+    got = torch.zeros(64 * KiB, dtype=torch.uint8, device="cuda")
+    pydatacopy.sendrecv(_bytes(rank, 31, 64 * KiB), peer, got, peer)  # old code: raised here
+    torch.cuda.synchronize()
+    _assert_bytes(got, _bytes(peer, 31, 64 * KiB), "sendrecv with the other PE")
+    with pytest.raises(pydatacopy.Error, match=rf"recv on PE {rank} from PE {rank}: the sender's "
+                                               r"message is 4096 bytes but this recv expected 8192"):
+        pydatacopy.check_errors()
+    pydatacopy.check_errors()  # reported once
+
+
+def test_group_launches_the_live_peers_ops_and_then_raises(world, peer, fresh_channels):
+    rank = world[0]
+    _leave_a_mismatch_on_my_own_channel(rank)
+    dist.barrier()
+    got = torch.zeros(3 * MiB + 5, dtype=torch.uint8, device="cuda")
+    with pytest.raises(pydatacopy.Error, match=rf"recv on PE {rank} from PE {rank}"):
+        with pydatacopy.group():
+            pydatacopy.send(_bytes(rank, 32, 3 * MiB + 5), peer)
+            pydatacopy.recv(torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda"), rank)  # refused
+            pydatacopy.recv(got, peer)
+    torch.cuda.synchronize()
+    # The ops with the live peer ran (and the peer's matching calls completed, or this would
+    # time out instead of comparing).
+    _assert_bytes(got, _bytes(peer, 32, 3 * MiB + 5), "the group's recv from the live peer")
+    pydatacopy.check_errors()
+
+
+# ---- 4. the grid fits the PEs sharing this GPU -----------------------------------------------
+# PEs placed on one GPU without PYDATACOPY_RANKS_PER_GPU (init(device=...)) and without an MPS
+# percentage: old code capped the grid at the whole GPU (it read only the environment), so two
+# PEs' launches of one exchange could not all be resident. Old code also lacks max_grid and
+# pes_sharing_my_gpu (AttributeError). Meaningful where no MPS percentage below 100/K is set.
+
+def test_grid_cap_divides_the_gpu_by_the_pes_on_it(world, peer, fresh_channels, monkeypatch):
+    # fresh_channels before monkeypatch: the environment is restored before the rebuild.
+    rank = world[0]
+    sharing = _C.pes_sharing_my_gpu()
+    if sharing == 1:
+        pytest.skip("one PE on this GPU: nothing to share")
+    monkeypatch.delenv("PYDATACOPY_RANKS_PER_GPU", raising=False)  # as with init(device=...)
+    pydatacopy.setup_send_recv()
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    cap = _transfer._engine.max_grid
+    assert cap <= (sms // sharing) * _C.send_recv_blocks_per_sm(), (
+        f"grid cap {cap} blocks with {sharing} PEs on a {sms}-SM GPU")
+    _exchange_is_exact(rank, peer, 40, [4 * KiB, 64 * MiB + 5])
+
+
+# ---- 6. no more slices than the grid can drive -----------------------------------------------
+# A grid cap of one SM's blocks (PYDATACOPY_RANKS_PER_GPU as large as the SM count) and 1024
+# slices wanted (32 MiB chunks, blocks=1024): old code let a message take all 1024 slices, more
+# than 32 per resident block, so its launch needed more blocks than can be resident (and old
+# code has no slices_for: AttributeError). Now the slices are capped and the data still exact.
+
+def test_slices_never_exceed_what_the_resident_blocks_drive(world, peer, fresh_channels, monkeypatch):
+    # fresh_channels before monkeypatch: the environment is restored before the rebuild.
+    rank = world[0]
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    monkeypatch.setenv("PYDATACOPY_RANKS_PER_GPU", str(sms))  # read again by the engine's init
+    pydatacopy.setup_send_recv(chunk_bytes=32 * MiB, num_chunks=2, blocks=1024)
+    engine = _transfer._engine
+    slices = engine.slices_for(32 * MiB)
+    assert slices <= 32 * engine.max_grid, f"{slices} slices for a grid cap of {engine.max_grid}"
+    assert slices >= 1
+    _exchange_is_exact(rank, peer, 50, [32 * MiB, 64 * MiB + 5, 4 * KiB])
+
+
+# ---- 5. eager calls stay ordered around a captured one ---------------------------------------
+# Rank 0 receives L1 on s1 (rank 1 sends only later), captures a recv on s2 (never replayed),
+# then receives L3 on s3. Old code kept one event per channel: the capture's record replaced
+# L1's, so L3 did not wait for L1; both ran on the channel at once, both took message 1 and
+# `second` held message 1 instead of message 2.
+
+def test_eager_calls_wait_for_each_other_across_a_capture(world, peer, fresh_channels):
+    rank = world[0]
+    nbytes = 64 * KiB
+    first = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    second = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    captured_into = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    messages = [_bytes(rank, 60, nbytes), _bytes(rank, 61, nbytes)]
+    s1, s2, s3 = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        pydatacopy.recv(first, peer, stream=s1)  # waits for the peer, which sends late
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s2):
+            pydatacopy.recv(captured_into, peer)
+        pydatacopy.recv(second, peer, stream=s3)
+        torch.cuda.synchronize()
+        del graph
+        _assert_bytes(first, _bytes(peer, 60, nbytes), "the first eager recv")
+        _assert_bytes(second, _bytes(peer, 61, nbytes), "the eager recv after the capture")
+    else:
+        time.sleep(0.5)  # the peer's L1 is still waiting when its L3 is issued
+        for message in messages:
+            pydatacopy.send(message, peer)
+        torch.cuda.synchronize()
+    pydatacopy.check_errors()
+    dist.barrier()
+
+
+# ---- 7. init/cleanup against hot calls on other threads --------------------------------------
+# A thread sends to and receives from its own PE on an engine of its own, without a pause, while
+# the main thread cleans the engine up and builds it again. Each call must either move its bytes
+# exactly or raise "not set up". Old code took no lock in init/cleanup: a call that passed the
+# check just before cleanup() nulled the pointers used half-torn state (a staging pointer near
+# null: an RMA check error, or an illegal address) or freed staging. That race is narrow, so on
+# old code this fails only sometimes; it never fails on the fixed code.
+
+def test_cleanup_never_frees_what_a_hot_call_uses(world, peer):
+    rank = world[0]
+    engine = _C.SendRecvEngine()
+    nbytes = 64 * KiB
+    payload = _bytes(rank, 70, nbytes)
+    failures: list[str] = []
+
+    def hammer(stream: torch.cuda.Stream) -> None:
+        got = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        handle = stream.cuda_stream
+        while True:
+            try:
+                engine.sendrecv(payload.data_ptr(), nbytes, rank, got.data_ptr(), nbytes, rank,
+                                handle, 30.0)
+            except Exception as error:  # noqa: BLE001 - the text tells which refusal it was
+                if "not set up" not in str(error):
+                    failures.append(f"{type(error).__name__}: {error}")
+                return
+            stream.synchronize()
+            if not torch.equal(got, payload):
+                failures.append("a self sendrecv delivered wrong bytes")
+                return
+            got.zero_()
+
+    try:
+        for cycle in range(12):
+            engine.init(1 * MiB, 2, 4)  # collective
+            stream = torch.cuda.Stream()
+            thread = threading.Thread(target=hammer, args=(stream,))
+            thread.start()
+            time.sleep(0.002 * (cycle % 4))  # cleanup lands at different points of the loop
+            engine.cleanup()  # collective
+            thread.join(timeout=120)
+            assert not thread.is_alive(), "a hot call hung across cleanup()"
+            assert not failures, failures
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    finally:
+        engine.cleanup()
