@@ -3,6 +3,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
