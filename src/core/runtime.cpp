@@ -395,6 +395,8 @@ void finalize(bool end_nvshmem) {
 
 bool is_initialized() { return state().initialized; }
 
+bool owns_nvshmem() { return state().owns_nvshmem; }
+
 unsigned long long capture_id(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
