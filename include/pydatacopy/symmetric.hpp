@@ -64,7 +64,11 @@ void* peer_pointer(const void* ptr, int pe);
 
 // PYDATACOPY_FORCE_RMA=1 makes every path behave as if no peer were directly reachable, so the
 // NVSHMEM RMA path a peer on another server takes is exercised on one machine.
+// Read from the environment once, at load and again by init_nvshmem (it is asked on every put
+// and send); set_rma_forced changes it at run time (tests).
 bool rma_forced();
+void set_rma_forced(bool forced);
+void read_rma_forced_from_environment();
 
 // Number of streaming multiprocessors of the bound device (cached).
 int multiprocessor_count();

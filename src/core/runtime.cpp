@@ -19,6 +19,7 @@
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/symmetric.hpp"
 
 namespace pydatacopy {
 namespace {
@@ -234,6 +235,7 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
               "new process for the new job");
   timeout_nanoseconds(timeout_seconds);  // validates it
   check_init_args(root_unique_id, rank, world_size, device);
+  read_rma_forced_from_environment();  // once here, not per transfer
   check_nvshmem_version();
   if (device >= 0) PDC_CHECK_CUDA(cudaSetDevice(device));
   PDC_CHECK_CUDA(cudaGetDevice(&device));

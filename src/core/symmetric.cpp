@@ -3,6 +3,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -148,10 +149,20 @@ bool is_symmetric(const void* ptr, std::size_t bytes) {
   return address + bytes <= it->first + it->second;
 }
 
-bool rma_forced() {
+namespace {
+bool forced_by_environment() {
   const char* value = std::getenv("PYDATACOPY_FORCE_RMA");
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
+// Read on every put and send: a getenv each was a scan of the environment per call.
+std::atomic<bool> g_rma_forced{forced_by_environment()};
+}  // namespace
+
+bool rma_forced() { return g_rma_forced.load(std::memory_order_relaxed); }
+
+void set_rma_forced(bool forced) { g_rma_forced.store(forced, std::memory_order_relaxed); }
+
+void read_rma_forced_from_environment() { set_rma_forced(forced_by_environment()); }
 
 void* peer_pointer(const void* ptr, int pe) {
   require_valid_pe(pe, "peer_pointer");
