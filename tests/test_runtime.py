@@ -73,13 +73,54 @@ def test_mps_thread_percentage_refuses_what_is_no_share(text):
         _env.pydatacopy_problems({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}))
 
 
-def test_mps_control_pipe_is_a_named_pipe_in_the_pipe_directory(tmp_path):
-    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
-    (tmp_path / "control").write_text("")  # a plain file is no daemon's pipe
-    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
-    os.remove(tmp_path / "control")
-    os.mkfifo(tmp_path / "control")
-    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) == str(tmp_path / "control")
+def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):
+    """CUDA 13's MPS daemon listens on a UNIX socket named 'control' (the old probe looked for
+    a named pipe, missed it, and init() warned 'without CUDA MPS' under a running daemon); a file
+    left by a daemon that ended is no daemon."""
+    import socket
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="pdc-mps-", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
+    control = os.path.join(directory, "control")
+    environ = {"CUDA_MPS_PIPE_DIRECTORY": directory}
+    try:
+        assert _env.mps_control_pipe(environ) is None
+        with open(control, "w"):
+            pass  # a plain file is no daemon's
+        assert _env.mps_control_pipe(environ) is None
+        os.remove(control)
+
+        daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        daemon.bind(control)
+        daemon.listen(4)
+        assert _env.mps_control_pipe(environ) == control  # seen in /proc/net/unix
+        # Another network namespace lists other sockets: the connect() fallback.
+        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) == control
+        daemon.close()  # the daemon ends; its socket file stays
+        assert os.path.exists(control)
+        assert _env.mps_control_pipe(environ) is None
+        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) is None
+        os.remove(control)
+
+        os.mkfifo(control)  # an older daemon's named pipe: counts while an MPS process runs
+        monkeypatch.setattr(_env, "_mps_process_running", lambda: False)
+        assert _env.mps_control_pipe(environ) is None
+        monkeypatch.setattr(_env, "_mps_process_running", lambda: True)
+        assert _env.mps_control_pipe(environ) == control
+    finally:
+        if os.path.lexists(control):
+            os.remove(control)
+        os.rmdir(directory)
+
+
+def test_mps_process_scan_reads_process_names(tmp_path):
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "comm").write_text("python3\n")
+    (tmp_path / "self").mkdir()
+    assert not _env._mps_process_running(str(tmp_path))
+    (tmp_path / "34").mkdir()
+    (tmp_path / "34" / "comm").write_text("nvidia-cuda-mps\n")
+    assert _env._mps_process_running(str(tmp_path))
 
 
 # ---- the device rule -----------------------------------------------------------------------

@@ -236,7 +236,7 @@ class RankInfo(NamedTuple):
     digest: str  # of the unique ID the rank received
     host: str  # _network.host_identity()
     gpu: str | None  # the GPU's UUID (None: no CUDA device here); one physical GPU, one UUID
-    mps: bool  # an MPS control daemon is there for this rank (_env.mps_control_pipe)
+    mps: bool  # an MPS control daemon runs for this rank (_env.mps_control_pipe)
     thread_percentage: float | None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, None when unset
 
 
