@@ -14,7 +14,7 @@ import pydatacopy
 from pydatacopy import _env, _runtime, doctor
 from pydatacopy._runtime import RankInfo
 
-SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
             "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 
@@ -144,10 +144,33 @@ def test_local_rank_r_uses_device_r_over_ranks_per_gpu(launch, gpus, per_gpu, on
     assert pydatacopy.choose_device(7) == device
 
 
-@pytest.mark.parametrize("rank, device", [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0)])
-def test_without_local_rank_rank_over_ranks_per_gpu_modulo_devices(launch, rank, device):
+@pytest.mark.parametrize("rank, device", [(0, 0), (1, 0), (2, 1), (3, 1)])
+def test_without_local_rank_rank_over_ranks_per_gpu(launch, rank, device):
     launch(2, PYDATACOPY_RANKS_PER_GPU="2")
     assert pydatacopy.choose_device(rank) == device
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_without_local_rank_a_missing_device_is_refused_on_every_rank(launch, rank):
+    """Four ranks, one GPU, no LOCAL_RANK: the old rule folded ranks 1-3 onto cuda:0 by a
+    modulo (issue 18 forbids it); now every rank, rank 0 too, refuses (WORLD_SIZE tells each the
+    last rank), naming the setting and device=."""
+    launch(1, WORLD_SIZE="4")
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.choose_device(rank)
+    message = str(info.value)
+    assert "rank 3 of 4 would need device 3" in message or "rank 3 would need device 3" in message
+    assert "sees 1 CUDA device(s)" in message
+    assert "PYDATACOPY_RANKS_PER_GPU=4 on every rank" in message and "device=" in message
+    assert "LOCAL_RANK" in message
+
+
+def test_without_local_rank_or_world_size_the_rank_alone_decides(launch):
+    launch(2, PYDATACOPY_RANKS_PER_GPU="2")
+    with pytest.raises(pydatacopy.Error, match="rank 4 would need device 2"):
+        pydatacopy.choose_device(4)  # the old rule gave cuda:0 (modulo 2)
+    launch(1, WORLD_SIZE="4", PYDATACOPY_RANKS_PER_GPU="4")
+    assert [pydatacopy.choose_device(r) for r in range(4)] == [0, 0, 0, 0]
 
 
 def test_more_local_ranks_than_devices_is_refused_naming_the_setting(launch):

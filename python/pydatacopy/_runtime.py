@@ -111,7 +111,14 @@ def _device_index(device: DeviceLike, call: str) -> int | None:
     return device
 
 
-def _choose_device(rank: int, call: str) -> int:
+def _world_size_from_environment() -> int | None:
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else None
+
+
+def _choose_device(rank: int, call: str, world_size: int | None = None) -> int:
+    """choose_device's rule; `world_size` (the group's, else WORLD_SIZE) lets every rank refuse
+    alike when, without LOCAL_RANK, the last rank's device does not exist."""
     try:
         local = _env.local_rank()
         per_gpu = _env.ranks_per_gpu()
@@ -123,7 +130,23 @@ def _choose_device(rank: int, call: str) -> int:
     if torch.cuda.is_initialized():
         return torch.cuda.current_device()
     if local is None:
-        return (rank // per_gpu) % count
+        # The rank itself picks the device (one node, or a launcher that sets only RANK). A rank
+        # whose device does not exist is refused, never folded onto another by a modulo; every
+        # rank checks the last rank of the group, so that all refuse alike (none is left
+        # waiting in the ID's broadcast).
+        last = max(rank, (world_size or _world_size_from_environment() or 0) - 1)
+        if last // per_gpu >= count:
+            who = (f"rank {last} of {last + 1}" if last != rank
+                   else f"rank {rank}")
+            raise Error(
+                f"{call}: LOCAL_RANK is unset, so the rank picks the device: with "
+                f"PYDATACOPY_RANKS_PER_GPU={per_gpu}, rank r uses device r // {per_gpu}, and "
+                f"{who} would need device {last // per_gpu}, but this process sees {count} CUDA "
+                f"device(s). Set LOCAL_RANK (the rank's index on its node; torchrun sets it) on "
+                f"every rank, set PYDATACOPY_RANKS_PER_GPU={-(-(last + 1) // count)} on every "
+                "rank to put that many ranks on each GPU (with torch.distributed on gloo: NCCL "
+                f"refuses two ranks on one GPU), or pass device= to {call}")
+        return rank // per_gpu
     # Every rank of the node reads the same LOCAL_WORLD_SIZE, so all of them refuse here alike,
     # before any collective: none is left waiting in the ID's broadcast for a rank that refused.
     on_node = _env.local_world_size()
@@ -154,8 +177,10 @@ def choose_device(rank: int) -> int:
        3 cuda:1). A local rank, or a LOCAL_WORLD_SIZE, that needs more devices than this process
        sees is refused (pydatacopy.Error naming PYDATACOPY_RANKS_PER_GPU and device=): ranks are
        never folded onto devices by a silent modulo;
-    3. else (rank // PYDATACOPY_RANKS_PER_GPU) modulo the number of visible devices (no
-       LOCAL_RANK: one rank per node, or a launcher that sets only RANK).
+    3. else rank // PYDATACOPY_RANKS_PER_GPU (no LOCAL_RANK: one node, or a launcher that sets
+       only RANK). When the last rank (WORLD_SIZE - 1, or this rank without WORLD_SIZE) would
+       need a device this process does not see, every rank is refused (pydatacopy.Error naming
+       LOCAL_RANK, PYDATACOPY_RANKS_PER_GPU and device=): no modulo either.
 
     init(device=...) and init_nvshmem(..., device) override the rule.
     """
@@ -205,7 +230,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
         return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
     _env.check_environment(call)
     if device is None:
-        device = _choose_device(rank, call)
+        device = _choose_device(rank, call, world_size)
     torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
     if not preflight_done:
@@ -418,7 +443,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
                     f"ranks on one GPU, and the torch.distributed group's backend is nccl: "
                     f"{_NCCL_REFUSES_HOWTO}")
     if device is None:
-        device = _choose_device(rank, call)
+        device = _choose_device(rank, call, world_size)
     torch.cuda.set_device(device)
     unique_id, ranks = _share_unique_id_and_ranks(group)
     nodes = len({r.host for r in ranks})
