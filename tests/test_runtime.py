@@ -307,17 +307,93 @@ def gloo_posing_as_nccl(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def _no_cuda_needed(monkeypatch) -> list:
+    """torch.cuda.set_device records the device; _gpu_identity names a GPU per device."""
+    chosen: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(_runtime, "_gpu_identity", lambda: f"GPU-{chosen[-1]}")
+    return chosen
+
+
 def test_init_refuses_ranks_per_gpu_on_an_nccl_group_before_nccl_runs(gloo_posing_as_nccl, launch, monkeypatch):
     launch(1, LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", PYDATACOPY_RANKS_PER_GPU="2")
+    _no_cuda_needed(monkeypatch)
     touched = []
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: touched.append("broadcast"))
+    for name in ("broadcast_object_list", "all_gather_object"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: touched.append(_name))
     with pytest.raises(pydatacopy.Error) as info:
         pydatacopy.init()
     message = str(info.value)
-    assert message.startswith("pydatacopy.init: PYDATACOPY_RANKS_PER_GPU=2 puts several ranks on one GPU, "
-                              "and the torch.distributed group's backend is nccl: NCCL refuses two ranks on one GPU")
+    assert message.startswith("pydatacopy.init: NVSHMEM was not started on any rank: "
+                              "PYDATACOPY_RANKS_PER_GPU > 1 on rank 0 put several ranks on one GPU, "
+                              "and the torch.distributed group's backend is nccl: NCCL refuses two ranks on one GPU"), message
     assert "init_process_group('gloo')" in message
-    assert touched == [], "refused before any collective"
+    assert touched == [], "refused before any collective of the backend (the store carried the facts)"
+
+
+def _nccl_agreement_worker(rank: int, store_file: str, per_gpu: list, results) -> None:
+    """A gloo group posing as nccl; PYDATACOPY_RANKS_PER_GPU set as `per_gpu` says (None: unset),
+    each rank on its own GPU-<device> as the rule puts it. Reaching the ID's broadcast is
+    recorded, not run (with real NCCL the ranks that refused would never come)."""
+    import datetime
+
+    from pydatacopy import _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=len(per_gpu), timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.get_backend = lambda group=None: "nccl"
+        torch.cuda.device_count = lambda: 2
+        torch.cuda.is_initialized = lambda: False
+        chosen: list = []
+        torch.cuda.set_device = chosen.append
+        _runtime._gpu_identity = lambda: f"GPU-{chosen[-1]}"
+        _runtime._share_unique_id_and_ranks = lambda group=None: (_ for _ in ()).throw(
+            RuntimeError("reached the ID's broadcast"))
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(per_gpu)),
+                          PYDATACOPY_INIT_TIMEOUT_S="30")
+        os.environ.pop("WORLD_SIZE", None)
+        if per_gpu[rank] is None:
+            os.environ.pop("PYDATACOPY_RANKS_PER_GPU", None)
+        else:
+            os.environ["PYDATACOPY_RANKS_PER_GPU"] = per_gpu[rank]
+        try:
+            pydatacopy.init()
+            results[rank] = "started"
+        except Exception as error:  # noqa: BLE001 - the test compares what every rank saw
+            results[rank] = f"{type(error).__name__}: {error}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_per_gpu_on_some_ranks_only_is_refused_on_every_rank(tmp_path):
+    """PYDATACOPY_RANKS_PER_GPU=2 on rank 0 only, nccl: the old check refused on rank 0 alone and
+    rank 1 went on into the ID's broadcast (with NCCL: a wait for rank 0 that never comes)."""
+    results = mp.Manager().dict()
+    mp.spawn(_nccl_agreement_worker, args=(str(tmp_path / "rendezvous"), ["2", None], results),
+             nprocs=2, join=True)
+    assert results[0] == results[1], dict(results)
+    assert results[0].startswith("Error: pydatacopy.init: NVSHMEM was not started on any rank: "
+                                 "PYDATACOPY_RANKS_PER_GPU > 1 on rank 0 (the ranks disagree: [1, 2]; "
+                                 "set it alike on every rank) put several ranks on one GPU"), results[0]
+
+
+def test_a_rank_that_cannot_choose_its_device_stops_every_rank(tmp_path):
+    """PYDATACOPY_RANKS_PER_GPU bad on rank 1 only: rank 1's refusal reaches rank 0 too."""
+    results = mp.Manager().dict()
+    mp.spawn(_nccl_agreement_worker, args=(str(tmp_path / "rendezvous"), [None, "many"], results),
+             nprocs=2, join=True)
+    for rank in (0, 1):
+        assert results[rank].startswith("Error: pydatacopy.init: NVSHMEM was not started on any rank, "
+                                        "because on rank 1 of the group: "), results[rank]
+        assert "PYDATACOPY_RANKS_PER_GPU='many'" in results[rank]
+
+
+def test_one_rank_per_gpu_on_nccl_passes_the_agreement(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_nccl_agreement_worker, args=(str(tmp_path / "rendezvous"), [None, None], results),
+             nprocs=2, join=True)
+    assert results[0] == results[1] == "RuntimeError: reached the ID's broadcast", dict(results)
 
 
 def test_ncclss_duplicate_gpu_error_becomes_ours(gloo_posing_as_nccl, monkeypatch):
@@ -367,7 +443,7 @@ def test_doctor_four_ranks_on_one_gpu_under_mps_at_25():
     assert _verdicts(lines) == ["OK", "INFO", "OK", "OK"], lines
     assert "4 per GPU on 1 of this node's 1 GPU(s)" in text
     assert "gloo" in text and "NCCL refuses two ranks on one GPU" in text
-    assert "CUDA MPS: a control daemon's pipe is at /tmp/nvidia-mps/control" in text
+    assert "CUDA MPS: a control daemon listens at /tmp/nvidia-mps/control" in text
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25: this process may use 25% of its GPU's threads, about 33 of its 132 SMs" in text
 
 
@@ -406,5 +482,6 @@ def test_doctor_reports_ranks_per_gpu(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "== ranks per GPU" in out
     assert "PYDATACOPY_RANKS_PER_GPU=2: local rank r uses cuda:r // 2" in out
-    assert "CUDA MPS is not running (no control pipe at /nonexistent-mps/control)" in out
+    assert "CUDA MPS is not running (no daemon listens at /nonexistent-mps/control: nothing there)" in out
     assert "gloo" in out
+

@@ -436,15 +436,25 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
                         f"does not match rank {rank} of {world_size} in this group; call "
                         "pydatacopy.finalize() first (NVSHMEM starts once per process)")
         return _C.my_pe()
-    _env.check_environment(call)
-    if dist.get_backend(group) == "nccl" and _env.ranks_per_gpu() > 1:
-        # Refused before NCCL is touched: NCCL would fail its first collective on some ranks only.
-        raise Error(f"{call}: PYDATACOPY_RANKS_PER_GPU={_env.ranks_per_gpu()} puts several "
-                    f"ranks on one GPU, and the torch.distributed group's backend is nccl: "
-                    f"{_NCCL_REFUSES_HOWTO}")
-    if device is None:
-        device = _choose_device(rank, call, world_size)
-    torch.cuda.set_device(device)
+    # What each rank checks alone (its environment, its device) is gathered before anything
+    # else, so that every rank refuses alike: a rank refusing alone would leave the others in
+    # the ID's broadcast. On an nccl group, NCCL's first collective fails on the ranks that share
+    # a GPU only ('Duplicate GPU detected') while the others wait, so there the facts travel
+    # through the group's store, and sharing is refused before NCCL is touched.
+    problem, per_gpu, gpu = None, None, None
+    try:
+        _env.check_environment(call)
+        per_gpu = _env.ranks_per_gpu()
+        if device is None:
+            device = _choose_device(rank, call, world_size)
+        torch.cuda.set_device(device)
+        gpu = _gpu_identity()
+    except (Error, _env.SettingError) as error:
+        problem = str(error).removeprefix(f"{call}: ")
+    except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
+        problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
+    facts = _gather_before_start(group, (problem, per_gpu, gpu), _init_timeout(timeout, call), call)
+    _refuse_unless_all_can_start(facts, dist.get_backend(group) == "nccl", call)
     unique_id, ranks = _share_unique_id_and_ranks(group)
     nodes = len({r.host for r in ranks})
     if dist.get_backend(group) == "nccl" and shared_gpus(ranks):  # NCCL let it pass: say so anyway
@@ -453,6 +463,73 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     _network.apply_network_settings()
     _agree_on_preflight(group, world_size, nodes, call)
     return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes, preflight_done=True)
+
+
+_gather_attempts: dict[tuple[int, ...], int] = {}
+
+
+def _gather_before_start(group, mine: tuple, timeout_s: float, call: str) -> list[tuple]:
+    """Every rank's `mine`, indexed by group rank (collective). Gloo and other backends: an
+    all_gather_object. NCCL: through the default store (no NCCL collective), keyed by the group's
+    members and a count of these gathers, so that a later init() does not read stale entries."""
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    store = None
+    if dist.get_backend(group) == "nccl":
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # a torch without it: NCCL's own gather, as before
+            store = None
+    if store is None:
+        gathered: list = [None] * size
+        dist.all_gather_object(gathered, mine, group=group)
+        return gathered
+    members = tuple(dist.get_process_group_ranks(group) if group is not None else range(size))
+    attempt = _gather_attempts.get(members, 0)
+    _gather_attempts[members] = attempt + 1
+    prefix = (f"pydatacopy/init/{hashlib.sha256(repr(members).encode()).hexdigest()[:16]}"
+              f"/{attempt}/")
+    store.set(prefix + str(dist.get_rank()), pickle.dumps(mine))
+    keys = [prefix + str(member) for member in members]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as error:
+        missing = [index for index, key in enumerate(keys) if not store.check([key])]
+        raise _C.TimeoutError(
+            f"{call}: rank(s) {', '.join(map(str, missing)) or '?'} of the group did not reach "
+            f"init within {timeout_s:g} s (PYDATACOPY_INIT_TIMEOUT_S or timeout=): every rank "
+            f"must call pydatacopy.init() ({type(error).__name__}: {error})") from None
+    return [pickle.loads(store.get(key)) for key in keys]
+
+
+def _refuse_unless_all_can_start(facts: Sequence[tuple], nccl: bool, call: str) -> None:
+    """Refuse on every rank alike (all see the same `facts`: (problem, ranks per GPU, GPU) per
+    group rank) when a rank cannot start, or when an nccl group would put ranks on one GPU."""
+    refused = [rank for rank, (problem, _, _) in enumerate(facts) if problem]
+    if refused:
+        raise Error(f"{call}: NVSHMEM was not started on any rank, because on rank "
+                    f"{', '.join(map(str, refused))} of the group: {facts[refused[0]][0]}")
+    if not nccl:
+        return
+    settings = sorted({per_gpu for _, per_gpu, _ in facts})
+    several = [rank for rank, (_, per_gpu, _) in enumerate(facts) if per_gpu and per_gpu > 1]
+    shared = shared_gpus([RankInfo("", "", gpu, False, None) for _, _, gpu in facts])
+    if several or shared:
+        why = []
+        if several:
+            why.append(f"PYDATACOPY_RANKS_PER_GPU > 1 on rank {', '.join(map(str, several))}"
+                       + (f" (the ranks disagree: {settings}; set it alike on every rank)"
+                          if len(settings) > 1 else ""))
+        if shared:
+            why.append("; ".join(f"ranks {', '.join(map(str, m))} on GPU {facts[m[0]][2]}"
+                                 for m in shared))
+        raise Error(f"{call}: NVSHMEM was not started on any rank: {' and '.join(why)} put "
+                    f"several ranks on one GPU, and the torch.distributed group's backend is "
+                    f"nccl: {_NCCL_REFUSES_HOWTO}")
 
 
 def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:
