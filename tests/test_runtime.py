@@ -485,3 +485,22 @@ def test_doctor_reports_ranks_per_gpu(capsys, monkeypatch):
     assert "CUDA MPS is not running (no daemon listens at /nonexistent-mps/control: nothing there)" in out
     assert "gloo" in out
 
+
+# ---- PYDATACOPY_FORCE_RMA, read once -----------------------------------------------------------
+
+def test_force_rma_is_read_once_and_set_through_the_core(monkeypatch):
+    """rma_forced() is asked on every put and send: it no longer reads the environment each
+    time (the old one did, so a change of os.environ showed at once); tests switch it with
+    _C.set_rma_forced, as the force_rma fixture of tests/gpu does."""
+    from pydatacopy import _C
+
+    before = _C.rma_forced()
+    try:
+        monkeypatch.setenv("PYDATACOPY_FORCE_RMA", "0" if before else "1")
+        assert _C.rma_forced() == before, "an environment change after load is not read per call"
+        _C.set_rma_forced(True)
+        assert _C.rma_forced()
+        _C.set_rma_forced(False)
+        assert not _C.rma_forced()
+    finally:
+        _C.set_rma_forced(before)
