@@ -14,7 +14,7 @@ import pydatacopy
 from pydatacopy import _env, _runtime, doctor
 from pydatacopy._runtime import RankInfo
 
-SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
             "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
 
 
@@ -73,13 +73,54 @@ def test_mps_thread_percentage_refuses_what_is_no_share(text):
         _env.pydatacopy_problems({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}))
 
 
-def test_mps_control_pipe_is_a_named_pipe_in_the_pipe_directory(tmp_path):
-    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
-    (tmp_path / "control").write_text("")  # a plain file is no daemon's pipe
-    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) is None
-    os.remove(tmp_path / "control")
-    os.mkfifo(tmp_path / "control")
-    assert _env.mps_control_pipe({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)}) == str(tmp_path / "control")
+def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):
+    """CUDA 13's MPS daemon listens on a UNIX socket named 'control' (the old probe looked for
+    a named pipe, missed it, and init() warned 'without CUDA MPS' under a running daemon); a file
+    left by a daemon that ended is no daemon."""
+    import socket
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="pdc-mps-", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
+    control = os.path.join(directory, "control")
+    environ = {"CUDA_MPS_PIPE_DIRECTORY": directory}
+    try:
+        assert _env.mps_control_pipe(environ) is None
+        with open(control, "w"):
+            pass  # a plain file is no daemon's
+        assert _env.mps_control_pipe(environ) is None
+        os.remove(control)
+
+        daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        daemon.bind(control)
+        daemon.listen(4)
+        assert _env.mps_control_pipe(environ) == control  # seen in /proc/net/unix
+        # Another network namespace lists other sockets: the connect() fallback.
+        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) == control
+        daemon.close()  # the daemon ends; its socket file stays
+        assert os.path.exists(control)
+        assert _env.mps_control_pipe(environ) is None
+        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) is None
+        os.remove(control)
+
+        os.mkfifo(control)  # an older daemon's named pipe: counts while an MPS process runs
+        monkeypatch.setattr(_env, "_mps_process_running", lambda: False)
+        assert _env.mps_control_pipe(environ) is None
+        monkeypatch.setattr(_env, "_mps_process_running", lambda: True)
+        assert _env.mps_control_pipe(environ) == control
+    finally:
+        if os.path.lexists(control):
+            os.remove(control)
+        os.rmdir(directory)
+
+
+def test_mps_process_scan_reads_process_names(tmp_path):
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "comm").write_text("python3\n")
+    (tmp_path / "self").mkdir()
+    assert not _env._mps_process_running(str(tmp_path))
+    (tmp_path / "34").mkdir()
+    (tmp_path / "34" / "comm").write_text("nvidia-cuda-mps\n")
+    assert _env._mps_process_running(str(tmp_path))
 
 
 # ---- the device rule -----------------------------------------------------------------------
@@ -103,10 +144,33 @@ def test_local_rank_r_uses_device_r_over_ranks_per_gpu(launch, gpus, per_gpu, on
     assert pydatacopy.choose_device(7) == device
 
 
-@pytest.mark.parametrize("rank, device", [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0)])
-def test_without_local_rank_rank_over_ranks_per_gpu_modulo_devices(launch, rank, device):
+@pytest.mark.parametrize("rank, device", [(0, 0), (1, 0), (2, 1), (3, 1)])
+def test_without_local_rank_rank_over_ranks_per_gpu(launch, rank, device):
     launch(2, PYDATACOPY_RANKS_PER_GPU="2")
     assert pydatacopy.choose_device(rank) == device
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_without_local_rank_a_missing_device_is_refused_on_every_rank(launch, rank):
+    """Four ranks, one GPU, no LOCAL_RANK: the old rule folded ranks 1-3 onto cuda:0 by a
+    modulo (issue 18 forbids it); now every rank, rank 0 too, refuses (WORLD_SIZE tells each the
+    last rank), naming the setting and device=."""
+    launch(1, WORLD_SIZE="4")
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.choose_device(rank)
+    message = str(info.value)
+    assert "rank 3 of 4 would need device 3" in message or "rank 3 would need device 3" in message
+    assert "sees 1 CUDA device(s)" in message
+    assert "PYDATACOPY_RANKS_PER_GPU=4 on every rank" in message and "device=" in message
+    assert "LOCAL_RANK" in message
+
+
+def test_without_local_rank_or_world_size_the_rank_alone_decides(launch):
+    launch(2, PYDATACOPY_RANKS_PER_GPU="2")
+    with pytest.raises(pydatacopy.Error, match="rank 4 would need device 2"):
+        pydatacopy.choose_device(4)  # the old rule gave cuda:0 (modulo 2)
+    launch(1, WORLD_SIZE="4", PYDATACOPY_RANKS_PER_GPU="4")
+    assert [pydatacopy.choose_device(r) for r in range(4)] == [0, 0, 0, 0]
 
 
 def test_more_local_ranks_than_devices_is_refused_naming_the_setting(launch):
@@ -243,17 +307,93 @@ def gloo_posing_as_nccl(tmp_path, monkeypatch):
         dist.destroy_process_group()
 
 
+def _no_cuda_needed(monkeypatch) -> list:
+    """torch.cuda.set_device records the device; _gpu_identity names a GPU per device."""
+    chosen: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(_runtime, "_gpu_identity", lambda: f"GPU-{chosen[-1]}")
+    return chosen
+
+
 def test_init_refuses_ranks_per_gpu_on_an_nccl_group_before_nccl_runs(gloo_posing_as_nccl, launch, monkeypatch):
     launch(1, LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", PYDATACOPY_RANKS_PER_GPU="2")
+    _no_cuda_needed(monkeypatch)
     touched = []
-    monkeypatch.setattr(dist, "broadcast_object_list", lambda *a, **k: touched.append("broadcast"))
+    for name in ("broadcast_object_list", "all_gather_object"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: touched.append(_name))
     with pytest.raises(pydatacopy.Error) as info:
         pydatacopy.init()
     message = str(info.value)
-    assert message.startswith("pydatacopy.init: PYDATACOPY_RANKS_PER_GPU=2 puts several ranks on one GPU, "
-                              "and the torch.distributed group's backend is nccl: NCCL refuses two ranks on one GPU")
+    assert message.startswith("pydatacopy.init: NVSHMEM was not started on any rank: "
+                              "PYDATACOPY_RANKS_PER_GPU > 1 on rank 0 put several ranks on one GPU, "
+                              "and the torch.distributed group's backend is nccl: NCCL refuses two ranks on one GPU"), message
     assert "init_process_group('gloo')" in message
-    assert touched == [], "refused before any collective"
+    assert touched == [], "refused before any collective of the backend (the store carried the facts)"
+
+
+def _nccl_agreement_worker(rank: int, store_file: str, per_gpu: list, results) -> None:
+    """A gloo group posing as nccl; PYDATACOPY_RANKS_PER_GPU set as `per_gpu` says (None: unset),
+    each rank on its own GPU-<device> as the rule puts it. Reaching the ID's broadcast is
+    recorded, not run (with real NCCL the ranks that refused would never come)."""
+    import datetime
+
+    from pydatacopy import _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=len(per_gpu), timeout=datetime.timedelta(seconds=60))
+    try:
+        dist.get_backend = lambda group=None: "nccl"
+        torch.cuda.device_count = lambda: 2
+        torch.cuda.is_initialized = lambda: False
+        chosen: list = []
+        torch.cuda.set_device = chosen.append
+        _runtime._gpu_identity = lambda: f"GPU-{chosen[-1]}"
+        _runtime._share_unique_id_and_ranks = lambda group=None: (_ for _ in ()).throw(
+            RuntimeError("reached the ID's broadcast"))
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(per_gpu)),
+                          PYDATACOPY_INIT_TIMEOUT_S="30")
+        os.environ.pop("WORLD_SIZE", None)
+        if per_gpu[rank] is None:
+            os.environ.pop("PYDATACOPY_RANKS_PER_GPU", None)
+        else:
+            os.environ["PYDATACOPY_RANKS_PER_GPU"] = per_gpu[rank]
+        try:
+            pydatacopy.init()
+            results[rank] = "started"
+        except Exception as error:  # noqa: BLE001 - the test compares what every rank saw
+            results[rank] = f"{type(error).__name__}: {error}"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_per_gpu_on_some_ranks_only_is_refused_on_every_rank(tmp_path):
+    """PYDATACOPY_RANKS_PER_GPU=2 on rank 0 only, nccl: the old check refused on rank 0 alone and
+    rank 1 went on into the ID's broadcast (with NCCL: a wait for rank 0 that never comes)."""
+    results = mp.Manager().dict()
+    mp.spawn(_nccl_agreement_worker, args=(str(tmp_path / "rendezvous"), ["2", None], results),
+             nprocs=2, join=True)
+    assert results[0] == results[1], dict(results)
+    assert results[0].startswith("Error: pydatacopy.init: NVSHMEM was not started on any rank: "
+                                 "PYDATACOPY_RANKS_PER_GPU > 1 on rank 0 (the ranks disagree: [1, 2]; "
+                                 "set it alike on every rank) put several ranks on one GPU"), results[0]
+
+
+def test_a_rank_that_cannot_choose_its_device_stops_every_rank(tmp_path):
+    """PYDATACOPY_RANKS_PER_GPU bad on rank 1 only: rank 1's refusal reaches rank 0 too."""
+    results = mp.Manager().dict()
+    mp.spawn(_nccl_agreement_worker, args=(str(tmp_path / "rendezvous"), [None, "many"], results),
+             nprocs=2, join=True)
+    for rank in (0, 1):
+        assert results[rank].startswith("Error: pydatacopy.init: NVSHMEM was not started on any rank, "
+                                        "because on rank 1 of the group: "), results[rank]
+        assert "PYDATACOPY_RANKS_PER_GPU='many'" in results[rank]
+
+
+def test_one_rank_per_gpu_on_nccl_passes_the_agreement(tmp_path):
+    results = mp.Manager().dict()
+    mp.spawn(_nccl_agreement_worker, args=(str(tmp_path / "rendezvous"), [None, None], results),
+             nprocs=2, join=True)
+    assert results[0] == results[1] == "RuntimeError: reached the ID's broadcast", dict(results)
 
 
 def test_ncclss_duplicate_gpu_error_becomes_ours(gloo_posing_as_nccl, monkeypatch):
@@ -303,7 +443,7 @@ def test_doctor_four_ranks_on_one_gpu_under_mps_at_25():
     assert _verdicts(lines) == ["OK", "INFO", "OK", "OK"], lines
     assert "4 per GPU on 1 of this node's 1 GPU(s)" in text
     assert "gloo" in text and "NCCL refuses two ranks on one GPU" in text
-    assert "CUDA MPS: a control daemon's pipe is at /tmp/nvidia-mps/control" in text
+    assert "CUDA MPS: a control daemon listens at /tmp/nvidia-mps/control" in text
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25: this process may use 25% of its GPU's threads, about 33 of its 132 SMs" in text
 
 
@@ -342,5 +482,25 @@ def test_doctor_reports_ranks_per_gpu(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "== ranks per GPU" in out
     assert "PYDATACOPY_RANKS_PER_GPU=2: local rank r uses cuda:r // 2" in out
-    assert "CUDA MPS is not running (no control pipe at /nonexistent-mps/control)" in out
+    assert "CUDA MPS is not running (no daemon listens at /nonexistent-mps/control: nothing there)" in out
     assert "gloo" in out
+
+
+# ---- PYDATACOPY_FORCE_RMA, read once -----------------------------------------------------------
+
+def test_force_rma_is_read_once_and_set_through_the_core(monkeypatch):
+    """rma_forced() is asked on every put and send: it no longer reads the environment each
+    time (the old one did, so a change of os.environ showed at once); tests switch it with
+    _C.set_rma_forced, as the force_rma fixture of tests/gpu does."""
+    from pydatacopy import _C
+
+    before = _C.rma_forced()
+    try:
+        monkeypatch.setenv("PYDATACOPY_FORCE_RMA", "0" if before else "1")
+        assert _C.rma_forced() == before, "an environment change after load is not read per call"
+        _C.set_rma_forced(True)
+        assert _C.rma_forced()
+        _C.set_rma_forced(False)
+        assert not _C.rma_forced()
+    finally:
+        _C.set_rma_forced(before)

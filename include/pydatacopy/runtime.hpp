@@ -66,6 +66,9 @@ std::vector<uint64_t> gpu_identities();
 int pes_sharing_my_gpu();
 
 bool is_initialized();
+// True when this library started NVSHMEM (false: it joined one another library started, such as
+// torch's symmetric memory, whose symmetric allocations it cannot see).
+bool owns_nvshmem();
 int my_pe();
 int n_pes();
 int cuda_device();  // the CUDA device bound at init

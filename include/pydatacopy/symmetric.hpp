@@ -8,17 +8,19 @@
 
 namespace pydatacopy {
 
-// Collective: every PE calls it with the same size, in the same order. Throws (naming
-// NVSHMEM_SYMMETRIC_SIZE and the bytes needed) when the heap is too small, and, on every PE
-// alike with nothing allocated anywhere, when the PEs sharing some GPU cannot hold the request
-// together (see symmetric_room_refusal). Never returns null.
+// Collective: every PE calls it with the same size, in the same order. Throws, on every PE
+// alike with nothing allocated anywhere, when the PEs asked different sizes
+// (symmetric_size_refusal) or when the PEs sharing some GPU cannot hold the request together
+// (see symmetric_room_refusal); and (naming NVSHMEM_SYMMETRIC_SIZE and the bytes needed) when
+// the heap is too small. Never returns null.
 void* symmetric_malloc(std::size_t bytes);
 
 // ---- symmetric_malloc's room vote, as plain arithmetic (tested without a GPU) ----
 //
 // NVSHMEM grows each PE's heap into its GPU's free memory, and when it cannot it ends every
 // process. So before nvshmem_malloc every PE votes, in one blocking barrier word, the room it
-// has: the unused part of its heap (NVSHMEM_SYMMETRIC_SIZE less live allocations) and the room
+// has: the unused part of its heap (NVSHMEM_SYMMETRIC_SIZE less live allocations; 0 when
+// another library started NVSHMEM, whose allocations are not visible here) and the room
 // on its GPU (free memory less a reserve). PEs on one GPU share that GPU's free memory: a
 // request fits when, for every GPU, the growth beyond each heap's unused part, summed over the
 // PEs on that GPU, fits the GPU's room. Every PE sees every vote and every PE's GPU (gathered by
@@ -34,6 +36,13 @@ RoomVote unpack_room_vote(uint64_t word);
 // is more, for the CUDA contexts' working memory, plus NVSHMEM's growth granularity (512 MiB,
 // NVSHMEM_CUMEM_GRANULARITY's default) for each further PE, since each rounds its own growth up.
 std::size_t gpu_reserve_bytes(std::size_t gpu_total_bytes, int pes_on_gpu);
+// A PE's heap room: NVSHMEM_SYMMETRIC_SIZE less pydatacopy's live allocations when pydatacopy
+// started NVSHMEM; 0 when it joined one another library started (torch's symmetric memory),
+// whose allocations it cannot see: every request then counts as heap growth.
+std::size_t heap_room_bytes(std::size_t configured_bytes, std::size_t live_bytes, bool owns_nvshmem);
+// Empty when every PE asked the same size (`sizes`, indexed by PE, gathered in a barrier before
+// the room vote); else the refusal, naming the sizes and which PEs asked each.
+std::string symmetric_size_refusal(const std::vector<uint64_t>& sizes);
 // Empty when `bytes` on every PE fits; else the refusal, listing the room per GPU and per PE
 // and what to do. `gpu_of_pe` and `votes` are indexed by PE (same length).
 std::string symmetric_room_refusal(std::size_t bytes, const std::vector<uint64_t>& gpu_of_pe,
@@ -55,7 +64,11 @@ void* peer_pointer(const void* ptr, int pe);
 
 // PYDATACOPY_FORCE_RMA=1 makes every path behave as if no peer were directly reachable, so the
 // NVSHMEM RMA path a peer on another server takes is exercised on one machine.
+// Read from the environment once, at load and again by init_nvshmem (it is asked on every put
+// and send); set_rma_forced changes it at run time (tests).
 bool rma_forced();
+void set_rma_forced(bool forced);
+void read_rma_forced_from_environment();
 
 // Number of streaming multiprocessors of the bound device (cached).
 int multiprocessor_count();

@@ -263,19 +263,77 @@ def mps_thread_percentage(environ: Mapping[str, str] = os.environ) -> float | No
 MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
-def mps_control_pipe(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The MPS control daemon's named pipe this process would connect to (CUDA_MPS_PIPE_DIRECTORY,
-    else /tmp/nvidia-mps, then 'control'), or None when there is none: then CUDA contexts made
-    here are not MPS clients. A pipe left by a daemon killed hard also counts (it is not opened:
-    writing into it could disturb a live daemon)."""
+def mps_control_pipe(environ: Mapping[str, str] = os.environ,
+                     unix_sockets: str = "/proc/net/unix") -> str | None:
+    """The control endpoint (CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps, then 'control') of
+    an MPS control daemon that is running, or None when none serves it: then CUDA contexts made
+    here are not MPS clients.
+
+    The file alone proves nothing: CUDA 13's daemon listens on a UNIX socket named 'control'
+    (not a named pipe, as older ones did: a probe for a pipe missed every running daemon), and a
+    daemon killed hard leaves the file behind. A socket counts when a process listens on it:
+    listed as listening in `unix_sockets` (read only: the daemon sees nothing), else (another
+    network namespace lists other sockets) a connect() that succeeds, closed at once. A named
+    pipe (older MPS) counts while an nvidia-cuda-mps process runs (the pipe is not opened: that
+    could disturb a live daemon)."""
     import stat
 
     path = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY,
                         "control")
     try:
-        return path if stat.S_ISFIFO(os.stat(path).st_mode) else None
+        mode = os.stat(path).st_mode
     except OSError:
         return None
+    if stat.S_ISSOCK(mode):
+        return path if _unix_socket_listening(path, unix_sockets) else None
+    if stat.S_ISFIFO(mode):
+        return path if _mps_process_running() else None
+    return None
+
+
+_SO_ACCEPTCON = 0x10000  # /proc/net/unix's Flags of a listening socket
+
+
+def _unix_socket_listening(path: str, unix_sockets: str) -> bool:
+    wanted = os.path.normpath(path)
+    try:
+        with open(unix_sockets, encoding="ascii", errors="replace") as table:
+            next(table, None)  # the header
+            for line in table:
+                fields = line.split()
+                if (len(fields) >= 8 and os.path.normpath(fields[7]) == wanted
+                        and int(fields[3], 16) & _SO_ACCEPTCON):
+                    return True
+    except (OSError, ValueError):
+        pass
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:  # refused: nobody listens (a stale file); or not allowed to connect
+        return False
+    finally:
+        probe.close()
+
+
+def _mps_process_running(proc: str = "/proc") -> bool:
+    """An nvidia-cuda-mps-control or -server process runs (the kernel keeps 15 characters of a
+    process name: both read 'nvidia-cuda-mps')."""
+    try:
+        entries = [e for e in os.listdir(proc) if e.isdigit()]
+    except OSError:
+        return False
+    for pid in entries:
+        try:
+            with open(os.path.join(proc, pid, "comm"), encoding="ascii", errors="replace") as comm:
+                if comm.read().strip().startswith("nvidia-cuda-mps"):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 # ---- network interfaces --------------------------------------------------------------------

@@ -111,7 +111,14 @@ def _device_index(device: DeviceLike, call: str) -> int | None:
     return device
 
 
-def _choose_device(rank: int, call: str) -> int:
+def _world_size_from_environment() -> int | None:
+    text = os.environ.get("WORLD_SIZE", "").strip()
+    return int(text) if text.isascii() and text.isdigit() and int(text) > 0 else None
+
+
+def _choose_device(rank: int, call: str, world_size: int | None = None) -> int:
+    """choose_device's rule; `world_size` (the group's, else WORLD_SIZE) lets every rank refuse
+    alike when, without LOCAL_RANK, the last rank's device does not exist."""
     try:
         local = _env.local_rank()
         per_gpu = _env.ranks_per_gpu()
@@ -123,7 +130,23 @@ def _choose_device(rank: int, call: str) -> int:
     if torch.cuda.is_initialized():
         return torch.cuda.current_device()
     if local is None:
-        return (rank // per_gpu) % count
+        # The rank itself picks the device (one node, or a launcher that sets only RANK). A rank
+        # whose device does not exist is refused, never folded onto another by a modulo; every
+        # rank checks the last rank of the group, so that all refuse alike (none is left
+        # waiting in the ID's broadcast).
+        last = max(rank, (world_size or _world_size_from_environment() or 0) - 1)
+        if last // per_gpu >= count:
+            who = (f"rank {last} of {last + 1}" if last != rank
+                   else f"rank {rank}")
+            raise Error(
+                f"{call}: LOCAL_RANK is unset, so the rank picks the device: with "
+                f"PYDATACOPY_RANKS_PER_GPU={per_gpu}, rank r uses device r // {per_gpu}, and "
+                f"{who} would need device {last // per_gpu}, but this process sees {count} CUDA "
+                f"device(s). Set LOCAL_RANK (the rank's index on its node; torchrun sets it) on "
+                f"every rank, set PYDATACOPY_RANKS_PER_GPU={-(-(last + 1) // count)} on every "
+                "rank to put that many ranks on each GPU (with torch.distributed on gloo: NCCL "
+                f"refuses two ranks on one GPU), or pass device= to {call}")
+        return rank // per_gpu
     # Every rank of the node reads the same LOCAL_WORLD_SIZE, so all of them refuse here alike,
     # before any collective: none is left waiting in the ID's broadcast for a rank that refused.
     on_node = _env.local_world_size()
@@ -154,8 +177,10 @@ def choose_device(rank: int) -> int:
        3 cuda:1). A local rank, or a LOCAL_WORLD_SIZE, that needs more devices than this process
        sees is refused (pydatacopy.Error naming PYDATACOPY_RANKS_PER_GPU and device=): ranks are
        never folded onto devices by a silent modulo;
-    3. else (rank // PYDATACOPY_RANKS_PER_GPU) modulo the number of visible devices (no
-       LOCAL_RANK: one rank per node, or a launcher that sets only RANK).
+    3. else rank // PYDATACOPY_RANKS_PER_GPU (no LOCAL_RANK: one node, or a launcher that sets
+       only RANK). When the last rank (WORLD_SIZE - 1, or this rank without WORLD_SIZE) would
+       need a device this process does not see, every rank is refused (pydatacopy.Error naming
+       LOCAL_RANK, PYDATACOPY_RANKS_PER_GPU and device=): no modulo either.
 
     init(device=...) and init_nvshmem(..., device) override the rule.
     """
@@ -205,7 +230,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
         return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
     _env.check_environment(call)
     if device is None:
-        device = _choose_device(rank, call)
+        device = _choose_device(rank, call, world_size)
     torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
     if not preflight_done:
@@ -236,7 +261,7 @@ class RankInfo(NamedTuple):
     digest: str  # of the unique ID the rank received
     host: str  # _network.host_identity()
     gpu: str | None  # the GPU's UUID (None: no CUDA device here); one physical GPU, one UUID
-    mps: bool  # an MPS control daemon is there for this rank (_env.mps_control_pipe)
+    mps: bool  # an MPS control daemon runs for this rank (_env.mps_control_pipe)
     thread_percentage: float | None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, None when unset
 
 
@@ -411,15 +436,25 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
                         f"does not match rank {rank} of {world_size} in this group; call "
                         "pydatacopy.finalize() first (NVSHMEM starts once per process)")
         return _C.my_pe()
-    _env.check_environment(call)
-    if dist.get_backend(group) == "nccl" and _env.ranks_per_gpu() > 1:
-        # Refused before NCCL is touched: NCCL would fail its first collective on some ranks only.
-        raise Error(f"{call}: PYDATACOPY_RANKS_PER_GPU={_env.ranks_per_gpu()} puts several "
-                    f"ranks on one GPU, and the torch.distributed group's backend is nccl: "
-                    f"{_NCCL_REFUSES_HOWTO}")
-    if device is None:
-        device = _choose_device(rank, call)
-    torch.cuda.set_device(device)
+    # What each rank checks alone (its environment, its device) is gathered before anything
+    # else, so that every rank refuses alike: a rank refusing alone would leave the others in
+    # the ID's broadcast. On an nccl group, NCCL's first collective fails on the ranks that share
+    # a GPU only ('Duplicate GPU detected') while the others wait, so there the facts travel
+    # through the group's store, and sharing is refused before NCCL is touched.
+    problem, per_gpu, gpu = None, None, None
+    try:
+        _env.check_environment(call)
+        per_gpu = _env.ranks_per_gpu()
+        if device is None:
+            device = _choose_device(rank, call, world_size)
+        torch.cuda.set_device(device)
+        gpu = _gpu_identity()
+    except (Error, _env.SettingError) as error:
+        problem = str(error).removeprefix(f"{call}: ")
+    except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
+        problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
+    facts = _gather_before_start(group, (problem, per_gpu, gpu), _init_timeout(timeout, call), call)
+    _refuse_unless_all_can_start(facts, dist.get_backend(group) == "nccl", call)
     unique_id, ranks = _share_unique_id_and_ranks(group)
     nodes = len({r.host for r in ranks})
     if dist.get_backend(group) == "nccl" and shared_gpus(ranks):  # NCCL let it pass: say so anyway
@@ -428,6 +463,73 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     _network.apply_network_settings()
     _agree_on_preflight(group, world_size, nodes, call)
     return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes, preflight_done=True)
+
+
+_gather_attempts: dict[tuple[int, ...], int] = {}
+
+
+def _gather_before_start(group, mine: tuple, timeout_s: float, call: str) -> list[tuple]:
+    """Every rank's `mine`, indexed by group rank (collective). Gloo and other backends: an
+    all_gather_object. NCCL: through the default store (no NCCL collective), keyed by the group's
+    members and a count of these gathers, so that a later init() does not read stale entries."""
+    import pickle
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    store = None
+    if dist.get_backend(group) == "nccl":
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # a torch without it: NCCL's own gather, as before
+            store = None
+    if store is None:
+        gathered: list = [None] * size
+        dist.all_gather_object(gathered, mine, group=group)
+        return gathered
+    members = tuple(dist.get_process_group_ranks(group) if group is not None else range(size))
+    attempt = _gather_attempts.get(members, 0)
+    _gather_attempts[members] = attempt + 1
+    prefix = (f"pydatacopy/init/{hashlib.sha256(repr(members).encode()).hexdigest()[:16]}"
+              f"/{attempt}/")
+    store.set(prefix + str(dist.get_rank()), pickle.dumps(mine))
+    keys = [prefix + str(member) for member in members]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as error:
+        missing = [index for index, key in enumerate(keys) if not store.check([key])]
+        raise _C.TimeoutError(
+            f"{call}: rank(s) {', '.join(map(str, missing)) or '?'} of the group did not reach "
+            f"init within {timeout_s:g} s (PYDATACOPY_INIT_TIMEOUT_S or timeout=): every rank "
+            f"must call pydatacopy.init() ({type(error).__name__}: {error})") from None
+    return [pickle.loads(store.get(key)) for key in keys]
+
+
+def _refuse_unless_all_can_start(facts: Sequence[tuple], nccl: bool, call: str) -> None:
+    """Refuse on every rank alike (all see the same `facts`: (problem, ranks per GPU, GPU) per
+    group rank) when a rank cannot start, or when an nccl group would put ranks on one GPU."""
+    refused = [rank for rank, (problem, _, _) in enumerate(facts) if problem]
+    if refused:
+        raise Error(f"{call}: NVSHMEM was not started on any rank, because on rank "
+                    f"{', '.join(map(str, refused))} of the group: {facts[refused[0]][0]}")
+    if not nccl:
+        return
+    settings = sorted({per_gpu for _, per_gpu, _ in facts})
+    several = [rank for rank, (_, per_gpu, _) in enumerate(facts) if per_gpu and per_gpu > 1]
+    shared = shared_gpus([RankInfo("", "", gpu, False, None) for _, _, gpu in facts])
+    if several or shared:
+        why = []
+        if several:
+            why.append(f"PYDATACOPY_RANKS_PER_GPU > 1 on rank {', '.join(map(str, several))}"
+                       + (f" (the ranks disagree: {settings}; set it alike on every rank)"
+                          if len(settings) > 1 else ""))
+        if shared:
+            why.append("; ".join(f"ranks {', '.join(map(str, m))} on GPU {facts[m[0]][2]}"
+                                 for m in shared))
+        raise Error(f"{call}: NVSHMEM was not started on any rank: {' and '.join(why)} put "
+                    f"several ranks on one GPU, and the torch.distributed group's backend is "
+                    f"nccl: {_NCCL_REFUSES_HOWTO}")
 
 
 def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:

@@ -141,12 +141,15 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
                               "pydatacopy sends only its 128-byte ID through torch.distributed, "
                               "its data moves through NVSHMEM"))
     if control_pipe:
-        lines.append(("OK", f"CUDA MPS: a control daemon's pipe is at {control_pipe}: CUDA "
+        lines.append(("OK", f"CUDA MPS: a control daemon listens at {control_pipe}: CUDA "
                             "processes started here become MPS clients and run side by side"))
     elif sharing:
         where = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or _env.MPS_DEFAULT_PIPE_DIRECTORY,
                              "control")
-        lines.append(("WARN", f"CUDA MPS is not running (no control pipe at {where}): ranks sharing "
+        state = ("a file left by a daemon that ended" if os.path.lexists(where)
+                 else "nothing")
+        lines.append(("WARN", f"CUDA MPS is not running (no daemon listens at {where}: {state} "
+                              "there): ranks sharing "
                               "a GPU are time-sliced, right but slow (a 64 MiB sendrecv about 7 GB/s "
                               "per direction on an H200, 135 GB/s under MPS). Start it (as the "
                               f"GPU's owner or root): {MPS_START}; stop it with "

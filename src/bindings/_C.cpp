@@ -216,6 +216,8 @@ PYBIND11_MODULE(_C, m) {
         [](std::uintptr_t ptr, int pe) { return as_address(peer_pointer(as_pointer<void>(ptr), pe)); },
         py::arg("ptr"), py::arg("pe"));
   m.def("rma_forced", &rma_forced);
+  m.def("set_rma_forced", &set_rma_forced, py::arg("forced"),
+        "Tests: PYDATACOPY_FORCE_RMA at run time (it is read once, at load and by init).");
 
   // Registered memory for NVSHMEM's remote transports.
   m.def("set_rma_options", &set_rma_options, py::arg("check"), py::arg("auto_register"));

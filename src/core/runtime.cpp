@@ -21,6 +21,7 @@
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/symmetric.hpp"
 
 namespace pydatacopy {
 namespace {
@@ -238,6 +239,7 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
               "new process for the new job");
   timeout_nanoseconds(timeout_seconds);  // validates it
   check_init_args(root_unique_id, rank, world_size, device);
+  read_rma_forced_from_environment();  // once here, not per transfer
   check_nvshmem_version();
   if (device >= 0) PDC_CHECK_CUDA(cudaSetDevice(device));
   PDC_CHECK_CUDA(cudaGetDevice(&device));
@@ -398,6 +400,8 @@ void finalize(bool end_nvshmem) {
 }
 
 bool is_initialized() { return state().initialized; }
+
+bool owns_nvshmem() { return state().owns_nvshmem; }
 
 unsigned long long capture_id(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;

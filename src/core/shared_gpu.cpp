@@ -5,6 +5,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -64,6 +65,37 @@ RoomVote unpack_room_vote(uint64_t word) {
 std::size_t gpu_reserve_bytes(std::size_t gpu_total_bytes, int pes_on_gpu) {
   const std::size_t further = pes_on_gpu > 1 ? static_cast<std::size_t>(pes_on_gpu - 1) : 0;
   return std::max<std::size_t>(kGiB, gpu_total_bytes / 50) + further * kGrowthGranularity;
+}
+
+std::size_t heap_room_bytes(std::size_t configured_bytes, std::size_t live_bytes, bool owns_nvshmem) {
+  return owns_nvshmem && configured_bytes > live_bytes ? configured_bytes - live_bytes : 0;
+}
+
+std::string symmetric_size_refusal(const std::vector<uint64_t>& sizes) {
+  std::vector<std::pair<uint64_t, std::vector<std::size_t>>> groups;  // in the order of first PE
+  for (std::size_t pe = 0; pe < sizes.size(); ++pe) {
+    auto same = std::find_if(groups.begin(), groups.end(),
+                             [&](const auto& group) { return group.first == sizes[pe]; });
+    if (same == groups.end()) {
+      groups.push_back({sizes[pe], {}});
+      same = groups.end() - 1;
+    }
+    same->second.push_back(pe);
+  }
+  if (groups.size() <= 1) return {};
+  constexpr std::size_t kPesNamed = 8;  // per size: a job of thousands of PEs stays readable
+  std::ostringstream text;
+  text << "pydatacopy.empty / symmetric_malloc is collective and needs the same size on every "
+          "PE, but the PEs asked " << groups.size() << " different sizes:";
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const auto& pes = groups[i].second;
+    text << (i ? ";" : "") << " " << groups[i].first << " bytes on PE" << (pes.size() > 1 ? "s" : "");
+    for (std::size_t j = 0; j < pes.size() && j < kPesNamed; ++j) text << (j ? "," : "") << " " << pes[j];
+    if (pes.size() > kPesNamed) text << " and " << pes.size() - kPesNamed << " more";
+  }
+  text << ". Nothing was allocated on any PE. Allocate the same shape and dtype on every PE, in "
+          "the same order (a PE that skipped or added an allocation asks the next one's size)";
+  return text.str();
 }
 
 std::string symmetric_room_refusal(std::size_t bytes, const std::vector<uint64_t>& gpu_of_pe,

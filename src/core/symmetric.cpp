@@ -3,6 +3,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -61,16 +62,30 @@ std::size_t live_symmetric_bytes() {
 
 void* symmetric_malloc(std::size_t bytes) {
   require_initialized("symmetric_malloc");
+  // nvshmem_malloc waits for every PE with no deadline: meet them in bounded barriers first.
+  // First the size: nvshmem_malloc must see the same size on every PE, and a PE asking another
+  // size could take another decision below (refuse while the others allocate, and hang them).
+  // Every PE sees every size, so all refuse alike (the 0-byte check comes after, for the same
+  // reason).
+  const std::vector<uint64_t> sizes = barrier_all_blocking(
+      "symmetric_malloc (collective: every PE must allocate, the same size)",
+      default_timeout_seconds(), static_cast<uint64_t>(bytes));
+  const std::string size_refusal = symmetric_size_refusal(sizes);
+  PDC_REQUIRE(size_refusal.empty(), size_refusal);
   PDC_REQUIRE(bytes > 0, "cannot allocate 0 bytes of symmetric memory");
-  // nvshmem_malloc waits for every PE with no deadline: meet them in a bounded barrier first.
   // NVSHMEM grows its heap into free GPU memory, and when it cannot it ends every process (seen
   // asking for 200 GiB and 1 TiB, and with two PEs on one GPU each asking 0.6x its free
   // memory), so a request the PEs of some GPU cannot hold together is refused here, on every PE
-  // alike: in that barrier each PE votes its room (see symmetric.hpp) and all PEs see all votes.
+  // alike: in a second barrier each PE votes its room (see symmetric.hpp) and all PEs see all
+  // votes.
   std::size_t free_bytes = 0, total_bytes = 0;
   PDC_CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const bool owns = owns_nvshmem();
   const std::size_t heap = configured_heap_bytes(), live = live_symmetric_bytes();
-  const std::size_t heap_room = heap > live ? heap - live : 0;
+  // An NVSHMEM someone else started (torch's symmetric memory) holds their allocations too,
+  // which we cannot see: count its heap as full, so that every request is checked as growth
+  // (a growth that fails is NVSHMEM's exit()).
+  const std::size_t heap_room = heap_room_bytes(heap, live, owns);
   const std::size_t reserve = gpu_reserve_bytes(total_bytes, pes_sharing_my_gpu());
   const std::size_t gpu_room = free_bytes > reserve ? free_bytes - reserve : 0;
   const std::vector<uint64_t> votes = barrier_all_blocking(
@@ -81,9 +96,14 @@ void* symmetric_malloc(std::size_t bytes) {
     using detail::gib;
     std::ostringstream here;
     here << ". On PE " << my_pe() << ": heap " << gib(heap) << " (NVSHMEM_SYMMETRIC_SIZE) with "
-         << gib(live) << " in live symmetric allocations, GPU memory free " << gib(free_bytes)
-         << " of " << gib(total_bytes) << ", reserve " << gib(reserve) << " for "
-         << pes_sharing_my_gpu() << " PE(s) on this GPU";
+         << gib(live) << " in live pydatacopy symmetric allocations";
+    if (!owns) {
+      here << " (NVSHMEM was started by another library in this process, such as torch's "
+              "symmetric memory, whose allocations pydatacopy cannot see: its heap counts as "
+              "having no unused part)";
+    }
+    here << ", GPU memory free " << gib(free_bytes) << " of " << gib(total_bytes) << ", reserve "
+         << gib(reserve) << " for " << pes_sharing_my_gpu() << " PE(s) on this GPU";
     PDC_REQUIRE(false, refusal << here.str());
   }
   void* ptr = nvshmem_malloc(bytes);
@@ -129,10 +149,20 @@ bool is_symmetric(const void* ptr, std::size_t bytes) {
   return address + bytes <= it->first + it->second;
 }
 
-bool rma_forced() {
+namespace {
+bool forced_by_environment() {
   const char* value = std::getenv("PYDATACOPY_FORCE_RMA");
   return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
 }
+// Read on every put and send: a getenv each was a scan of the environment per call.
+std::atomic<bool> g_rma_forced{forced_by_environment()};
+}  // namespace
+
+bool rma_forced() { return g_rma_forced.load(std::memory_order_relaxed); }
+
+void set_rma_forced(bool forced) { g_rma_forced.store(forced, std::memory_order_relaxed); }
+
+void read_rma_forced_from_environment() { set_rma_forced(forced_by_environment()); }
 
 void* peer_pointer(const void* ptr, int pe) {
   require_valid_pe(pe, "peer_pointer");

@@ -98,6 +98,30 @@ int main() {
   check_throws([&] { symmetric_room_refusal(ask, {gpu_a}, {one_gib_heap, one_gib_heap}); },
                "1 GPU identities for 2 votes", "mismatched lengths: an error, not a read past the end");
 
+  // ---- the heap's unused part ----
+  check(heap_room_bytes(4 * GiB, GiB, true) == 3 * GiB, "our NVSHMEM: configured less live");
+  check(heap_room_bytes(GiB, 2 * GiB, true) == 0, "live past the configured size: no room, no wrap");
+  check(heap_room_bytes(4 * GiB, 0, false) == 0,
+        "NVSHMEM started by torch (its allocations unseen): no unused part counted");
+  // With torch's NVSHMEM, a request inside the configured heap on a GPU with no room left: the
+  // old vote (configured - live) granted it, and the heap growth it needs is NVSHMEM's exit().
+  const uint64_t joined_full_gpu = pack_room_vote(heap_room_bytes(4 * GiB, 0, false), 0);
+  check(!symmetric_room_refusal(GiB, {gpu_a, gpu_b}, {joined_full_gpu, joined_full_gpu}).empty(),
+        "joined NVSHMEM, full GPU, 1 GiB asked: refused");
+
+  // ---- the sizes asked ----
+  check(symmetric_size_refusal({4096, 4096, 4096}).empty(), "one size on every PE: agreed");
+  check(symmetric_size_refusal({}).empty() && symmetric_size_refusal({7}).empty(), "0 or 1 PE: agreed");
+  const std::string sizes = symmetric_size_refusal({4096, 8192, 4096, 0});
+  check(!sizes.empty(), "different sizes: refused on every PE (the old vote let some PEs allocate)");
+  check(contains(sizes, "3 different sizes: 4096 bytes on PEs 0, 2; 8192 bytes on PE 1; 0 bytes on PE 3"),
+        "the refusal names every size and its PEs");
+  check(contains(sizes, "Nothing was allocated on any PE"), "the refusal says nothing was allocated");
+  std::vector<uint64_t> many(20, 64);
+  many[19] = 65;
+  check(contains(symmetric_size_refusal(many), "64 bytes on PEs 0, 1, 2, 3, 4, 5, 6, 7 and 11 more; 65 bytes on PE 19"),
+        "many PEs: the first 8 of a size named, the rest counted");
+
   // ---- the GPU identity ----
   unsigned char uuid[16] = {0x1f, 0x2e, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
   unsigned char other[16] = {0x1f, 0x2e, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 17};

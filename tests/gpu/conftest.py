@@ -161,11 +161,19 @@ def sm_share(local_device) -> int:
 
 @pytest.fixture
 def force_rma():
-    """PYDATACOPY_FORCE_RMA=1 for one test: the NVSHMEM RMA path a peer on another server takes."""
+    """PYDATACOPY_FORCE_RMA=1 for one test: the NVSHMEM RMA path a peer on another server takes.
+    The core reads the variable once (at load and at init), so the switch is also set in it."""
+    import pydatacopy
+
     before = os.environ.get("PYDATACOPY_FORCE_RMA")
+    was_forced = pydatacopy._C.rma_forced()
     os.environ["PYDATACOPY_FORCE_RMA"] = "1"
-    yield
-    if before is None:
-        del os.environ["PYDATACOPY_FORCE_RMA"]
-    else:
-        os.environ["PYDATACOPY_FORCE_RMA"] = before
+    pydatacopy._C.set_rma_forced(True)
+    try:
+        yield
+    finally:
+        pydatacopy._C.set_rma_forced(was_forced)
+        if before is None:
+            del os.environ["PYDATACOPY_FORCE_RMA"]
+        else:
+            os.environ["PYDATACOPY_FORCE_RMA"] = before

@@ -106,3 +106,20 @@ def test_what_the_pes_of_a_gpu_can_hold_together_is_granted(world):
     finally:
         pydatacopy.free(big)
     _ring_still_works(rank, world_size, tag=30)
+
+
+def test_pes_asking_different_sizes_are_refused_on_every_pe(world):
+    """Each PE asks its own size (a user bug). nvshmem_malloc needs one size on every PE; the old
+    vote never compared them, so every PE went on into nvshmem_malloc with its own size (or, with
+    sizes near the room, some refused while the rest waited there with no deadline). Now a
+    barrier compares the sizes first and every PE raises, naming them."""
+    rank, world_size, _ = world
+    nbytes = 4096 * (rank + 1)
+    with pytest.raises(pydatacopy.Error) as info:
+        pydatacopy.empty((nbytes,), dtype=torch.uint8)
+    message = str(info.value)
+    assert f"the PEs asked {world_size} different sizes" in message, message
+    for pe in range(world_size):
+        assert f"{4096 * (pe + 1)} bytes on PE {pe}" in message, message
+    assert "Nothing was allocated on any PE" in message
+    _ring_still_works(rank, world_size, tag=40)
