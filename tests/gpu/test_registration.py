@@ -298,6 +298,9 @@ def _refused_call_is_caught(world, label: str) -> None:
         # Refused before NVSHMEM was called: nothing arrived.
         assert int(dst.count_nonzero()) == 0 and int(signal.item()) == 0
         assert int((src != _bytes(rank, 30, nbytes)).sum()) == 0  # nor did a get write
+        # Every PE has looked before any PE calls again (the full suite on one GPU caught the
+        # peer's second, accepted put_signal landing before this PE read its signal).
+        pydatacopy.barrier(blocking=True)
         with _rma_options(check=True, auto_register=True):
             call()  # the same call, checked and passed
         pydatacopy.barrier(blocking=True)
