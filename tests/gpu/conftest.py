@@ -177,3 +177,17 @@ def force_rma():
             del os.environ["PYDATACOPY_FORCE_RMA"]
         else:
             os.environ["PYDATACOPY_FORCE_RMA"] = before
+
+
+@pytest.fixture
+def peer(world):
+    """The other PE of a two-PE module."""
+    return 1 - world[0]
+
+
+@pytest.fixture(params=["direct", "rma"])
+def path(request):
+    """Both paths: the direct stores PEs on one node use, and NVSHMEM RMA (another server)."""
+    if request.param == "rma":
+        request.getfixturevalue("force_rma")
+    return request.param

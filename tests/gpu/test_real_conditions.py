@@ -32,11 +32,6 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: {_mismatch(got, want)}")
 
 
-@pytest.fixture
-def peer(world):
-    return 1 - world[0]
-
-
 # ---- CUDA graphs -----------------------------------------------------------------------------
 
 REPLAYS = 100

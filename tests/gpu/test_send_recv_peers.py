@@ -37,19 +37,6 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 @pytest.fixture
-def peer(world):
-    return 1 - world[0]
-
-
-@pytest.fixture(params=["direct", "rma"])
-def path(request):
-    """Both paths: the direct stores PEs on one node use, and NVSHMEM RMA (another server)."""
-    if request.param == "rma":
-        request.getfixturevalue("force_rma")
-    return request.param
-
-
-@pytest.fixture
 def fresh_channels(world):
     """Every channel rebuilt after the test, whatever it left behind (and no unreported error)."""
     yield

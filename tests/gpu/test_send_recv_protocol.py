@@ -76,19 +76,6 @@ class _Outcome:
 
 
 @pytest.fixture
-def peer(world):
-    return 1 - world[0]
-
-
-@pytest.fixture(params=["direct", "rma"])
-def path(request):
-    """Both paths: the direct stores PEs on one node use, and NVSHMEM RMA (another server)."""
-    if request.param == "rma":
-        request.getfixturevalue("force_rma")
-    return request.param
-
-
-@pytest.fixture
 def fresh_channels(world):
     """Every channel rebuilt with the default settings after the test, on every PE, whatever it
     left behind (the tests keep every PE in step until here, see _Outcome)."""

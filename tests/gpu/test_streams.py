@@ -31,11 +31,6 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: {bad.numel()} of {want.numel()} bytes differ, first at {bad[0].item()}")
 
 
-@pytest.fixture
-def peer(world):
-    return 1 - world[0]
-
-
 # ---- a stream the caller creates and destroys (the CUDA runtime through ctypes) ---------------
 
 def _cudart() -> ctypes.CDLL:

@@ -32,12 +32,6 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.dtype == torch.bool else tensor.view(torch.uint8)
 
 
-@pytest.fixture
-def peer(world):
-    rank, _, _ = world
-    return 1 - rank
-
-
 def _direct() -> bool:
     """False when the whole suite runs with PYDATACOPY_FORCE_RMA=1 (scripts/gpu-check.sh runs it
     both ways): then no peer is directly reachable and the direct-only paths must refuse."""
