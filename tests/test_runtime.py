@@ -94,6 +94,12 @@ def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):
         daemon.bind(control)
         daemon.listen(4)
         assert _env.mps_control_pipe(environ) == control  # seen in /proc/net/unix
+        # ... and from /proc/net/unix alone: with connect() failing, the table must find it.
+        def refuse_connect(self, address):
+            raise OSError("connect refused in this test")
+        monkeypatch.setattr(socket.socket, "connect", refuse_connect)
+        assert _env.mps_control_pipe(environ) == control
+        monkeypatch.undo()
         # Another network namespace lists other sockets: the connect() fallback.
         assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) == control
         daemon.close()  # the daemon ends; its socket file stays

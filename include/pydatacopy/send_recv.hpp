@@ -27,9 +27,11 @@
 // memory holding the other side's bytes + 1), and records the sizes. The sender reads its word
 // when it waits for a credit and at the start of every launch on the channel, so both PEs raise
 // pydatacopy.Error (at their next send/recv, or check_errors() after the stream's work): the
-// receiver at once, the sender at its next send to that peer. A refused channel moves nothing
-// (every later call on it raises again) until setup_send_recv() rebuilds all channels on every
-// PE; nothing is resynchronised in place. Sends of a message that fits in the staging complete
+// receiver at once, the sender at its next send to that peer. A refused channel (one direction
+// between two PEs) moves nothing until setup_send_recv() rebuilds all channels on every PE; a
+// later call on it is still launched (the kernel refuses it at both ends, so that an op of the
+// same pair on the healthy channel meets its peer's) and raises after the launch. Nothing is
+// resynchronised in place. Sends of a message that fits in the staging complete
 // before the receiver looks, so the sender learns of a mismatch one call later.
 //
 // An empty message moves one header-only chunk (one page, no data, header checked, credit
@@ -62,6 +64,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "pydatacopy/error.hpp"
 
 #include "pydatacopy/channel_order.hpp"
 
@@ -103,7 +107,10 @@ class SendRecvEngine {
   // at most 1/K of the GPU with K PEs on it).
   int max_grid() const { return resident_blocks_; }
   // Slices a message of `bytes` moves on: <= blocks(), <= pages, <= kMaxSlicesPerBlock x max_grid().
-  int slices_for(std::size_t bytes) const { return active_blocks(bytes); }
+  int slices_for(std::size_t bytes) const {
+    PDC_REQUIRE(initialized(), "slices_for: the send/recv engine is not set up (call init first)");
+    return active_blocks(bytes);
+  }
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const { return symmetric_bytes_; }
   // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).
@@ -134,7 +141,6 @@ class SendRecvEngine {
 
  private:
   void require_ready(const char* what, int pe) const;       // the call's own arguments
-  void require_peer_ready(const char* what, int pe) const;  // the peer: no timeout, no mismatch
 
   int active_blocks(std::size_t bytes) const;
   kernels::ChunkStreamArgs prepare(bool send, void* buffer, std::size_t bytes, int peer, double timeout);

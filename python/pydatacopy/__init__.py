@@ -61,7 +61,11 @@ init(), an error reported by CUDA or NVSHMEM) raises it, with a message that nam
 the setting involved and says what to do. Errors from the C++ core end with their file:line."""
 #: A blocking wait ran past its timeout; a subclass of Error.
 TimeoutError = _C.TimeoutError  # noqa: A001 - the project's own, deliberately named
-TimeoutError.__doc__ = """A wait on a peer ran past its deadline; a subclass of pydatacopy.Error.
+TimeoutError.__doc__ = """A wait on a peer ran past its timeout; a subclass of pydatacopy.Error.
+
+For send/recv the timeout is a watchdog on progress: the call's channel moved nothing for that
+long. The PE waited on is marked: calls with it are refused from then on, calls between live PEs
+go on, and what needs every PE (barriers, allocation, setup_send_recv, the token exchange) refuses.
 
 The message names the peer (PE) that did not arrive and the timeout that applied (``timeout=``,
 PYDATACOPY_TIMEOUT_S, or PYDATACOPY_INIT_TIMEOUT_S for init()). Stream-ordered waits report it

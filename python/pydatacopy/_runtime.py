@@ -609,5 +609,7 @@ def n_pes() -> int:
 
 
 def check_errors() -> None:
-    """Raise the first error a stream-ordered device-side wait has reported (TimeoutError)."""
+    """Raise what stream-ordered device-side work has reported since the last look: a timeout
+    (TimeoutError, each timed-out PE once; calls with that PE keep refusing), a send/recv whose
+    two sides disagreed on the byte count (Error), or a put_blocks index out of range (Error)."""
     _C.check_device_errors()

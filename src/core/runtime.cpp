@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <vector>
 #include <mutex>
 #include <thread>
 
@@ -45,8 +46,10 @@ struct RuntimeState {
   std::vector<uint8_t> unique_id;
   std::vector<uint64_t> gpu_of_pe;  // gpu_identity() of every PE, gathered at init
   detail::DeviceStatus* status_host = nullptr;
-  // check_errors() reports a timeout once; the PE stays marked (per-peer refusals, collectives).
-  std::atomic<bool> timeout_reported{false};
+  // check_errors() reports each timed-out PE once; the PE stays marked (per-peer refusals,
+  // collectives). Indexed by tracked_pe_index; guarded by reported_mutex.
+  std::vector<char> timeout_reported;
+  std::mutex reported_mutex;
   detail::DeviceStatus* status_device = nullptr;
   // Symmetric [4][n_pes]: arrivals of stream-ordered barriers, arrivals of host-blocking
   // barriers, and two arrays of the values PEs vote with in a blocking barrier (by the parity
@@ -528,8 +531,9 @@ void throw_size_mismatch(detail::ErrorRecord& r) {
          << " refused: a message on this channel had mismatched sizes (the other side's: " << r.seen
          << " bytes; this call: " << r.expected << " bytes)";
   text << ". Both sides must move the same number of bytes, in the same order, per pair of PEs. "
-          "Nothing more was delivered on this channel, and it refuses every later send/recv "
-          "between the two PEs: call pydatacopy.setup_send_recv() on every PE to rebuild it.";
+          "Nothing more was delivered on this channel (this direction between the two PEs), and "
+          "every later send/recv on it is refused and raises: call pydatacopy.setup_send_recv() "
+          "on every PE to rebuild the channels.";
   int published = detail::kMismatch;
   __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
   throw Error(text.str());
@@ -561,10 +565,39 @@ void check_size_mismatch() {
       throw_size_mismatch(status->mismatch[i]);
 }
 
+namespace {
+// Each PE a device-side wait timed out on, once: the PE stays marked, and the calls that involve
+// it (and the collectives) keep refusing, but calls between live PEs must not hear of it again,
+// while a later timeout on another PE must be heard of.
+void report_new_timeouts() {
+  if (!peer_failed()) return;  // the common case costs one load
+  RuntimeState& s = state();
+  const detail::DeviceStatus* status = s.status_host;
+  std::lock_guard<std::mutex> lock(s.reported_mutex);
+  s.timeout_reported.resize(detail::kTrackedPes, 0);
+  const int first = detail::tracked_pe_index(status->timeout.peer);
+  if (!s.timeout_reported[first]) {  // the first timeout, with its record's details
+    s.timeout_reported[first] = 1;
+    check_timeouts();
+  }
+  const int tracked = std::min(s.n_pes, detail::kTrackedPes);
+  for (int pe = 0; pe < tracked; ++pe) {
+    if (s.timeout_reported[pe] || __atomic_load_n(&status->timed_out_pes[pe], __ATOMIC_ACQUIRE) == 0)
+      continue;
+    s.timeout_reported[pe] = 1;
+    std::ostringstream text;
+    text << "PE " << s.my_pe << ": a device-side wait on PE " << pe
+         << " timed out (no progress for the call's timeout), after an earlier timeout on PE "
+         << status->timeout.peer
+         << ". The peer may have died, hung, or not made the matching call. Calls with PE " << pe
+         << " are refused from now on; those with PEs that did not time out still work.";
+    throw TimeoutError(text.str());
+  }
+}
+}  // namespace
+
 void check_device_errors() {
-  // Once: the timed-out peer stays marked, and the calls that involve it (and the collectives)
-  // keep refusing, but calls between live PEs must not hear of it again.
-  if (peer_failed() && !state().timeout_reported.exchange(true)) check_timeouts();
+  report_new_timeouts();
   check_size_mismatch();
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;

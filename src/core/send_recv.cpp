@@ -190,13 +190,6 @@ void SendRecvEngine::require_ready(const char* what, int pe) const {
                                         "does it; from C++ call SendRecvEngine::init)");
 }
 
-void SendRecvEngine::require_peer_ready(const char* what, int pe) const {
-  // Per peer: after a wait on another PE timed out, or a size mismatch with another PE,
-  // transfers with the other PEs go on.
-  check_peer_timeouts(pe, what);
-  check_size_mismatch(pe);
-}
-
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
   // Small messages move on few blocks: each must carry at least kMinBytesPerBlock of a chunk.
   constexpr std::size_t kMinBytesPerBlock = 32 << 10;
@@ -289,11 +282,19 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   kernels::ChunkBatch launch{};
   launch.max_grid = resident_blocks_;
   for (const Operation& op : ops) {
-    try {
-      require_peer_ready(op.send ? "send" : "recv", op.peer);
+    try {  // a timed-out peer: its ops are left out
+      check_peer_timeouts(op.peer, op.send ? "send" : "recv");
     } catch (...) {
       if (!refused) refused = std::current_exception();
       continue;
+    }
+    try {
+      check_size_mismatch(op.peer);
+    } catch (...) {
+      // Launched all the same: the kernel refuses a broken channel at both ends (and records it
+      // again), while an op of the same pair on the other, healthy channel must still meet its
+      // peer's, which has not heard of the mismatch yet.
+      if (!refused) refused = std::current_exception();
     }
     // An empty message moves too (one header-only chunk), so that both sides' sequences stay
     // in step and a 0-byte call facing a non-empty one is caught as a mismatch.

@@ -157,7 +157,40 @@ def test_group_launches_the_live_peers_ops_and_then_raises(world, peer, fresh_ch
     # The ops with the live peer ran (and the peer's matching calls completed, or this would
     # time out instead of comparing).
     _assert_bytes(got, _bytes(peer, 32, 3 * MiB + 5), "the group's recv from the live peer")
+    # The refused op was launched too (the kernel refuses a broken channel at both ends and
+    # moves nothing) and says so again: every later call on that channel raises.
+    with pytest.raises(pydatacopy.Error, match=rf"between PE {rank} and PE {rank} refused"):
+        pydatacopy.check_errors()
     pydatacopy.check_errors()
+
+
+def test_the_healthy_direction_of_a_mismatched_pair_still_meets_its_peer(world, peer, fresh_channels):
+    """A mismatch on the channel rank 0 -> rank 1, then a sendrecv of the same pair before either
+    looked: rank 1 (which holds the record) must still launch its send on the healthy channel
+    rank 1 -> rank 0, which rank 0 (which has not heard yet) receives. Before 2026-12-01 15:58
+    rank 1 left every op with rank 0 out, so rank 0's recv waited for a send never launched, timed
+    out and marked rank 1 dead. Written after the last device run of that day: not yet run."""
+    rank = world[0]
+    got = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda")
+    if rank == 0:
+        pydatacopy.send(_bytes(rank, 50, 4 * MiB + 1), peer)  # fits in the staging
+    else:
+        pydatacopy.recv(got, peer)  # sees 4 MiB + 1 against its 4 MiB: refuses, records
+    torch.cuda.synchronize()
+    dist.barrier()
+    outgoing, received = _bytes(rank, 51, 64 * KiB), torch.zeros(64 * KiB, dtype=torch.uint8, device="cuda")
+    if rank == 1:  # holds the record: raises after launching both ops
+        with pytest.raises(pydatacopy.Error, match="4194305 bytes but this recv expected 4194304"):
+            pydatacopy.sendrecv(outgoing, peer, received, peer, timeout=10)
+    else:
+        pydatacopy.sendrecv(outgoing, peer, received, peer, timeout=10)
+    torch.cuda.synchronize()
+    if rank == 0:  # the healthy direction arrived; its own send was refused by the kernel
+        _assert_bytes(received, _bytes(peer, 51, 64 * KiB), "the healthy direction")
+        with pytest.raises(pydatacopy.Error, match="setup_send_recv"):
+            pydatacopy.check_errors()
+    else:
+        assert int(received.count_nonzero()) == 0, "the refused channel delivered data"
 
 
 # ---- 4. the grid fits the PEs sharing this GPU -----------------------------------------------
