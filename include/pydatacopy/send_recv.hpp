@@ -103,8 +103,9 @@ class SendRecvEngine {
   std::size_t chunk_bytes() const { return chunk_bytes_; }
   int num_chunks() const { return num_chunks_; }
   int blocks() const { return blocks_; }
-  // Blocks of a launch at most: what can be resident at once for this PE (its MPS share, and
-  // at most 1/K of the GPU with K PEs on it).
+  // Blocks of a launch at most: what can be resident at once (an MPS share, and at most 1/K of
+  // a GPU with K PEs on it), the smallest over every PE (agreed at init, so that both sides of a
+  // message cut it alike).
   int max_grid() const { return resident_blocks_; }
   // Slices a message of `bytes` moves on: <= blocks(), <= pages, <= kMaxSlicesPerBlock x max_grid().
   int slices_for(std::size_t bytes) const {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <exception>
 #include <utility>
+#include <vector>
 
 #include "device_status.cuh"
 #include "kernels/api.cuh"
@@ -70,6 +71,24 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   const int pes = n_pes();
   const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);
   ChannelOrder order(2 * pes);  // local, before anything collective can need undoing
+  // Both sides of a message must cut it into the same slices: every PE must ask for the same
+  // `blocks`, and all take the smallest grid cap (PEs with different SM shares, e.g. other MPS
+  // percentages, would otherwise cut messages differently: false size mismatches or stalls).
+  // Voted before anything is allocated, so that a refusal leaves nothing to undo on any PE.
+  const int my_cap = kernels::chunk_batch_resident_blocks(pes_sharing_my_gpu());
+  const std::vector<uint64_t> votes = barrier_all_blocking(
+      "SendRecvEngine.init (collective: every PE must set up send/recv)", default_timeout_seconds(),
+      (static_cast<uint64_t>(blocks) << 32) | static_cast<uint32_t>(my_cap));
+  int grid_cap = my_cap;
+  for (std::size_t pe = 0; pe < votes.size(); ++pe) {
+    PDC_REQUIRE(static_cast<int>(votes[pe] >> 32) == blocks,
+                "SendRecvEngine.init: PE " << pe << " set up send/recv with blocks=" << (votes[pe] >> 32)
+                                           << " and this PE with blocks=" << blocks
+                                           << "; every PE must use the same settings "
+                                              "(PYDATACOPY_SEND_BLOCKS, setup_send_recv's arguments). "
+                                              "Nothing was allocated on any PE");
+    grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & 0xffffffffu));
+  }
   page_bytes_ = page_bytes_for(chunk_bytes);
   chunk_bytes = chunk_bytes_for(chunk_bytes);
   // Per channel (send to / receive from each PE): the next chunk's sequence number, the time
@@ -100,7 +119,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   filled_ = progress_ + 2 * pes;
   done_ = reinterpret_cast<unsigned int*>(filled_ + pes * pages_per_peer);
   failed_ = done_ + 2 * pes;
-  resident_blocks_ = kernels::chunk_batch_resident_blocks(pes_sharing_my_gpu());
+  resident_blocks_ = std::max(1, grid_cap);
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
