@@ -30,8 +30,10 @@
 // receiver at once, the sender at its next send to that peer. A refused channel (one direction
 // between two PEs) moves nothing until setup_send_recv() rebuilds all channels on every PE; a
 // later call on it is still launched (the kernel refuses it at both ends, so that an op of the
-// same pair on the healthy channel meets its peer's) and raises after the launch. Nothing is
-// resynchronised in place. Sends of a message that fits in the staging complete
+// same pair on the healthy channel meets its peer's), and the refusal is reported by that call
+// (when the record is already on the host) or by the next call with that PE or check_errors().
+// The record is per peer, not per direction: a call that reports it has still launched its
+// other ops, which ran, so do not retry it. Nothing is resynchronised in place. Sends of a message that fits in the staging complete
 // before the receiver looks, so the sender learns of a mismatch one call later.
 //
 // An empty message moves one header-only chunk (one page, no data, header checked, credit

@@ -295,8 +295,10 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   // Check the arguments before any sequence number moves.
   timeout_nanoseconds(timeout_seconds);
   for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
-  // A peer that timed out or mismatched refuses its own ops only: the others launch (their
-  // peers wait for them), and the first refusal is raised after the launch.
+  // A peer that timed out has its ops left out; a peer with a size-mismatch record has them
+  // launched (the kernel refuses the broken channel, the healthy direction runs). Every other op
+  // launches (its peer waits for it), and the first refusal is raised after the launch: the
+  // call that raises has still launched the rest of its ops, so it must not be retried.
   std::exception_ptr refused;
   kernels::ChunkBatch launch{};
   launch.max_grid = resident_blocks_;

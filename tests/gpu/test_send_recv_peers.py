@@ -164,7 +164,7 @@ def test_group_launches_the_live_peers_ops_and_then_raises(world, peer, fresh_ch
     pydatacopy.check_errors()
 
 
-def test_the_healthy_direction_of_a_mismatched_pair_still_meets_its_peer(world, peer, fresh_channels):
+def test_the_healthy_direction_of_a_mismatched_pair_still_meets_its_peer(world, peer, path, fresh_channels):
     """A mismatch on the channel rank 0 -> rank 1, then a sendrecv of the same pair before either
     looked: rank 1 (which holds the record) must still launch its send on the healthy channel
     rank 1 -> rank 0, which rank 0 (which has not heard yet) receives. Before 2026-12-01 15:58
