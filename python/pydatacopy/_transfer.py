@@ -285,8 +285,10 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
 
     dsts[i] (symmetric) receives srcs[i] (a list or tuple each); each pair is checked as in
     ``put``, in one pass in the native layer (no Python loop per row). Visibility as in ``put``;
-    the lists and the tensors may be dropped as soon as this returns (the table of addresses
-    travels in the launch itself), and the call can be captured in a CUDA graph. ``path``: auto
+    the lists may be dropped as soon as this returns (the table of addresses travels in the
+    launch itself), the tensors as for any stream-ordered call. The call can be captured in a
+    CUDA graph; a replay reads the addresses given at capture, so keep those tensors alive while
+    the graph replays. ``path``: auto
     or sm (one kernel's direct stores where the peer is reachable, NVSHMEM RMA where it is
     not), or rma. For pools with device-side indices, ``put_blocks`` needs no host work per row.
     """
