@@ -46,6 +46,17 @@ void finalize(bool end_nvshmem = true);
 // check_device_errors() when it times out. Does not quiet (transfer.hpp's barrier() does).
 void enqueue_barrier(cudaStream_t stream, double timeout_seconds);
 
+// Host-blocking, with no peer of its own: returns only once every piece of work enqueued on
+// `stream` before the call has finished on the GPU, then throws the timeout a device-side wait
+// reported (check_timeouts). Any handle works: a created stream, the legacy default stream (0,
+// torch's default stream), cudaStreamPerThread. The one way the blocking calls (barrier,
+// signal_wait, DoubleBufferManager::wait with blocking=true) wait, so that the host work after
+// them runs after the wait is over on the GPU. Callers release the GIL around it.
+void wait_for_stream(cudaStream_t stream);
+// Throws when `stream` is being captured into a CUDA graph: `what` blocks, and a capture has no
+// work to wait for. Called before anything is enqueued.
+void refuse_blocking_capture(cudaStream_t stream, const char* what);
+
 // Host-blocking collective barrier with a deadline: returns once every PE arrived, else throws
 // TimeoutError naming `what` and the missing PE. Runs before NVSHMEM's own collectives
 // (nvshmem_malloc, nvshmem_free, finalize), which have no deadline. Every PE contributes `vote`
@@ -109,6 +120,11 @@ void check_size_mismatch(int pe);
 void check_size_mismatch();
 // Forgets an unreported size mismatch (SendRecvEngine::init: the channels start afresh).
 void clear_size_mismatch();
+// Whether a size mismatch with `pe` is recorded or was reported since the channels were last
+// rebuilt (SendRecvEngine::check_refusals reports the sender's side only when neither holds), and
+// the way to say one was.
+bool size_mismatch_known(int pe);
+void note_size_mismatch_reported(int pe);
 // check_timeouts(), check_size_mismatch(), then the bad input a kernel found on the device (an
 // index out of range), which is reported once and cleared.
 void check_device_errors();

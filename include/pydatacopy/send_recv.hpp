@@ -27,7 +27,12 @@
 // memory holding the other side's bytes + 1), and records the sizes. The sender reads its word
 // when it waits for a credit and at the start of every launch on the channel, so both PEs raise
 // pydatacopy.Error (at their next send/recv, or check_errors() after the stream's work): the
-// receiver at once, the sender at its next send to that peer. A refused channel (one direction
+// receiver at once, the sender at its next send to that peer or at its check_errors() once the
+// receiver has looked (check_refusals() reads the word from the host). The receiver checks a
+// slice's header as soon as the page that guards it has landed, before waiting for the slice's
+// other pages: a sender that cut a smaller message never fills those. A slice whose header is
+// stale (the sender cut fewer slices: another size) leaves the verdict to slice 0, whose header
+// the sender writes with every chunk; the others give up once the channel has failed. A refused channel (one direction
 // between two PEs) moves nothing until setup_send_recv() rebuilds all channels on every PE; a
 // later call on it is still launched (the kernel refuses it at both ends, so that an op of the
 // same pair on the healthy channel meets its peer's), and the refusal is reported by that call
@@ -142,6 +147,13 @@ class SendRecvEngine {
   void sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
                 std::size_t recv_bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
 
+  // Local, host-blocking only on a copy of a few words (on a stream of its own, never behind the
+  // caller's work): throws pydatacopy.Error, once per channel, when a receiver has refused one of
+  // this PE's send channels since the last look (a size mismatch it found after this PE's send
+  // had completed: a send that fits in the staging does not wait for its receiver).
+  // check_errors() calls it, so the sender hears of a mismatch without a further send.
+  void check_refusals();
+
  private:
   void require_ready(const char* what, int pe) const;       // the call's own arguments
 
@@ -166,6 +178,12 @@ class SendRecvEngine {
   // Channels [2][n_pes] as sequences_: a launch waits for the channel's last one, on any stream.
   ChannelOrder order_;
   unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
+  // check_refusals(): pinned copy of the send channels' refusal words, the stream that copies
+  // them (non-blocking: it never waits for the legacy default stream's work), and the channels
+  // already reported.
+  uint64_t* refusals_host_ = nullptr;
+  cudaStream_t refusal_stream_ = nullptr;
+  std::vector<char> refusal_reported_;
 };
 
 }  // namespace pydatacopy

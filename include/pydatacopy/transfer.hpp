@@ -34,13 +34,17 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
 // quiets first).
 void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream);
 // Stream-ordered wait until the local symmetric `signal` is >= value; a timeout is reported by
-// check_device_errors().
-void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds);
+// check_device_errors(). blocking: also waits on the host until the stream's work is done
+// (wait_for_stream) and throws a timeout here.
+void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds,
+                 bool blocking = false);
 // Completes this PE's outstanding puts on `stream` (delivered at the peers).
 void quiet(cudaStream_t stream);
 // quiet + all PEs reach the barrier (stream-ordered, collective); a PE that does not arrive
-// within timeout_seconds is reported by check_device_errors() as a TimeoutError.
-void barrier(cudaStream_t stream, double timeout_seconds);
+// within timeout_seconds is reported by check_device_errors() as a TimeoutError. blocking: also
+// waits on the host until the barrier is over on the GPU (wait_for_stream), raising a timeout
+// here; a PE may then exit while its peers finish (they have all arrived).
+void barrier(cudaStream_t stream, double timeout_seconds, bool blocking = false);
 
 // Many puts to one PE in one kernel launch (descriptors in host memory; every dst checked).
 struct TransferDescriptor {

@@ -191,11 +191,9 @@ class DoubleBufferManager:
         handle = stream_handle(stream, _C.cuda_device())
         if blocking:
             refuse_capture("DoubleBufferManager.wait(blocking=True)", handle)
-        self._core.wait(round_, src, handle, timeout_seconds(timeout))
+        # blocking: the core waits on the raw handle, with the GIL released (_C.wait_for_stream).
+        self._core.wait(round_, src, handle, timeout_seconds(timeout), blocking)
         self._consumer[round_ % 2] = _owned_stream(stream)
-        if blocking:
-            torch.cuda.ExternalStream(handle).synchronize()
-            _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
         return self._recv[round_ % 2]
 
     # ---- helpers ------------------------------------------------------------------------------

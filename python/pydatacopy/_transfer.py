@@ -250,10 +250,8 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
     handle = _stream(stream)
     if blocking:
         refuse_capture("signal_wait(blocking=True)", handle)
-    _C.signal_wait(signal.data_ptr(), value, handle, timeout_seconds(timeout))
-    if blocking:
-        torch.cuda.ExternalStream(handle).synchronize()
-        _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
+    # blocking: the core waits on the raw handle, with the GIL released (_C.wait_for_stream).
+    _C.signal_wait(signal.data_ptr(), value, handle, timeout_seconds(timeout), blocking)
 
 
 def quiet(*, stream=None) -> None:
@@ -273,10 +271,8 @@ def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False
     handle = _stream(stream)
     if blocking:
         refuse_capture("barrier(blocking=True)", handle)
-    _C.barrier(handle, timeout_seconds(timeout))
-    if blocking:
-        torch.cuda.ExternalStream(handle).synchronize()
-        _C.check_timeouts()  # a bad index of another call is check_errors()'s to report
+    # blocking: the core waits on the raw handle, with the GIL released (_C.wait_for_stream).
+    _C.barrier(handle, timeout_seconds(timeout), blocking)
 
 
 def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,
@@ -378,6 +374,13 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     engine = _C.SendRecvEngine()
     engine.init(chunk_bytes, num_chunks, blocks)
     _engine = engine
+
+
+def check_send_recv_refusals() -> None:
+    """A size mismatch a receiver found after this PE's send had completed (check_errors())."""
+    engine = _engine
+    if engine is not None:
+        engine.check_refusals()
 
 
 def teardown_send_recv() -> None:

@@ -284,11 +284,17 @@ PYBIND11_MODULE(_C, m) {
            py::arg("dst_pe"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("wait",
            [](DoubleBufferManager& self, int64_t round, int src_pe, std::uintptr_t stream,
-              double timeout) {
-             std::lock_guard<std::mutex> lock(g_token_exchange_mutex);
-             self.wait(round, src_pe, as_stream(stream), timeout);
+              double timeout, bool blocking) {
+             if (blocking) refuse_blocking_capture(as_stream(stream), "DoubleBufferManager.wait(blocking=True)");
+             {
+               std::lock_guard<std::mutex> lock(g_token_exchange_mutex);
+               self.wait(round, src_pe, as_stream(stream), timeout);
+             }
+             // Outside the lock: another thread's exchange() need not wait for this host wait.
+             if (blocking) wait_for_stream(as_stream(stream));
            },
-           py::arg("round"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
+           py::arg("round"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"),
+           py::arg("blocking") = false, release_gil())
       .def_static("symmetric_bytes_needed", &DoubleBufferManager::symmetric_bytes_needed,
                   py::arg("n_tokens"), py::arg("token_size"), py::arg("n_pes"))
       .def_static("default_dst_pe", &DoubleBufferManager::default_dst_pe, py::arg("pe"),
@@ -314,12 +320,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("signal_set", [](std::uintptr_t signal, uint64_t value, int pe, std::uintptr_t stream) {
           signal_set(as_pointer<uint64_t>(signal), value, pe, as_stream(stream));
         }, py::arg("signal"), py::arg("value"), py::arg("pe"), py::arg("stream"), release_gil());
-  m.def("signal_wait", [](std::uintptr_t signal, uint64_t value, std::uintptr_t stream, double timeout) {
-          signal_wait(as_pointer<const uint64_t>(signal), value, as_stream(stream), timeout);
-        }, py::arg("signal"), py::arg("value"), py::arg("stream"), py::arg("timeout"), release_gil());
+  m.def("signal_wait", [](std::uintptr_t signal, uint64_t value, std::uintptr_t stream, double timeout,
+                          bool blocking) {
+          signal_wait(as_pointer<const uint64_t>(signal), value, as_stream(stream), timeout, blocking);
+        }, py::arg("signal"), py::arg("value"), py::arg("stream"), py::arg("timeout"),
+        py::arg("blocking") = false, release_gil());
   m.def("quiet", [](std::uintptr_t stream) { quiet(as_stream(stream)); }, py::arg("stream"), release_gil());
-  m.def("barrier", [](std::uintptr_t stream, double timeout_seconds) { barrier(as_stream(stream), timeout_seconds); },
-        py::arg("stream"), py::arg("timeout_seconds"), release_gil());
+  m.def("barrier", [](std::uintptr_t stream, double timeout_seconds, bool blocking) {
+          barrier(as_stream(stream), timeout_seconds, blocking);
+        }, py::arg("stream"), py::arg("timeout_seconds"), py::arg("blocking") = false, release_gil());
+  m.def("wait_for_stream", [](std::uintptr_t stream) { wait_for_stream(as_stream(stream)); },
+        py::arg("stream"), release_gil(),
+        "Host-blocking: returns once the work enqueued on the stream has finished, then raises a "
+        "device-side timeout (the blocking calls wait this way).");
+  m.def("peer_timed_out", &peer_timed_out, py::arg("pe"),
+        "True once a device-side wait on PE `pe` has timed out (the PE is presumed dead).");
   m.def("put_many", [](const std::vector<std::uintptr_t>& dsts, const std::vector<std::uintptr_t>& srcs,
                        const std::vector<std::size_t>& bytes, int pe, std::uintptr_t stream, int path) {
           PDC_REQUIRE(dsts.size() == srcs.size() && srcs.size() == bytes.size(),
@@ -415,6 +430,11 @@ PYBIND11_MODULE(_C, m) {
            "slices (per-op block slots) a message of `bytes` moves on")
       .def_static("symmetric_bytes_needed", &SendRecvEngine::symmetric_bytes_needed, py::arg("n_pes"),
                   py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"))
+      .def("check_refusals", [](SendRecvEngine& self) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+             self.check_refusals();
+           }, release_gil(),
+           "Raise, once per channel, a size mismatch a receiver found after this PE's send completed.")
       .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,
                       std::uintptr_t stream, double timeout) {
              std::lock_guard<std::mutex> lock(g_send_recv_mutex);

@@ -371,6 +371,12 @@ void finalize(bool end_nvshmem) {
   // bounded barrier first, so that a dead or absent one gives TimeoutError, not a hang.
   bool peers_here = !peer_failed();
   std::string error;
+  // This PE's own queued work first (every device-side wait has a deadline, so this ends): once
+  // every PE has passed the barrier below, no PE has work in flight that writes into another's
+  // heap, so each may free it and exit. A PE whose stream-ordered work (a barrier, a send) still
+  // targeted a peer that left after the barrier would otherwise fault on the freed heap.
+  if (peers_here) cudaDeviceSynchronize();
+  if (peers_here && peer_failed()) peers_here = false;  // that work timed out on a peer
   if (peers_here) {
     try {
       barrier_all_blocking("finalize", default_timeout_seconds());
@@ -405,6 +411,20 @@ void finalize(bool end_nvshmem) {
 bool is_initialized() { return state().initialized; }
 
 bool owns_nvshmem() { return state().owns_nvshmem; }
+
+void wait_for_stream(cudaStream_t stream) {
+  // The raw handle, synchronised here: torch.cuda.ExternalStream(handle).synchronize() returned
+  // at once for torch's default stream (handle 0) while the barrier enqueued there still waited.
+  PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
+  check_timeouts();  // this call's own wait, if it timed out (a bad index is check_errors()'s)
+}
+
+void refuse_blocking_capture(cudaStream_t stream, const char* what) {
+  PDC_REQUIRE(capture_id(stream) == 0,
+              what << " blocks (it waits on the host until the GPU is done), so it cannot be "
+                      "captured in a CUDA graph: call it before or after the capture, or use "
+                      "blocking=False inside it");
+}
 
 unsigned long long capture_id(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -516,7 +536,18 @@ namespace {
 // PEs with a mismatch record of their own (beyond kTrackedPes they share the last one).
 int tracked_mismatch_records() { return std::min(state().n_pes, detail::kTrackedPes); }
 
+// PEs whose size mismatch was reported since the channels were last rebuilt.
+std::vector<char>& mismatch_reported() {
+  static std::vector<char> reported(detail::kTrackedPes, 0);
+  return reported;
+}
+std::mutex& mismatch_reported_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
 void throw_size_mismatch(detail::ErrorRecord& r) {
+  note_size_mismatch_reported(r.peer);
   const auto why = static_cast<detail::WaitOp>(r.op);
   std::ostringstream text;
   if (why == detail::WaitOp::kChunkArrival)
@@ -540,7 +571,26 @@ void throw_size_mismatch(detail::ErrorRecord& r) {
 }
 }  // namespace
 
+void note_size_mismatch_reported(int pe) {
+  std::lock_guard<std::mutex> lock(mismatch_reported_mutex());
+  mismatch_reported()[detail::tracked_pe_index(pe)] = 1;
+}
+
+bool size_mismatch_known(int pe) {
+  {
+    std::lock_guard<std::mutex> lock(mismatch_reported_mutex());
+    if (mismatch_reported()[detail::tracked_pe_index(pe)]) return true;
+  }
+  const detail::DeviceStatus* status = state().status_host;
+  return status != nullptr &&
+         __atomic_load_n(&status->mismatch[detail::tracked_pe_index(pe)].code, __ATOMIC_ACQUIRE) != 0;
+}
+
 void clear_size_mismatch() {
+  {
+    std::lock_guard<std::mutex> lock(mismatch_reported_mutex());
+    std::fill(mismatch_reported().begin(), mismatch_reported().end(), 0);
+  }
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
   for (int i = 0; i < tracked_mismatch_records(); ++i) {

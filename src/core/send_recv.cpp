@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -125,6 +126,10 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   blocks_ = blocks;
   n_pes_ = pes;
   symmetric_bytes_ = total;
+  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&refusals_host_), pes * sizeof(uint64_t),
+                               cudaHostAllocDefault));
+  PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&refusal_stream_, cudaStreamNonBlocking));
+  refusal_reported_.assign(pes, 0);
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   clear_size_mismatch();  // about channels that no longer exist
   // Nobody signals into memory a peer has not zeroed yet.
@@ -149,6 +154,9 @@ void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
   swap(resident_blocks_, other.resident_blocks_);
   swap(order_, other.order_);
   swap(done_, other.done_);
+  swap(refusals_host_, other.refusals_host_);
+  swap(refusal_stream_, other.refusal_stream_);
+  swap(refusal_reported_, other.refusal_reported_);
 }
 
 SendRecvEngine SendRecvEngine::detach() noexcept {
@@ -168,6 +176,35 @@ void SendRecvEngine::cleanup() {
   sequences_ = progress_ = filled_ = nullptr;
   done_ = failed_ = nullptr;
   order_ = ChannelOrder();  // local events; nothing depends on them
+  if (refusal_stream_ != nullptr) cudaStreamDestroy(refusal_stream_);  // local; nothing queued on it
+  if (refusals_host_ != nullptr) cudaFreeHost(refusals_host_);
+  refusal_stream_ = nullptr;
+  refusals_host_ = nullptr;
+  refusal_reported_.clear();
+}
+
+void SendRecvEngine::check_refusals() {
+  if (base_ == nullptr) return;
+  PDC_CHECK_CUDA(cudaMemcpyAsync(refusals_host_, broken(true, 0), n_pes_ * sizeof(uint64_t),
+                                 cudaMemcpyDeviceToHost, refusal_stream_));
+  PDC_CHECK_CUDA(cudaStreamSynchronize(refusal_stream_));
+  for (int peer = 0; peer < n_pes_; ++peer) {
+    const uint64_t word = refusals_host_[peer];
+    if (word == 0 || refusal_reported_[peer]) continue;
+    refusal_reported_[peer] = 1;
+    // The device may have recorded it too (this PE's send waited for a credit and read the
+    // word): that record is then the one to report, with this call's size.
+    if (size_mismatch_known(peer)) continue;
+    note_size_mismatch_reported(peer);
+    std::ostringstream text;
+    text << "send from PE " << my_pe() << " to PE " << peer << ": the receiver expected " << word - 1
+         << " bytes for a message this PE sent with another size (found by the receiver after this "
+            "PE's send had completed). Both sides must move the same number of bytes, in the same "
+            "order, per pair of PEs. Nothing more was delivered on this channel, and every later "
+            "send on it is refused and raises: call pydatacopy.setup_send_recv() on every PE to "
+            "rebuild the channels.";
+    throw Error(text.str());
+  }
 }
 
 uint8_t* SendRecvEngine::staging(int src_pe) const {

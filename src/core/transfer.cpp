@@ -118,12 +118,15 @@ void signal_set(uint64_t* signal, uint64_t value, int pe, cudaStream_t stream) {
   nvshmemx_signal_op_on_stream(signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
 }
 
-void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds) {
+void signal_wait(const uint64_t* signal, uint64_t value, cudaStream_t stream, double timeout_seconds,
+                 bool blocking) {
   require_initialized("signal_wait");
   check_timeouts();
   require_symmetric(signal, sizeof(uint64_t), "signal_wait: signal");
+  if (blocking) refuse_blocking_capture(stream, "signal_wait(blocking=True)");
   kernels::launch_signal_wait(signal, value, my_pe(), timeout_nanoseconds(timeout_seconds),
                               detail::device_status(), stream);
+  if (blocking) wait_for_stream(stream);
 }
 
 void quiet(cudaStream_t stream) {
@@ -131,12 +134,14 @@ void quiet(cudaStream_t stream) {
   nvshmemx_quiet_on_stream(stream);
 }
 
-void barrier(cudaStream_t stream, double timeout_seconds) {
+void barrier(cudaStream_t stream, double timeout_seconds, bool blocking) {
   require_initialized("barrier");
   check_timeouts();
   timeout_nanoseconds(timeout_seconds);  // validate before anything is enqueued
+  if (blocking) refuse_blocking_capture(stream, "barrier(blocking=True)");
   nvshmemx_quiet_on_stream(stream);
   enqueue_barrier(stream, timeout_seconds);
+  if (blocking) wait_for_stream(stream);
 }
 
 void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStream_t stream,

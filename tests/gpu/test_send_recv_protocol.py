@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -174,6 +175,77 @@ def test_size_mismatch_reaches_the_sender(world, peer, path, fresh_channels):
     outcome.agree("the sender's refusal")
     pydatacopy.setup_send_recv()
     _exchange_is_exact(outcome, rank, peer, 20, [4 * MiB, 4 * KiB])
+    outcome.agree("the exchanges after setup_send_recv")
+
+
+# ---- a mismatch either way is an Error on both PEs at once, never a timeout (issue 23) -------
+# Old code: a recv larger than the send it met (4 MiB into 8 MiB, default 8 MiB chunks) waited
+# for the pages of its first chunk that the sender never fills before reading any header: a
+# TimeoutError after the full timeout, the peer marked dead, the pair refused for good (also
+# after setup_send_recv()). And a sender whose send had completed heard nothing at check_errors().
+
+MISMATCH_TIMEOUT_S = 60.0
+
+
+@pytest.mark.parametrize("form", ["send_recv", "sendrecv", "group"])
+@pytest.mark.parametrize("larger", ["recv", "send"])
+def test_a_size_mismatch_either_way_raises_on_both_pes_before_the_timeout(world, peer, path, form,
+                                                                          larger, fresh_channels):
+    """PE 0 sends, PE 1 receives, one of them with twice the bytes of the other; in the sendrecv
+    and group forms the other direction (PE 1 -> PE 0, 1 MiB + 3) is healthy and must arrive."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    send_bytes, recv_bytes = (4 * MiB, 8 * MiB) if larger == "recv" else (8 * MiB, 4 * MiB)
+    healthy = MiB + 3
+    got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
+    back = torch.zeros(healthy, dtype=torch.uint8, device="cuda")
+    outgoing = _bytes(rank, 30, send_bytes if rank == 0 else healthy)
+    torch.cuda.synchronize()
+    begin = time.monotonic()
+    with outcome.check(f"the mismatched {form}"):
+        if form == "send_recv":
+            if rank == 0:
+                pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+            else:
+                pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
+        elif form == "sendrecv":
+            if rank == 0:
+                pydatacopy.sendrecv(outgoing, peer, back, peer, timeout=MISMATCH_TIMEOUT_S)
+            else:
+                pydatacopy.sendrecv(outgoing, peer, got, peer, timeout=MISMATCH_TIMEOUT_S)
+        else:
+            with pydatacopy.group():
+                if rank == 0:
+                    pydatacopy.recv(back, peer, timeout=MISMATCH_TIMEOUT_S)
+                    pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+                else:
+                    pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+                    pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    elapsed = time.monotonic() - begin
+    with outcome.check("the calls' duration"):
+        assert elapsed < MISMATCH_TIMEOUT_S, (f"the mismatched calls took {elapsed:.1f} s, the "
+                                              f"whole {MISMATCH_TIMEOUT_S:.0f} s timeout")
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors",
+                                  rf"sender's message is {send_bytes} bytes but this recv expected {recv_bytes}"):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
+    outcome.agree("the receiver's refusal")  # the receiver told the sender before this
+    if rank == 0:
+        with outcome.expect_error("the sender's check_errors", rf"receiver expected {recv_bytes} bytes"):
+            pydatacopy.check_errors()
+        with outcome.check("check_errors says it once"):
+            pydatacopy.check_errors()
+        if form != "send_recv":
+            with outcome.check("the healthy direction"):
+                _assert_bytes(back, _bytes(peer, 30, healthy), "the healthy direction")
+    with outcome.check("no peer marked dead"):
+        assert not pydatacopy._C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
+    outcome.agree("the sender's refusal")
+    pydatacopy.setup_send_recv()
+    _exchange_is_exact(outcome, rank, peer, 40, [8 * MiB, 4 * MiB, 4 * KiB])
     outcome.agree("the exchanges after setup_send_recv")
 
 

@@ -9,9 +9,11 @@ Starts worker processes (not under torchrun, whose agent would end the survivor 
   raise TimeoutError naming the operation and PE 1, then finalize() without waiting for it;
 - absent-init: only rank 0 of 2 starts; init_nvshmem must raise TimeoutError and the
   interpreter must then exit normally (NVSHMEM's bootstrap thread is left waiting);
-- init-after-finalize: one PE inits, finalizes twice, inits again: a clear pydatacopy.Error.
+- init-after-finalize: one PE inits, finalizes twice, inits again: a clear pydatacopy.Error;
+- late-exit / late-finalize: PE 0 calls barrier(blocking=True) and exits at once (or after
+  finalize()) while PE 1 arrives 2 s late: both must exit 0, PE 1 without an error.
 Prints one line per scenario; exits non-zero on failure. `--only NAME` runs one scenario (its
-mode name: kill, no-finalize, absent-barrier, absent-alloc, absent-init, init-after-finalize):
+mode name: kill, no-finalize, late-exit, late-finalize, absent-barrier, absent-alloc, absent-init, init-after-finalize):
 on one GPU under CUDA MPS, scripts/gpu-check.sh restarts MPS between them, as a killed client
 can leave MPS refusing the next one.
 """
@@ -78,6 +80,25 @@ if mode.startswith("absent-"):
         print("FINALIZED", flush=True)
         os._exit(3)
     os._exit(1)
+if mode.startswith("late-"):
+    # PE 1 arrives 2 s late. PE 0 leaves as soon as its blocking barrier returns: at once
+    # (late-exit) or after finalize() (late-finalize). PE 1 must finish without an error (old
+    # code: PE 0's barrier did not block, PE 0 exited, and PE 1's barrier signal went to the heap
+    # of a process that had gone: cudaErrorIllegalAddress on PE 1).
+    if rank == 1:
+        time.sleep(2.0)
+    begin = time.time()
+    pydatacopy.barrier(blocking=True, timeout=timeout * 4)
+    print(f"BARRIER after {time.time() - begin:.1f} s", flush=True)
+    if mode == "late-finalize":
+        pydatacopy.finalize()
+    elif rank == 0:
+        sys.exit(0)  # at once, without finalize()
+    if rank == 1:
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+        print("DONE", flush=True)
+    sys.exit(0)
 if mode == "no-finalize":
     pydatacopy.sendrecv(outgoing, 1 - rank, incoming, 1 - rank, timeout=timeout)
     torch.cuda.synchronize()
@@ -127,6 +148,13 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
             return ok, (f"PE 0 raised after {waited:.1f} s (timeout {timeout:.0f} s), exit code "
                         f"{procs[0].returncode}, process done {elapsed:.1f} s after start; "
                         + " | ".join(lines)[:500])
+        if mode.startswith("late-"):
+            outputs = [p.communicate(timeout=timeout * 4 + 60)[0] for p in procs]
+            codes = [p.returncode for p in procs]
+            ok = codes == [0, 0] and "DONE" in outputs[1]
+            said = [" | ".join(l for l in out.splitlines() if l.startswith(("BARRIER", "DONE")) or "Error" in l)[:300]
+                    for out in outputs]
+            return ok, f"exit codes {codes}; PE 0: {said[0]}; PE 1: {said[1]}"
         # Wait for PE 1 to be mid-transfer.
         line = ""
         deadline = time.time() + 120
@@ -164,6 +192,8 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
 
 
 SCENARIOS = [("kill", "kill PE 1 mid-transfer"), ("no-finalize", "exit without finalize()"),
+             ("late-exit", "exit after a barrier, peer late"),
+             ("late-finalize", "finalize after a barrier, peer late"),
              ("absent-barrier", "PE 1 skips barrier()"), ("absent-alloc", "PE 1 skips empty()"),
              ("absent-init", "rank 1 never starts"), ("init-after-finalize", "init after finalize()")]
 

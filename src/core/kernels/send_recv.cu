@@ -149,36 +149,59 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   }
 }
 
-// Chunk i of a recv, from the slice's pages of its slot (whose arrivals are in). Returns false
-// (for every thread) when the sender cut another message: nothing is copied out then.
-__device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
+// The header of slice `slice` in chunk i, checked as soon as the page that guards it (page
+// `slice`, whose arrival the sender signals after writing the header) has landed, before the
+// slice waits for the rest of its pages: a sender that cut a smaller message never fills those,
+// so waiting for them first turned a size mismatch into a timeout. Returns kHeaderNotYet (the
+// header page has not landed, or the header is stale in a slice the sender does not drive:
+// slice 0 decides then), kHeaderOk, or kHeaderMismatch (the channel is refused at both ends and
+// the mismatch recorded). All threads of the block must call; thread 0 reads.
+constexpr int kHeaderNotYet = 0, kHeaderOk = 1, kHeaderMismatch = 2;
+__device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
+  const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
+  __shared__ int verdict;
+  if (threadIdx.x == 0) {
+    verdict = kHeaderNotYet;
+    if (detail::load_acquire_sys(a.arrivals + signals + slice) >= k + 1) {
+      // Written before that arrival signal (a fence on either path).
+      const volatile SlotHeader* h = a.headers + signals + slice;
+      const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
+      if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i)) {
+        verdict = kHeaderOk;
+      } else if (sequence == k + 1 || slice == 0) {
+        // A fresh header with other sizes, or a stale header 0 (which the sender's slice 0
+        // writes with every chunk): the sides disagree. A stale header in another slice only
+        // says that the sender cut fewer slices (another size): slice 0's header tells by how
+        // much, so that slice reports it.
+        verdict = kHeaderMismatch;
+        // Refuse the channel on both sides: ours, and the sender's, which its waits, its next
+        // launch and its host's check_errors() read (value: our bytes + 1).
+        *reinterpret_cast<volatile uint64_t*>(a.broken) = bytes + 1;
+        if (a.peer_broken != nullptr) {
+          __threadfence_system();
+          store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+        } else {
+          nvshmemx_signal_op(a.remote_broken, static_cast<uint64_t>(a.bytes) + 1, NVSHMEM_SIGNAL_SET, a.peer);
+          nvshmem_quiet();  // delivered by the time this launch ends (the sender may look next)
+        }
+        refuse(a, detail::WaitOp::kChunkArrival, bytes);
+      }
+    }
+  }
+  __syncthreads();
+  const int result = verdict;
+  __syncthreads();  // `verdict` is rewritten by the next call
+  return result;
+}
+
+// Chunk i of a recv, from the slice's pages of its slot (whose arrivals are in and whose header
+// check_header() accepted).
+__device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
   const int64_t slot = static_cast<int64_t>(k % a.num_slots);
   const int64_t signals = slot * a.pages;
   const int64_t length = chunk_length(a, i);
   const int pages = data_pages(a, i);
-  if (slice >= pages) return true;  // no page of this chunk: nothing to check or copy
-  __shared__ int mismatch;
-  if (threadIdx.x == 0) {
-    // Written before the arrival signal this slice acquired (a fence on either path).
-    const volatile SlotHeader* h = a.headers + signals + slice;
-    const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
-    mismatch = sequence != k + 1 || bytes != static_cast<uint64_t>(a.bytes) || index != static_cast<uint64_t>(i);
-    if (mismatch) {
-      // Refuse the channel on both sides: ours, and the sender's, which its next wait or
-      // launch on the channel reads (value: our bytes + 1).
-      *reinterpret_cast<volatile uint64_t*>(a.broken) = bytes + 1;
-      if (a.peer_broken != nullptr) {
-        __threadfence_system();
-        store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
-      } else {
-        nvshmemx_signal_op(a.remote_broken, static_cast<uint64_t>(a.bytes) + 1, NVSHMEM_SIGNAL_SET, a.peer);
-        nvshmem_quiet();  // delivered by the time this launch ends (the sender may look next)
-      }
-      refuse(a, detail::WaitOp::kChunkArrival, bytes);
-    }
-  }
-  __syncthreads();
-  if (mismatch) return false;
+  if (slice >= pages) return;  // no page of this chunk: nothing to check or copy
   for (int p = slice; p < pages; p += a.active_blocks) {
     const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
     if (n > 0)  // an empty message's page carries only its header
@@ -198,7 +221,6 @@ __device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
       nvshmemx_signal_op(a.credits + signals + p, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
     }
   }
-  return true;
 }
 
 // Once the block is done with a slice (or gave up): the last slice of the op's channel in this
@@ -235,6 +257,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ uint64_t first[kCapacity];
   __shared__ uint64_t since[kCapacity];
   __shared__ int64_t next[kCapacity][kMaxSlicesPerBlock];
+  // recv: the header of the slice's next chunk was checked (its page landed before the rest).
+  __shared__ unsigned char header_ok[kCapacity][kMaxSlicesPerBlock];
   if (threadIdx.x == 0) {
     const uint64_t now = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
@@ -244,6 +268,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       // A refused channel moves nothing until setup_send_recv() rebuilds it.
       const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
       if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
+      for (int j = 0; j < kMaxSlicesPerBlock; ++j) header_ok[i][j] = 0;
       for (int j = 0; j < kMaxSlicesPerBlock; ++j)
         next[i][j] = broken == 0 && block + j * grid < a.active_blocks ? 0 : chunk_count(a);
     }
@@ -272,6 +297,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           continue;
         }
         const uint64_t k = first[i] + chunk;
+        // A recv checks its header first, on its own page's arrival (see check_header).
+        if (!send && slice < data_pages(a, chunk) && !header_ok[i][j]) {
+          const int verdict = check_header(a, slice, chunk, k);
+          if (verdict == kHeaderMismatch) {  // nothing is copied out; the channel fails
+            if (threadIdx.x == 0) next[i][j] = chunk_count(a);
+            __syncthreads();
+            continue;
+          }
+          if (verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
+          __syncthreads();
+        }
         if (!slice_ready(a, send, slice, chunk, k)) {
           // A send also reads its refusal word: the receiver found a size mismatch.
           if (send && __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
@@ -298,13 +334,14 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           continue;
         }
-        bool moved = true;
+        if (!send && slice < data_pages(a, chunk) && !header_ok[i][j]) continue;  // header page not in yet
         if (send)
           send_chunk(a, slice, chunk, k);
         else
-          moved = recv_chunk(a, slice, chunk, k);
+          recv_chunk(a, slice, chunk, k);
         if (threadIdx.x == 0) {
-          next[i][j] = moved ? chunk + 1 : chunk_count(a);
+          next[i][j] = chunk + 1;
+          header_ok[i][j] = 0;
           const uint64_t now = detail::globaltimer_ns();
           since[i] = now;
           atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
