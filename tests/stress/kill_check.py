@@ -85,6 +85,8 @@ if mode.startswith("late-"):
     # (late-exit) or after finalize() (late-finalize). PE 1 must finish without an error (old
     # code: PE 0's barrier did not block, PE 0 exited, and PE 1's barrier signal went to the heap
     # of a process that had gone: cudaErrorIllegalAddress on PE 1).
+    # A blocking barrier in step first: the old code waited on the process's first one only.
+    pydatacopy.barrier(blocking=True, timeout=timeout * 4)
     if rank == 1:
         time.sleep(2.0)
     begin = time.time()
