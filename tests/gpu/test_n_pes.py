@@ -10,6 +10,7 @@ transfer, and every check compares bytes. Peers are named relative to this PE: t
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -113,6 +114,50 @@ def test_ring_sendrecv(world, nbytes):
             pydatacopy.sendrecv(outgoing, next_pe, received, prev_pe)
         _assert_bytes(received, _bytes(prev_pe, rank, tag, nbytes),
                       f"iteration {iteration}: PE {rank} from PE {prev_pe}")
+
+
+@pytest.mark.parametrize("larger", ["recv", "send"])
+def test_a_size_mismatch_in_a_ring_is_told_to_that_pair_only(world, larger):
+    """PE 0 -> PE 1 disagree on the size (4 MiB against 8 MiB); every other link of the ring moves
+    4 MiB right. PE 1 (its recv) and PE 0 (check_errors after PE 1 has looked) raise the mismatch
+    well before the timeout; the other PEs hear nothing and get their bytes; after
+    setup_send_recv() on every PE the whole ring is exact again (issue 23)."""
+    rank, n, next_pe, prev_pe = _ring(world)
+    nbytes = 4 * MiB
+    send_bytes = 8 * MiB if (larger == "send" and rank == 0) else nbytes
+    recv_bytes = 8 * MiB if (larger == "recv" and rank == 1) else nbytes
+    outgoing = _bytes(rank, next_pe, 77, send_bytes)
+    received = _cleared(recv_bytes)
+    torch.cuda.synchronize()
+    begin = time.monotonic()
+    pydatacopy.sendrecv(outgoing, next_pe, received, prev_pe, timeout=TIMEOUT_S)
+    torch.cuda.synchronize()
+    if time.monotonic() - begin >= TIMEOUT_S:
+        _FAILURES.append("the ring with a mismatched pair took the whole timeout")
+    dist.barrier()  # PE 1 has looked at PE 0's header (and told PE 0) before anyone checks
+    expected = {1: "sender's message is", 0: "receiver expected"}.get(rank)
+    try:
+        pydatacopy.check_errors()
+        if expected is not None:
+            _FAILURES.append(f"check_errors did not raise the mismatch (expected {expected!r})")
+    except pydatacopy.TimeoutError as error:
+        _FAILURES.append(f"a mismatch reported as a timeout: {error}")
+    except pydatacopy.Error as error:
+        if expected is None or expected not in str(error):
+            _FAILURES.append(f"unexpected error: {error}")
+    if rank != 1:  # every recv but PE 1's (from PE 0) is on a healthy link
+        _assert_bytes(received, _bytes(prev_pe, rank, 77, nbytes), f"PE {rank} from PE {prev_pe}")
+    if rank == 1 and torch.count_nonzero(received).item() != 0:
+        _FAILURES.append("the mismatched recv copied data out")
+    for pe in range(n):
+        if pydatacopy._C.peer_timed_out(pe):
+            _FAILURES.append(f"PE {pe} marked as timed out after a size mismatch")
+    dist.barrier()
+    pydatacopy.setup_send_recv()
+    outgoing = _bytes(rank, next_pe, 78, nbytes)
+    received = _cleared(nbytes)
+    pydatacopy.sendrecv(outgoing, next_pe, received, prev_pe, timeout=TIMEOUT_S)
+    _assert_bytes(received, _bytes(prev_pe, rank, 78, nbytes), f"after setup_send_recv: PE {rank} from PE {prev_pe}")
 
 
 def _shift_batches(n: int) -> list[list[int]]:
