@@ -186,7 +186,8 @@ hostile_wanted() {
     [[ "${RESULT[gpu2-tests]:-}${RESULT[gpu2-tests-rma]:-}" == *FAIL* ]]
 }
 if [ "$ONE_GPU" = 1 ] && hostile_wanted; then step hostile bash scripts/gpu-hostile.sh --no-build; fi
-has "$STEPS" note-test && step note-test timeout 300 torchrun --nproc_per_node=2 examples/note_test.py
+# The design note's test, then the README's example (examples/quickstart.py) as a user runs it.
+has "$STEPS" note-test && step note-test bash -c "timeout 300 torchrun --nproc_per_node=2 examples/note_test.py && timeout 200 torchrun --nproc_per_node=2 examples/quickstart.py"
 if has "$STEPS" stress; then
   step stress timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_ROUNDS:-10000} $STRESS_CAP
   step stress-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 400 torchrun --nproc_per_node=2 tests/stress/stress.py --rounds ${STRESS_RMA_ROUNDS:-3000} --empty-cache-every 25 $STRESS_RMA_CAP

@@ -161,7 +161,7 @@ def _choose_device(rank: int, call: str, world_size: int | None = None) -> int:
             f"LOCAL_RANK={needed - 1} would need device {(needed - 1) // per_gpu}. To run several "
             f"ranks on one GPU, set PYDATACOPY_RANKS_PER_GPU={share} on every rank (with "
             "torch.distributed on gloo: NCCL refuses two ranks on one GPU; CUDA MPS recommended, "
-            f"see the README's 'Several ranks on one GPU'), or pass device= to {call}; otherwise "
+            f"see docs/shared-gpu.md), or pass device= to {call}; otherwise "
             "check CUDA_VISIBLE_DEVICES and torchrun's --nproc_per_node")
     return local // per_gpu
 
@@ -366,8 +366,7 @@ def shared_gpu_verdict(ranks: Sequence[RankInfo], ignore_percentage: bool = Fals
                 f"{names} without CUDA MPS: NVSHMEM runs them time-sliced, right but slow (about "
                 "7 GB/s per direction for a 64 MiB sendrecv on an H200, 135 GB/s under MPS). "
                 "Start MPS (nvidia-cuda-mps-control -d) and give each rank "
-                f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // k}; see the README's 'Several ranks "
-                "on one GPU'")
+                f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // k}; see docs/shared-gpu.md")
             continue
         shares = [ranks[m].thread_percentage for m in members]
         howto = (f"set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={100 // k} (100 / {k} ranks) on each "
