@@ -70,7 +70,9 @@ class DoubleBufferManager {
   int64_t exchange(int dst_pe, int src_pe, cudaStream_t stream, double timeout_seconds);
   // Waits on `stream` until every token of `round` from src_pe has arrived. Stream-ordered: a
   // timeout is reported by check_device_errors() (blocking callers check it for you).
-  void wait(int64_t round, int src_pe, cudaStream_t stream, double timeout_seconds);
+  // blocking: also waits on the host until the wait is over on the GPU (wait_for_stream) and
+  // throws its timeout here; refused while `stream` is being captured.
+  void wait(int64_t round, int src_pe, cudaStream_t stream, double timeout_seconds, bool blocking = false);
 
  private:
   uint64_t* signals(int set) const;

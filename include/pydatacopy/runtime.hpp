@@ -120,11 +120,13 @@ void check_size_mismatch(int pe);
 void check_size_mismatch();
 // Forgets an unreported size mismatch (SendRecvEngine::init: the channels start afresh).
 void clear_size_mismatch();
-// Whether a size mismatch with `pe` is recorded or was reported since the channels were last
-// rebuilt (SendRecvEngine::check_refusals reports the sender's side only when neither holds), and
-// the way to say one was.
-bool size_mismatch_known(int pe);
-void note_size_mismatch_reported(int pe);
+// The refusal of this PE's send channel to `pe` is reported once, by whichever comes first: a
+// device record of this PE's send (check_size_mismatch) or SendRecvEngine::check_refusals (the
+// receiver's word, read from the host). claim_send_refusal_report() returns true to the first
+// caller since the channels were last rebuilt; send_refusal_recorded() says whether such a
+// device record is waiting to be reported (check_refusals then leaves it to that record).
+bool claim_send_refusal_report(int pe);
+bool send_refusal_recorded(int pe);
 // check_timeouts(), check_size_mismatch(), then the bad input a kernel found on the device (an
 // index out of range), which is reported once and cleared.
 void check_device_errors();

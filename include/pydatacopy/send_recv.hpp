@@ -70,6 +70,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -82,6 +83,32 @@ struct ChunkStreamArgs;
 struct SlotHeader;
 }
 
+
+// Reads a few device words from the host (SendRecvEngine::check_refusals): a pinned buffer and
+// a non-blocking stream of its own, so the copy never waits behind the caller's streams. Local;
+// move-only.
+class RefusalPoll {
+ public:
+  RefusalPoll() = default;
+  explicit RefusalPoll(std::size_t words);
+  ~RefusalPoll();
+  RefusalPoll(const RefusalPoll&) = delete;
+  RefusalPoll& operator=(const RefusalPoll&) = delete;
+  RefusalPoll(RefusalPoll&& other) noexcept { *this = std::move(other); }
+  RefusalPoll& operator=(RefusalPoll&& other) noexcept;
+  friend void swap(RefusalPoll& a, RefusalPoll& b) noexcept {
+    std::swap(a.host_, b.host_);
+    std::swap(a.stream_, b.stream_);
+    std::swap(a.words_, b.words_);
+  }
+  // Host-blocking on this copy only: the `words` at `device_words`, in host memory.
+  const uint64_t* read(const uint64_t* device_words);
+
+ private:
+  uint64_t* host_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  std::size_t words_ = 0;
+};
 
 class SendRecvEngine {
  public:
@@ -166,6 +193,7 @@ class SendRecvEngine {
   kernels::SlotHeader* headers(int src_pe) const;
   kernels::SlotHeader* outgoing_headers(int dst_pe) const;
   uint64_t* broken(bool send, int peer) const;
+  uint64_t* refused_bytes(int dst_pe) const;  // send channel: the bytes + 1 its receiver saw
 
   uint8_t* base_ = nullptr;
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
@@ -178,12 +206,8 @@ class SendRecvEngine {
   // Channels [2][n_pes] as sequences_: a launch waits for the channel's last one, on any stream.
   ChannelOrder order_;
   unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
-  // check_refusals(): pinned copy of the send channels' refusal words, the stream that copies
-  // them (non-blocking: it never waits for the legacy default stream's work), and the channels
-  // already reported.
-  uint64_t* refusals_host_ = nullptr;
-  cudaStream_t refusal_stream_ = nullptr;
-  std::vector<char> refusal_reported_;
+  RefusalPoll refusal_poll_;     // check_refusals(): the refusal words, read from the host
+  bool sends_launched_ = false;   // no send, no refusal to look for
 };
 
 }  // namespace pydatacopy

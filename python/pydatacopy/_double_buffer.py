@@ -191,9 +191,10 @@ class DoubleBufferManager:
         handle = stream_handle(stream, _C.cuda_device())
         if blocking:
             refuse_capture("DoubleBufferManager.wait(blocking=True)", handle)
+        # Before the call: a blocking wait that raises its timeout has still enqueued the wait.
+        self._consumer[round_ % 2] = _owned_stream(stream)
         # blocking: the core waits on the raw handle, with the GIL released (_C.wait_for_stream).
         self._core.wait(round_, src, handle, timeout_seconds(timeout), blocking)
-        self._consumer[round_ % 2] = _owned_stream(stream)
         return self._recv[round_ % 2]
 
     # ---- helpers ------------------------------------------------------------------------------

@@ -180,10 +180,11 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
 }
 
 void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
-                               double timeout_seconds) {
+                               double timeout_seconds, bool blocking) {
   require_initialized("wait");
   require_valid_pe(src_pe, "DoubleBufferManager.wait src_pe");
   check_timeouts();
+  if (blocking) refuse_blocking_capture(stream, "DoubleBufferManager.wait(blocking=True)");
   PDC_REQUIRE(round >= 0 && round < next_round_,
               "DoubleBufferManager.wait: round " << round << " has not been exchanged (rounds 0.."
                                                  << next_round_ - 1 << " have)");
@@ -202,6 +203,7 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
                              detail::device_status(), blocks, stream);
   order_.record(waited(set), stream, capture);
   last_waited_round_ = std::max(last_waited_round_, round);
+  if (blocking) wait_for_stream(stream);
 }
 
 double DoubleBufferManager::test_bandwidth(int rank, int world_size, cudaStream_t stream) {

@@ -212,6 +212,7 @@ void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send) {
   } else if (op.peer_credits == nullptr) {
     check_rma_remote(op.credits, signal_bytes, "recv: the sender's credit signals");
     check_rma_remote(op.remote_broken, sizeof(uint64_t), "recv: the sender's refusal word");
+    check_rma_remote(op.remote_refused_bytes, sizeof(uint64_t), "recv: the sender's refused-size word");
   }
 }
 

@@ -375,8 +375,15 @@ void finalize(bool end_nvshmem) {
   // every PE has passed the barrier below, no PE has work in flight that writes into another's
   // heap, so each may free it and exit. A PE whose stream-ordered work (a barrier, a send) still
   // targeted a peer that left after the barrier would otherwise fault on the freed heap.
-  if (peers_here) cudaDeviceSynchronize();
-  if (peers_here && peer_failed()) peers_here = false;  // that work timed out on a peer
+  if (peers_here) cudaDeviceSynchronize();  // a sticky error surfaces below or at NVSHMEM's teardown
+  if (peers_here && peer_failed()) {  // that work timed out on a peer: say so, skip the collectives
+    peers_here = false;
+    try {
+      check_timeouts();
+    } catch (const TimeoutError& e) {
+      error = e.what();
+    }
+  }
   if (peers_here) {
     try {
       barrier_all_blocking("finalize", default_timeout_seconds());
@@ -536,18 +543,29 @@ namespace {
 // PEs with a mismatch record of their own (beyond kTrackedPes they share the last one).
 int tracked_mismatch_records() { return std::min(state().n_pes, detail::kTrackedPes); }
 
-// PEs whose size mismatch was reported since the channels were last rebuilt.
-std::vector<char>& mismatch_reported() {
+// Send channels (by receiving PE) whose refusal was reported since the channels were last
+// rebuilt: by a device record of this PE's send (kChunkCredit) or by
+// SendRecvEngine::check_refusals, whichever came first; the other then stays silent.
+std::vector<char>& send_refusal_reported() {
   static std::vector<char> reported(detail::kTrackedPes, 0);
   return reported;
 }
-std::mutex& mismatch_reported_mutex() {
+std::mutex& send_refusal_mutex() {
   static std::mutex mutex;
   return mutex;
 }
 
+// Clears a published record (reported, or found already reported).
+void clear_record(detail::ErrorRecord& r) {
+  int published = detail::kMismatch;
+  __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
 void throw_size_mismatch(detail::ErrorRecord& r) {
-  note_size_mismatch_reported(r.peer);
+  if (static_cast<detail::WaitOp>(r.op) == detail::WaitOp::kChunkCredit && !claim_send_refusal_report(r.peer)) {
+    clear_record(r);  // check_refusals() told this send's refusal already
+    return;
+  }
   const auto why = static_cast<detail::WaitOp>(r.op);
   std::ostringstream text;
   if (why == detail::WaitOp::kChunkArrival)
@@ -565,31 +583,31 @@ void throw_size_mismatch(detail::ErrorRecord& r) {
           "Nothing more was delivered on this channel (this direction between the two PEs), and "
           "every later send/recv on it is refused and raises: call pydatacopy.setup_send_recv() "
           "on every PE to rebuild the channels.";
-  int published = detail::kMismatch;
-  __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  clear_record(r);
   throw Error(text.str());
 }
 }  // namespace
 
-void note_size_mismatch_reported(int pe) {
-  std::lock_guard<std::mutex> lock(mismatch_reported_mutex());
-  mismatch_reported()[detail::tracked_pe_index(pe)] = 1;
+bool claim_send_refusal_report(int pe) {
+  std::lock_guard<std::mutex> lock(send_refusal_mutex());
+  char& reported = send_refusal_reported()[detail::tracked_pe_index(pe)];
+  if (reported) return false;
+  reported = 1;
+  return true;
 }
 
-bool size_mismatch_known(int pe) {
-  {
-    std::lock_guard<std::mutex> lock(mismatch_reported_mutex());
-    if (mismatch_reported()[detail::tracked_pe_index(pe)]) return true;
-  }
+bool send_refusal_recorded(int pe) {
   const detail::DeviceStatus* status = state().status_host;
-  return status != nullptr &&
-         __atomic_load_n(&status->mismatch[detail::tracked_pe_index(pe)].code, __ATOMIC_ACQUIRE) != 0;
+  if (status == nullptr) return false;
+  const detail::ErrorRecord& r = status->mismatch[detail::tracked_pe_index(pe)];
+  return __atomic_load_n(&r.code, __ATOMIC_ACQUIRE) == detail::kMismatch &&
+         static_cast<detail::WaitOp>(r.op) == detail::WaitOp::kChunkCredit;
 }
 
 void clear_size_mismatch() {
   {
-    std::lock_guard<std::mutex> lock(mismatch_reported_mutex());
-    std::fill(mismatch_reported().begin(), mismatch_reported().end(), 0);
+    std::lock_guard<std::mutex> lock(send_refusal_mutex());
+    std::fill(send_refusal_reported().begin(), send_refusal_reported().end(), 0);
   }
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;

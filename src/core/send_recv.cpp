@@ -35,7 +35,8 @@ std::size_t chunk_bytes_for(std::size_t chunk_bytes) {
 }
 // Staging: [n_pes][num_chunks][chunk]; then arrivals and credits, [n_pes][num_chunks][pages]
 // each; then incoming and outgoing slot headers, [n_pes][num_chunks][pages] each; then the
-// refusal words, [2][n_pes] (send channels, then recv channels).
+// refusal words, [3][n_pes]: send channels, recv channels, and per send channel the bytes + 1
+// its receiver saw in the refused message's header (check_refusals names both sizes).
 std::size_t signal_array_bytes(int n_pes, int num_chunks, std::size_t pages) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * pages * sizeof(uint64_t), kAlignment);
 }
@@ -44,7 +45,7 @@ std::size_t header_array_bytes(int n_pes, int num_chunks, std::size_t pages) {
                   kAlignment);
 }
 std::size_t broken_array_bytes(int n_pes) {
-  return align_up(2 * static_cast<std::size_t>(n_pes) * sizeof(uint64_t), kAlignment);
+  return align_up(3 * static_cast<std::size_t>(n_pes) * sizeof(uint64_t), kAlignment);
 }
 std::size_t staging_array_bytes(int n_pes, int num_chunks, std::size_t chunk_bytes) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * chunk_bytes, kAlignment);
@@ -72,6 +73,9 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   const int pes = n_pes();
   const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);
   ChannelOrder order(2 * pes);  // local, before anything collective can need undoing
+  // check_refusals(): a pinned copy of the refusal words and a stream of its own, also local and
+  // made before anything collective (a failure here leaves no peer waiting).
+  RefusalPoll poll(3 * static_cast<std::size_t>(pes));
   // Both sides of a message must cut it into the same slices: every PE must ask for the same
   // `blocks`, and all take the smallest grid cap (PEs with different SM shares, e.g. other MPS
   // percentages, would otherwise cut messages differently: false size mismatches or stalls).
@@ -116,6 +120,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   base_ = static_cast<uint8_t*>(base);
   sequences_ = static_cast<uint64_t*>(counters);
   order_ = std::move(order);
+  refusal_poll_ = std::move(poll);
   progress_ = sequences_ + 2 * pes;
   filled_ = progress_ + 2 * pes;
   done_ = reinterpret_cast<unsigned int*>(filled_ + pes * pages_per_peer);
@@ -126,10 +131,6 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   blocks_ = blocks;
   n_pes_ = pes;
   symmetric_bytes_ = total;
-  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&refusals_host_), pes * sizeof(uint64_t),
-                               cudaHostAllocDefault));
-  PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&refusal_stream_, cudaStreamNonBlocking));
-  refusal_reported_.assign(pes, 0);
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   clear_size_mismatch();  // about channels that no longer exist
   // Nobody signals into memory a peer has not zeroed yet.
@@ -154,9 +155,8 @@ void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
   swap(resident_blocks_, other.resident_blocks_);
   swap(order_, other.order_);
   swap(done_, other.done_);
-  swap(refusals_host_, other.refusals_host_);
-  swap(refusal_stream_, other.refusal_stream_);
-  swap(refusal_reported_, other.refusal_reported_);
+  swap(refusal_poll_, other.refusal_poll_);
+  swap(sends_launched_, other.sends_launched_);
 }
 
 SendRecvEngine SendRecvEngine::detach() noexcept {
@@ -176,33 +176,62 @@ void SendRecvEngine::cleanup() {
   sequences_ = progress_ = filled_ = nullptr;
   done_ = failed_ = nullptr;
   order_ = ChannelOrder();  // local events; nothing depends on them
-  if (refusal_stream_ != nullptr) cudaStreamDestroy(refusal_stream_);  // local; nothing queued on it
-  if (refusals_host_ != nullptr) cudaFreeHost(refusals_host_);
-  refusal_stream_ = nullptr;
-  refusals_host_ = nullptr;
-  refusal_reported_.clear();
+  refusal_poll_ = RefusalPoll();  // local: a copy and a stream that nothing else uses
+  sends_launched_ = false;
+}
+
+RefusalPoll::RefusalPoll(std::size_t words) : words_(words) {
+  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host_), words * sizeof(uint64_t), cudaHostAllocDefault));
+  if (cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking); e != cudaSuccess) {
+    cudaFreeHost(host_);
+    host_ = nullptr;
+    PDC_CHECK_CUDA(e);
+  }
+}
+
+RefusalPoll::~RefusalPoll() {
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);  // local; errors change nothing here
+  if (host_ != nullptr) cudaFreeHost(host_);
+}
+
+RefusalPoll& RefusalPoll::operator=(RefusalPoll&& other) noexcept {
+  if (this != &other) {
+    this->~RefusalPoll();
+    host_ = std::exchange(other.host_, nullptr);
+    stream_ = std::exchange(other.stream_, nullptr);
+    words_ = std::exchange(other.words_, 0);
+  }
+  return *this;
+}
+
+const uint64_t* RefusalPoll::read(const uint64_t* device_words) {
+  // Relaxed capture mode: a capture another thread runs in global mode must neither refuse nor
+  // be broken by this small copy on a stream of our own.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
+  cudaError_t copied = cudaMemcpyAsync(host_, device_words, words_ * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_);
+  if (copied == cudaSuccess) copied = cudaStreamSynchronize(stream_);
+  cudaThreadExchangeStreamCaptureMode(&mode);
+  PDC_CHECK_CUDA(copied);
+  return host_;
 }
 
 void SendRecvEngine::check_refusals() {
-  if (base_ == nullptr) return;
-  PDC_CHECK_CUDA(cudaMemcpyAsync(refusals_host_, broken(true, 0), n_pes_ * sizeof(uint64_t),
-                                 cudaMemcpyDeviceToHost, refusal_stream_));
-  PDC_CHECK_CUDA(cudaStreamSynchronize(refusal_stream_));
+  if (base_ == nullptr || !sends_launched_) return;
+  // [send words][recv words][refused sizes], each n_pes long (the symmetric layout).
+  const uint64_t* words = refusal_poll_.read(broken(true, 0));
   for (int peer = 0; peer < n_pes_; ++peer) {
-    const uint64_t word = refusals_host_[peer];
-    if (word == 0 || refusal_reported_[peer]) continue;
-    refusal_reported_[peer] = 1;
-    // The device may have recorded it too (this PE's send waited for a credit and read the
-    // word): that record is then the one to report, with this call's size.
-    if (size_mismatch_known(peer)) continue;
-    note_size_mismatch_reported(peer);
+    const uint64_t word = words[peer], sender_bytes = words[2 * n_pes_ + peer];
+    if (word == 0 || send_refusal_recorded(peer)) continue;  // none, or a device record will tell
+    if (!claim_send_refusal_report(peer)) continue;           // told already
     std::ostringstream text;
     text << "send from PE " << my_pe() << " to PE " << peer << ": the receiver expected " << word - 1
-         << " bytes for a message this PE sent with another size (found by the receiver after this "
-            "PE's send had completed). Both sides must move the same number of bytes, in the same "
-            "order, per pair of PEs. Nothing more was delivered on this channel, and every later "
-            "send on it is refused and raises: call pydatacopy.setup_send_recv() on every PE to "
-            "rebuild the channels.";
+         << " bytes";
+    if (sender_bytes != 0) text << " for a message of " << sender_bytes - 1 << " bytes from this PE";
+    text << " (found by the receiver after this PE's send had completed). Both sides must move the "
+            "same number of bytes, in the same order, per pair of PEs. Nothing more was delivered on "
+            "this channel, and every later send on it is refused and raises: call "
+            "pydatacopy.setup_send_recv() on every PE to rebuild the channels.";
     throw Error(text.str());
   }
 }
@@ -239,6 +268,8 @@ uint64_t* SendRecvEngine::broken(bool send, int peer) const {
                                      header_array_bytes(n_pes_, num_chunks_, pages())) +
          (send ? 0 : n_pes_) + peer;
 }
+
+uint64_t* SendRecvEngine::refused_bytes(int dst_pe) const { return broken(true, 0) + 2 * n_pes_ + dst_pe; }
 
 void SendRecvEngine::require_ready(const char* what, int pe) const {
   require_valid_pe(pe, what);
@@ -302,6 +333,10 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     // The sender's refusal word for this channel: its send channel to this PE.
     a.remote_broken = broken(true, me);
     a.peer_broken = static_cast<uint64_t*>(peer_pointer(a.remote_broken, peer));
+    a.remote_refused_bytes = refused_bytes(me);
+    a.peer_refused_bytes = a.peer_broken == nullptr ? nullptr
+                                                    : static_cast<uint64_t*>(peer_pointer(a.remote_refused_bytes, peer));
+    if (a.peer_refused_bytes == nullptr) a.peer_broken = nullptr;  // both words by one path
   }
   return a;
 }
@@ -391,6 +426,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     for (int i = 0; i < launch.count; ++i)
       order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
     kernels::launch_chunk_batch(launch, stream);
+    for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
     for (int i = 0; i < launch.count; ++i)
       order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
   }

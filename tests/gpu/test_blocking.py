@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 import time
 
 import pytest
@@ -175,10 +176,13 @@ def test_blocking_token_wait_returns_after_a_late_exchange(warmed, peer, kind):
         dbm.cleanup()
 
 
-def test_a_blocking_call_cannot_be_captured(warmed):
+@pytest.mark.parametrize("call", ["barrier", "signal_wait"])
+def test_a_blocking_call_cannot_be_captured(warmed, call):
     """The core refuses too (C++ users), before anything is enqueued into the capture."""
     side = torch.cuda.Stream()
     work = torch.zeros(16, device="cuda")
+    signal = pydatacopy.empty(1, dtype=torch.uint64)
+    signal.zero_()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(side):
@@ -186,7 +190,39 @@ def test_a_blocking_call_cannot_be_captured(warmed):
         try:
             work.add_(1)  # the capture holds something
             with pytest.raises(pydatacopy.Error, match="cannot be captured"):
-                _C.barrier(side.cuda_stream, 5.0, True)
+                if call == "barrier":
+                    _C.barrier(side.cuda_stream, 5.0, True)
+                else:
+                    _C.signal_wait(signal.data_ptr(), 1, side.cuda_stream, 5.0, True)
         finally:
             graph.capture_end()
     pydatacopy.barrier(blocking=True)
+    pydatacopy.free(signal)
+
+
+def test_a_blocking_wait_releases_the_gil(warmed):
+    """A Python thread keeps running while PE 0 waits for a late PE 1 in a blocking barrier."""
+    rank = warmed[0]
+    failures = _Failures(warmed)
+    ticks = [0]
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.005)
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        _late(rank)
+        before = ticks[0]
+        pydatacopy.barrier(blocking=True)
+        during = ticks[0] - before
+    finally:
+        stop.set()
+        ticker.join()
+    with failures.check("the GIL during the wait"):
+        if rank == 0:
+            assert during > 0, "no other Python thread ran while the blocking barrier waited"
+    failures.agree("the GIL check")

@@ -130,7 +130,10 @@ def test_a_size_mismatch_in_a_ring_is_told_to_that_pair_only(world, larger):
     received = _cleared(recv_bytes)
     torch.cuda.synchronize()
     begin = time.monotonic()
-    pydatacopy.sendrecv(outgoing, next_pe, received, prev_pe, timeout=TIMEOUT_S)
+    try:  # recorded, not raised: every PE goes on to setup_send_recv() below
+        pydatacopy.sendrecv(outgoing, next_pe, received, prev_pe, timeout=TIMEOUT_S)
+    except pydatacopy.Error as error:
+        _FAILURES.append(f"the ring's sendrecv raised at once: {error}")
     torch.cuda.synchronize()
     if time.monotonic() - begin >= TIMEOUT_S:
         _FAILURES.append("the ring with a mismatched pair took the whole timeout")

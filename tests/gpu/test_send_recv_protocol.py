@@ -249,6 +249,75 @@ def test_a_size_mismatch_either_way_raises_on_both_pes_before_the_timeout(world,
     outcome.agree("the exchanges after setup_send_recv")
 
 
+# Other cuts: the receiver has more slices than the sender filled pages (4 KiB into 64 KiB), an
+# empty message against a non-empty one, one byte over a page, and sends larger than the 32 MiB
+# staging (the sender waits for credits and reads the refusal word on the device).
+@pytest.mark.parametrize("send_bytes, recv_bytes", [(4 * KiB, 64 * KiB), (64 * KiB, 4 * KiB), (0, 4 * KiB),
+                                                    (4 * KiB, 0), (32 * KiB, 32 * KiB + 1),
+                                                    (64 * MiB, 128 * MiB), (128 * MiB, 64 * MiB)],
+                         ids=["4K-into-64K", "64K-into-4K", "0-into-4K", "4K-into-0", "32K-into-32K+1",
+                              "64M-into-128M", "128M-into-64M"])
+def test_a_size_mismatch_of_any_cut_raises_on_both_pes_once(world, peer, path, send_bytes, recv_bytes,
+                                                            fresh_channels):
+    rank = world[0]
+    outcome = _Outcome(world)
+    got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
+    outgoing = _bytes(rank, 50, send_bytes)
+    torch.cuda.synchronize()
+    begin = time.monotonic()
+    with outcome.check("the mismatched send/recv"):
+        if rank == 0:
+            pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+        else:
+            pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    with outcome.check("the calls' duration"):
+        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S, "the mismatched calls took the whole timeout"
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors",
+                                  rf"sender's message is {send_bytes} bytes but this recv expected {recv_bytes}"):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
+    outcome.agree("the receiver's refusal")
+    if rank == 0:
+        with outcome.expect_error("the sender's check_errors", rf"receiver expected {recv_bytes} bytes"):
+            pydatacopy.check_errors()
+    with outcome.check("reported once"):
+        pydatacopy.check_errors()
+        assert not pydatacopy._C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
+    outcome.agree("the sender's refusal")
+    pydatacopy.setup_send_recv()
+    _exchange_is_exact(outcome, rank, peer, 60, [recv_bytes, send_bytes, 4 * KiB])
+    outcome.agree("the exchanges after setup_send_recv")
+
+
+def test_a_sendrecv_mismatched_both_ways_reports_each_direction_once(world, peer, path, fresh_channels):
+    """Each PE sends 4 MiB and expects 8 MiB: each is the receiver of one mismatch and the sender
+    of the other, and hears of both, once each."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    got = torch.zeros(8 * MiB, dtype=torch.uint8, device="cuda")
+    with outcome.check("the sendrecv"):
+        pydatacopy.sendrecv(_bytes(rank, 70, 4 * MiB), peer, got, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    outcome.agree("the sendrecv")
+    heard = []
+    for attempt in range(3):
+        try:
+            pydatacopy.check_errors()
+        except pydatacopy.Error as error:
+            heard.append(str(error))
+    with outcome.check("both directions, once each"):
+        assert len(heard) == 2, f"heard {len(heard)} errors: {heard}"
+        assert any("sender's message is 4194304 bytes but this recv expected 8388608" in h for h in heard), heard
+        assert any("receiver expected 8388608 bytes" in h for h in heard), heard
+    outcome.agree("the reports")
+    pydatacopy.setup_send_recv()
+    _exchange_is_exact(outcome, rank, peer, 80, [8 * MiB, 4 * KiB])
+    outcome.agree("the exchanges after setup_send_recv")
+
+
 # ---- messages cut differently, small ones signalling only the pages they fill -----------------
 # Small chunks signal only the pages (32 KiB) they fill, and the sender waits for the credit of
 # the last chunk that filled each page. test_mixed_sizes_after_small_messages runs many cuts with

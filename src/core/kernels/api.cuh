@@ -116,6 +116,8 @@ struct ChunkStreamArgs {
   uint64_t* broken;          // this channel's refusal word (nonzero: the other side's bytes + 1)
   uint64_t* remote_broken;   // recv: the sender's word for this channel (symmetric address)
   uint64_t* peer_broken;     // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
+  uint64_t* remote_refused_bytes;  // recv: beside it, the sender's message bytes + 1 as its header said
+  uint64_t* peer_refused_bytes;    // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
   int active_blocks;         // slices moving this message (<= pages), from its size
   int my_pe, peer;
   uint64_t timeout_ns;       // no progress of the channel for this long: a timeout

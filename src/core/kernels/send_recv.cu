@@ -50,22 +50,6 @@ __device__ __forceinline__ int data_pages(const ChunkStreamArgs& a, int64_t i) {
   return max(1, static_cast<int>((chunk_length(a, i) + a.page_bytes - 1) / a.page_bytes));
 }
 
-// Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
-// waiting). All threads of the block must call.
-__device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
-                                            int64_t i, uint64_t k) {
-  const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
-  const int pages = data_pages(a, i);
-  int ok = 1;
-  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; ok && p < pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks) {
-    if (send)
-      ok = detail::load_acquire_sys(a.credits + signals + p) >= a.filled[signals + p];
-    else
-      ok = detail::load_acquire_sys(a.arrivals + signals + p) >= k + 1;
-  }
-  return __syncthreads_and(ok) != 0;
-}
 
 // The channel made no progress for the timeout: record a page of the slice still short.
 // Returns false (for every thread) when none is short any more: the data came in since the last
@@ -152,46 +136,58 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 // The header of slice `slice` in chunk i, checked as soon as the page that guards it (page
 // `slice`, whose arrival the sender signals after writing the header) has landed, before the
 // slice waits for the rest of its pages: a sender that cut a smaller message never fills those,
-// so waiting for them first turned a size mismatch into a timeout. Returns kHeaderNotYet (the
-// header page has not landed, or the header is stale in a slice the sender does not drive:
-// slice 0 decides then), kHeaderOk, or kHeaderMismatch (the channel is refused at both ends and
-// the mismatch recorded). All threads of the block must call; thread 0 reads.
+// so waiting for them first turned a size mismatch into a timeout. Thread 0 only, no barrier:
+// slice_ready() calls it and publishes the verdict through its own barrier. Returns
+// kHeaderNotYet (the page has not landed), kHeaderOk, or kHeaderMismatch: the header is stale or
+// names another size or chunk (both sides cut messages alike from their sizes, so a landed page
+// under a stale header is a mismatch too); the channel is then refused at both ends, and the
+// mismatch recorded.
 constexpr int kHeaderNotYet = 0, kHeaderOk = 1, kHeaderMismatch = 2;
 __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
-  __shared__ int verdict;
-  if (threadIdx.x == 0) {
-    verdict = kHeaderNotYet;
-    if (detail::load_acquire_sys(a.arrivals + signals + slice) >= k + 1) {
-      // Written before that arrival signal (a fence on either path).
-      const volatile SlotHeader* h = a.headers + signals + slice;
-      const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
-      if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i)) {
-        verdict = kHeaderOk;
-      } else if (sequence == k + 1 || slice == 0) {
-        // A fresh header with other sizes, or a stale header 0 (which the sender's slice 0
-        // writes with every chunk): the sides disagree. A stale header in another slice only
-        // says that the sender cut fewer slices (another size): slice 0's header tells by how
-        // much, so that slice reports it.
-        verdict = kHeaderMismatch;
-        // Refuse the channel on both sides: ours, and the sender's, which its waits, its next
-        // launch and its host's check_errors() read (value: our bytes + 1).
-        *reinterpret_cast<volatile uint64_t*>(a.broken) = bytes + 1;
-        if (a.peer_broken != nullptr) {
-          __threadfence_system();
-          store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
-        } else {
-          nvshmemx_signal_op(a.remote_broken, static_cast<uint64_t>(a.bytes) + 1, NVSHMEM_SIGNAL_SET, a.peer);
-          nvshmem_quiet();  // delivered by the time this launch ends (the sender may look next)
-        }
-        refuse(a, detail::WaitOp::kChunkArrival, bytes);
-      }
-    }
+  if (detail::load_acquire_sys(a.arrivals + signals + slice) < k + 1) return kHeaderNotYet;
+  // Written before that arrival signal (a fence on either path).
+  const volatile SlotHeader* h = a.headers + signals + slice;
+  const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
+  if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i))
+    return kHeaderOk;
+  // Refuse the channel on both sides: ours, and the sender's, whose waits, next launch and
+  // host's check_errors() read it. The sender's word gets our bytes + 1; beside it, first, the
+  // bytes its header said (+ 1), so that its host can name both sizes.
+  *reinterpret_cast<volatile uint64_t*>(a.broken) = bytes + 1;
+  if (a.peer_broken != nullptr) {
+    store_release_sys(a.peer_refused_bytes, bytes + 1);
+    __threadfence_system();
+    store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+  } else {
+    nvshmemx_signal_op(a.remote_refused_bytes, bytes + 1, NVSHMEM_SIGNAL_SET, a.peer);
+    nvshmem_fence();  // the sizes before the word that says there is a refusal
+    nvshmemx_signal_op(a.remote_broken, static_cast<uint64_t>(a.bytes) + 1, NVSHMEM_SIGNAL_SET, a.peer);
+    nvshmem_quiet();  // delivered by the time this launch ends (the sender may look next)
   }
-  __syncthreads();
-  const int result = verdict;
-  __syncthreads();  // `verdict` is rewritten by the next call
-  return result;
+  refuse(a, detail::WaitOp::kChunkArrival, bytes);
+  return kHeaderMismatch;
+}
+
+// Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
+// waiting). All threads of the block must call.
+// For a recv with `check`, thread 0 then checks the slice's header (check_header) into the
+// shared `verdict`, which every thread reads after this call's barrier: kHeaderNotYet only when
+// the slice is not ready either (thread 0's pages start with page `slice`, and arrivals only grow).
+__device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
+                                            int64_t i, uint64_t k, bool check, int& verdict) {
+  const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
+  const int pages = data_pages(a, i);
+  int ok = 1;
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; ok && p < pages;
+       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+    if (send)
+      ok = detail::load_acquire_sys(a.credits + signals + p) >= a.filled[signals + p];
+    else
+      ok = detail::load_acquire_sys(a.arrivals + signals + p) >= k + 1;
+  }
+  if (check && threadIdx.x == 0) verdict = check_header(a, slice, i, k);
+  return __syncthreads_and(ok) != 0;
 }
 
 // Chunk i of a recv, from the slice's pages of its slot (whose arrivals are in and whose header
@@ -259,6 +255,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ int64_t next[kCapacity][kMaxSlicesPerBlock];
   // recv: the header of the slice's next chunk was checked (its page landed before the rest).
   __shared__ unsigned char header_ok[kCapacity][kMaxSlicesPerBlock];
+  __shared__ int verdict;  // check_header's, published by slice_ready's barrier
   if (threadIdx.x == 0) {
     const uint64_t now = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
@@ -297,18 +294,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           continue;
         }
         const uint64_t k = first[i] + chunk;
-        // A recv checks its header first, on its own page's arrival (see check_header).
-        if (!send && slice < data_pages(a, chunk) && !header_ok[i][j]) {
-          const int verdict = check_header(a, slice, chunk, k);
-          if (verdict == kHeaderMismatch) {  // nothing is copied out; the channel fails
-            if (threadIdx.x == 0) next[i][j] = chunk_count(a);
-            __syncthreads();
-            continue;
-          }
-          if (verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
+        // A recv checks its header as soon as its own page has landed (see check_header).
+        const bool check = !send && slice < data_pages(a, chunk) && !header_ok[i][j];
+        const bool ready = slice_ready(a, send, slice, chunk, k, check, verdict);
+        if (check && verdict == kHeaderMismatch) {  // nothing is copied out; the channel fails
+          __syncthreads();  // every thread has read `verdict` before thread 0 writes it again
+          if (threadIdx.x == 0) next[i][j] = chunk_count(a);
           __syncthreads();
+          continue;
         }
-        if (!slice_ready(a, send, slice, chunk, k)) {
+        if (check && verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
+        if (!ready) {
           // A send also reads its refusal word: the receiver found a size mismatch.
           if (send && __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
             if (threadIdx.x == 0)
@@ -334,7 +330,6 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           continue;
         }
-        if (!send && slice < data_pages(a, chunk) && !header_ok[i][j]) continue;  // header page not in yet
         if (send)
           send_chunk(a, slice, chunk, k);
         else
