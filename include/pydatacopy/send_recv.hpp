@@ -65,6 +65,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -75,13 +76,15 @@ namespace pydatacopy {
 namespace kernels {
 struct ChunkStreamArgs;
 struct SlotHeader;
+struct RendezvousDescriptor;
 }
+struct ZeroCopyState;  // send_recv.cpp: the mailboxes, mapping tables and counters
 
 
 class SendRecvEngine {
  public:
   SendRecvEngine() = default;
-  ~SendRecvEngine() = default;  // never collective: call cleanup() on every PE
+  ~SendRecvEngine();  // never collective: call cleanup() on every PE
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
   SendRecvEngine(SendRecvEngine&& other) noexcept;  // takes other's state; other is left empty
@@ -142,6 +145,25 @@ class SendRecvEngine {
   void sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
                 std::size_t recv_bytes, int src_pe, cudaStream_t stream, double timeout_seconds);
 
+  // ---- zero-copy (see above) ----
+  // Messages of at least this many bytes to or from a load/store peer move once (0: never).
+  // PYDATACOPY_ZERO_COPY_MIN_BYTES at init (default kDefaultZeroCopyMinBytes), the same on every PE.
+  static constexpr std::size_t kDefaultZeroCopyMinBytes = std::size_t{1} << 20;
+  std::size_t zero_copy_min_bytes() const { return zero_copy_min_bytes_; }
+  // Collective and blocking (every PE, the same value, between calls; the pair's messages in
+  // flight keep the mode they were issued with): changes the threshold. Throws on every PE
+  // alike when the PEs disagree, changing nothing. Call it outside the engine's lock.
+  static void agree_zero_copy_min_bytes(std::size_t bytes);
+  void set_zero_copy_min_bytes_agreed(std::size_t bytes) { zero_copy_min_bytes_ = bytes; }
+  // Serves the peers' zero-copy mapping requests and answers (never blocks): every call with a
+  // peer does it for that peer; check_errors() does it for all.
+  void service_zero_copy();
+  // Test hook: ops finished since init, [send staged, send zero-copy, recv staged, recv
+  // zero-copy] (counted on the device: synchronise first), and the host's bookkeeping:
+  // [map requests, acknowledged, refused by the sender, not exportable, stale dropped, evicted,
+  // handles opened here, closed here].
+  std::vector<uint64_t> zero_copy_counters() const;
+
  private:
   void require_ready(const char* what, int pe) const;       // the call's own arguments
 
@@ -154,6 +176,11 @@ class SendRecvEngine {
   kernels::SlotHeader* headers(int src_pe) const;
   kernels::SlotHeader* outgoing_headers(int dst_pe) const;
   uint64_t* broken(bool send, int peer) const;
+  kernels::RendezvousDescriptor* rendezvous_ring(int receiver) const;  // at the sender
+  uint64_t* zero_copy_done(int sender) const;                          // at the receiver
+  bool load_store_peer(int peer) const;  // zero-copy applies to this peer (see above)
+  void decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
+                        bool capturing, double timeout_seconds);
 
   uint8_t* base_ = nullptr;
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
@@ -166,6 +193,9 @@ class SendRecvEngine {
   // Channels [2][n_pes] as sequences_: a launch waits for the channel's last one, on any stream.
   ChannelOrder order_;
   unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
+  uint64_t* messages_ = nullptr;   // device [2][n_pes]: next message ordinal of each channel
+  std::size_t zero_copy_min_bytes_ = 0;
+  std::unique_ptr<ZeroCopyState> zero_copy_;
 };
 
 }  // namespace pydatacopy

@@ -201,10 +201,12 @@ __device__ bool recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   return true;
 }
 
+#include "zero_copy.cuh"
+
 // Once the block is done with a slice (or gave up): the last slice of the op's channel in this
-// launch moves the channel's counter on and clears its failure flag. Every block read the
-// counter at its start, before it counted a slice, so the counter moves only after all read it.
-__device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t first) {
+// launch moves the channel's counters on and clears its failure flag. Every block read the
+// counters at its start, before it counted a slice, so they move only after all read them.
+__device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t first, uint64_t message) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
@@ -212,6 +214,7 @@ __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t 
     *a.done = 0;
     *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
     *reinterpret_cast<volatile uint64_t*>(a.sequence) = first - a.offset_chunks + a.channel_chunks;
+    *reinterpret_cast<volatile uint64_t*>(a.messages) = message - a.offset_messages + a.channel_messages;
     __threadfence();
   }
 }
@@ -235,17 +238,36 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ uint64_t first[kCapacity];
   __shared__ uint64_t since[kCapacity];
   __shared__ int64_t next[kCapacity][kMaxSlicesPerBlock];
+  // The zero-copy rendezvous (zero_copy.cuh): the op's message ordinal on its channel, its mode
+  // (0 while a send waits for the descriptor), a zero-copy send's target, whether this block
+  // posted a recv's descriptor, and whether the block gave up on the op (for the counters).
+  __shared__ uint64_t message[kCapacity];
+  __shared__ int mode[kCapacity];
+  __shared__ uint8_t* target[kCapacity];
+  __shared__ bool posted[kCapacity];
+  __shared__ bool gave_up[kCapacity];
   if (threadIdx.x == 0) {
     const uint64_t now = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
       first[i] = *reinterpret_cast<volatile uint64_t*>(a.sequence) + a.offset_chunks;
+      message[i] = *reinterpret_cast<volatile uint64_t*>(a.messages) + a.offset_messages;
       since[i] = now;
+      const bool send = batch.is_send[i];
+      mode[i] = send ? (a.await_descriptor ? 0 : zero_copy_detail::kModeStaged)
+                     : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
+      target[i] = nullptr;
+      posted[i] = !a.post_descriptor;
       // A refused channel moves nothing until setup_send_recv() rebuilds it.
       const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+      gave_up[i] = broken != 0;
       if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
-      for (int j = 0; j < kMaxSlicesPerBlock; ++j)
-        next[i][j] = broken == 0 && block + j * grid < a.active_blocks ? 0 : chunk_count(a);
+      for (int j = 0; j < kMaxSlicesPerBlock; ++j) {
+        const int slice = block + j * grid;
+        // A zero-copy recv's slices past the copy's own have nothing to wait for.
+        const bool idle = mode[i] == zero_copy_detail::kModeZeroCopy && slice >= a.zc_slices && slice != 0;
+        next[i][j] = broken == 0 && slice < a.active_blocks && !idle ? 0 : chunk_count(a);
+      }
     }
   }
   __syncthreads();
@@ -267,16 +289,123 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (behind) continue;
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
         if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
-          if (threadIdx.x == 0) next[i][j] = chunk_count(a);
+          if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
+          __syncthreads();
+          continue;
+        }
+        // A recv's descriptor goes out when its first slice's turn on the channel comes (every
+        // earlier op's first slice done, none refused), so that a descriptor is never posted
+        // for an op that the receiver then gives up on while the sender writes.
+        if (!send && slice == 0 && !posted[i]) {
+          if (threadIdx.x == 0) {
+            post_descriptor(a, message[i], first[i]);
+            posted[i] = true;
+          }
+          __syncthreads();
+        }
+        // A send above the threshold first takes the receiver's descriptor (same size, and the
+        // mode: zero-copy into its buffer, or staged).
+        if (send && mode[i] == 0) {
+          __shared__ int taken;
+          if (threadIdx.x == 0) {
+            uint8_t* into = nullptr;
+            taken = take_descriptor(a, message[i], first[i], &into);
+            if (taken > 0) mode[i] = taken, target[i] = into;
+            if (taken < 0) next[i][j] = chunk_count(a), gave_up[i] = true;
+            if (taken != 0) {
+              const uint64_t now = detail::globaltimer_ns();
+              since[i] = now;
+              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+            }
+          }
+          __syncthreads();
+          if (taken < 0) continue;
+          if (taken == 0) {
+            // Not there yet: the receiver may have refused (its size differs), or the watchdog.
+            const uint64_t broken = threadIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(a.broken) : 0;
+            if (__syncthreads_or(broken != 0)) {
+              if (threadIdx.x == 0) {
+                refuse(a, detail::WaitOp::kChunkCredit, broken - 1);
+                next[i][j] = chunk_count(a), gave_up[i] = true;
+              }
+              __syncthreads();
+              continue;
+            }
+            bool over = false;
+            if (threadIdx.x == 0) {
+              const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
+              const uint64_t now = detail::globaltimer_ns();
+              over = now > last && now - last > a.timeout_ns;
+              if (over) {
+                const RendezvousDescriptor* d = a.ring + message[i] % kRendezvousRing;
+                detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message[i] + 1,
+                                       detail::load_acquire_sys(&d->message));
+                atomicExch(a.failed, 1u);
+              }
+            }
+            __syncthreads();
+            continue;
+          }
+        }
+        if (mode[i] == zero_copy_detail::kModeZeroCopy) {
+          if (send) {
+            // Slices past the copy's own have nothing to write.
+            if (slice < a.zc_slices) zero_copy_chunk(a, slice, chunk, message[i], target[i]);
+            if (threadIdx.x == 0) {
+              next[i][j] = slice < a.zc_slices ? chunk + 1 : chunk_count(a);
+              const uint64_t now = detail::globaltimer_ns();
+              since[i] = now;
+              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+            }
+            __syncthreads();
+            continue;
+          }
+          // A zero-copy recv waits for its slice's done word (slice 0 of a single-slice copy
+          // included), watching its refusal word, a staged arrival (the sender cut another size)
+          // and the watchdog.
+          __shared__ int state;  // 1: progress, 2: refused, 3: timed out
+          if (threadIdx.x == 0) {
+            state = 0;
+            const int64_t landed = slice < a.zc_slices ? zero_copy_landed(a, slice, message[i]) : chunk_count(a);
+            if (landed > chunk) {
+              next[i][j] = landed;
+              state = 1;
+            } else if (const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken); broken != 0) {
+              refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
+              state = 2;
+            } else if (slice == 0 && staged_instead(a, first[i])) {
+              state = 2;
+            } else {
+              const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
+              const uint64_t now = detail::globaltimer_ns();
+              if (now > last && now - last > a.timeout_ns) {
+                detail::record_timeout(a.status, detail::WaitOp::kZeroCopyDone, a.peer, a.my_pe,
+                                       zero_copy_detail::done_word(message[i], zero_copy_detail::kFinal),
+                                       detail::load_acquire_sys(a.zc_done + slice));
+                atomicExch(a.failed, 1u);
+                state = 3;
+              }
+            }
+            if (state == 1) {
+              const uint64_t now = detail::globaltimer_ns();
+              since[i] = now;
+              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+            }
+            if (state >= 2) next[i][j] = chunk_count(a), gave_up[i] = true;
+          }
           __syncthreads();
           continue;
         }
         const uint64_t k = first[i] + chunk;
         if (!slice_ready(a, send, slice, chunk, k)) {
-          // A send also reads its refusal word: the receiver found a size mismatch.
-          if (send && __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
-            if (threadIdx.x == 0)
-              refuse(a, detail::WaitOp::kChunkCredit, *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
+          // Either side also reads its refusal word: the other side found a size mismatch (a
+          // receiver is told so by a sender that read its rendezvous descriptor).
+          if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
+            if (threadIdx.x == 0) {
+              refuse(a, send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival,
+                     *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
+              next[i][j] = chunk_count(a), gave_up[i] = true;
+            }
             __syncthreads();
             continue;
           }
@@ -293,7 +422,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           const bool stalled = __syncthreads_or(over);
           if (stalled && report_timeout(a, send, slice, chunk, k)) {
-            if (threadIdx.x == 0) atomicExch(a.failed, 1u);  // the host refuses this peer from now on
+            if (threadIdx.x == 0) atomicExch(a.failed, 1u), gave_up[i] = true;  // the host refuses this peer from now on
             __syncthreads();
           }
           continue;
@@ -304,6 +433,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         else
           moved = recv_chunk(a, slice, chunk, k);
         if (threadIdx.x == 0) {
+          if (!moved) gave_up[i] = true;
           next[i][j] = moved ? chunk + 1 : chunk_count(a);
           const uint64_t now = detail::globaltimer_ns();
           since[i] = now;
@@ -313,9 +443,21 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       }
     }
   }
+  // The test hook's counters (block 0 holds every op's first slice): ops finished, by mode.
+  if (block == 0 && threadIdx.x == 0) {
+    for (int i = 0; i < batch.count; ++i) {
+      const ChunkStreamArgs& a = batch.ops[i];
+      if (gave_up[i] || a.zc_counters == nullptr || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)
+        continue;
+      const bool zero_copy = mode[i] == zero_copy_detail::kModeZeroCopy;
+      const int counter = batch.is_send[i] ? (zero_copy ? kSendZeroCopy : kSendStaged)
+                                           : (zero_copy ? kRecvZeroCopy : kRecvStaged);
+      atomicAdd(a.zc_counters + counter, 1ull);  // device scope: host-mapped memory (see record_error)
+    }
+  }
   for (int i = 0; i < batch.count; ++i)
     for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[i].active_blocks; ++j)
-      finish_slice(batch.ops[i], first[i]);
+      finish_slice(batch.ops[i], first[i], message[i]);
 }
 
 }  // namespace

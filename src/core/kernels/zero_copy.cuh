@@ -1,0 +1,117 @@
+// Zero-copy send/recv on the device: the rendezvous of send_recv.hpp, inside the send/recv batch
+// kernel (send_recv.cu includes this file inside its anonymous namespace, after refuse()).
+//
+// Per op the kernel keeps a mode in shared memory: a recv knows its own (the host decided it:
+// zero-copy at (index, offset), else staged); a send that awaits a descriptor learns it from the
+// receiver's descriptor, read by each block when it first visits one of the op's slices (every
+// block reads the same descriptor, so all take the same mode, and no block waits for another).
+#pragma once
+
+namespace zero_copy_detail {
+constexpr int kModeStaged = 1, kModeZeroCopy = 2;
+// A sender slice's done word: (message + 1) << 24 | chunks written, kFinal once all its
+// writes landed. Words only grow, so a later message never looks like an earlier one's end.
+constexpr uint64_t kFinal = 0xFFFFFF;
+__device__ __forceinline__ uint64_t done_word(uint64_t message, uint64_t written) {
+  return ((message + 1) << 24) | written;
+}
+}  // namespace zero_copy_detail
+
+// Thread 0. The receiver's descriptor of message `message` (first chunk `first`) into the
+// sender's ring: the fields, then `message` with a release (the sender acquires it).
+__device__ __forceinline__ void post_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first) {
+  RendezvousDescriptor* d = a.peer_ring + message % kRendezvousRing;
+  volatile RendezvousDescriptor* v = d;
+  v->first = first + 1;
+  v->bytes = static_cast<uint64_t>(a.bytes);
+  v->mode = a.zero_copy ? kPostedZeroCopy : kPostedStaged;
+  v->index = a.zc_index;
+  v->offset = a.zc_offset;
+  store_release_sys(&d->message, message + 1);
+}
+
+// Thread 0, recv side: refuse the channel at both ends (the sender's refusal word gets this
+// recv's bytes + 1, ours the sender's), and record it for this call.
+__device__ __forceinline__ void refuse_from_recv(const ChunkStreamArgs& a, uint64_t sender_bytes) {
+  *reinterpret_cast<volatile uint64_t*>(a.broken) = sender_bytes + 1;
+  if (a.peer_broken != nullptr) {
+    __threadfence_system();
+    store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+  }
+  refuse(a, detail::WaitOp::kChunkArrival, sender_bytes);
+}
+
+// Thread 0, send side: the receiver's descriptor disagrees (another size, or a mapping this PE
+// no longer holds): refuse at both ends before anything is written.
+__device__ __forceinline__ void refuse_from_send(const ChunkStreamArgs& a, detail::WaitOp why,
+                                                 uint64_t receiver_bytes) {
+  *reinterpret_cast<volatile uint64_t*>(a.broken) = receiver_bytes + 1;
+  __threadfence_system();
+  store_release_sys(a.peer_recv_broken, static_cast<uint64_t>(a.bytes) + 1);
+  refuse(a, why, receiver_bytes);
+}
+
+// Thread 0, send side. Returns 0 while the descriptor of `message` is not there, else the mode
+// (kModeStaged / kModeZeroCopy, with *target set), or -1 after refusing the channel.
+__device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
+                                               uint8_t** target) {
+  RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
+  if (detail::load_acquire_sys(&d->message) != message + 1) return 0;
+  const volatile RendezvousDescriptor* v = d;
+  const uint64_t bytes = v->bytes, posted_first = v->first, offset = v->offset;
+  const uint32_t mode = v->mode;
+  const int index = v->index;
+  if (bytes != static_cast<uint64_t>(a.bytes) || posted_first != first + 1) {
+    refuse_from_send(a, detail::WaitOp::kChunkCredit, bytes);
+    return -1;
+  }
+  if (mode != kPostedZeroCopy) return zero_copy_detail::kModeStaged;
+  const uint64_t base = index >= 0 && index < kZeroCopyTableEntries ? a.zc_table[index] : 0;
+  if (base == 0) {  // unmapped since the receiver posted it: never write through a guess
+    refuse_from_send(a, detail::WaitOp::kZeroCopyMapping, bytes);
+    return -1;
+  }
+  *target = reinterpret_cast<uint8_t*>(base) + offset;
+  return zero_copy_detail::kModeZeroCopy;
+}
+
+// All threads, send side: slice `slice`'s pages of chunk i, straight into the receive buffer,
+// then its done word at the receiver (a system fence first: the writes land before the word).
+__device__ __forceinline__ void zero_copy_chunk(const ChunkStreamArgs& a, int slice, int64_t i,
+                                                uint64_t message, uint8_t* target) {
+  const int64_t length = chunk_length(a, i);
+  const int pages = data_pages(a, i);
+  const int64_t base = i * a.chunk_bytes;
+  for (int p = slice; p < pages; p += a.zc_slices) {
+    const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
+    if (n > 0) copy_bytes(target + base + offset, a.src + base + offset, n, threadIdx.x, blockDim.x);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool last = i + 1 >= chunk_count(a);
+    const uint64_t written =
+        last ? zero_copy_detail::kFinal : min(static_cast<uint64_t>(i + 1), zero_copy_detail::kFinal - 1);
+    __threadfence_system();  // cumulative: the block's stores, seen through the barrier
+    store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, written));
+  }
+}
+
+// Thread 0, recv side of a zero-copy op: the chunks the sender's slice `slice` has written
+// (chunk_count when all of them landed).
+__device__ __forceinline__ int64_t zero_copy_landed(const ChunkStreamArgs& a, int slice, uint64_t message) {
+  const uint64_t word = detail::load_acquire_sys(a.zc_done + slice);
+  const uint64_t start = zero_copy_detail::done_word(message, 0);
+  if (word < start) return 0;
+  if (word >= start + zero_copy_detail::kFinal) return chunk_count(a);
+  return min(static_cast<int64_t>(word - start), chunk_count(a) - 1);
+}
+
+// Thread 0, recv side of a zero-copy op, slice 0: the sender sent the message staged instead
+// (its size under the threshold: another size than ours). Returns true after refusing.
+__device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_t first) {
+  const int64_t slot = static_cast<int64_t>(first % a.num_slots);
+  if (detail::load_acquire_sys(a.arrivals + slot * a.pages) < first + 1) return false;
+  const volatile SlotHeader* h = a.headers + slot * a.pages;
+  refuse_from_recv(a, h->message_bytes);
+  return true;
+}
