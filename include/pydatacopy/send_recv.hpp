@@ -54,6 +54,53 @@
 // channel (ChannelOrder; no stream of the caller is kept); a graph replayed on one stream and
 // eager calls on another must be ordered by the caller, as with NCCL.
 //
+// Zero-copy between load/store peers (PEs on one node whose heaps nvshmem_ptr reaches, several
+// PEs on one GPU included; not under PYDATACOPY_FORCE_RMA, never to itself): a message of at
+// least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 1 MiB, agreed by every PE
+// at init; 0: off) moves once, from the sender's tensor into the receiver's, inside the same
+// batch kernel (so a sendrecv's zero-copy and staged ops still run in one launch).
+// - Rendezvous: on such a channel EVERY recv (any size) posts a descriptor into the sender's
+//   ring (slot: the message's ordinal on the channel modulo 16, counted on the device like the
+//   sequences): {ordinal + 1, first chunk's sequence + 1, its bytes, mode, index, offset}, the
+//   ordinal last with a system-scope release, when the op's first slice gets its turn on the
+//   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
+//   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
+//   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous), checks
+//   its bytes, then either writes its slices' pages straight into mapped_base[j] + offset (SM
+//   stores; each slice then stores (ordinal + 1) << 24 | chunks written into its done word at
+//   the receiver, all ones in the low bits at the end, after a system fence) or runs the staged
+//   protocol. A zero-copy recv waits for its slices' done words (a watchdog on their progress).
+//   Either mode consumes the message's chunk sequence numbers, so the channel stays in step
+//   whatever the mode, in eager calls and graph replays alike.
+// - Sizes that differ: the descriptor carries the receiver's bytes, so both sides learn of a
+//   mismatch as soon as the sender reads it, with no data moved. Eligibility is decided on each
+//   side from the size, so the sides can disagree only when the sizes do:
+//   * both at or above the threshold: the sender reads the descriptor, refuses the channel at
+//     both ends (its own refusal word, and the receiver's with its bytes + 1); the receiver,
+//     waiting for done words or staged chunks, watches its refusal word and refuses too.
+//   * sender above, receiver below: the receiver posts a STAGED descriptor anyway (every recv on
+//     the channel does, which is why small recvs post too), so the sender reads it and refuses
+//     both ends as above; the receiver's staged wait watches its refusal word.
+//   * receiver above (posted ZERO_COPY), sender below: the sender sends staged; the receiver's
+//     first slice, while it waits for done words, also watches the arrival signal of the
+//     message's first staged page, reads that header (another size) and refuses both ends.
+//   Every case ends in pydatacopy.Error on both PEs, found by the device at once, never a hang.
+// - A descriptor is posted only when the op's first slice gets its turn (earlier ops of the
+//   channel in the launch past their first slice, none refused), so a receiver never gives up an
+//   op whose descriptor the sender may act on, except after a timeout (a peer that was only slow,
+//   not dead, may then still write into that receive buffer later: treat a TimeoutError as fatal
+//   for the buffers in flight with that peer). A dead peer writes nothing: the survivor gets
+//   TimeoutError, never an illegal address.
+// - The mapping table is host-mapped memory written by the sender's host (zero_copy.hpp: why an
+//   index is never reused while a launch may still post it, and how freed memory is detected);
+//   a descriptor naming an empty entry is refused, never written through. Memory that CUDA IPC
+//   cannot export (torch's expandable segments, cudaMallocAsync pools) stays staged.
+// - CUDA graphs: a captured recv freezes its mode and index. At capture, a receive buffer not
+//   mapped yet waits up to 0.5 s (bounded by the timeout) for the sender's host, serving that
+//   peer's own requests meanwhile, so a captured sendrecv (both sides capturing) replays
+//   zero-copy; a one-way capture whose sender is not calling meanwhile stays staged. Entries used
+//   by captures are pinned until cleanup().
+//
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
 // once issues both in one batch() (or sendrecv()): one kernel launch, in which all of them are
@@ -83,7 +130,7 @@ struct ZeroCopyState;  // send_recv.cpp: the mailboxes, mapping tables and count
 
 class SendRecvEngine {
  public:
-  SendRecvEngine() = default;
+  SendRecvEngine();
   ~SendRecvEngine();  // never collective: call cleanup() on every PE
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;

@@ -612,4 +612,5 @@ def check_errors() -> None:
     """Raise what stream-ordered device-side work has reported since the last look: a timeout
     (TimeoutError, each timed-out PE once; calls with that PE keep refusing), a send/recv whose
     two sides disagreed on the byte count (Error), or a put_blocks index out of range (Error)."""
+    _transfer.service_zero_copy()  # peers' zero-copy mapping requests, answered without waiting
     _C.check_device_errors()

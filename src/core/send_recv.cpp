@@ -313,6 +313,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   zero_copy_->names.clear();
 }
 
+SendRecvEngine::SendRecvEngine() = default;
 SendRecvEngine::~SendRecvEngine() = default;
 
 void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) {
