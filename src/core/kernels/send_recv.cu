@@ -350,9 +350,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (mode[i] == zero_copy_detail::kModeZeroCopy) {
           if (send) {
             // Slices past the copy's own have nothing to write.
-            if (slice < a.zc_slices) zero_copy_chunk(a, slice, chunk, message[i], target[i]);
+            const int64_t done_to =
+                slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i]) : chunk_count(a);
             if (threadIdx.x == 0) {
-              next[i][j] = slice < a.zc_slices ? chunk + 1 : chunk_count(a);
+              next[i][j] = done_to;
               const uint64_t now = detail::globaltimer_ns();
               since[i] = now;
               atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));

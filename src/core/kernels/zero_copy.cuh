@@ -75,25 +75,36 @@ __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_
   return zero_copy_detail::kModeZeroCopy;
 }
 
-// All threads, send side: slice `slice`'s pages of chunk i, straight into the receive buffer,
-// then its done word at the receiver (a system fence first: the writes land before the word).
-__device__ __forceinline__ void zero_copy_chunk(const ChunkStreamArgs& a, int slice, int64_t i,
-                                                uint64_t message, uint8_t* target) {
-  const int64_t length = chunk_length(a, i);
-  const int pages = data_pages(a, i);
-  const int64_t base = i * a.chunk_bytes;
-  for (int p = slice; p < pages; p += a.zc_slices) {
-    const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
-    if (n > 0) copy_bytes(target + base + offset, a.src + base + offset, n, threadIdx.x, blockDim.x);
+// All threads, send side: slice `slice`'s pages of chunks i, i + 1, ... (about kVisitBytes of
+// them: a visit long enough that the block's bookkeeping between visits costs little, short
+// enough that the block soon polls its other ops again), straight into the receive buffer; then
+// its done word at the receiver. Returns the next chunk. Progress words need no fence (they only
+// feed the receiver's watchdog); the last one follows a system fence: the writes land first.
+constexpr int64_t kVisitBytes = 1 << 20;
+__device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, int slice, int64_t i,
+                                                    uint64_t message, uint8_t* target) {
+  const int64_t share = max(int64_t{1}, a.chunk_bytes / a.zc_slices);
+  const int64_t end = min(chunk_count(a), i + max(int64_t{1}, kVisitBytes / share));
+  for (int64_t c = i; c < end; ++c) {
+    const int64_t length = chunk_length(a, c);
+    const int pages = data_pages(a, c);
+    const int64_t base = c * a.chunk_bytes;
+    for (int p = slice; p < pages; p += a.zc_slices) {
+      const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
+      if (n > 0) copy_bytes(target + base + offset, a.src + base + offset, n, threadIdx.x, blockDim.x);
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    const bool last = i + 1 >= chunk_count(a);
-    const uint64_t written =
-        last ? zero_copy_detail::kFinal : min(static_cast<uint64_t>(i + 1), zero_copy_detail::kFinal - 1);
-    __threadfence_system();  // cumulative: the block's stores, seen through the barrier
-    store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, written));
+    if (end >= chunk_count(a)) {
+      __threadfence_system();  // cumulative: the block's stores, seen through the barrier
+      store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
+    } else {
+      *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + slice) =
+          zero_copy_detail::done_word(message, min(static_cast<uint64_t>(end), zero_copy_detail::kFinal - 1));
+    }
   }
+  return end;
 }
 
 // Thread 0, recv side of a zero-copy op: the chunks the sender's slice `slice` has written
