@@ -33,8 +33,9 @@
 // same pair on the healthy channel meets its peer's), and the refusal is reported by that call
 // (when the record is already on the host) or by the next call with that PE or check_errors().
 // The record is per peer, not per direction: a call that reports it has still launched its
-// other ops, which ran, so do not retry it. Nothing is resynchronised in place. Sends of a message that fits in the staging complete
-// before the receiver looks, so the sender learns of a mismatch one call later.
+// other ops, which ran, so do not retry it. Nothing is resynchronised in place. Staged sends of a message that fits in the
+// staging complete before the receiver looks, so the sender learns of a mismatch one call later
+// (a send that waits for a zero-copy rendezvous learns it at once, see below).
 //
 // An empty message moves one header-only chunk (one page, no data, header checked, credit
 // returned): both sides' sequences stay in step, and a 0-byte call facing a non-empty one is a
@@ -95,6 +96,9 @@
 //   index is never reused while a launch may still post it, and how freed memory is detected);
 //   a descriptor naming an empty entry is refused, never written through. Memory that CUDA IPC
 //   cannot export (torch's expandable segments, cudaMallocAsync pools) stays staged.
+// - A send at or above the threshold to a load/store peer waits for its recv to start (as large
+//   messages do with NCCL): it no longer completes into the staging ahead of its receiver. A PE
+//   that sends and receives at once groups them (below), as it must anyway.
 // - CUDA graphs: a captured recv freezes its mode and index. At capture, a receive buffer not
 //   mapped yet waits up to 0.5 s (bounded by the timeout) for the sender's host, serving that
 //   peer's own requests meanwhile, so a captured sendrecv (both sides capturing) replays

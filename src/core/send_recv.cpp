@@ -287,25 +287,31 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   std::memset(state->table_host, 0, table_words * sizeof(uint64_t));
   PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state->table_device), state->table_host, 0));
   const int me = my_pe();
-  std::vector<zero_copy::Mailbox*> incoming(pes, nullptr);
+  auto table_of = [&state](int peer) {
+    return state->table_host + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
+  };
   for (int peer = 0; peer < pes; ++peer) {
-    if (peer == me || min_bytes == 0 || nvshmem_ptr(base_, peer) == nullptr) continue;
-    const std::string name = zero_copy::mailbox_name(job, me, peer);
-    incoming[peer] = zero_copy::create_mailbox(name);
-    if (incoming[peer] != nullptr) state->created.push_back(incoming[peer]), state->names.push_back(name);
+    zero_copy::Mailbox* incoming = nullptr;
+    if (peer != me && min_bytes != 0 && nvshmem_ptr(base_, peer) != nullptr) {
+      const std::string name = zero_copy::mailbox_name(job, me, peer);
+      incoming = zero_copy::create_mailbox(name);
+      if (incoming != nullptr) state->created.push_back(incoming), state->names.push_back(name);
+    }
+    state->exporters.push_back(std::make_unique<zero_copy::Exporter>(*state, incoming, peer));
+    // Without a mailbox until every PE made its own (after the barrier below).
+    state->importers.push_back(std::make_unique<zero_copy::Importer>(*state, nullptr, peer, table_of(peer)));
   }
+  ZeroCopyState* zc = state.get();
   zero_copy_ = std::move(state);
   // Nobody signals into memory a peer has not zeroed yet, nor opens a mailbox not made yet.
   barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
   for (int peer = 0; peer < pes; ++peer) {
-    zero_copy::Mailbox* outgoing = nullptr;
-    if (peer != me && min_bytes != 0 && nvshmem_ptr(base_, peer) != nullptr) {
-      outgoing = zero_copy::open_mailbox(zero_copy::mailbox_name(job, peer, me));
-      if (outgoing != nullptr) zero_copy_->opened.push_back(outgoing);
-    }
-    zero_copy_->exporters.push_back(std::make_unique<zero_copy::Exporter>(*zero_copy_, incoming[peer], peer));
-    zero_copy_->importers.push_back(std::make_unique<zero_copy::Importer>(
-        *zero_copy_, outgoing, peer, zero_copy_->table_host + static_cast<std::size_t>(peer) * zero_copy::kTableEntries));
+    if (peer == me || min_bytes == 0 || nvshmem_ptr(base_, peer) == nullptr) continue;
+    zero_copy::Mailbox* outgoing = zero_copy::open_mailbox(zero_copy::mailbox_name(job, peer, me));
+    if (outgoing == nullptr) continue;  // another container, no /dev/shm: that peer stays staged
+    zc->opened.push_back(outgoing);
+    zc->importers[peer] = std::make_unique<zero_copy::Importer>(
+        *zc, outgoing, peer, zc->table_host + static_cast<std::size_t>(peer) * zero_copy::kTableEntries);
   }
   // Every PE has opened what it needs: the names go, so that nothing is left if a process dies.
   barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
