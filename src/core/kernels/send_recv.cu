@@ -288,7 +288,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           behind = behind || (batch.ops[e].sequence == a.sequence && next[e][j] < chunk_count(batch.ops[e]));
         if (behind) continue;
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
-        if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
+        // Not a zero-copy part under way: a sender slice that started writing finishes, and a
+        // receiver waits until it knows the sender writes nothing more (zero_copy_begin).
+        const bool zero_copy_under_way =
+            mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i]);
+        if (!zero_copy_under_way &&
+            __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
           if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
           __syncthreads();
           continue;
@@ -349,7 +354,18 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         }
         if (mode[i] == zero_copy_detail::kModeZeroCopy) {
           if (send) {
-            // Slices past the copy's own have nothing to write.
+            // Slices past the copy's own have nothing to write; the others say they start
+            // before their first write, unless the channel failed meanwhile.
+            if (slice < a.zc_slices && chunk == 0) {
+              __shared__ int begun;
+              if (threadIdx.x == 0) begun = zero_copy_begin(a, slice, message[i]);
+              __syncthreads();
+              if (!begun) {
+                if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
+                __syncthreads();
+                continue;
+              }
+            }
             const int64_t done_to =
                 slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i]) : chunk_count(a);
             if (threadIdx.x == 0) {
@@ -361,21 +377,32 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             __syncthreads();
             continue;
           }
-          // A zero-copy recv waits for its slice's done word (slice 0 of a single-slice copy
-          // included), watching its refusal word, a staged arrival (the sender cut another size)
-          // and the watchdog.
-          __shared__ int state;  // 1: progress, 2: refused, 3: timed out
+          // A zero-copy recv waits for its slice's done word. It gives up only when the sender's
+          // slice cancelled or never started while the channel failed (seen after a full fence:
+          // zero_copy_begin), when the sender sent this message staged (another size), or at
+          // the watchdog: never while the sender may still write into the buffer.
+          __shared__ int state;  // 1: progress, 2: gave up
           if (threadIdx.x == 0) {
             state = 0;
-            const int64_t landed = slice < a.zc_slices ? zero_copy_landed(a, slice, message[i]) : chunk_count(a);
-            if (landed > chunk) {
-              next[i][j] = landed;
+            Landed l{true, false, true, chunk_count(a)};
+            if (slice < a.zc_slices) l = zero_copy_landed(a, slice, message[i]);
+            const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+            if (l.final || (!l.cancelled && l.chunks > chunk)) {
+              next[i][j] = l.chunks;
               state = 1;
-            } else if (const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken); broken != 0) {
-              refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
+            } else if (l.cancelled) {
+              refuse(a, broken != 0 ? detail::WaitOp::kChunkArrival : detail::WaitOp::kChannelRefused,
+                     broken != 0 ? broken - 1 : static_cast<uint64_t>(a.bytes));
               state = 2;
-            } else if (slice == 0 && staged_instead(a, first[i])) {
-              state = 2;
+            } else if (slice == 0 && !l.started && staged_instead(a, first[i])) {
+              state = 2;  // refused at both ends; the sender writes nothing zero-copy for it
+            } else if (!l.started && (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
+              __threadfence_system();
+              if (!zero_copy_landed(a, slice, message[i]).started) {
+                if (broken != 0) refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
+                else atomicExch(a.failed, 1u);
+                state = 2;
+              }
             } else {
               const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
               const uint64_t now = detail::globaltimer_ns();
@@ -384,7 +411,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                                        zero_copy_detail::done_word(message[i], zero_copy_detail::kFinal),
                                        detail::load_acquire_sys(a.zc_done + slice));
                 atomicExch(a.failed, 1u);
-                state = 3;
+                state = 2;
               }
             }
             if (state == 1) {
@@ -392,7 +419,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               since[i] = now;
               atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
             }
-            if (state >= 2) next[i][j] = chunk_count(a), gave_up[i] = true;
+            if (state == 2) next[i][j] = chunk_count(a), gave_up[i] = true;
           }
           __syncthreads();
           continue;

@@ -9,9 +9,11 @@
 
 namespace zero_copy_detail {
 constexpr int kModeStaged = 1, kModeZeroCopy = 2;
-// A sender slice's done word: (message + 1) << 24 | chunks written, kFinal once all its
-// writes landed. Words only grow, so a later message never looks like an earlier one's end.
-constexpr uint64_t kFinal = 0xFFFFFF;
+// A sender slice's done word: (message + 1) << 24 | chunks written: 0 once the slice has
+// started the message (before it writes anything), kCancel when it gave the message up before
+// writing anything, kFinal once all its writes landed. Words only grow, so a later message never
+// looks like an earlier one's.
+constexpr uint64_t kFinal = 0xFFFFFF, kCancel = kFinal - 1, kMostProgress = kFinal - 2;
 __device__ __forceinline__ uint64_t done_word(uint64_t message, uint64_t written) {
   return ((message + 1) << 24) | written;
 }
@@ -39,16 +41,36 @@ __device__ __forceinline__ void refuse_from_recv(const ChunkStreamArgs& a, uint6
     store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
   }
   refuse(a, detail::WaitOp::kChunkArrival, sender_bytes);
+  __threadfence_system();  // before this PE looks at whether the sender's slices started
 }
 
 // Thread 0, send side: the receiver's descriptor disagrees (another size, or a mapping this PE
-// no longer holds): refuse at both ends before anything is written.
+// no longer holds): refuse at both ends before anything is written. The channel's failure flag
+// is set before the receiver's word, with a full fence between: a slice of this launch that
+// starts a zero-copy message after the receiver saw the word sees the flag (zero_copy_begin).
 __device__ __forceinline__ void refuse_from_send(const ChunkStreamArgs& a, detail::WaitOp why,
                                                  uint64_t receiver_bytes) {
   *reinterpret_cast<volatile uint64_t*>(a.broken) = receiver_bytes + 1;
+  refuse(a, why, receiver_bytes);
   __threadfence_system();
   store_release_sys(a.peer_recv_broken, static_cast<uint64_t>(a.bytes) + 1);
-  refuse(a, why, receiver_bytes);
+}
+
+// Thread 0, send side, before a slice writes anything of a zero-copy message: says so in its
+// done word, then (after a full fence) looks at the channel's failure flag and refusal word.
+// Returns false, after cancelling the slice's part in its done word, when either is set. With
+// the fences on both sides (refuse_from_send, refuse_from_recv, the receiver's wait) either this
+// look sees the failure, or the receiver sees that the slice started and waits for its end: a
+// receiver never gives up a message whose bytes a sender may still write. Once started, a slice
+// finishes its part whatever happens (a copy waits on nothing).
+__device__ __forceinline__ bool zero_copy_begin(const ChunkStreamArgs& a, int slice, uint64_t message) {
+  volatile uint64_t* word = a.peer_zc_done + slice;
+  *word = zero_copy_detail::done_word(message, 0);
+  __threadfence_system();
+  const bool failed = *reinterpret_cast<volatile unsigned int*>(a.failed) != 0 ||
+                      *reinterpret_cast<volatile uint64_t*>(a.broken) != 0;
+  if (failed) *word = zero_copy_detail::done_word(message, zero_copy_detail::kCancel);
+  return !failed;
 }
 
 // Thread 0, send side. Returns 0 while the descriptor of `message` is not there, else the mode
@@ -101,27 +123,38 @@ __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, in
       store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
     } else {
       *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + slice) =
-          zero_copy_detail::done_word(message, min(static_cast<uint64_t>(end), zero_copy_detail::kFinal - 1));
+          zero_copy_detail::done_word(message, min(static_cast<uint64_t>(end), zero_copy_detail::kMostProgress));
     }
   }
   return end;
 }
 
-// Thread 0, recv side of a zero-copy op: the chunks the sender's slice `slice` has written
-// (chunk_count when all of them landed).
-__device__ __forceinline__ int64_t zero_copy_landed(const ChunkStreamArgs& a, int slice, uint64_t message) {
+// Thread 0, recv side of a zero-copy op: what the sender's slice `slice` has said of the
+// message so far.
+struct Landed {
+  bool started, cancelled, final;
+  int64_t chunks;  // written so far (chunk_count once final)
+};
+__device__ __forceinline__ Landed zero_copy_landed(const ChunkStreamArgs& a, int slice, uint64_t message) {
   const uint64_t word = detail::load_acquire_sys(a.zc_done + slice);
   const uint64_t start = zero_copy_detail::done_word(message, 0);
-  if (word < start) return 0;
-  if (word >= start + zero_copy_detail::kFinal) return chunk_count(a);
-  return min(static_cast<int64_t>(word - start), chunk_count(a) - 1);
+  Landed l{false, false, false, 0};
+  if (word < start) return l;
+  l.started = true;
+  const uint64_t said = word - start;
+  l.final = said >= zero_copy_detail::kFinal;
+  l.cancelled = said == zero_copy_detail::kCancel;
+  l.chunks = l.final ? chunk_count(a) : l.cancelled ? 0 : min(static_cast<int64_t>(said), chunk_count(a) - 1);
+  return l;
 }
 
 // Thread 0, recv side of a zero-copy op, slice 0: the sender sent the message staged instead
 // (its size under the threshold: another size than ours). Returns true after refusing.
+// Only the arrival of exactly this message's first chunk counts: a later one on that page means
+// that page was credited since, which this PE never did for a message sent staged to it.
 __device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_t first) {
   const int64_t slot = static_cast<int64_t>(first % a.num_slots);
-  if (detail::load_acquire_sys(a.arrivals + slot * a.pages) < first + 1) return false;
+  if (detail::load_acquire_sys(a.arrivals + slot * a.pages) != first + 1) return false;
   const volatile SlotHeader* h = a.headers + slot * a.pages;
   refuse_from_recv(a, h->message_bytes);
   return true;
