@@ -86,12 +86,19 @@
 //     first slice, while it waits for done words, also watches the arrival signal of the
 //     message's first staged page, reads that header (another size) and refuses both ends.
 //   Every case ends in pydatacopy.Error on both PEs, found by the device at once, never a hang.
-// - A descriptor is posted only when the op's first slice gets its turn (earlier ops of the
-//   channel in the launch past their first slice, none refused), so a receiver never gives up an
-//   op whose descriptor the sender may act on, except after a timeout (a peer that was only slow,
-//   not dead, may then still write into that receive buffer later: treat a TimeoutError as fatal
-//   for the buffers in flight with that peer). A dead peer writes nothing: the survivor gets
-//   TimeoutError, never an illegal address.
+// - A receiver never gives up a message whose bytes the sender may still write. Before its
+//   first write, each sender slice stores "started" into its done word, fences (system scope,
+//   sequentially consistent), then reads the channel's failure flag and refusal word: when
+//   either is set it stores "cancelled" and writes nothing; once started it finishes its part
+//   whatever happens (a copy waits on nothing). Whoever refuses a channel sets its flag or the
+//   other side's refusal word, then fences, before the receiver looks at the done words. So a
+//   receiver that sees the channel failed and a slice not started (after a fence) knows that
+//   slice will not write; a started slice it waits for (final or cancelled). A descriptor is
+//   posted only when the op's first slice gets its turn on the channel (earlier ops of the
+//   channel in the launch past their first slice, none refused). What remains: after a timeout,
+//   a peer that was only slow, not dead, may still write into that receive buffer later (treat a
+//   TimeoutError as fatal for the buffers in flight with that peer). A dead peer writes nothing:
+//   the survivor gets TimeoutError, never an illegal address.
 // - The mapping table is host-mapped memory written by the sender's host (zero_copy.hpp: why an
 //   index is never reused while a launch may still post it, and how freed memory is detected);
 //   a descriptor naming an empty entry is refused, never written through. Memory that CUDA IPC
