@@ -298,6 +298,7 @@ def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes)
         else:
             pydatacopy.recv(recv[:recv_bytes], peer, timeout=60)
         torch.cuda.synchronize()
+    dist.barrier()  # both kernels are over: whatever either side found is recorded
     both = rf"({send_bytes}.*{recv_bytes}|{recv_bytes}.*{send_bytes})"
     if rank == 1:
         with outcome.expect_error("the receiver's check_errors", both):
