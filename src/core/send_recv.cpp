@@ -565,7 +565,7 @@ void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, st
                           std::chrono::duration<double>(std::min(timeout_seconds, kCaptureHandshakeSeconds));
     while (std::chrono::steady_clock::now() < deadline) {
       zero_copy_->importers[peer]->drain();
-      if (exporter.acked(dst)) break;
+      if (exporter.acked(dst) || !exporter.awaiting(dst)) break;  // mapped, or refused for good
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     d = exporter.prepare(dst, bytes, capturing);
