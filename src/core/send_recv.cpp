@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -64,10 +65,13 @@ class RelaxedCaptureMode {
 std::size_t zero_copy_min_bytes_from_environment() {
   const char* text = std::getenv("PYDATACOPY_ZERO_COPY_MIN_BYTES");
   if (text == nullptr || *text == '\0') return SendRecvEngine::kDefaultZeroCopyMinBytes;
+  std::string trimmed(text);
+  trimmed.erase(0, trimmed.find_first_not_of(" \t"));
+  trimmed.erase(trimmed.find_last_not_of(" \t") + 1);
   char* end = nullptr;
   errno = 0;
-  const unsigned long long value = std::strtoull(text, &end, 10);
-  PDC_REQUIRE(end != text && *end == '\0' && errno == 0 && text[0] != '-',
+  const unsigned long long value = std::strtoull(trimmed.c_str(), &end, 10);
+  PDC_REQUIRE(!trimmed.empty() && end != trimmed.c_str() && *end == '\0' && errno == 0 && trimmed[0] != '-',
               "PYDATACOPY_ZERO_COPY_MIN_BYTES=" << text << " is not a whole number of bytes: give "
               "the smallest message that moves zero-copy between load/store peers (e.g. 1048576), "
               "or 0 to turn zero-copy off");
