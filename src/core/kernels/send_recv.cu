@@ -290,10 +290,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
         // Not a zero-copy part under way: a sender slice that started writing finishes, and a
         // receiver waits until it knows the sender writes nothing more (zero_copy_begin).
+        // (The barrier is taken either way: every thread has read `chunk` before thread 0 may
+        // change next[i][j] in this visit.)
         const bool zero_copy_under_way =
             mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i]);
-        if (!zero_copy_under_way &&
-            __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
+        const bool channel_failed =
+            __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0);
+        if (channel_failed && !zero_copy_under_way) {
           if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
           __syncthreads();
           continue;
