@@ -400,6 +400,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             } else if (slice == 0 && !l.started && staged_instead(a, first[i])) {
               state = 2;  // refused at both ends; the sender writes nothing zero-copy for it
             } else if (!l.started && (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
+              // A refusal: this PE tells the sender itself (its refusal word; the same answer
+              // again if the sender found it), then looks again after a full fence. Either the
+              // sender's slice sees the word before it starts (zero_copy_begin: it cancels), or
+              // this look sees that it started. (Failed without a refusal is a timeout: the peer
+              // is taken for dead.)
+              if (broken != 0) store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
               __threadfence_system();
               if (!zero_copy_landed(a, slice, message[i]).started) {
                 if (broken != 0) refuse(a, detail::WaitOp::kChunkArrival, broken - 1);

@@ -58,11 +58,12 @@ __device__ __forceinline__ void refuse_from_send(const ChunkStreamArgs& a, detai
 
 // Thread 0, send side, before a slice writes anything of a zero-copy message: says so in its
 // done word, then (after a full fence) looks at the channel's failure flag and refusal word.
-// Returns false, after cancelling the slice's part in its done word, when either is set. With
-// the fences on both sides (refuse_from_send, refuse_from_recv, the receiver's wait) either this
-// look sees the failure, or the receiver sees that the slice started and waits for its end: a
-// receiver never gives up a message whose bytes a sender may still write. Once started, a slice
-// finishes its part whatever happens (a copy waits on nothing).
+// Returns false, after cancelling the slice's part in its done word, when either is set. The
+// receiver that gives up a slice not started first stores this refusal word itself, then fences,
+// then looks at the done word again (the kernel's zero-copy wait): so either this look sees the
+// word, or the receiver sees that the slice started and waits for its end. A receiver never gives
+// up a message whose bytes a sender may still write. Once started, a slice finishes its part
+// whatever happens (a copy waits on nothing).
 __device__ __forceinline__ bool zero_copy_begin(const ChunkStreamArgs& a, int slice, uint64_t message) {
   volatile uint64_t* word = a.peer_zc_done + slice;
   *word = zero_copy_detail::done_word(message, 0);
