@@ -90,10 +90,10 @@
 //   first write, each sender slice stores "started" into its done word, fences (system scope,
 //   sequentially consistent), then reads the channel's failure flag and refusal word: when
 //   either is set it stores "cancelled" and writes nothing; once started it finishes its part
-//   whatever happens (a copy waits on nothing). Whoever refuses a channel sets its flag or the
-//   other side's refusal word, then fences, before the receiver looks at the done words. So a
-//   receiver that sees the channel failed and a slice not started (after a fence) knows that
-//   slice will not write; a started slice it waits for (final or cancelled). A descriptor is
+//   whatever happens (a copy waits on nothing). A receiver that sees the channel refused and a
+//   slice not started stores the sender's refusal word itself, fences, and looks again: either
+//   the slice's look saw the word (it cancels and writes nothing), or the receiver now sees it
+//   started and waits for it (final or cancelled). A descriptor is
 //   posted only when the op's first slice gets its turn on the channel (earlier ops of the
 //   channel in the launch past their first slice, none refused). What remains: after a timeout,
 //   a peer that was only slow, not dead, may still write into that receive buffer later (treat a
