@@ -156,6 +156,7 @@ class Exporter {
   };
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
+  void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
   int take_index();
   void send(const Request& request);
   void flush();

@@ -75,6 +75,24 @@ void Exporter::drop_overlapping(const Allocation& a) {
   }
 }
 
+void Exporter::sweep() {
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->second.index < 0) {  // nothing held at the sender
+      ++it;
+      continue;
+    }
+    const Allocation now = backend_.query(reinterpret_cast<const void*>(it->first));
+    const bool same = now.cuda_memory && now.base == it->first && now.bytes == it->second.bytes &&
+                      now.buffer_id == it->second.buffer_id;
+    if (same) {
+      ++it;
+      continue;
+    }
+    ++stats_.stale_dropped;
+    drop(it++);
+  }
+}
+
 int Exporter::take_index() {
   auto free_index = [this] {
     for (int i = 0; i < kTableEntries; ++i)
@@ -136,6 +154,9 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
     ++stats_.not_exportable;
     return staged;
   }
+  // A new mapping: first let go of every mapped entry whose memory was freed since (asked
+  // afresh), so that the sender does not hold freed allocations open until they are evicted.
+  sweep();
   const int index = take_index();
   if (index < 0) return staged;  // the table is full and busy: staged this time, asked again later
   Entry& e = entries_[a.base];

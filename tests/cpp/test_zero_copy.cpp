@@ -169,6 +169,22 @@ void test_eviction_waits_for_an_idle_channel() {
   check(p.importer.open_handles() <= zc::kTableEntries, "the sender holds no more handles than the table");
 }
 
+void test_freed_allocations_are_let_go_at_the_next_new_one() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  p.exporter.prepare(at(kBase), 1 << 20, false);
+  p.importer.drain();
+  check(p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "mapped");
+  p.cuda.release(kBase);  // freed, its address not reused
+  const std::uintptr_t other = kBase + 4 * kBytes;
+  p.cuda.allocate(other, kBytes);
+  p.exporter.prepare(at(other), 1 << 20, false);  // a new allocation: the sweep runs first
+  check(p.exporter.stats().stale_dropped == 1, "the freed allocation's entry was dropped");
+  p.importer.drain();
+  check(p.cuda.closes == 1 && p.importer.open_handles() == 1, "and its handle closed at the sender");
+  check(p.exporter.prepare(at(other), 1 << 20, false).zero_copy, "the new one maps");
+}
+
 void test_not_exportable_memory_stays_staged() {
   Pair p;
   p.cuda.allocate(kBase, kBytes, false);  // expandable segments, cudaMallocAsync pools
@@ -343,6 +359,7 @@ int main() {
   test_handshake_then_zero_copy();
   test_stale_buffer_id_drops_the_mapping();
   test_eviction_waits_for_an_idle_channel();
+  test_freed_allocations_are_let_go_at_the_next_new_one();
   test_not_exportable_memory_stays_staged();
   test_a_failed_open_is_staged_for_good();
   test_unmap_waits_for_the_send_channel();
