@@ -23,7 +23,9 @@
 //   index only when R's receive channel from S is idle (cudaEventQuery on its last launch, never a
 //   host wait), and then no kernel of either PE can use the old mapping any more (a recv posted
 //   ZERO_COPY completes only after S's writes landed). A base seen with a new buffer ID (freed and
-//   reused memory) drops the old entry at once: the stale mapping is never posted again.
+//   reused memory) drops the old entry at once: the stale mapping is never posted again; and
+//   before each new mapping every mapped entry is asked afresh, so that S does not hold freed
+//   allocations open until they are evicted.
 // - Entries used while capturing a CUDA graph are pinned: a graph freezes its index in the
 //   kernel parameters, and its lifetime is not known here, so they are never evicted and their
 //   index is never reused until cleanup. A pinned entry whose memory was freed is dropped (an
