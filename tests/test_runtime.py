@@ -510,3 +510,12 @@ def test_force_rma_is_read_once_and_set_through_the_core(monkeypatch):
         assert not _C.rma_forced()
     finally:
         _C.set_rma_forced(before)
+
+
+@pytest.mark.parametrize("text, ok", [("0", True), ("1048576", True), (" 4096 ", True), ("-1", False),
+                                      ("1M", False), ("", False), ("lots", False)])
+def test_zero_copy_threshold_is_checked_before_init(text, ok):
+    """PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0 turns zero-copy off); anything
+    else is refused with the variable's name before NVSHMEM starts."""
+    problems = dict(_env.pydatacopy_problems({"PYDATACOPY_ZERO_COPY_MIN_BYTES": text}))
+    assert ("PYDATACOPY_ZERO_COPY_MIN_BYTES" in problems) == (not ok), problems

@@ -37,6 +37,9 @@ class ChannelOrder {
   void order_after_last(int channel, cudaStream_t stream, unsigned long long capture) const;
   // After a launch on `stream`: the channel's next launch waits for this one.
   void record(int channel, cudaStream_t stream, unsigned long long capture);
+  // True when the channel's last eager launch has finished (or none was made): a query, never a
+  // wait. Captured launches are not seen here (their graphs replay when the caller says).
+  bool idle(int channel) const;
 
  private:
   struct Channel {

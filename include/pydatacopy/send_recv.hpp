@@ -38,8 +38,9 @@
 // same pair on the healthy channel meets its peer's), and the refusal is reported by that call
 // (when the record is already on the host) or by the next call with that PE or check_errors().
 // The record is per peer, not per direction: a call that reports it has still launched its
-// other ops, which ran, so do not retry it. Nothing is resynchronised in place. Sends of a message that fits in the staging complete
-// before the receiver looks, so the sender learns of a mismatch one call later.
+// other ops, which ran, so do not retry it. Nothing is resynchronised in place. Staged sends of a message that fits in the
+// staging complete before the receiver looks, so the sender learns of a mismatch one call later
+// (a send that waits for a zero-copy rendezvous learns it at once, see below).
 //
 // An empty message moves one header-only chunk (one page, no data, header checked, credit
 // returned): both sides' sequences stay in step, and a 0-byte call facing a non-empty one is a
@@ -59,6 +60,63 @@
 // channel (ChannelOrder; no stream of the caller is kept); a graph replayed on one stream and
 // eager calls on another must be ordered by the caller, as with NCCL.
 //
+// Zero-copy between load/store peers (PEs on one node whose heaps nvshmem_ptr reaches, several
+// PEs on one GPU included; not under PYDATACOPY_FORCE_RMA, never to itself): a message of at
+// least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 1 MiB, agreed by every PE
+// at init; 0: off) moves once, from the sender's tensor into the receiver's, inside the same
+// batch kernel (so a sendrecv's zero-copy and staged ops still run in one launch).
+// - Rendezvous: on such a channel EVERY recv (any size) posts a descriptor into the sender's
+//   ring (slot: the message's ordinal on the channel modulo 16, counted on the device like the
+//   sequences): {ordinal + 1, first chunk's sequence + 1, its bytes, mode, index, offset}, the
+//   ordinal last with a system-scope release, when the op's first slice gets its turn on the
+//   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
+//   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
+//   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous), checks
+//   its bytes, then either writes its slices' pages straight into mapped_base[j] + offset (SM
+//   stores; each slice then stores (ordinal + 1) << 24 | chunks written into its done word at
+//   the receiver, all ones in the low bits at the end, after a system fence) or runs the staged
+//   protocol. A zero-copy recv waits for its slices' done words (a watchdog on their progress).
+//   Either mode consumes the message's chunk sequence numbers, so the channel stays in step
+//   whatever the mode, in eager calls and graph replays alike.
+// - Sizes that differ: the descriptor carries the receiver's bytes, so both sides learn of a
+//   mismatch as soon as the sender reads it, with no data moved. Eligibility is decided on each
+//   side from the size, so the sides can disagree only when the sizes do:
+//   * both at or above the threshold: the sender reads the descriptor, refuses the channel at
+//     both ends (its own refusal word, and the receiver's with its bytes + 1); the receiver,
+//     waiting for done words or staged chunks, watches its refusal word and refuses too.
+//   * sender above, receiver below: the receiver posts a STAGED descriptor anyway (every recv on
+//     the channel does, which is why small recvs post too), so the sender reads it and refuses
+//     both ends as above; the receiver's staged wait watches its refusal word.
+//   * receiver above (posted ZERO_COPY), sender below: the sender sends staged; the receiver's
+//     first slice, while it waits for done words, also watches the arrival signal of the
+//     message's first staged page, reads that header (another size) and refuses both ends.
+//   Every case ends in pydatacopy.Error on both PEs, found by the device at once, never a hang.
+// - A receiver never gives up a message whose bytes the sender may still write. Before its
+//   first write, each sender slice stores "started" into its done word, fences (system scope,
+//   sequentially consistent), then reads the channel's failure flag and refusal word: when
+//   either is set it stores "cancelled" and writes nothing; once started it finishes its part
+//   whatever happens (a copy waits on nothing). A receiver that sees the channel refused and a
+//   slice not started stores the sender's refusal word itself, fences, and looks again: either
+//   the slice's look saw the word (it cancels and writes nothing), or the receiver now sees it
+//   started and waits for it (final or cancelled). A descriptor is
+//   posted only when the op's first slice gets its turn on the channel (earlier ops of the
+//   channel in the launch past their first slice, none refused). What remains: after a timeout,
+//   a peer that was only slow, not dead, may still write into that receive buffer later (treat a
+//   TimeoutError as fatal for the buffers in flight with that peer). A dead peer writes nothing:
+//   the survivor gets TimeoutError, never an illegal address.
+// - The mapping table is host-mapped memory written by the sender's host (zero_copy.hpp: why an
+//   index is never reused while a launch may still post it, and how freed memory is detected);
+//   a descriptor naming an empty entry is refused, never written through. Memory that CUDA IPC
+//   cannot export (torch's expandable segments, cudaMallocAsync pools) stays staged.
+// - A send at or above the threshold to a load/store peer waits for its recv to start (as large
+//   messages do with NCCL): it no longer completes into the staging ahead of its receiver. A PE
+//   that sends and receives at once groups them (below), as it must anyway.
+// - CUDA graphs: a captured recv freezes its mode and index. At capture, a receive buffer not
+//   mapped yet waits up to 0.5 s (bounded by the timeout) for the sender's host, serving that
+//   peer's own requests meanwhile, so a captured sendrecv (both sides capturing) replays
+//   zero-copy; a one-way capture whose sender is not calling meanwhile stays staged. Entries used
+//   by captures are pinned until cleanup().
+//
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
 // once issues both in one batch() (or sendrecv()): one kernel launch, in which all of them are
@@ -71,6 +129,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <utility>
+#include <memory>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -81,7 +140,9 @@ namespace pydatacopy {
 namespace kernels {
 struct ChunkStreamArgs;
 struct SlotHeader;
+struct RendezvousDescriptor;
 }
+struct ZeroCopyState;  // send_recv.cpp: the mailboxes, mapping tables and counters
 
 
 // Reads a few device words from the host (SendRecvEngine::check_refusals): a pinned buffer and
@@ -112,8 +173,8 @@ class RefusalPoll {
 
 class SendRecvEngine {
  public:
-  SendRecvEngine() = default;
-  ~SendRecvEngine() = default;  // never collective: call cleanup() on every PE
+  SendRecvEngine();
+  ~SendRecvEngine();  // never collective: call cleanup() on every PE
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
   SendRecvEngine(SendRecvEngine&& other) noexcept;  // takes other's state; other is left empty
@@ -180,6 +241,24 @@ class SendRecvEngine {
   // had completed: a send that fits in the staging does not wait for its receiver).
   // check_errors() calls it, so the sender hears of a mismatch without a further send.
   void check_refusals();
+  // ---- zero-copy (see above) ----
+  // Messages of at least this many bytes to or from a load/store peer move once (0: never).
+  // PYDATACOPY_ZERO_COPY_MIN_BYTES at init (default kDefaultZeroCopyMinBytes), the same on every PE.
+  static constexpr std::size_t kDefaultZeroCopyMinBytes = std::size_t{1} << 20;
+  std::size_t zero_copy_min_bytes() const { return zero_copy_min_bytes_; }
+  // Collective and blocking (every PE, the same value, between calls; the pair's messages in
+  // flight keep the mode they were issued with): changes the threshold. Throws on every PE
+  // alike when the PEs disagree, changing nothing. Call it outside the engine's lock.
+  static void agree_zero_copy_min_bytes(std::size_t bytes);
+  void set_zero_copy_min_bytes_agreed(std::size_t bytes) { zero_copy_min_bytes_ = bytes; }
+  // Serves the peers' zero-copy mapping requests and answers (never blocks): every call with a
+  // peer does it for that peer; check_errors() does it for all.
+  void service_zero_copy();
+  // Test hook: ops finished since init, [send staged, send zero-copy, recv staged, recv
+  // zero-copy] (counted on the device: synchronise first), and the host's bookkeeping:
+  // [map requests, acknowledged, refused by the sender, not exportable, stale dropped, evicted,
+  // handles opened here, closed here].
+  std::vector<uint64_t> zero_copy_counters() const;
 
  private:
   void require_ready(const char* what, int pe) const;       // the call's own arguments
@@ -194,6 +273,11 @@ class SendRecvEngine {
   kernels::SlotHeader* outgoing_headers(int dst_pe) const;
   uint64_t* broken(bool send, int peer) const;
   uint64_t* refused_bytes(int dst_pe) const;  // send channel: the bytes + 1 its receiver saw
+  kernels::RendezvousDescriptor* rendezvous_ring(int receiver) const;  // at the sender
+  uint64_t* zero_copy_done(int sender) const;                          // at the receiver
+  bool load_store_peer(int peer) const;  // zero-copy applies to this peer (see above)
+  void decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
+                        bool capturing, double timeout_seconds);
 
   uint8_t* base_ = nullptr;
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
@@ -208,6 +292,9 @@ class SendRecvEngine {
   unsigned int* done_ = nullptr;   // device [2][n_pes]: blocks finished in the launch in flight
   RefusalPoll refusal_poll_;     // check_refusals(): the refusal words, read from the host
   bool sends_launched_ = false;   // no send, no refusal to look for
+  uint64_t* messages_ = nullptr;   // device [2][n_pes]: next message ordinal of each channel
+  std::size_t zero_copy_min_bytes_ = 0;
+  std::unique_ptr<ZeroCopyState> zero_copy_;
 };
 
 }  // namespace pydatacopy

@@ -551,6 +551,9 @@ def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[s
         ("PYDATACOPY_AUTO_REGISTER", lambda t: parse_switch(
             t, "PYDATACOPY_AUTO_REGISTER", "register local buffers with NVSHMEM on first use")),
         ("PYDATACOPY_RANKS_PER_GPU", lambda t: ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": t})),
+        ("PYDATACOPY_ZERO_COPY_MIN_BYTES", lambda t: parse_int(
+            t, "PYDATACOPY_ZERO_COPY_MIN_BYTES", 0, 2**63 - 1, 1 << 20,
+            "the smallest send/recv message that moves zero-copy between load/store peers, 0: off")),
         # Not ours, but init() sums it over the ranks of a GPU (see _runtime._shared_gpu_verdict).
         ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
          lambda t: mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t})),

@@ -613,5 +613,6 @@ def check_errors() -> None:
     two sides disagreed on the byte count (Error: on the receiver once its recv has run, on the
     sender once the receiver has looked, even when the send had completed before), or a
     put_blocks index out of range (Error)."""
+    _transfer.service_zero_copy()  # peers' zero-copy mapping requests, answered without waiting
     _C.check_device_errors()
     _transfer.check_send_recv_refusals()

@@ -391,6 +391,29 @@ def teardown_send_recv() -> None:
         engine.cleanup()
 
 
+def service_zero_copy() -> None:
+    """Serve the peers' zero-copy mapping requests without waiting (check_errors() calls it;
+    every send/recv call does it for its own peers)."""
+    if _engine is not None:
+        _engine.service_zero_copy()
+
+
+def zero_copy_min_bytes() -> int:
+    """Messages of at least this many bytes between PEs that reach each other by load/store move
+    once, from the sender's tensor into the receiver's (PYDATACOPY_ZERO_COPY_MIN_BYTES, default
+    1 MiB; 0: never). Needs the send/recv engine (init())."""
+    return _require_engine("zero_copy_min_bytes").zero_copy_min_bytes
+
+
+def set_zero_copy_min_bytes(nbytes: int) -> None:
+    """Collective and blocking: every PE calls it with the same value, between its send/recv
+    calls (the benchmark and tests use it; 0 turns zero-copy off). Raises on every PE alike when
+    the values differ, changing nothing."""
+    check_int("nbytes", nbytes, 0, 2**63 - 1, call="pydatacopy.set_zero_copy_min_bytes")
+    refuse_capture("set_zero_copy_min_bytes")
+    _require_engine("set_zero_copy_min_bytes").set_zero_copy_min_bytes(nbytes)
+
+
 def _require_engine(what: str) -> "_C.SendRecvEngine":
     _require_init(what)
     if _engine is None:

@@ -461,5 +461,32 @@ PYBIND11_MODULE(_C, m) {
              std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.batch(list, as_stream(stream), timeout);
            }, py::arg("ops"), py::arg("stream"), py::arg("timeout"), release_gil(),
-           "ops: (is_send, address, bytes, peer) tuples, run in one launch");
+           "ops: (is_send, address, bytes, peer) tuples, run in one launch")
+      .def_property_readonly("zero_copy_min_bytes", [](SendRecvEngine& self) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+             return self.zero_copy_min_bytes();
+           }, "messages of at least this many bytes between load/store peers move once (0: never)")
+      .def("set_zero_copy_min_bytes", [](SendRecvEngine& self, std::size_t bytes) {
+             // The agreement is a blocking barrier: outside the lock (a peer's transfer may need it).
+             SendRecvEngine::agree_zero_copy_min_bytes(bytes);
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+             self.set_zero_copy_min_bytes_agreed(bytes);
+           }, py::arg("bytes"), release_gil(),
+           "collective: every PE, the same value, between calls (bench and tests: 0 turns zero-copy off)")
+      .def("service_zero_copy", [](SendRecvEngine& self) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+             if (self.initialized()) self.service_zero_copy();
+           }, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
+      .def("zero_copy_counters", [](SendRecvEngine& self) {
+             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+             const std::vector<uint64_t> v = self.zero_copy_counters();
+             static const char* names[] = {"send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy",
+                                           "map_requests", "acked", "refused", "not_exportable",
+                                           "stale_dropped", "evicted", "opened", "closed"};
+             py::dict out;
+             for (std::size_t i = 0; i < v.size() && i < sizeof(names) / sizeof(names[0]); ++i)
+               out[names[i]] = v[i];
+             return out;
+           }, "test hook: ops finished by mode (counted on the device: synchronise first) and the "
+              "mapping bookkeeping, since init");
 }

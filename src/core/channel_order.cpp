@@ -71,4 +71,13 @@ void ChannelOrder::record(int channel, cudaStream_t stream, unsigned long long c
   }
 }
 
+bool ChannelOrder::idle(int channel) const {
+  const Channel& c = at(channel);
+  if (!c.eager_recorded) return true;
+  const cudaError_t status = cudaEventQuery(c.eager);
+  if (status == cudaSuccess) return true;
+  if (status != cudaErrorNotReady) PDC_CHECK_CUDA(status);
+  return false;
+}
+
 }  // namespace pydatacopy

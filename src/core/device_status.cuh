@@ -19,6 +19,9 @@ enum class WaitOp : int {
   kBlockIndex = 6,    // put_blocks(): an index out of range (code 2, not a timeout)
   kBarrier = 7,       // barrier(): a PE not arriving
   kChannelRefused = 8,  // send/recv on a channel refused since a size mismatch (not a wait)
+  kRendezvous = 9,      // send: the receiver's zero-copy rendezvous descriptor
+  kZeroCopyDone = 10,   // recv: the sender's zero-copy writes into the receive buffer
+  kZeroCopyMapping = 11,  // send: the receiver posted a mapping this PE no longer holds (refusal)
 };
 
 const char* wait_op_name(WaitOp op);

@@ -180,6 +180,9 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kBlockIndex: return "put_blocks";
     case WaitOp::kBarrier: return "barrier (waiting for the PE to arrive)";
     case WaitOp::kChannelRefused: return "send/recv (a channel refused since a size mismatch)";
+    case WaitOp::kRendezvous: return "send (waiting for the receiver's zero-copy rendezvous descriptor)";
+    case WaitOp::kZeroCopyDone: return "recv (waiting for the sender's zero-copy writes)";
+    case WaitOp::kZeroCopyMapping: return "send (a zero-copy mapping of the receiver's buffer was gone)";
     default: return "wait";
   }
 }
@@ -575,6 +578,10 @@ void throw_size_mismatch(detail::ErrorRecord& r) {
     text << "send from PE " << r.pe << " to PE " << r.peer << ": the receiver expected " << r.seen
          << " bytes for a message this PE sent with another size (this call: " << r.expected
          << " bytes)";
+  else if (why == detail::WaitOp::kZeroCopyMapping)
+    text << "send from PE " << r.pe << " to PE " << r.peer << ": the receiver posted a zero-copy "
+         << "mapping of its receive buffer that this PE no longer holds (its memory was freed: a "
+         << "CUDA graph replayed after its receive buffer was freed?); nothing was written";
   else
     text << "send/recv between PE " << r.pe << " and PE " << r.peer
          << " refused: a message on this channel had mismatched sizes (the other side's: " << r.seen

@@ -3,9 +3,19 @@
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 
+#include <cuda.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <sstream>
+#include <random>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -15,6 +25,7 @@
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "pydatacopy/zero_copy.hpp"
 
 namespace pydatacopy {
 namespace {
@@ -22,7 +33,123 @@ namespace {
 constexpr std::size_t kAlignment = 256;
 std::size_t align_up(std::size_t value, std::size_t to) { return (value + to - 1) / to * to; }
 
+static_assert(kernels::kRendezvousRing >= kernels::kMaxBatchOps,
+              "a batch's ops on one channel must have descriptor slots of their own");
+static_assert(kernels::kZeroCopyTableEntries == zero_copy::kTableEntries, "one table size");
+static_assert(sizeof(kernels::RendezvousDescriptor) == 64, "a descriptor is one 64-byte line");
+
+// Driver functions through the runtime's entry point: the core links no libcuda.
+template <typename Function>
+Function driver_function(const char* name) {
+  void* symbol = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  PDC_CHECK_CUDA(cudaGetDriverEntryPointByVersion(name, &symbol, 12000, cudaEnableDefault, &found));
+  PDC_REQUIRE(found == cudaDriverEntryPointSuccess && symbol != nullptr,
+              "the CUDA driver has no " << name << ": update the NVIDIA driver");
+  return reinterpret_cast<Function>(symbol);
+}
+
+// IPC calls and event queries are not stream work, but a global-mode capture on this thread
+// could refuse them: made in relaxed mode (as registration.cpp does).
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode_)); }
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off).
+std::size_t zero_copy_min_bytes_from_environment() {
+  const char* text = std::getenv("PYDATACOPY_ZERO_COPY_MIN_BYTES");
+  if (text == nullptr || *text == '\0') return SendRecvEngine::kDefaultZeroCopyMinBytes;
+  std::string trimmed(text);
+  trimmed.erase(0, trimmed.find_first_not_of(" \t"));
+  trimmed.erase(trimmed.find_last_not_of(" \t") + 1);
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long value = std::strtoull(trimmed.c_str(), &end, 10);
+  PDC_REQUIRE(!trimmed.empty() && end != trimmed.c_str() && *end == '\0' && errno == 0 && trimmed[0] != '-',
+              "PYDATACOPY_ZERO_COPY_MIN_BYTES=" << text << " is not a whole number of bytes: give "
+              "the smallest message that moves zero-copy between load/store peers (e.g. 1048576), "
+              "or 0 to turn zero-copy off");
+  return static_cast<std::size_t>(value);
+}
+
 }  // namespace
+
+// The host side of zero-copy (zero_copy.hpp), per engine: the CUDA backend, the mailboxes,
+// each peer's exporter (this PE receiving) and importer (this PE sending), and the host-mapped
+// table the send kernels read.
+struct ZeroCopyState final : zero_copy::Backend {
+  explicit ZeroCopyState(const ChannelOrder* order, int n_pes) : order_(order), n_pes_(n_pes) {}
+  ~ZeroCopyState() override {
+    for (zero_copy::Mailbox* m : created) zero_copy::unmap_mailbox(m);
+    for (zero_copy::Mailbox* m : opened) zero_copy::unmap_mailbox(m);
+    for (const std::string& name : names) zero_copy::unlink_mailbox(name);
+  }
+
+  Allocation query(const void* ptr) override {
+    using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+    static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
+    Allocation a;
+    void* start = nullptr;
+    unsigned int memory_type = 0;
+    int managed = 0;
+    CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                        CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                        CU_POINTER_ATTRIBUTE_IS_MANAGED};
+    void* values[] = {&start, &a.bytes, &a.buffer_id, &memory_type, &managed};
+    if (get_attributes(5, attributes, values, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) return a;
+    a.base = reinterpret_cast<std::uintptr_t>(start);
+    a.cuda_memory = memory_type == CU_MEMORYTYPE_DEVICE;  // zero-copy targets device memory only
+    a.managed = managed != 0;
+    a.queried = ptr;
+    return a;
+  }
+  bool export_handle(std::uintptr_t base, zero_copy::IpcHandle* handle) override {
+    RelaxedCaptureMode relaxed;
+    cudaIpcMemHandle_t h;
+    if (cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)) != cudaSuccess) {
+      cudaGetLastError();  // not exportable (VMM, pools): not an error of the caller's
+      return false;
+    }
+    static_assert(sizeof(h) == sizeof(handle->bytes), "cudaIpcMemHandle_t is 64 bytes");
+    std::memcpy(handle->bytes, &h, sizeof(h));
+    return true;
+  }
+  void* open_handle(const zero_copy::IpcHandle& handle) override {
+    RelaxedCaptureMode relaxed;
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.bytes, sizeof(h));
+    void* mapped = nullptr;
+    if (cudaIpcOpenMemHandle(&mapped, h, cudaIpcMemLazyEnablePeerAccess) != cudaSuccess) {
+      cudaGetLastError();  // that allocation stays staged
+      return nullptr;
+    }
+    return mapped;
+  }
+  void close_handle(void* mapped) override {
+    RelaxedCaptureMode relaxed;
+    if (cudaIpcCloseMemHandle(mapped) != cudaSuccess) cudaGetLastError();
+  }
+  bool channel_idle(bool send, int peer) override {
+    RelaxedCaptureMode relaxed;
+    return order_->idle((send ? 0 : n_pes_) + peer);
+  }
+
+  const ChannelOrder* order_;
+  int n_pes_;
+  uint64_t* table_host = nullptr;    // cudaHostAlloc'd, mapped: [n_pes][kTableEntries] then counters
+  uint64_t* table_device = nullptr;  // the same memory as the kernels see it
+  std::vector<std::unique_ptr<zero_copy::Exporter>> exporters;  // per sending peer
+  std::vector<std::unique_ptr<zero_copy::Importer>> importers;  // per receiving peer
+  std::vector<zero_copy::Mailbox*> created, opened;
+  std::vector<std::string> names;  // created here, unlinked once every PE opened its own
+};
 
 namespace {
 // A slot's page: the unit each block signals for (32 KiB, or the whole chunk when smaller).
@@ -50,6 +177,16 @@ std::size_t broken_array_bytes(int n_pes) {
 std::size_t staging_array_bytes(int n_pes, int num_chunks, std::size_t chunk_bytes) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * chunk_bytes, kAlignment);
 }
+// Zero-copy: after the refusal words, the rendezvous rings [n_pes][kRendezvousRing] (at the
+// sender, one ring per receiver) and the done words [n_pes][blocks] (at the receiver, one
+// word per slice of each sender).
+std::size_t ring_array_bytes(int n_pes) {
+  return align_up(static_cast<std::size_t>(n_pes) * kernels::kRendezvousRing *
+                      sizeof(kernels::RendezvousDescriptor), kAlignment);
+}
+std::size_t done_array_bytes(int n_pes, int blocks) {
+  return align_up(static_cast<std::size_t>(n_pes) * blocks * sizeof(uint64_t), kAlignment);
+}
 }  // namespace
 
 std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
@@ -60,7 +197,8 @@ std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_
   chunk_bytes = chunk_bytes_for(chunk_bytes);
   return staging_array_bytes(n_pes, num_chunks, chunk_bytes) +
          2 * signal_array_bytes(n_pes, num_chunks, chunk_bytes / page) +
-         2 * header_array_bytes(n_pes, num_chunks, chunk_bytes / page) + broken_array_bytes(n_pes);
+         2 * header_array_bytes(n_pes, num_chunks, chunk_bytes / page) + broken_array_bytes(n_pes) +
+         ring_array_bytes(n_pes) + done_array_bytes(n_pes, blocks);
 }
 
 void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
@@ -94,6 +232,18 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
                                               "Nothing was allocated on any PE");
     grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & 0xffffffffu));
   }
+  // The zero-copy threshold decides, on each side alike, whether a message waits for a
+  // rendezvous: every PE must have the same. Then PE 0 draws the job's mailbox name.
+  const std::size_t min_bytes = zero_copy_min_bytes_from_environment();
+  agree_zero_copy_min_bytes(min_bytes);
+  uint64_t job = 0;
+  if (my_pe() == 0) {
+    std::random_device random;
+    job = (static_cast<uint64_t>(random()) << 32) ^ random() ^
+          static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+          (static_cast<uint64_t>(getpid()) << 16);
+  }
+  job = barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds(), job)[0];
   page_bytes_ = page_bytes_for(chunk_bytes);
   chunk_bytes = chunk_bytes_for(chunk_bytes);
   // Per channel (send to / receive from each PE): the next chunk's sequence number, the time
@@ -102,7 +252,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   // device, so that graph replays advance them.
   const std::size_t pages_per_peer = static_cast<std::size_t>(num_chunks) * (chunk_bytes / page_bytes_);
   const std::size_t counter_bytes = 2 * pes * (2 * sizeof(uint64_t) + 2 * sizeof(unsigned int)) +
-                                    pes * pages_per_peer * sizeof(uint64_t);
+                                    pes * pages_per_peer * sizeof(uint64_t) + 2 * pes * sizeof(uint64_t);
   void* counters = nullptr;
   PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
   if (cudaError_t e = cudaMemset(counters, 0, counter_bytes); e != cudaSuccess) {
@@ -123,7 +273,8 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   refusal_poll_ = std::move(poll);
   progress_ = sequences_ + 2 * pes;
   filled_ = progress_ + 2 * pes;
-  done_ = reinterpret_cast<unsigned int*>(filled_ + pes * pages_per_peer);
+  messages_ = filled_ + pes * pages_per_peer;
+  done_ = reinterpret_cast<unsigned int*>(messages_ + 2 * pes);
   failed_ = done_ + 2 * pes;
   resident_blocks_ = std::max(1, grid_cap);
   chunk_bytes_ = chunk_bytes;
@@ -131,10 +282,101 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   blocks_ = blocks;
   n_pes_ = pes;
   symmetric_bytes_ = total;
+  zero_copy_min_bytes_ = min_bytes;
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   clear_size_mismatch();  // about channels that no longer exist
-  // Nobody signals into memory a peer has not zeroed yet.
+  // Zero-copy's host side: the table the send kernels read (host-mapped: the importer updates
+  // it from the host at any time, with no stream to order it on, and a captured graph reads the
+  // live entry at each replay), and a mailbox per load/store peer. A mailbox that cannot be
+  // made only keeps that peer's messages staged.
+  auto state = std::make_unique<ZeroCopyState>(&order_, pes);
+  const std::size_t table_words = static_cast<std::size_t>(pes) * zero_copy::kTableEntries +
+                                  kernels::kZeroCopyCounters;
+  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&state->table_host), table_words * sizeof(uint64_t),
+                               cudaHostAllocMapped));
+  std::memset(state->table_host, 0, table_words * sizeof(uint64_t));
+  PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state->table_device), state->table_host, 0));
+  const int me = my_pe();
+  auto table_of = [&state](int peer) {
+    return state->table_host + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
+  };
+  for (int peer = 0; peer < pes; ++peer) {
+    zero_copy::Mailbox* incoming = nullptr;
+    if (peer != me && min_bytes != 0 && nvshmem_ptr(base_, peer) != nullptr) {
+      const std::string name = zero_copy::mailbox_name(job, me, peer);
+      incoming = zero_copy::create_mailbox(name);
+      if (incoming != nullptr) state->created.push_back(incoming), state->names.push_back(name);
+    }
+    state->exporters.push_back(std::make_unique<zero_copy::Exporter>(*state, incoming, peer));
+    // Without a mailbox until every PE made its own (after the barrier below).
+    state->importers.push_back(std::make_unique<zero_copy::Importer>(*state, nullptr, peer, table_of(peer)));
+  }
+  ZeroCopyState* zc = state.get();
+  zero_copy_ = std::move(state);
+  // Nobody signals into memory a peer has not zeroed yet, nor opens a mailbox not made yet.
   barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
+  for (int peer = 0; peer < pes; ++peer) {
+    if (peer == me || min_bytes == 0 || nvshmem_ptr(base_, peer) == nullptr) continue;
+    zero_copy::Mailbox* outgoing = zero_copy::open_mailbox(zero_copy::mailbox_name(job, peer, me));
+    if (outgoing == nullptr) continue;  // another container, no /dev/shm: that peer stays staged
+    zc->opened.push_back(outgoing);
+    zc->importers[peer] = std::make_unique<zero_copy::Importer>(
+        *zc, outgoing, peer, zc->table_host + static_cast<std::size_t>(peer) * zero_copy::kTableEntries);
+  }
+  // Every PE has opened what it needs: the names go, so that nothing is left if a process dies.
+  barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds());
+  for (const std::string& name : zero_copy_->names) zero_copy::unlink_mailbox(name);
+  zero_copy_->names.clear();
+}
+
+SendRecvEngine::SendRecvEngine() = default;
+SendRecvEngine::~SendRecvEngine() = default;
+
+void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) {
+  const std::vector<uint64_t> votes = barrier_all_blocking(
+      "zero-copy threshold (collective: every PE must set it, to the same value)", default_timeout_seconds(),
+      static_cast<uint64_t>(bytes));
+  for (std::size_t pe = 0; pe < votes.size(); ++pe)
+    PDC_REQUIRE(votes[pe] == bytes,
+                "the zero-copy threshold differs between PEs: PE " << pe << " has " << votes[pe]
+                    << " bytes and this PE " << bytes << " (PYDATACOPY_ZERO_COPY_MIN_BYTES, or the "
+                    "setter): both sides of a message must decide alike whether it moves zero-copy. "
+                    "Set the same value on every PE; nothing was changed");
+}
+
+bool SendRecvEngine::load_store_peer(int peer) const {
+  // peer_pointer is null for another node and under PYDATACOPY_FORCE_RMA; a PE's messages to
+  // itself stay staged (a send and its recv may be in two launches).
+  return zero_copy_min_bytes_ > 0 && peer != my_pe() && zero_copy_ != nullptr &&
+         peer_pointer(base_, peer) != nullptr;
+}
+
+void SendRecvEngine::service_zero_copy() {
+  if (zero_copy_ == nullptr) return;
+  for (int peer = 0; peer < n_pes_; ++peer) {
+    zero_copy_->importers[peer]->drain();
+    zero_copy_->exporters[peer]->poll();
+  }
+}
+
+std::vector<uint64_t> SendRecvEngine::zero_copy_counters() const {
+  PDC_REQUIRE(initialized(), "zero_copy_counters: the send/recv engine is not set up");
+  const volatile uint64_t* device_counts =
+      zero_copy_->table_host + static_cast<std::size_t>(n_pes_) * zero_copy::kTableEntries;
+  std::vector<uint64_t> out;
+  for (int i = 0; i < kernels::kZeroCopyCounters; ++i) out.push_back(static_cast<uint64_t>(device_counts[i]));
+  zero_copy::Exporter::Stats e;
+  zero_copy::Importer::Stats m;
+  for (int peer = 0; peer < n_pes_; ++peer) {
+    const auto& x = zero_copy_->exporters[peer]->stats();
+    const auto& y = zero_copy_->importers[peer]->stats();
+    e.requests += x.requests, e.acked += x.acked, e.refused += x.refused;
+    e.not_exportable += x.not_exportable, e.stale_dropped += x.stale_dropped, e.evicted += x.evicted;
+    m.opened += y.opened, m.closed += y.closed;
+  }
+  for (uint64_t v : {e.requests, e.acked, e.refused, e.not_exportable, e.stale_dropped, e.evicted, m.opened, m.closed})
+    out.push_back(v);
+  return out;
 }
 
 SendRecvEngine::SendRecvEngine(SendRecvEngine&& other) noexcept { swap(other); }
@@ -157,6 +399,12 @@ void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
   swap(done_, other.done_);
   swap(refusal_poll_, other.refusal_poll_);
   swap(sends_launched_, other.sends_launched_);
+  swap(messages_, other.messages_);
+  swap(zero_copy_min_bytes_, other.zero_copy_min_bytes_);
+  swap(zero_copy_, other.zero_copy_);
+  // The backend asks the engine's own channel events.
+  if (zero_copy_ != nullptr) zero_copy_->order_ = &order_;
+  if (other.zero_copy_ != nullptr) other.zero_copy_->order_ = &other.order_;
 }
 
 SendRecvEngine SendRecvEngine::detach() noexcept {
@@ -171,10 +419,17 @@ void SendRecvEngine::cleanup() {
   // symmetric_free settles every PE (bounded barrier) first: peers may still write into staging.
   uint8_t* base = base_;
   base_ = nullptr;
+  std::unique_ptr<ZeroCopyState> zero_copy = std::move(zero_copy_);
   symmetric_free(base);  // synchronises the device first: no kernel still uses the counters
   if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
-  sequences_ = progress_ = filled_ = nullptr;
+  sequences_ = progress_ = filled_ = messages_ = nullptr;
   done_ = failed_ = nullptr;
+  if (zero_copy != nullptr) {
+    // No kernel runs any more (symmetric_free synchronised the device, or a peer died and
+    // its transfers were given up): the peers' allocations close here.
+    for (auto& importer : zero_copy->importers) importer->close_all();
+    if (zero_copy->table_host != nullptr) cudaFreeHost(zero_copy->table_host);
+  }
   order_ = ChannelOrder();  // local events; nothing depends on them
   refusal_poll_ = RefusalPoll();  // local: a copy and a stream that nothing else uses
   sends_launched_ = false;
@@ -270,6 +525,16 @@ uint64_t* SendRecvEngine::broken(bool send, int peer) const {
 }
 
 uint64_t* SendRecvEngine::refused_bytes(int dst_pe) const { return broken(true, 0) + 2 * n_pes_ + dst_pe; }
+kernels::RendezvousDescriptor* SendRecvEngine::rendezvous_ring(int receiver) const {
+  return reinterpret_cast<kernels::RendezvousDescriptor*>(reinterpret_cast<uint8_t*>(broken(true, 0)) +
+                                                          broken_array_bytes(n_pes_)) +
+         static_cast<std::size_t>(receiver) * kernels::kRendezvousRing;
+}
+
+uint64_t* SendRecvEngine::zero_copy_done(int sender) const {
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(rendezvous_ring(0)) + ring_array_bytes(n_pes_)) +
+         static_cast<std::size_t>(sender) * blocks_;
+}
 
 void SendRecvEngine::require_ready(const char* what, int pe) const {
   require_valid_pe(pe, what);
@@ -310,6 +575,12 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.peer = peer;
   a.timeout_ns = timeout_nanoseconds(timeout_seconds);
   a.status = detail::device_status();
+  a.messages = messages_ + channel;
+  a.zc_index = -1;
+  a.zc_slices = a.active_blocks;  // from the size alone (the batch may raise active_blocks)
+  a.zc_counters = reinterpret_cast<unsigned long long*>(
+      zero_copy_->table_device + static_cast<std::size_t>(n_pes_) * zero_copy::kTableEntries);
+  const bool load_store = load_store_peer(peer);
   if (send) {
     a.src = static_cast<const uint8_t*>(buffer);
     a.staging = staging(me);
@@ -323,6 +594,13 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     a.peer_headers = static_cast<kernels::SlotHeader*>(peer_pointer(a.headers, peer));
     if (a.peer_staging == nullptr || a.peer_arrivals == nullptr || a.peer_headers == nullptr)
       a.peer_staging = nullptr, a.peer_arrivals = nullptr, a.peer_headers = nullptr;
+    if (load_store && a.peer_staging != nullptr && bytes >= zero_copy_min_bytes_) {
+      a.ring = rendezvous_ring(peer);
+      a.peer_zc_done = static_cast<uint64_t*>(peer_pointer(zero_copy_done(me), peer));
+      a.peer_recv_broken = static_cast<uint64_t*>(peer_pointer(broken(false, me), peer));
+      a.zc_table = zero_copy_->table_device + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
+      a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
+    }
   } else {
     a.dst = static_cast<uint8_t*>(buffer);
     a.staging = staging(peer);
@@ -337,8 +615,39 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     a.peer_refused_bytes = a.peer_broken == nullptr ? nullptr
                                                     : static_cast<uint64_t*>(peer_pointer(a.remote_refused_bytes, peer));
     if (a.peer_refused_bytes == nullptr) a.peer_broken = nullptr;  // both words by one path
+    if (load_store && a.peer_credits != nullptr && a.peer_broken != nullptr) {
+      a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_pointer(rendezvous_ring(me), peer));
+      a.zc_done = zero_copy_done(peer);
+      a.post_descriptor = a.peer_ring != nullptr;
+    }
   }
   return a;
+}
+
+// Seconds a capture may wait for the sender's host to map a new receive buffer, so that the
+// graph's replays move the data once (a capture is not a hot path). Bounded by the call's
+// timeout too; past it the captured recv stays staged (correct, two copies).
+constexpr double kCaptureHandshakeSeconds = 0.5;
+
+void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
+                                      bool capturing, double timeout_seconds) {
+  if (!a.post_descriptor || bytes < zero_copy_min_bytes_) return;
+  zero_copy::Exporter& exporter = *zero_copy_->exporters[peer];
+  zero_copy::Exporter::Decision d = exporter.prepare(dst, bytes, capturing);
+  if (!d.zero_copy && capturing && exporter.awaiting(dst)) {
+    // Both sides of a captured sendrecv wait here at once: each serves the other's requests.
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(std::min(timeout_seconds, kCaptureHandshakeSeconds));
+    while (std::chrono::steady_clock::now() < deadline) {
+      zero_copy_->importers[peer]->drain();
+      if (exporter.acked(dst) || !exporter.awaiting(dst)) break;  // mapped, or refused for good
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    d = exporter.prepare(dst, bytes, capturing);
+  }
+  a.zero_copy = d.zero_copy;
+  a.zc_index = d.index;
+  a.zc_offset = d.offset;
 }
 
 void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
@@ -374,6 +683,15 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
   std::exception_ptr refused;
   kernels::ChunkBatch launch{};
   launch.max_grid = resident_blocks_;
+  // Zero-copy's mailboxes of the peers of this call: their requests and answers, without waiting.
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    bool seen = false;
+    for (std::size_t j = 0; j < i; ++j) seen = seen || ops[j].peer == ops[i].peer;
+    if (seen) continue;
+    zero_copy_->importers[ops[i].peer]->drain();
+    zero_copy_->exporters[ops[i].peer]->poll();
+  }
+  const unsigned long long capturing = capture_id(stream);
   for (const Operation& op : ops) {
     try {  // a timed-out peer: its ops are left out
       check_peer_timeouts(op.peer, op.send ? "send" : "recv");
@@ -394,6 +712,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     launch.is_send[launch.count] = op.send;
     kernels::ChunkStreamArgs& a = launch.ops[launch.count++];
     a = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
+    if (!op.send) decide_recv_mode(a, op.buffer, op.bytes, op.peer, capturing != 0, timeout_seconds);
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }
@@ -414,15 +733,16 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
       if (other.sequence != op.sequence) continue;
       const uint64_t chunks =
           std::max<uint64_t>(1, (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_);
-      if (j < i) op.offset_chunks += chunks;
+      if (j < i) op.offset_chunks += chunks, ++op.offset_messages;
       op.channel_chunks += chunks;
+      ++op.channel_messages;
       op.channel_blocks += other.active_blocks;
     }
   }
   // Launches on one channel must not overlap: this one waits for the channel's last launch,
   // on whatever stream that was (see ChannelOrder for captures).
   if (launch.count > 0) {
-    const unsigned long long capture = capture_id(stream);
+    const unsigned long long capture = capturing;
     for (int i = 0; i < launch.count; ++i)
       order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
     kernels::launch_chunk_batch(launch, stream);

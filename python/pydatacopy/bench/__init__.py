@@ -9,7 +9,10 @@ pip install "pydatacopy[nixl]"; host-timed, as its completion is polled from the
 Beside every size, a bare copy of the same bytes on the same GPU (cudaMemcpyAsync, no
 pydatacopy code; `local copy`) is timed the same way: `xbase` is a row's time over its baseline's
 (device time; `xbaseH`: host time per call, issuing only), the ratio that matters on a GPU whose
-memory is local (2 PEs sharing one GPU) as on two. Also: put_many against put_blocks, a 4 KiB
+memory is local (2 PEs sharing one GPU) as on two. send/recv has two rows: `zero-copy` (the
+threshold at 1 byte: every message moves once between load/store peers) and `staged` (the
+threshold at 0: every message through the staging); where they cross is the threshold to set
+(PYDATACOPY_ZERO_COPY_MIN_BYTES). Also: put_many against put_blocks, a 4 KiB
 put replayed in a CUDA graph against bare copies replayed alike, and the token exchange against
 a bare copy of its bytes.
 

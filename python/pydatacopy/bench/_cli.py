@@ -44,7 +44,7 @@ def _int_at_least(minimum: int, meaning: str):
     return parse
 
 
-OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl", "nixl", "tokens",
+OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "sendrecv_staged", "nccl", "nixl", "tokens",
        "latency", "host", "put_many", "graph")
 
 
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
               "memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
               "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
               "torch_symm": ("baseline", "torch symm_mem"),
-              "sendrecv": ("send/recv", "pipeline"), "nccl": ("send/recv", "NCCL"),
-              "nixl": ("baseline", "NIXL")}
+              "sendrecv": ("send/recv", "zero-copy"), "sendrecv_staged": ("send/recv", "staged"),
+              "nccl": ("send/recv", "NCCL"), "nixl": ("baseline", "NIXL")}
     # Before the sweep: torch's symmetric memory (set up by the sweep) must not colour them.
     fixed_rows = []
     if "latency" in ops:
@@ -221,14 +221,15 @@ def main(argv: list[str] | None = None) -> int:
             sweep = Sweep(nbytes, direction == "both", args)
             # Every size's baseline first: a bare copy of the same bytes on this GPU.
             base = add_row("copy", direction, nbytes, *baselines.local_copy(sweep))
-            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "nccl"):
+            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "sendrecv_staged", "nccl"):
                 if op not in ops or (op == "torch_symm" and direction == "both"):
                     continue  # torch's put reads and writes one tensor: one direction only
                 add_row(op, direction, nbytes, *(
                     baselines.memcpy(sweep) if op == "memcpy" else
                     baselines.torch_symm_mem(sweep) if op == "torch_symm" else
                     put.put(sweep, labels[op][1]) if op.startswith("put") else
-                    send_recv.sendrecv(sweep) if op == "sendrecv" else baselines.nccl(sweep)), base=base)
+                    send_recv.sendrecv(sweep) if op == "sendrecv" else
+                    send_recv.sendrecv_staged(sweep) if op == "sendrecv_staged" else baselines.nccl(sweep)), base=base)
             del sweep
     # NIXL last, so that UCX (its hooks and progress threads stay once loaded) colours no other
     # row; one direction (a WRITE is one-sided). A failure drops the baseline, not the run.

@@ -88,6 +88,24 @@ struct SlotHeader {
   uint64_t unused;
 };
 
+// Zero-copy rendezvous (send_recv.hpp): per channel, the receiver writes one descriptor per
+// message into a ring at the sender (slot: the message's ordinal modulo the ring), the field
+// `message` last, with a system-scope release.
+constexpr int kRendezvousRing = 16;  // >= kMaxBatchOps (checked in send_recv.cu)
+constexpr uint32_t kPostedStaged = 1, kPostedZeroCopy = 2;
+constexpr int kZeroCopyTableEntries = 64;  // = zero_copy::kTableEntries (checked in send_recv.cpp)
+struct RendezvousDescriptor {
+  uint64_t message;  // the message's ordinal on the channel + 1
+  uint64_t first;    // the sequence number of its first chunk + 1
+  uint64_t bytes;    // the receiver's byte count
+  uint32_t mode;     // kPostedStaged or kPostedZeroCopy
+  int32_t index;     // zero-copy: the sender's table index of the receiver's allocation
+  uint64_t offset;   // zero-copy: the receive buffer's offset in that allocation
+  uint64_t unused[3];
+};
+// The zero-copy counters (host-mapped, a test hook): ops finished per side and mode.
+enum ZeroCopyCounter { kSendStaged = 0, kSendZeroCopy = 1, kRecvStaged = 2, kRecvZeroCopy = 3, kZeroCopyCounters = 4 };
+
 struct ChunkStreamArgs {
   const uint8_t* src;        // send: the user's buffer
   uint8_t* dst;              // recv: the user's buffer
@@ -122,6 +140,24 @@ struct ChunkStreamArgs {
   int my_pe, peer;
   uint64_t timeout_ns;       // no progress of the channel for this long: a timeout
   detail::DeviceStatus* status;
+  // The zero-copy rendezvous (send_recv.hpp). Both sides decide `rendezvous` alike from the
+  // channel (load/store reachable, not forced RMA, zero-copy on) and the size (>= threshold).
+  bool post_descriptor;      // recv: post a descriptor (every recv on a reachable channel)
+  bool await_descriptor;     // send: wait for the receiver's descriptor (bytes >= threshold)
+  bool zero_copy;            // recv: posted as zero-copy at (zc_index, zc_offset)
+  int zc_index;
+  uint64_t zc_offset;
+  int zc_slices;             // slices of a zero-copy message: from its size alone
+  uint64_t* messages;        // device: the channel's next message ordinal
+  uint64_t offset_messages;  // messages of earlier ops of this batch on the same channel
+  uint64_t channel_messages; // messages of all ops of this batch on the channel
+  RendezvousDescriptor* ring;       // send: this PE's ring of the receiver's descriptors
+  RendezvousDescriptor* peer_ring;  // recv: the sender's ring for this PE (nvshmem_ptr)
+  uint64_t* zc_done;         // recv: [slices] words the sender's slices write (this PE's)
+  uint64_t* peer_zc_done;    // send: the receiver's words for this PE (nvshmem_ptr)
+  uint64_t* peer_recv_broken;  // send: the receiver's refusal word for this channel (nvshmem_ptr)
+  const volatile uint64_t* zc_table;  // send: [kTableEntries] the receiver's allocations, mapped here
+  unsigned long long* zc_counters;    // host-mapped [kZeroCopyCounters]
 };
 
 // Several sends and recvs in one launch (passed by value: 16 ops stay far under the 32 KiB

@@ -219,10 +219,12 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   }
 }
 
+#include "zero_copy.cuh"
+
 // Once the block is done with a slice (or gave up): the last slice of the op's channel in this
-// launch moves the channel's counter on and clears its failure flag. Every block read the
-// counter at its start, before it counted a slice, so the counter moves only after all read it.
-__device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t first) {
+// launch moves the channel's counters on and clears its failure flag. Every block read the
+// counters at its start, before it counted a slice, so they move only after all read them.
+__device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t first, uint64_t message) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   __threadfence();
@@ -230,6 +232,7 @@ __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t 
     *a.done = 0;
     *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
     *reinterpret_cast<volatile uint64_t*>(a.sequence) = first - a.offset_chunks + a.channel_chunks;
+    *reinterpret_cast<volatile uint64_t*>(a.messages) = message - a.offset_messages + a.channel_messages;
     __threadfence();
   }
 }
@@ -256,18 +259,37 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // recv: the header of the slice's next chunk was checked (its page landed before the rest).
   __shared__ unsigned char header_ok[kCapacity][kMaxSlicesPerBlock];
   __shared__ int verdict;  // check_header's, published by slice_ready's barrier
+  // The zero-copy rendezvous (zero_copy.cuh): the op's message ordinal on its channel, its mode
+  // (0 while a send waits for the descriptor), a zero-copy send's target, whether this block
+  // posted a recv's descriptor, and whether the block gave up on the op (for the counters).
+  __shared__ uint64_t message[kCapacity];
+  __shared__ int mode[kCapacity];
+  __shared__ uint8_t* target[kCapacity];
+  __shared__ bool posted[kCapacity];
+  __shared__ bool gave_up[kCapacity];
   if (threadIdx.x == 0) {
     const uint64_t now = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
       first[i] = *reinterpret_cast<volatile uint64_t*>(a.sequence) + a.offset_chunks;
+      message[i] = *reinterpret_cast<volatile uint64_t*>(a.messages) + a.offset_messages;
       since[i] = now;
+      const bool send = batch.is_send[i];
+      mode[i] = send ? (a.await_descriptor ? 0 : zero_copy_detail::kModeStaged)
+                     : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
+      target[i] = nullptr;
+      posted[i] = !a.post_descriptor;
       // A refused channel moves nothing until setup_send_recv() rebuilds it.
       const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+      gave_up[i] = broken != 0;
       if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
-      for (int j = 0; j < kMaxSlicesPerBlock; ++j) header_ok[i][j] = 0;
-      for (int j = 0; j < kMaxSlicesPerBlock; ++j)
-        next[i][j] = broken == 0 && block + j * grid < a.active_blocks ? 0 : chunk_count(a);
+      for (int j = 0; j < kMaxSlicesPerBlock; ++j) {
+        const int slice = block + j * grid;
+        header_ok[i][j] = 0;
+        // A zero-copy recv's slices past the copy's own have nothing to wait for.
+        const bool idle = mode[i] == zero_copy_detail::kModeZeroCopy && slice >= a.zc_slices && slice != 0;
+        next[i][j] = broken == 0 && slice < a.active_blocks && !idle ? 0 : chunk_count(a);
+      }
     }
   }
   __syncthreads();
@@ -288,8 +310,148 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           behind = behind || (batch.ops[e].sequence == a.sequence && next[e][j] < chunk_count(batch.ops[e]));
         if (behind) continue;
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
-        if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
-          if (threadIdx.x == 0) next[i][j] = chunk_count(a);
+        // Not a zero-copy part under way: a sender slice that started writing finishes, and a
+        // receiver waits until it knows the sender writes nothing more (zero_copy_begin).
+        // (The barrier is taken either way: every thread has read `chunk` before thread 0 may
+        // change next[i][j] in this visit.)
+        const bool zero_copy_under_way =
+            mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i]);
+        const bool channel_failed =
+            __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0);
+        if (channel_failed && !zero_copy_under_way) {
+          if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
+          __syncthreads();
+          continue;
+        }
+        // A recv's descriptor goes out when its first slice's turn on the channel comes (every
+        // earlier op's first slice done, none refused), so that a descriptor is never posted
+        // for an op that the receiver then gives up on while the sender writes.
+        if (!send && slice == 0 && !posted[i]) {
+          if (threadIdx.x == 0) {
+            post_descriptor(a, message[i], first[i]);
+            posted[i] = true;
+          }
+          __syncthreads();
+        }
+        // A send above the threshold first takes the receiver's descriptor (same size, and the
+        // mode: zero-copy into its buffer, or staged).
+        if (send && mode[i] == 0) {
+          __shared__ int taken;
+          if (threadIdx.x == 0) {
+            uint8_t* into = nullptr;
+            taken = take_descriptor(a, message[i], first[i], &into);
+            if (taken > 0) mode[i] = taken, target[i] = into;
+            if (taken < 0) next[i][j] = chunk_count(a), gave_up[i] = true;
+            if (taken != 0) {
+              const uint64_t now = detail::globaltimer_ns();
+              since[i] = now;
+              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+            }
+          }
+          __syncthreads();
+          if (taken < 0) continue;
+          if (taken == 0) {
+            // Not there yet: the receiver may have refused (its size differs), or the watchdog.
+            const uint64_t broken = threadIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(a.broken) : 0;
+            if (__syncthreads_or(broken != 0)) {
+              if (threadIdx.x == 0) {
+                refuse(a, detail::WaitOp::kChunkCredit, broken - 1);
+                next[i][j] = chunk_count(a), gave_up[i] = true;
+              }
+              __syncthreads();
+              continue;
+            }
+            bool over = false;
+            if (threadIdx.x == 0) {
+              const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
+              const uint64_t now = detail::globaltimer_ns();
+              over = now > last && now - last > a.timeout_ns;
+              if (over) {
+                const RendezvousDescriptor* d = a.ring + message[i] % kRendezvousRing;
+                detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message[i] + 1,
+                                       detail::load_acquire_sys(&d->message));
+                atomicExch(a.failed, 1u);
+              }
+            }
+            __syncthreads();
+            continue;
+          }
+        }
+        if (mode[i] == zero_copy_detail::kModeZeroCopy) {
+          if (send) {
+            // Slices past the copy's own have nothing to write; the others say they start
+            // before their first write, unless the channel failed meanwhile.
+            if (slice < a.zc_slices && chunk == 0) {
+              __shared__ int begun;
+              if (threadIdx.x == 0) begun = zero_copy_begin(a, slice, message[i]);
+              __syncthreads();
+              if (!begun) {
+                if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
+                __syncthreads();
+                continue;
+              }
+            }
+            const int64_t done_to =
+                slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i]) : chunk_count(a);
+            if (threadIdx.x == 0) {
+              next[i][j] = done_to;
+              const uint64_t now = detail::globaltimer_ns();
+              since[i] = now;
+              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+            }
+            __syncthreads();
+            continue;
+          }
+          // A zero-copy recv waits for its slice's done word. It gives up only when the sender's
+          // slice cancelled or never started while the channel failed (seen after a full fence:
+          // zero_copy_begin), when the sender sent this message staged (another size), or at
+          // the watchdog: never while the sender may still write into the buffer.
+          __shared__ int state;  // 1: progress, 2: gave up
+          if (threadIdx.x == 0) {
+            state = 0;
+            Landed l{true, false, true, chunk_count(a)};
+            if (slice < a.zc_slices) l = zero_copy_landed(a, slice, message[i]);
+            const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+            if (l.final || (!l.cancelled && l.chunks > chunk)) {
+              next[i][j] = l.chunks;
+              state = 1;
+            } else if (l.cancelled) {
+              refuse(a, broken != 0 ? detail::WaitOp::kChunkArrival : detail::WaitOp::kChannelRefused,
+                     broken != 0 ? broken - 1 : static_cast<uint64_t>(a.bytes));
+              state = 2;
+            } else if (slice == 0 && !l.started && staged_instead(a, first[i])) {
+              state = 2;  // refused at both ends; the sender writes nothing zero-copy for it
+            } else if (!l.started && (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
+              // A refusal: this PE tells the sender itself (its refusal word; the same answer
+              // again if the sender found it), then looks again after a full fence. Either the
+              // sender's slice sees the word before it starts (zero_copy_begin: it cancels), or
+              // this look sees that it started. (Failed without a refusal is a timeout: the peer
+              // is taken for dead.)
+              if (broken != 0) store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+              __threadfence_system();
+              if (!zero_copy_landed(a, slice, message[i]).started) {
+                if (broken != 0) refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
+                else atomicExch(a.failed, 1u);
+                state = 2;
+              }
+            } else {
+              const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
+              const uint64_t now = detail::globaltimer_ns();
+              if (now > last && now - last > a.timeout_ns) {
+                detail::record_timeout(a.status, detail::WaitOp::kZeroCopyDone, a.peer, a.my_pe,
+                                       zero_copy_detail::done_word(message[i], zero_copy_detail::kFinal),
+                                       detail::load_acquire_sys(a.zc_done + slice));
+                atomicExch(a.failed, 1u);
+                state = 2;
+              }
+            }
+            if (state == 1) {
+              const uint64_t now = detail::globaltimer_ns();
+              since[i] = now;
+              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+            }
+            if (state == 2) next[i][j] = chunk_count(a), gave_up[i] = true;
+          }
           __syncthreads();
           continue;
         }
@@ -299,16 +461,20 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         const bool ready = slice_ready(a, send, slice, chunk, k, check, verdict);
         if (check && verdict == kHeaderMismatch) {  // nothing is copied out; the channel fails
           __syncthreads();  // every thread has read `verdict` before thread 0 writes it again
-          if (threadIdx.x == 0) next[i][j] = chunk_count(a);
+          if (threadIdx.x == 0) next[i][j] = chunk_count(a), gave_up[i] = true;
           __syncthreads();
           continue;
         }
         if (check && verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
         if (!ready) {
-          // A send also reads its refusal word: the receiver found a size mismatch.
-          if (send && __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
-            if (threadIdx.x == 0)
-              refuse(a, detail::WaitOp::kChunkCredit, *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
+          // Either side also reads its refusal word: the other side found a size mismatch (a
+          // receiver is told so by a sender that read its rendezvous descriptor).
+          if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
+            if (threadIdx.x == 0) {
+              refuse(a, send ? detail::WaitOp::kChunkCredit : detail::WaitOp::kChunkArrival,
+                     *reinterpret_cast<volatile uint64_t*>(a.broken) - 1);
+              next[i][j] = chunk_count(a), gave_up[i] = true;
+            }
             __syncthreads();
             continue;
           }
@@ -325,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           const bool stalled = __syncthreads_or(over);
           if (stalled && report_timeout(a, send, slice, chunk, k)) {
-            if (threadIdx.x == 0) atomicExch(a.failed, 1u);  // the host refuses this peer from now on
+            if (threadIdx.x == 0) atomicExch(a.failed, 1u), gave_up[i] = true;  // the host refuses this peer from now on
             __syncthreads();
           }
           continue;
@@ -345,9 +511,21 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       }
     }
   }
+  // The test hook's counters (block 0 holds every op's first slice): ops finished, by mode.
+  if (block == 0 && threadIdx.x == 0) {
+    for (int i = 0; i < batch.count; ++i) {
+      const ChunkStreamArgs& a = batch.ops[i];
+      if (gave_up[i] || a.zc_counters == nullptr || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)
+        continue;
+      const bool zero_copy = mode[i] == zero_copy_detail::kModeZeroCopy;
+      const int counter = batch.is_send[i] ? (zero_copy ? kSendZeroCopy : kSendStaged)
+                                           : (zero_copy ? kRecvZeroCopy : kRecvStaged);
+      atomicAdd(a.zc_counters + counter, 1ull);  // device scope: host-mapped memory (see record_error)
+    }
+  }
   for (int i = 0; i < batch.count; ++i)
     for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[i].active_blocks; ++j)
-      finish_slice(batch.ops[i], first[i]);
+      finish_slice(batch.ops[i], first[i], message[i]);
 }
 
 }  // namespace

@@ -1,0 +1,226 @@
+// Zero-copy send/recv between PEs that reach each other by load/store: the host side.
+//
+// The protocol on the device is in send_recv.hpp. This file holds the bookkeeping that lets a
+// sender's kernel write straight into its receiver's tensor: which of the receiver's CUDA
+// allocations the sender has mapped (CUDA IPC), at which index of the sender's table, and the
+// mailbox through which the two host processes agree on it. It is plain C++ behind a small
+// backend (the CUDA calls), so that it runs, and is tested, without a GPU
+// (tests/cpp/test_zero_copy.cpp); send_recv.cpp supplies the CUDA backend.
+//
+// Roles, per ordered pair of PEs (sender S, receiver R):
+// - R is the exporter. At each recv at or above the threshold, R's host finds the allocation
+//   holding the destination (base, size, buffer ID). When S has acknowledged a mapping of that
+//   allocation at index j, the recv is posted as ZERO_COPY at (j, offset into the allocation);
+//   otherwise it is posted STAGED, and R asks S (once per allocation) to map it: a request with
+//   the allocation's cudaIpcMemHandle and the index R chose. Memory that cannot be exported
+//   (cudaIpcGetMemHandle fails: torch's expandable segments, cudaMallocAsync pools) is
+//   remembered and stays staged.
+// - S is the importer. At its calls it drains R's requests without blocking: it opens the handle,
+//   writes the mapped address into its table at index j (host-mapped memory its kernels read),
+//   and acknowledges. An unmap request clears the table entry at once and closes the handle only
+//   once S's send channel to R is idle (no launch that could still use it is in flight).
+// - An index is never reused while a launch that R posted with it may still run: R frees an
+//   index only when R's receive channel from S is idle (cudaEventQuery on its last launch, never a
+//   host wait), and then no kernel of either PE can use the old mapping any more (a recv posted
+//   ZERO_COPY completes only after S's writes landed). A base seen with a new buffer ID (freed and
+//   reused memory) drops the old entry at once: the stale mapping is never posted again; and
+//   before each new mapping every mapped entry is asked afresh, so that S does not hold freed
+//   allocations open until they are evicted.
+// - Entries used while capturing a CUDA graph are pinned: a graph freezes its index in the
+//   kernel parameters, and its lifetime is not known here, so they are never evicted and their
+//   index is never reused until cleanup. A pinned entry whose memory was freed is dropped (an
+//   unmap clears S's table entry); a replay that still posts its index finds the entry empty and
+//   the sender refuses the channel instead of writing anywhere.
+//
+// The mailbox is two single-producer single-consumer rings (requests R -> S, acknowledgements
+// S -> R) in POSIX shared memory, one segment per ordered pair of PEs on one node. Pushes that
+// find a ring full wait in a local queue, in order, for the next call.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "pydatacopy/registration_cache.hpp"  // Allocation
+
+namespace pydatacopy::zero_copy {
+
+constexpr int kTableEntries = 64;   // mappings per peer (the sender's table, the receiver's index space)
+constexpr int kRingEntries = 256;   // messages per mailbox ring
+constexpr int kMaxNotExportable = 256;  // remembered non-exportable allocations per peer
+
+struct IpcHandle {
+  unsigned char bytes[64];  // cudaIpcMemHandle_t
+};
+
+struct Request {
+  uint32_t kind;  // kMap or kUnmap
+  int32_t index;
+  uint64_t base;       // the allocation's address in the receiver's process
+  uint64_t buffer_id;  // its CU_POINTER_ATTRIBUTE_BUFFER_ID
+  uint64_t bytes;
+  IpcHandle handle;    // kMap only
+};
+constexpr uint32_t kMap = 1, kUnmap = 2;
+
+struct Ack {
+  int32_t index;
+  int32_t mapped;  // 1: table[index] holds the allocation; 0: the sender could not open it
+  uint64_t base;
+  uint64_t buffer_id;
+};
+
+// A single-producer single-consumer ring that lives in shared memory (all zero: empty). The
+// producer owns `tail`, the consumer `head`; a slot is published by the release store of tail
+// and freed by the release store of head.
+template <typename T, int N>
+struct Ring {
+  static_assert(std::atomic<uint64_t>::is_always_lock_free, "the mailbox needs lock-free 64-bit atomics");
+  alignas(64) std::atomic<uint64_t> head;
+  alignas(64) std::atomic<uint64_t> tail;
+  alignas(64) T slots[N];
+
+  bool push(const T& value) {
+    const uint64_t t = tail.load(std::memory_order_relaxed);
+    if (t - head.load(std::memory_order_acquire) >= static_cast<uint64_t>(N)) return false;
+    slots[t % N] = value;
+    tail.store(t + 1, std::memory_order_release);
+    return true;
+  }
+  bool pop(T* value) {
+    const uint64_t h = head.load(std::memory_order_relaxed);
+    if (h == tail.load(std::memory_order_acquire)) return false;
+    *value = slots[h % N];
+    head.store(h + 1, std::memory_order_release);
+    return true;
+  }
+};
+
+struct Mailbox {
+  Ring<Request, kRingEntries> requests;  // receiver -> sender
+  Ring<Ack, kRingEntries> acks;          // sender -> receiver
+};
+
+// What the bookkeeping needs from CUDA and from the engine.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual Allocation query(const void* ptr) = 0;
+  // cudaIpcGetMemHandle on the allocation's base; false when the memory cannot be exported.
+  virtual bool export_handle(std::uintptr_t base, IpcHandle* handle) = 0;
+  // cudaIpcOpenMemHandle; null when it fails.
+  virtual void* open_handle(const IpcHandle& handle) = 0;
+  virtual void close_handle(void* mapped) = 0;
+  // No launch of this PE's channel (send to / receive from `peer`) is in flight (event query).
+  virtual bool channel_idle(bool send, int peer) = 0;
+};
+
+// The receiver's side for one sending peer. Not thread-safe (the engine's lock covers it).
+class Exporter {
+ public:
+  struct Decision {
+    bool zero_copy = false;
+    int index = -1;
+    uint64_t offset = 0;
+  };
+  struct Stats {
+    uint64_t requests = 0, acked = 0, refused = 0, not_exportable = 0, stale_dropped = 0, evicted = 0;
+  };
+
+  Exporter(Backend& backend, Mailbox* mailbox, int peer) : backend_(backend), mailbox_(mailbox), peer_(peer) {}
+  bool usable() const { return mailbox_ != nullptr; }
+
+  // Reads the sender's acknowledgements and flushes queued requests (never blocks).
+  void poll();
+  // The mode of a recv into [dst, dst + bytes) at or above the threshold. `capturing`: the
+  // recv is being captured into a CUDA graph (the entry is pinned, see above).
+  Decision prepare(const void* dst, std::size_t bytes, bool capturing);
+  // Whether prepare() would answer ZERO_COPY for dst now (no side effects but polling).
+  bool acked(const void* dst);
+  // Requests still waiting for the sender's answer (a capture may wait for them briefly).
+  bool awaiting(const void* dst);
+  const Stats& stats() const { return stats_; }
+  int live_entries() const { return static_cast<int>(entries_.size()); }
+
+ private:
+  enum class State { kRequested, kAcked, kNotExportable };
+  struct Entry {
+    std::size_t bytes = 0;
+    unsigned long long buffer_id = 0;
+    State state = State::kRequested;
+    int index = -1;
+    uint64_t last_use = 0;
+    bool pinned = false;
+  };
+  void drop(std::map<std::uintptr_t, Entry>::iterator it);
+  void drop_overlapping(const Allocation& a);
+  void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
+  int take_index();
+  void send(const Request& request);
+  void flush();
+
+  Backend& backend_;
+  Mailbox* mailbox_;
+  int peer_;
+  std::map<std::uintptr_t, Entry> entries_;  // allocation base -> entry
+  std::vector<bool> in_use_ = std::vector<bool>(kTableEntries, false);  // index held by an entry
+  std::vector<bool> retired_ = std::vector<bool>(kTableEntries, false); // freed, not reusable yet
+  std::vector<bool> pinned_ = std::vector<bool>(kTableEntries, false);  // never reusable again
+  std::deque<Request> outgoing_;
+  uint64_t tick_ = 0;
+  Stats stats_;
+};
+
+// The sender's side for one receiving peer. Not thread-safe (the engine's lock covers it).
+class Importer {
+ public:
+  struct Stats {
+    uint64_t opened = 0, open_failed = 0, unmapped = 0, closed = 0;
+  };
+  // `table`: kTableEntries words that this PE's kernels read (host-mapped memory).
+  Importer(Backend& backend, Mailbox* mailbox, int peer, volatile uint64_t* table)
+      : backend_(backend), mailbox_(mailbox), peer_(peer), table_(table) {}
+  bool usable() const { return mailbox_ != nullptr; }
+  // Serves the receiver's requests and closes handles no launch can use any more (never blocks).
+  void drain();
+  // Closes every handle (cleanup, after the device is idle).
+  void close_all();
+  const Stats& stats() const { return stats_; }
+  int open_handles() const { return static_cast<int>(mappings_.size()); }
+  int pending_closes() const { return static_cast<int>(closing_.size()); }
+
+ private:
+  struct Mapping {
+    void* mapped = nullptr;
+    int refs = 0;
+  };
+  using Key = std::pair<uint64_t, uint64_t>;  // the receiver's (base, buffer ID)
+  void unmap_index(int index);
+  void flush();
+
+  Backend& backend_;
+  Mailbox* mailbox_;
+  int peer_;
+  volatile uint64_t* table_;
+  std::vector<Key> index_key_ = std::vector<Key>(kTableEntries, Key{0, 0});  // (0, 0): empty
+  std::map<Key, Mapping> mappings_;
+  std::vector<void*> closing_;  // unmapped, closed once the send channel is idle
+  std::deque<Ack> outgoing_;
+  Stats stats_;
+};
+
+// The shared-memory segment of one ordered pair: "/pydatacopy-zc-<job>-<receiver>-<sender>".
+std::string mailbox_name(uint64_t job, int receiver, int sender);
+// The receiver creates it (exclusive; a stale segment of the same name is replaced); null when
+// the system refuses (no /dev/shm): zero-copy is then off for that peer.
+Mailbox* create_mailbox(const std::string& name);
+// The sender opens what the receiver created; null when it cannot (another container).
+Mailbox* open_mailbox(const std::string& name);
+void unlink_mailbox(const std::string& name);  // once both opened: nothing is left on a crash
+void unmap_mailbox(Mailbox* mailbox);
+
+}  // namespace pydatacopy::zero_copy

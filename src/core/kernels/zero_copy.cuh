@@ -1,0 +1,162 @@
+// Zero-copy send/recv on the device: the rendezvous of send_recv.hpp, inside the send/recv batch
+// kernel (send_recv.cu includes this file inside its anonymous namespace, after refuse()).
+//
+// Per op the kernel keeps a mode in shared memory: a recv knows its own (the host decided it:
+// zero-copy at (index, offset), else staged); a send that awaits a descriptor learns it from the
+// receiver's descriptor, read by each block when it first visits one of the op's slices (every
+// block reads the same descriptor, so all take the same mode, and no block waits for another).
+#pragma once
+
+namespace zero_copy_detail {
+constexpr int kModeStaged = 1, kModeZeroCopy = 2;
+// A sender slice's done word: (message + 1) << 24 | chunks written: 0 once the slice has
+// started the message (before it writes anything), kCancel when it gave the message up before
+// writing anything, kFinal once all its writes landed. Words only grow, so a later message never
+// looks like an earlier one's.
+constexpr uint64_t kFinal = 0xFFFFFF, kCancel = kFinal - 1, kMostProgress = kFinal - 2;
+__device__ __forceinline__ uint64_t done_word(uint64_t message, uint64_t written) {
+  return ((message + 1) << 24) | written;
+}
+}  // namespace zero_copy_detail
+
+// Thread 0. The receiver's descriptor of message `message` (first chunk `first`) into the
+// sender's ring: the fields, then `message` with a release (the sender acquires it).
+__device__ __forceinline__ void post_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first) {
+  RendezvousDescriptor* d = a.peer_ring + message % kRendezvousRing;
+  volatile RendezvousDescriptor* v = d;
+  v->first = first + 1;
+  v->bytes = static_cast<uint64_t>(a.bytes);
+  v->mode = a.zero_copy ? kPostedZeroCopy : kPostedStaged;
+  v->index = a.zc_index;
+  v->offset = a.zc_offset;
+  store_release_sys(&d->message, message + 1);
+}
+
+// Thread 0, recv side: refuse the channel at both ends (the sender's refusal word gets this
+// recv's bytes + 1, ours the sender's), and record it for this call.
+__device__ __forceinline__ void refuse_from_recv(const ChunkStreamArgs& a, uint64_t sender_bytes) {
+  *reinterpret_cast<volatile uint64_t*>(a.broken) = sender_bytes + 1;
+  if (a.peer_broken != nullptr) {
+    __threadfence_system();
+    store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+  }
+  refuse(a, detail::WaitOp::kChunkArrival, sender_bytes);
+  __threadfence_system();  // before this PE looks at whether the sender's slices started
+}
+
+// Thread 0, send side: the receiver's descriptor disagrees (another size, or a mapping this PE
+// no longer holds): refuse at both ends before anything is written. The channel's failure flag
+// is set before the receiver's word, with a full fence between: a slice of this launch that
+// starts a zero-copy message after the receiver saw the word sees the flag (zero_copy_begin).
+__device__ __forceinline__ void refuse_from_send(const ChunkStreamArgs& a, detail::WaitOp why,
+                                                 uint64_t receiver_bytes) {
+  *reinterpret_cast<volatile uint64_t*>(a.broken) = receiver_bytes + 1;
+  refuse(a, why, receiver_bytes);
+  __threadfence_system();
+  store_release_sys(a.peer_recv_broken, static_cast<uint64_t>(a.bytes) + 1);
+}
+
+// Thread 0, send side, before a slice writes anything of a zero-copy message: says so in its
+// done word, then (after a full fence) looks at the channel's failure flag and refusal word.
+// Returns false, after cancelling the slice's part in its done word, when either is set. The
+// receiver that gives up a slice not started first stores this refusal word itself, then fences,
+// then looks at the done word again (the kernel's zero-copy wait): so either this look sees the
+// word, or the receiver sees that the slice started and waits for its end. A receiver never gives
+// up a message whose bytes a sender may still write. Once started, a slice finishes its part
+// whatever happens (a copy waits on nothing).
+__device__ __forceinline__ bool zero_copy_begin(const ChunkStreamArgs& a, int slice, uint64_t message) {
+  volatile uint64_t* word = a.peer_zc_done + slice;
+  *word = zero_copy_detail::done_word(message, 0);
+  __threadfence_system();
+  const bool failed = *reinterpret_cast<volatile unsigned int*>(a.failed) != 0 ||
+                      *reinterpret_cast<volatile uint64_t*>(a.broken) != 0;
+  if (failed) *word = zero_copy_detail::done_word(message, zero_copy_detail::kCancel);
+  return !failed;
+}
+
+// Thread 0, send side. Returns 0 while the descriptor of `message` is not there, else the mode
+// (kModeStaged / kModeZeroCopy, with *target set), or -1 after refusing the channel.
+__device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
+                                               uint8_t** target) {
+  RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
+  if (detail::load_acquire_sys(&d->message) != message + 1) return 0;
+  const volatile RendezvousDescriptor* v = d;
+  const uint64_t bytes = v->bytes, posted_first = v->first, offset = v->offset;
+  const uint32_t mode = v->mode;
+  const int index = v->index;
+  if (bytes != static_cast<uint64_t>(a.bytes) || posted_first != first + 1) {
+    refuse_from_send(a, detail::WaitOp::kChunkCredit, bytes);
+    return -1;
+  }
+  if (mode != kPostedZeroCopy) return zero_copy_detail::kModeStaged;
+  const uint64_t base = index >= 0 && index < kZeroCopyTableEntries ? a.zc_table[index] : 0;
+  if (base == 0) {  // unmapped since the receiver posted it: never write through a guess
+    refuse_from_send(a, detail::WaitOp::kZeroCopyMapping, bytes);
+    return -1;
+  }
+  *target = reinterpret_cast<uint8_t*>(base) + offset;
+  return zero_copy_detail::kModeZeroCopy;
+}
+
+// All threads, send side: slice `slice`'s pages of chunks i, i + 1, ... (about kVisitBytes of
+// them: a visit long enough that the block's bookkeeping between visits costs little, short
+// enough that the block soon polls its other ops again), straight into the receive buffer; then
+// its done word at the receiver. Returns the next chunk. Progress words need no fence (they only
+// feed the receiver's watchdog); the last one follows a system fence: the writes land first.
+constexpr int64_t kVisitBytes = 1 << 20;
+__device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, int slice, int64_t i,
+                                                    uint64_t message, uint8_t* target) {
+  const int64_t share = max(int64_t{1}, a.chunk_bytes / a.zc_slices);
+  const int64_t end = min(chunk_count(a), i + max(int64_t{1}, kVisitBytes / share));
+  for (int64_t c = i; c < end; ++c) {
+    const int64_t length = chunk_length(a, c);
+    const int pages = data_pages(a, c);
+    const int64_t base = c * a.chunk_bytes;
+    for (int p = slice; p < pages; p += a.zc_slices) {
+      const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
+      if (n > 0) copy_bytes(target + base + offset, a.src + base + offset, n, threadIdx.x, blockDim.x);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (end >= chunk_count(a)) {
+      __threadfence_system();  // cumulative: the block's stores, seen through the barrier
+      store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
+    } else {
+      *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + slice) =
+          zero_copy_detail::done_word(message, min(static_cast<uint64_t>(end), zero_copy_detail::kMostProgress));
+    }
+  }
+  return end;
+}
+
+// Thread 0, recv side of a zero-copy op: what the sender's slice `slice` has said of the
+// message so far.
+struct Landed {
+  bool started, cancelled, final;
+  int64_t chunks;  // written so far (chunk_count once final)
+};
+__device__ __forceinline__ Landed zero_copy_landed(const ChunkStreamArgs& a, int slice, uint64_t message) {
+  const uint64_t word = detail::load_acquire_sys(a.zc_done + slice);
+  const uint64_t start = zero_copy_detail::done_word(message, 0);
+  Landed l{false, false, false, 0};
+  if (word < start) return l;
+  l.started = true;
+  const uint64_t said = word - start;
+  l.final = said >= zero_copy_detail::kFinal;
+  l.cancelled = said == zero_copy_detail::kCancel;
+  l.chunks = l.final ? chunk_count(a) : l.cancelled ? 0 : min(static_cast<int64_t>(said), chunk_count(a) - 1);
+  return l;
+}
+
+// Thread 0, recv side of a zero-copy op, slice 0: the sender sent the message staged instead
+// (its size under the threshold: another size than ours). Returns true after refusing.
+// Only the arrival of exactly this message's first chunk counts: a later one on that page means
+// that page was credited since, which this PE never did for a message sent staged to it.
+__device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_t first) {
+  const int64_t slot = static_cast<int64_t>(first % a.num_slots);
+  if (detail::load_acquire_sys(a.arrivals + slot * a.pages) != first + 1) return false;
+  const volatile SlotHeader* h = a.headers + slot * a.pages;
+  refuse_from_recv(a, h->message_bytes);
+  return true;
+}

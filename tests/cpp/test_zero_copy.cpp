@@ -1,0 +1,372 @@
+// Zero-copy send/recv bookkeeping (zero_copy.hpp) against a fake CUDA, without a GPU: the
+// exporter/importer handshake through the mailbox, freed and reused memory (buffer IDs),
+// eviction, closes deferred until the channel is idle, memory that cannot be exported, captures,
+// and the rings' wraparound.
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+
+#include <unistd.h>
+
+#include "check.hpp"
+#include "pydatacopy/zero_copy.hpp"
+
+namespace {
+
+using pydatacopy_test::check;
+namespace zc = pydatacopy::zero_copy;
+
+const void* at(std::uintptr_t address) { return reinterpret_cast<const void*>(address); }
+
+// One fake for both processes of a pair: the receiver's allocations (buffer IDs, exportable or
+// not), the sender's opened handles, and each side's channel idle or busy.
+class FakeCuda final : public zc::Backend {
+ public:
+  struct Live {
+    std::size_t bytes;
+    unsigned long long id;
+    bool exportable;
+  };
+  std::map<std::uintptr_t, Live> allocations;
+  std::map<uintptr_t, int> open;  // mapped address -> the allocation id it maps
+  int exports = 0, opens = 0, closes = 0;
+  bool fail_open = false;
+  bool send_idle = true, recv_idle = true;
+  unsigned long long next_id = 1;
+  std::uintptr_t next_mapping = 0x7000'0000'0000;
+
+  void allocate(std::uintptr_t base, std::size_t bytes, bool exportable = true) {
+    allocations[base] = Live{bytes, next_id++, exportable};
+  }
+  void release(std::uintptr_t base) { allocations.erase(base); }
+
+  pydatacopy::Allocation query(const void* ptr) override {
+    pydatacopy::Allocation a;
+    a.queried = ptr;
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    auto it = allocations.upper_bound(p);
+    if (it == allocations.begin()) return a;
+    --it;
+    if (p >= it->first + it->second.bytes) return a;
+    a.base = it->first;
+    a.bytes = it->second.bytes;
+    a.buffer_id = it->second.id;
+    a.cuda_memory = true;
+    return a;
+  }
+  bool export_handle(std::uintptr_t base, zc::IpcHandle* handle) override {
+    ++exports;
+    auto it = allocations.find(base);
+    if (it == allocations.end() || !it->second.exportable) return false;
+    std::memset(handle->bytes, 0, sizeof(handle->bytes));
+    std::memcpy(handle->bytes, &it->second.id, sizeof(it->second.id));
+    return true;
+  }
+  void* open_handle(const zc::IpcHandle& handle) override {
+    ++opens;
+    if (fail_open) return nullptr;
+    int id = 0;
+    std::memcpy(&id, handle.bytes, sizeof(id));
+    for (const auto& entry : open)
+      if (entry.second == id) return nullptr;  // CUDA: a handle opens once per process
+    const std::uintptr_t mapped = next_mapping;
+    next_mapping += 1 << 30;
+    open[mapped] = id;
+    return reinterpret_cast<void*>(mapped);
+  }
+  void close_handle(void* mapped) override {
+    ++closes;
+    open.erase(reinterpret_cast<std::uintptr_t>(mapped));
+  }
+  bool channel_idle(bool send, int) override { return send ? send_idle : recv_idle; }
+};
+
+struct Pair {
+  FakeCuda cuda;
+  std::unique_ptr<zc::Mailbox> mailbox{new zc::Mailbox()};  // value-initialised: empty rings
+  uint64_t table[zc::kTableEntries] = {};
+  zc::Exporter exporter{cuda, mailbox.get(), 1};
+  zc::Importer importer{cuda, mailbox.get(), 0, table};
+};
+
+constexpr std::uintptr_t kBase = 0x10000000;
+constexpr std::size_t kBytes = 64 << 20;
+
+void test_handshake_then_zero_copy() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  const void* dst = at(kBase + 4096 + 3);
+  zc::Exporter::Decision d = p.exporter.prepare(dst, 1 << 20, false);
+  check(!d.zero_copy, "the first recv into an allocation is staged (the mapping is only requested)");
+  check(p.exporter.stats().requests == 1, "one map request posted");
+  d = p.exporter.prepare(dst, 1 << 20, false);
+  check(!d.zero_copy && p.exporter.stats().requests == 1, "no second request while the first is unanswered");
+  check(p.exporter.awaiting(dst), "awaiting the sender's answer");
+  p.importer.drain();
+  check(p.cuda.opens == 1 && p.importer.open_handles() == 1, "the sender opened the handle once");
+  d = p.exporter.prepare(dst, 1 << 20, false);
+  check(d.zero_copy, "after the acknowledgement the recv goes zero-copy");
+  check(d.offset == 4096 + 3, "the offset into the allocation");
+  check(d.index >= 0 && p.table[d.index] != 0, "the sender's table holds the mapping at the posted index");
+  check(p.cuda.exports == 1, "exported once");
+  check(p.exporter.acked(dst), "acked() agrees");
+}
+
+void test_stale_buffer_id_drops_the_mapping() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  const void* dst = at(kBase);
+  p.exporter.prepare(dst, 1 << 20, false);
+  p.importer.drain();
+  const zc::Exporter::Decision first = p.exporter.prepare(dst, 1 << 20, false);
+  check(first.zero_copy, "mapped");
+  const uint64_t old_mapping = p.table[first.index];
+  // Freed and reallocated at the same base: a new buffer ID, other memory.
+  p.cuda.release(kBase);
+  p.cuda.allocate(kBase, kBytes);
+  p.cuda.send_idle = false;  // the sender still has a send to this peer in flight
+  zc::Exporter::Decision d = p.exporter.prepare(dst, 1 << 20, false);
+  check(!d.zero_copy, "a reused base is not posted with the stale mapping");
+  check(p.exporter.stats().stale_dropped == 1, "the stale entry was dropped");
+  p.importer.drain();
+  check(p.table[first.index] == 0, "the sender cleared the stale index at once");
+  check(p.cuda.closes == 0, "but closes the stale handle only once its send channel is idle");
+  d = p.exporter.prepare(dst, 1 << 20, false);
+  check(d.zero_copy && d.index != first.index, "the new allocation maps at another index");
+  check(p.table[d.index] != 0 && p.table[d.index] != old_mapping, "through a new mapping");
+  p.cuda.send_idle = true;
+  p.importer.drain();
+  check(p.cuda.closes == 1 && p.importer.open_handles() == 1, "closed once the send channel is idle");
+}
+
+void test_eviction_waits_for_an_idle_channel() {
+  Pair p;
+  for (int i = 0; i < zc::kTableEntries; ++i) {
+    p.cuda.allocate(kBase + static_cast<std::uintptr_t>(i) * kBytes, kBytes);
+    p.exporter.prepare(at(kBase + static_cast<std::uintptr_t>(i) * kBytes), 1 << 20, false);
+  }
+  p.importer.drain();
+  for (int i = 0; i < zc::kTableEntries; ++i)
+    check(p.exporter.prepare(at(kBase + static_cast<std::uintptr_t>(i) * kBytes), 1 << 20, false).zero_copy,
+          "every allocation of a full table goes zero-copy");
+  // Allocation 0 is now the least recently used.
+  const std::uintptr_t extra = kBase + static_cast<std::uintptr_t>(zc::kTableEntries) * kBytes;
+  p.cuda.allocate(extra, kBytes);
+  p.cuda.recv_idle = false;
+  check(!p.exporter.prepare(at(extra), 1 << 20, false).zero_copy, "a full table: staged");
+  check(p.exporter.stats().evicted == 0 && p.exporter.stats().requests == zc::kTableEntries,
+        "nothing is evicted while a recv from the peer may still use an index");
+  p.cuda.recv_idle = true;
+  p.exporter.prepare(at(extra), 1 << 20, false);
+  check(p.exporter.stats().evicted == 1, "the least recently used entry is evicted once the channel is idle");
+  check(!p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "the evicted allocation is no longer posted zero-copy");
+  p.importer.drain();  // unmap then map at the same index, in that order
+  check(p.exporter.prepare(at(extra), 1 << 20, false).zero_copy, "the new allocation took the freed index");
+  check(p.importer.open_handles() <= zc::kTableEntries, "the sender holds no more handles than the table");
+}
+
+void test_freed_allocations_are_let_go_at_the_next_new_one() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  p.exporter.prepare(at(kBase), 1 << 20, false);
+  p.importer.drain();
+  check(p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "mapped");
+  p.cuda.release(kBase);  // freed, its address not reused
+  const std::uintptr_t other = kBase + 4 * kBytes;
+  p.cuda.allocate(other, kBytes);
+  p.exporter.prepare(at(other), 1 << 20, false);  // a new allocation: the sweep runs first
+  check(p.exporter.stats().stale_dropped == 1, "the freed allocation's entry was dropped");
+  p.importer.drain();
+  check(p.cuda.closes == 1 && p.importer.open_handles() == 1, "and its handle closed at the sender");
+  check(p.exporter.prepare(at(other), 1 << 20, false).zero_copy, "the new one maps");
+}
+
+void test_not_exportable_memory_stays_staged() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes, false);  // expandable segments, cudaMallocAsync pools
+  for (int i = 0; i < 5; ++i) check(!p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "staged");
+  p.importer.drain();
+  check(!p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "staged for good");
+  check(p.cuda.exports == 1, "the export is tried once per allocation");
+  check(p.exporter.stats().not_exportable == 1 && p.exporter.stats().requests == 0, "no request posted");
+  // Freed and reallocated as exportable memory: tried afresh.
+  p.cuda.release(kBase);
+  p.cuda.allocate(kBase, kBytes, true);
+  p.exporter.prepare(at(kBase), 1 << 20, false);
+  p.importer.drain();
+  check(p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "a new exportable allocation at the base maps");
+}
+
+void test_a_failed_open_is_staged_for_good() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  p.cuda.fail_open = true;  // e.g. another container's process
+  p.exporter.prepare(at(kBase), 1 << 20, false);
+  p.importer.drain();
+  check(!p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "refused by the sender: staged");
+  check(p.exporter.stats().refused == 1 && p.exporter.stats().requests == 1, "asked once");
+  check(p.exporter.live_entries() == 1, "remembered");
+}
+
+void test_unmap_waits_for_the_send_channel() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  p.exporter.prepare(at(kBase), 1 << 20, false);
+  p.importer.drain();
+  p.cuda.release(kBase);
+  p.cuda.allocate(kBase + kBytes, kBytes);  // a neighbour; kBase's memory is gone
+  p.cuda.allocate(kBase, kBytes / 2);       // and kBase reused, smaller
+  p.exporter.prepare(at(kBase), 1 << 10, false);
+  p.cuda.send_idle = false;
+  for (int i = 0; i < 3; ++i) p.importer.drain();
+  check(p.cuda.closes == 0 && p.importer.open_handles() == 2, "no close while the send channel is busy");
+  p.cuda.send_idle = true;
+  p.importer.drain();
+  check(p.cuda.closes == 1 && p.importer.open_handles() == 1, "closed at the first idle drain");
+}
+
+void test_captured_entries_are_pinned() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  p.exporter.prepare(at(kBase), 1 << 20, true);
+  p.importer.drain();
+  const zc::Exporter::Decision captured = p.exporter.prepare(at(kBase), 1 << 20, true);
+  check(captured.zero_copy, "a capture after the handshake is zero-copy");
+  // Fill the rest of the table and ask for more: the pinned entry is never the one evicted.
+  for (int i = 1; i <= zc::kTableEntries + 4; ++i) {
+    const std::uintptr_t base = kBase + static_cast<std::uintptr_t>(i) * kBytes;
+    p.cuda.allocate(base, kBytes);
+    p.exporter.prepare(at(base), 1 << 20, false);
+    p.importer.drain();
+  }
+  check(p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy && p.table[captured.index] != 0,
+        "the captured entry survives eviction");
+  // Its memory freed (the graph is gone): dropped, and its index never handed out again.
+  p.cuda.release(kBase);
+  p.cuda.allocate(kBase, kBytes);
+  p.exporter.prepare(at(kBase), 1 << 20, false);
+  p.importer.drain();
+  check(p.table[captured.index] == 0, "the stale pinned mapping is cleared at the sender");
+  for (int i = 0; i < 3 * zc::kTableEntries; ++i) {
+    const std::uintptr_t base = kBase + static_cast<std::uintptr_t>(100 + i) * kBytes;
+    p.cuda.allocate(base, kBytes);
+    const zc::Exporter::Decision d = p.exporter.prepare(at(base), 1 << 20, false);
+    p.importer.drain();
+    const zc::Exporter::Decision again = p.exporter.prepare(at(base), 1 << 20, false);
+    check(d.index != captured.index && again.index != captured.index, "a pinned index is never reused");
+  }
+}
+
+void test_ring_wraparound_and_backlog() {
+  auto box = std::make_unique<zc::Mailbox>();
+  std::memset(static_cast<void*>(box.get()), 0, sizeof(zc::Mailbox));
+  zc::Ack ack{};
+  for (int round = 0; round < 3 * zc::kRingEntries + 7; ++round) {
+    check(box->acks.push(zc::Ack{round % 64, 1, static_cast<uint64_t>(round), 0}), "push");
+    check(box->acks.pop(&ack) && ack.base == static_cast<uint64_t>(round), "pop in order across the wrap");
+  }
+  for (int i = 0; i < zc::kRingEntries; ++i) box->acks.push(zc::Ack{0, 1, static_cast<uint64_t>(i), 0});
+  check(!box->acks.push(zc::Ack{}), "a full ring refuses a push");
+  check(box->acks.pop(&ack) && ack.base == 0, "the oldest first");
+
+  // More requests than a ring holds: the exporter queues the rest and sends them in order.
+  Pair p;
+  const int many = zc::kRingEntries + 10;
+  for (int i = 0; i < many; ++i) {
+    p.cuda.allocate(kBase + static_cast<std::uintptr_t>(i) * kBytes, kBytes, true);
+    // Churn one base: map, free, remap... each a map and an unmap request.
+    p.exporter.prepare(at(kBase), 1 << 20, false);
+    p.cuda.release(kBase);
+    p.cuda.allocate(kBase, kBytes, true);
+  }
+  p.exporter.prepare(at(kBase), 1 << 20, false);  // the live allocation, requested last
+  for (int i = 0; i < 4; ++i) {
+    p.importer.drain();
+    p.exporter.poll();
+  }
+  check(p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "after the backlog drained, the live allocation maps");
+  int live = 0;
+  for (uint64_t entry : p.table) live += entry != 0;
+  check(live == 1, "exactly one index mapped at the sender");
+}
+
+// The two processes of a pair, as two threads: every message arrives once, in order, whole
+// (ThreadSanitizer checks the rings' memory ordering in CI).
+void test_ring_between_threads() {
+  auto box = std::make_unique<zc::Mailbox>();
+  std::memset(static_cast<void*>(box.get()), 0, sizeof(zc::Mailbox));
+  constexpr int kMessages = 20000;
+  std::thread producer([&] {
+    for (int i = 0; i < kMessages;) {
+      zc::Request r{};
+      r.kind = zc::kMap;
+      r.index = i % zc::kTableEntries;
+      r.base = static_cast<uint64_t>(i);
+      r.buffer_id = ~static_cast<uint64_t>(i);
+      std::memset(r.handle.bytes, i & 0xff, sizeof(r.handle.bytes));
+      if (box->requests.push(r)) ++i;
+      else std::this_thread::yield();
+    }
+  });
+  int received = 0;
+  bool in_order = true, whole = true;
+  while (received < kMessages) {
+    zc::Request r{};
+    if (!box->requests.pop(&r)) {
+      std::this_thread::yield();
+      continue;
+    }
+    in_order = in_order && r.base == static_cast<uint64_t>(received);
+    whole = whole && r.buffer_id == ~r.base && r.handle.bytes[63] == static_cast<unsigned char>(r.base & 0xff);
+    ++received;
+  }
+  producer.join();
+  check(in_order, "every message in order across threads");
+  check(whole, "every message whole across threads");
+}
+
+void test_shared_memory_mailbox() {
+  const std::string name = zc::mailbox_name(0x1234abcdULL ^ static_cast<uint64_t>(getpid()), 0, 1);
+  zc::Mailbox* created = zc::create_mailbox(name);
+  if (created == nullptr) {
+    std::printf("note: no POSIX shared memory here; the mailbox test is skipped\n");
+    return;
+  }
+  zc::Mailbox* opened = zc::open_mailbox(name);
+  check(opened != nullptr, "the peer opens the receiver's segment by name");
+  zc::unlink_mailbox(name);
+  check(zc::open_mailbox("/pydatacopy-zc-does-not-exist-0-1") == nullptr, "a missing segment: null");
+  if (opened != nullptr) {
+    zc::Request r{};
+    r.kind = zc::kMap;
+    r.index = 5;
+    r.base = 42;
+    check(created->requests.push(r), "push through one mapping");
+    zc::Request got{};
+    check(opened->requests.pop(&got) && got.index == 5 && got.base == 42, "pop through the other");
+    zc::unmap_mailbox(opened);
+  }
+  zc::unmap_mailbox(created);
+}
+
+}  // namespace
+
+int main() {
+  test_handshake_then_zero_copy();
+  test_stale_buffer_id_drops_the_mapping();
+  test_eviction_waits_for_an_idle_channel();
+  test_freed_allocations_are_let_go_at_the_next_new_one();
+  test_not_exportable_memory_stays_staged();
+  test_a_failed_open_is_staged_for_good();
+  test_unmap_waits_for_the_send_channel();
+  test_captured_entries_are_pinned();
+  test_ring_wraparound_and_backlog();
+  test_ring_between_threads();
+  test_shared_memory_mailbox();
+  std::printf("test_zero_copy: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
+  return pydatacopy_test::failed != 0;
+}

@@ -1,0 +1,372 @@
+"""Zero-copy send/recv between load/store peers (issue 24, item 1; send_recv.hpp, zero_copy.hpp):
+messages at or above the threshold move once, from the sender's tensor into the receiver's.
+Two PEs; peer = 1 - rank. Every data check compares bytes against fresh data made for that
+round; the engine's counters (a test hook counted on the device) show that repeated large
+transfers do go zero-copy once the two hosts have mapped the receive buffer, not only that
+they are right. Failures are gathered on every PE before any PE raises (see _Outcome), so
+that no PE leaves the other alone in a collective."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+from pydatacopy import _transfer
+from pydatacopy._torch_utils import tensor_from_address
+
+KiB = 1 << 10
+MiB = 1 << 20
+THRESHOLD = 1 * MiB
+
+
+def _bytes(pe: int, tag: int, nbytes: int) -> torch.Tensor:
+    """Random bytes PE `pe` sends under `tag`; the receiver regenerates them to compare."""
+    generator = torch.Generator(device="cuda").manual_seed((pe + 1) * 7_000_003 + tag)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=generator)
+
+
+def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)
+    if not torch.equal(got, want):
+        differ = got != want
+        raise AssertionError(f"{what}: {int(differ.sum())} of {want.numel()} bytes differ, first at "
+                             f"{int(differ.to(torch.uint8).argmax())}")
+
+
+class _Outcome:
+    """This PE's failures, kept instead of raised; agree() fails every PE together."""
+
+    def __init__(self, world) -> None:
+        self.world_size = world[1]
+        self.failures: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self, what: str):
+        try:
+            yield
+        except Exception as error:
+            self.failures.append(f"{what}: {type(error).__name__}: {error}")
+
+    @contextlib.contextmanager
+    def expect_error(self, what: str, pattern: str):
+        try:
+            yield
+        except pydatacopy.TimeoutError as error:
+            self.failures.append(f"{what}: timed out instead of a prompt size-mismatch Error: {error}")
+        except pydatacopy.Error as error:
+            if not re.search(pattern, str(error)):
+                self.failures.append(f"{what}: raised {error!r}, which does not match {pattern!r}")
+        except Exception as error:
+            self.failures.append(f"{what}: raised {type(error).__name__}: {error}")
+        else:
+            self.failures.append(f"{what}: did not raise (expected {pattern!r})")
+
+    def agree(self, step: str) -> None:
+        every = [None] * self.world_size
+        dist.all_gather_object(every, self.failures)
+        bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
+        if bad:
+            pytest.fail(f"by {step}: " + "; ".join(bad), pytrace=False)
+
+
+def _load_store() -> bool:
+    """Zero-copy applies: not under PYDATACOPY_FORCE_RMA (gpu-check.sh runs this suite a second
+    time so; then every message must stay staged, and the data checks still hold)."""
+    return not pydatacopy._C.rma_forced()
+
+
+def _counters() -> dict[str, int]:
+    torch.cuda.synchronize()  # the device counts an op when it finishes
+    return _transfer._require_engine("zero_copy_counters").zero_copy_counters()
+
+
+def _step() -> None:
+    """Both hosts past this point, the device idle: each host's next call finds what the
+    other's last call asked for (the mailbox is served at calls, never by a thread)."""
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+@pytest.fixture(autouse=True)
+def zero_copy_on(world):
+    """Every channel fresh with the default settings and the threshold at 1 MiB, then
+    restored (setup_send_recv rereads PYDATACOPY_ZERO_COPY_MIN_BYTES)."""
+    pydatacopy.setup_send_recv()
+    _transfer.set_zero_copy_min_bytes(THRESHOLD)
+    yield
+    try:
+        torch.cuda.synchronize()
+    finally:
+        pydatacopy.setup_send_recv()
+
+
+def _sendrecv_exact(outcome, rank, peer, tag, nbytes, recv=None, send_offset=0, what=""):
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda") if recv is None else recv
+    with outcome.check(f"sendrecv of {nbytes} bytes {what}"):
+        source = torch.empty(nbytes + send_offset, dtype=torch.uint8, device="cuda")
+        source[send_offset:] = _bytes(rank, tag, nbytes)
+        recv.zero_()
+        pydatacopy.sendrecv(source[send_offset:], peer, recv, peer)
+        _assert_bytes(recv, _bytes(peer, tag, nbytes), f"sendrecv of {nbytes} bytes {what}")
+    return recv
+
+
+# ---- the threshold, sizes, offsets, views, dtypes ------------------------------------------------
+
+def test_sizes_around_the_threshold_are_exact_and_go_zero_copy(world, peer):
+    rank = world[0]
+    outcome = _Outcome(world)
+    assert _transfer.zero_copy_min_bytes() == THRESHOLD
+    sizes = [THRESHOLD - 1, THRESHOLD, THRESHOLD + 13, 3 * MiB + 5, 17 * MiB + 1]
+    # Receive buffers at odd offsets into one larger allocation, sends from odd offsets too.
+    pool = torch.zeros(sum(sizes) + 64 * len(sizes), dtype=torch.uint8, device="cuda")
+    before = _counters()
+    for round_ in range(4):
+        offset = 7
+        for n, nbytes in enumerate(sizes):
+            _sendrecv_exact(outcome, rank, peer, 100 * round_ + n, nbytes, pool[offset:offset + nbytes],
+                            send_offset=n + 1, what=f"round {round_}, at offset {offset}")
+            offset += nbytes + 61
+        _step()
+    after = _counters()
+    with outcome.check("the counters"):
+        zero_copy = after["recv_zero_copy"] - before["recv_zero_copy"]
+        staged = after["recv_staged"] - before["recv_staged"]
+        large = len(sizes) - 1
+        if not _load_store():
+            assert zero_copy == 0 and after["map_requests"] == before["map_requests"], f"forced RMA went zero-copy: {after}"
+            return
+        # Round 0 asks for the mapping, round 1 may still find no answer; from round 2 on every
+        # message at or above the threshold is zero-copy, every one below it staged.
+        assert zero_copy >= 2 * large, f"only {zero_copy} of {4 * large} large recvs went zero-copy: {after}"
+        assert staged >= 4, f"the {THRESHOLD - 1}-byte recvs must stay staged: {after}"
+        assert after["map_requests"] - before["map_requests"] == 1, f"one allocation, one request: {after}"
+    # Each PE's zero-copy sends are its peer's zero-copy recvs, one for one.
+    mine = (after["send_zero_copy"] - before["send_zero_copy"], after["recv_zero_copy"] - before["recv_zero_copy"])
+    every = [None] * world[1]
+    dist.all_gather_object(every, mine)
+    with outcome.check("both sides count the same zero-copy messages"):
+        assert every[rank][0] == every[peer][1], f"PE {rank} sent {every[rank][0]} zero-copy, PE {peer} received {every[peer][1]}"
+    outcome.agree("sizes around the threshold")
+
+
+def test_one_way_both_orders_and_views_of_every_dtype(world, peer):
+    rank = world[0]
+    outcome = _Outcome(world)
+    dtypes = [torch.bfloat16, torch.float32, torch.uint8]
+    if hasattr(torch, "float8_e4m3fn"):
+        dtypes.append(torch.float8_e4m3fn)
+    for round_ in range(3):
+        for d, dtype in enumerate(dtypes):
+            size = torch.empty((), dtype=dtype).element_size()
+            count = (5 * MiB + 3 * size) // size
+            tag = 1000 + 10 * round_ + d
+            # A contiguous view into a larger tensor, starting one element in.
+            storage = torch.zeros(count + 3, dtype=dtype, device="cuda")
+            recv = storage[1:1 + count]
+            with outcome.check(f"{dtype}, round {round_}"):
+                payload = _bytes(rank, tag, count * size).view(dtype)
+                if (rank + round_) % 2 == 0:
+                    pydatacopy.send(payload, peer)
+                    pydatacopy.recv(recv, peer)
+                else:
+                    pydatacopy.recv(recv, peer)
+                    pydatacopy.send(payload, peer)
+                _assert_bytes(recv.view(torch.uint8), _bytes(peer, tag, count * size), f"{dtype}")
+                assert torch.count_nonzero(storage[:1].view(torch.uint8)) == 0, "a byte before the view was written"
+                assert torch.count_nonzero(storage[1 + count:].view(torch.uint8)) == 0, "a byte past the view was written"
+            _step()
+    outcome.agree("views and dtypes")
+
+
+def test_repeated_large_transfers_go_zero_copy_after_the_handshake(world, peer):
+    rank = world[0]
+    outcome = _Outcome(world)
+    recv = torch.zeros(16 * MiB + 5, dtype=torch.uint8, device="cuda")
+    before = _counters()
+    rounds = 8
+    for round_ in range(rounds):
+        _sendrecv_exact(outcome, rank, peer, 2000 + round_, recv.numel(), recv, what=f"round {round_}")
+        _step()
+    after = _counters()
+    with outcome.check("the counters"):
+        zero_copy = after["recv_zero_copy"] - before["recv_zero_copy"]
+        if not _load_store():
+            assert zero_copy == 0, f"forced RMA went zero-copy: {after}"
+            return
+        assert zero_copy >= rounds - 2, f"{zero_copy} of {rounds} went zero-copy: {after}"
+        assert after["opened"] - before["opened"] >= 1, f"the peer's buffer was never opened here: {after}"
+    outcome.agree("repeated large transfers")
+
+
+# ---- memory from the caching allocator, freed and reused, not exportable -----------------------
+
+def test_receive_buffers_cycling_through_the_caching_allocator(world, peer):
+    rank = world[0]
+    outcome = _Outcome(world)
+    before = _counters()
+    for round_ in range(12):
+        nbytes = 2 * MiB + 17 * round_
+        recv = torch.empty(nbytes, dtype=torch.uint8, device="cuda")  # a block of a cached segment
+        _sendrecv_exact(outcome, rank, peer, 3000 + round_, nbytes, recv, what=f"round {round_}")
+        del recv
+        if round_ % 4 == 3:
+            # The segment goes back to CUDA: the next allocation may get the same address with
+            # a new buffer ID, and must never be reached through the old mapping.
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        _step()
+    after = _counters()
+    with outcome.check("freed memory"):
+        if _load_store():
+            assert after["recv_zero_copy"] > before["recv_zero_copy"], f"nothing went zero-copy: {after}"
+    outcome.agree("receive buffers from the caching allocator")
+
+
+def _driver():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def test_memory_cuda_ipc_cannot_export_stays_staged_and_exact(world, peer):
+    """cudaMallocAsync pool memory (like torch's expandable segments, which are process-wide and
+    so not switched on in this process) refuses cudaIpcGetMemHandle: its recvs stay staged."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    cuda = _driver()
+    nbytes = 4 * MiB + 9
+    pointer = ctypes.c_uint64(0)
+    ok = cuda is not None and cuda.cuMemAllocAsync(ctypes.byref(pointer), ctypes.c_size_t(nbytes), None) == 0
+    ok = ok and cuda.cuStreamSynchronize(None) == 0
+    every = [None] * world[1]
+    dist.all_gather_object(every, ok)
+    if not all(every):
+        pytest.skip("cuMemAllocAsync is not available on some PE")
+    try:
+        recv = tensor_from_address(pointer.value, (nbytes,), torch.uint8, torch.cuda.current_device())
+        before = _counters()
+        for round_ in range(4):
+            _sendrecv_exact(outcome, rank, peer, 4000 + round_, nbytes, recv, what=f"pool memory, round {round_}")
+            _step()
+        after = _counters()
+        with outcome.check("the counters"):
+            if _load_store():
+                assert after["not_exportable"] - before["not_exportable"] == 1, f"tried once, remembered: {after}"
+            assert after["recv_zero_copy"] == before["recv_zero_copy"], f"pool memory went zero-copy: {after}"
+    finally:
+        torch.cuda.synchronize()
+        cuda.cuMemFreeAsync(ctypes.c_uint64(pointer.value), None)
+        cuda.cuStreamSynchronize(None)
+    outcome.agree("memory CUDA IPC cannot export")
+
+
+# ---- sizes that differ: both PEs told at once, the pair usable again ---------------------------
+
+@pytest.mark.parametrize("sizes", [(THRESHOLD + 4 * KiB, THRESHOLD - 4 * KiB),
+                                   (THRESHOLD - 4 * KiB, THRESHOLD + 4 * KiB),
+                                   (3 * THRESHOLD, 2 * THRESHOLD)],
+                         ids=["send-above-recv-below", "send-below-recv-above", "both-above"])
+def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes):
+    """rank 0 sends sizes[0], rank 1 receives sizes[1]; the receive buffer was mapped first, so a
+    receiver above the threshold posts its recv zero-copy. A 60 s timeout: a hang would end in
+    TimeoutError (and fail), a prompt mismatch in pydatacopy.Error naming both sizes."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    send_bytes, recv_bytes = sizes
+    recv = torch.zeros(max(sizes) + 64, dtype=torch.uint8, device="cuda")
+    for round_ in range(3):  # the handshake for `recv`'s allocation, with matching sizes
+        with outcome.check(f"warm-up {round_}"):
+            if rank == 0:
+                pydatacopy.send(_bytes(rank, 5000 + round_, recv_bytes), peer)
+            else:
+                pydatacopy.recv(recv[:recv_bytes], peer)
+                _assert_bytes(recv[:recv_bytes], _bytes(peer, 5000 + round_, recv_bytes), "warm-up")
+        _step()
+    outcome.agree("the warm-up")
+    recv.zero_()
+    with outcome.check("the mismatched send/recv"):
+        if rank == 0:
+            pydatacopy.send(_bytes(rank, 5100, send_bytes), peer, timeout=60)
+        else:
+            pydatacopy.recv(recv[:recv_bytes], peer, timeout=60)
+        torch.cuda.synchronize()
+    dist.barrier()  # both kernels are over: whatever either side found is recorded
+    both = rf"({send_bytes}.*{recv_bytes}|{recv_bytes}.*{send_bytes})"
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors", both):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(recv).item() == 0, "the mismatched recv delivered data"
+    else:
+        # The sender learns it from the descriptor at once (its size at or above the threshold),
+        # or, when its staged send fit in the receiver's staging, at its next call on the channel.
+        with outcome.expect_error("the sender", rf"{both}|refused"):
+            pydatacopy.check_errors()
+            pydatacopy.send(_bytes(rank, 5200, 4 * KiB), peer, timeout=60)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+    _step()
+    outcome.agree("the mismatch")
+    pydatacopy.setup_send_recv()
+    _transfer.set_zero_copy_min_bytes(THRESHOLD)
+    for round_ in range(3):
+        _sendrecv_exact(outcome, rank, peer, 5300 + round_, 2 * THRESHOLD + 3, what=f"after setup_send_recv {round_}")
+        _step()
+    with outcome.check("after setup_send_recv"):
+        pydatacopy.check_errors()
+    outcome.agree("the pair after setup_send_recv")
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("warm", [True, False], ids=["mapped-before-capture", "mapped-at-capture"])
+def test_captured_sendrecv_replays_zero_copy_with_fresh_data(world, peer, warm):
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes = 4 * MiB + 3
+    send = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    if warm:  # the mapping exists before the capture: it must be captured zero-copy
+        for round_ in range(3):
+            send.copy_(_bytes(rank, 6000 + round_, nbytes))
+            with outcome.check(f"eager {round_}"):
+                pydatacopy.sendrecv(send, peer, recv, peer)
+                _assert_bytes(recv, _bytes(peer, 6000 + round_, nbytes), f"eager {round_}")
+            _step()
+    outcome.agree("before the capture")
+    dist.barrier()  # both capture at about the same time (the capture's handshake waits briefly)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pydatacopy.sendrecv(send, peer, recv, peer)
+    _step()
+    before = _counters()
+    replays = 100
+    with outcome.check("the replays"):
+        for replay in range(replays):
+            send.copy_(_bytes(rank, 7000 + replay, nbytes))
+            recv.zero_()
+            if rank == 1:
+                torch.cuda._sleep(200_000)  # the peer runs late
+            graph.replay()
+            _assert_bytes(recv, _bytes(peer, 7000 + replay, nbytes), f"replay {replay}")
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    after = _counters()
+    with outcome.check("the replays' mode"):
+        zero_copy = after["recv_zero_copy"] - before["recv_zero_copy"]
+        staged = after["recv_staged"] - before["recv_staged"]
+        assert zero_copy + staged == replays, f"{zero_copy} + {staged} recvs counted for {replays} replays"
+        if warm and _load_store():
+            assert zero_copy == replays, f"a capture of a mapped buffer replayed staged: {after}"
+        if not _load_store():
+            assert zero_copy == 0, f"forced RMA went zero-copy: {after}"
+    del graph
+    outcome.agree("the captured sendrecv")
