@@ -113,7 +113,7 @@ void check_timeouts();
 void check_peer_timeouts(int pe, const char* what);
 // Throws (once) the size mismatch a send/recv found on the device (send_recv.hpp): the two sides
 // of a message disagreed on its byte count. Cleared when reported; the channel stays refused on
-// the device until setup_send_recv() rebuilds it. Recorded per peer: check_size_mismatch(pe)
+// the device until setup_send_recv() rebuilds it. Recorded per peer and direction: check_size_mismatch(pe)
 // throws only that peer's (send/recv check it, so a mismatch with one PE does not stop calls
 // with others); check_size_mismatch() throws any peer's (check_errors()).
 void check_size_mismatch(int pe);

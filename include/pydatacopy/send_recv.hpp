@@ -37,10 +37,12 @@
 // later call on it is still launched (the kernel refuses it at both ends, so that an op of the
 // same pair on the healthy channel meets its peer's), and the refusal is reported by that call
 // (when the record is already on the host) or by the next call with that PE or check_errors().
-// The record is per peer, not per direction: a call that reports it has still launched its
-// other ops, which ran, so do not retry it. Nothing is resynchronised in place. Staged sends of a message that fits in the
-// staging complete before the receiver looks, so the sender learns of a mismatch one call later
-// (a send that waits for a zero-copy rendezvous learns it at once, see below).
+// The record is per peer and direction (both directions of a pair can be refused, each reported
+// once): a call that reports it has still launched its other ops, which ran, so do not retry it.
+// Nothing is resynchronised in place. Staged sends of a message that fits in the staging
+// complete before the receiver looks: the sender learns of a mismatch at its next send to that
+// PE or at check_errors() once the receiver has looked (check_refusals), and a send that waits
+// for a zero-copy rendezvous learns it at once (see below).
 //
 // An empty message moves one header-only chunk (one page, no data, header checked, credit
 // returned): both sides' sequences stay in step, and a 0-byte call facing a non-empty one is a

@@ -52,8 +52,11 @@ struct DeviceStatus {
   // call on the refused channel), peer: the other side, expected: this call's bytes, seen: the
   // other side's bytes in the mismatched message. The channel itself
   // stays refused on the device until setup_send_recv() rebuilds it (send_recv.hpp). One record
-  // per peer (tracked_pe_index): a mismatch with one PE neither refuses nor hides another's.
-  ErrorRecord mismatch[kTrackedPes];
+  // per peer (tracked_pe_index) and direction: a mismatch with one PE neither refuses nor hides
+  // another's, nor one direction the other.
+  // [0]: this PE's send channel to the peer, [1]: its recv channel from the peer: both
+  // directions of a pair can be refused, and each is reported once.
+  ErrorRecord mismatch[2][kTrackedPes];
   int timed_out_pes[kTrackedPes];  // nonzero: a wait on that PE timed out
 };
 

@@ -564,8 +564,12 @@ void clear_record(detail::ErrorRecord& r) {
   __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 
-void throw_size_mismatch(detail::ErrorRecord& r) {
-  if (static_cast<detail::WaitOp>(r.op) == detail::WaitOp::kChunkCredit && !claim_send_refusal_report(r.peer)) {
+// `send`: the record of this PE's send channel (mismatch[0]). That refusal is told once, by this
+// record or by SendRecvEngine::check_refusals (whichever first); a later call refused on the
+// channel (kChannelRefused) is told each time.
+void throw_size_mismatch(detail::ErrorRecord& r, bool send) {
+  if (send && !claim_send_refusal_report(r.peer) &&
+      static_cast<detail::WaitOp>(r.op) != detail::WaitOp::kChannelRefused) {
     clear_record(r);  // check_refusals() told this send's refusal already
     return;
   }
@@ -606,9 +610,8 @@ bool claim_send_refusal_report(int pe) {
 bool send_refusal_recorded(int pe) {
   const detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return false;
-  const detail::ErrorRecord& r = status->mismatch[detail::tracked_pe_index(pe)];
-  return __atomic_load_n(&r.code, __ATOMIC_ACQUIRE) == detail::kMismatch &&
-         static_cast<detail::WaitOp>(r.op) == detail::WaitOp::kChunkCredit;
+  const detail::ErrorRecord& r = status->mismatch[0][detail::tracked_pe_index(pe)];
+  return __atomic_load_n(&r.code, __ATOMIC_ACQUIRE) == detail::kMismatch;
 }
 
 void clear_size_mismatch() {
@@ -618,26 +621,26 @@ void clear_size_mismatch() {
   }
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
-  for (int i = 0; i < tracked_mismatch_records(); ++i) {
-    int published = detail::kMismatch;
-    __atomic_compare_exchange_n(&status->mismatch[i].code, &published, 0, false, __ATOMIC_ACQ_REL,
-                                __ATOMIC_ACQUIRE);
-  }
+  for (int send = 0; send < 2; ++send)
+    for (int i = 0; i < tracked_mismatch_records(); ++i) clear_record(status->mismatch[send][i]);
 }
 
 void check_size_mismatch(int pe) {
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
-  detail::ErrorRecord& r = status->mismatch[detail::tracked_pe_index(pe)];
-  if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) == detail::kMismatch) throw_size_mismatch(r);
+  for (int send = 1; send >= 0; --send) {
+    detail::ErrorRecord& r = status->mismatch[send][detail::tracked_pe_index(pe)];
+    if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) == detail::kMismatch) throw_size_mismatch(r, send == 0);
+  }
 }
 
 void check_size_mismatch() {
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
   for (int i = 0; i < tracked_mismatch_records(); ++i)
-    if (__atomic_load_n(&status->mismatch[i].code, __ATOMIC_ACQUIRE) == detail::kMismatch)
-      throw_size_mismatch(status->mismatch[i]);
+    for (int send = 1; send >= 0; --send)
+      if (__atomic_load_n(&status->mismatch[send][i].code, __ATOMIC_ACQUIRE) == detail::kMismatch)
+        throw_size_mismatch(status->mismatch[send][i], send == 0);
 }
 
 namespace {

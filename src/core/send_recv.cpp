@@ -570,6 +570,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.done = done_ + channel;
   a.failed = failed_ + channel;
   a.broken = broken(send, peer);
+  a.is_send = send;
   a.active_blocks = active_blocks(bytes);
   a.my_pe = me;
   a.peer = peer;

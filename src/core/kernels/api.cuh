@@ -136,6 +136,7 @@ struct ChunkStreamArgs {
   uint64_t* peer_broken;     // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
   uint64_t* remote_refused_bytes;  // recv: beside it, the sender's message bytes + 1 as its header said
   uint64_t* peer_refused_bytes;    // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
+  bool is_send;              // the direction: which mismatch record a refusal goes to
   int active_blocks;         // slices moving this message (<= pages), from its size
   int my_pe, peer;
   uint64_t timeout_ns;       // no progress of the channel for this long: a timeout

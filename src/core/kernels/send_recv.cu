@@ -77,7 +77,7 @@ __device__ __forceinline__ bool report_timeout(const ChunkStreamArgs& a, bool se
 // an earlier launch): record it for this call, so that the caller hears of it, and fail the
 // channel for the rest of this launch.
 __device__ __forceinline__ void refuse(const ChunkStreamArgs& a, detail::WaitOp why, uint64_t other_bytes) {
-  detail::record_error(&a.status->mismatch[detail::tracked_pe_index(a.peer)], detail::kMismatch, why, a.peer, a.my_pe,
+  detail::record_error(&a.status->mismatch[a.is_send ? 0 : 1][detail::tracked_pe_index(a.peer)], detail::kMismatch, why, a.peer, a.my_pe,
                        static_cast<uint64_t>(a.bytes), other_bytes);
   atomicExch(a.failed, 1u);
 }
