@@ -5,8 +5,8 @@
 What stands in for what a GPU would give: CPU tensors stand in for CUDA ones (the core's
 device is reported as -1, what get_device() returns for a CPU tensor), torch's current stream
 is a fake that returns 0 (on a GPU, torch._C._cuda_getCurrentRawStream: one more C call), and
-the core's put is _C._host_path_probe (put's arguments and GIL release, no work: the crossing
-alone). The core's own work (one symmetric lookup, the cudaMemcpyAsync) and a bare
+the core's put is _C._host_path_probe (put_fast's arguments and GIL release, no work: the
+crossing alone). The core's own work (one symmetric lookup, the cudaMemcpyAsync) and a bare
 cudaMemcpyAsync are measured on the GPU by the bench's host rows (python -m pydatacopy.bench
 --ops host). Each figure: the best of 7 repetitions of N calls, in ns per call.
 
@@ -37,8 +37,8 @@ class _FakeCore:
     n_pes = staticmethod(lambda: 2)
     my_pe = staticmethod(lambda: 0)
     default_timeout_seconds = staticmethod(lambda: 60.0)
-    put = staticmethod(_C._host_path_probe)
-    get = staticmethod(_C._host_path_probe)
+    put_fast = staticmethod(_C._host_path_probe)
+    get_fast = staticmethod(_C._host_path_probe)
 
 
 def _ns(statement: str, names: dict, calls: int) -> float:
@@ -71,8 +71,9 @@ def main() -> None:
          "_C._host_path_probe(dst.data_ptr(), src.data_ptr(), 4096, 1, 0, 0)"),
         ("pieces", None),
         ("  _C crossing, no arguments (_C.is_initialized)", "_C.is_initialized()"),
-        ("  _C crossing, put's 6 arguments + GIL release (_host_path_probe)",
+        ("  _C crossing, put's 6 arguments + GIL release (_host_path_probe, as _C.put_fast)",
          "_C._host_path_probe(1, 2, 4096, 1, 0, 0)"),
+
         ("  _C.is_symmetric(address, bytes) (a map lookup under a lock)", "_C.is_symmetric(1, 1)"),
         ("  tensor.data_ptr()", "dst.data_ptr()"),
         ("  tensor.get_device()", "dst.get_device()"),

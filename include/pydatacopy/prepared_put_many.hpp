@@ -119,7 +119,7 @@ class PreparedPutMany {
   void release() noexcept;
 
   bool released() const;
-  std::size_t rows() const;    // the rows given, empty ones included
+  std::size_t rows() const;    // rows given to prepare (the tensor form gives only those with bytes)
   std::size_t pieces() const;  // rows of the device table (empty ones out, long ones cut)
   uint64_t bytes() const;      // moved by one run
   int pe() const;

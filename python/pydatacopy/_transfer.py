@@ -239,8 +239,8 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
             and dst.get_device() == device and src.get_device() == device
             and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
             and dst.is_contiguous() and src.is_contiguous() and path in PATHS):
-        _C.put(dst.data_ptr(), src.data_ptr(), nbytes, pe,
-               _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
+        _C.put_fast(dst.data_ptr(), src.data_ptr(), nbytes, pe,
+                    _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
         if stream is not None:
             _keep_alive(stream, src)  # dst is symmetric (the core refuses any other)
         return
@@ -262,8 +262,8 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
             and dst.get_device() == device and src.get_device() == device
             and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
             and dst.is_contiguous() and src.is_contiguous() and path in PATHS):
-        _C.get(dst.data_ptr(), src.data_ptr(), nbytes, pe,
-               _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
+        _C.get_fast(dst.data_ptr(), src.data_ptr(), nbytes, pe,
+                    _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
         if stream is not None:
             _keep_alive(stream, dst)  # src is symmetric (the core refuses any other)
         return
@@ -471,14 +471,18 @@ class PreparedPutMany:
         if device is None:
             _require_init("PreparedPutMany.run")
             device = _device
-        handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
+        if stream is None:
+            self._core.run(_raw_stream(device))
+            return
+        handle = stream_handle(stream, device)
         if handle not in self._streams:
-            self._streams.add(handle)  # the tensors stay allocated until these are done
+            self._streams.add(handle)  # as _keep_alive: the tensors stay until its work is done
         self._core.run(handle)
 
     def release(self) -> None:
-        """Free the table now (idempotent; local). The tensors are let go once every stream the
-        table ran on has finished with them; run() refuses afterwards."""
+        """Free the table now (idempotent; local). The table's memory and the tensors are let go
+        once the streams the table ran on (``stream=``) are done with them; run() refuses
+        afterwards."""
         core = self._core
         if core is None or core.released:
             return
