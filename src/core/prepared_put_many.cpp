@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -84,20 +85,44 @@ namespace {
 class CudaStreamOrderedBackend final : public StreamOrderedMemory::Backend {
  public:
   void* allocate(std::size_t bytes) override {
+    bytes = std::max<std::size_t>(bytes, 1);
     void* memory = nullptr;
-    cudaStream_t stream = nullptr;
-    PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    const cudaError_t status = cudaMallocAsync(&memory, std::max<std::size_t>(bytes, 1), stream);
-    // The allocation is usable from any stream once its stream got there.
-    const cudaError_t synced = status == cudaSuccess ? cudaStreamSynchronize(stream) : status;
-    cudaStreamDestroy(stream);
-    PDC_CHECK_CUDA(status);
-    PDC_CHECK_CUDA(synced);
+    if (!pools_unsupported_.load(std::memory_order_relaxed)) {
+      cudaStream_t stream = nullptr;
+      PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      const cudaError_t status = cudaMallocAsync(&memory, bytes, stream);
+      // The allocation is usable from any stream once its own stream got there.
+      const cudaError_t synced = status == cudaSuccess ? cudaStreamSynchronize(stream) : status;
+      cudaStreamDestroy(stream);
+      if (status == cudaSuccess) {
+        PDC_CHECK_CUDA(synced);
+        return memory;
+      }
+      if (status != cudaErrorNotSupported) PDC_CHECK_CUDA(status);
+      cudaGetLastError();  // not sticky; cleared so that later checks do not see it
+      pools_unsupported_.store(true, std::memory_order_relaxed);
+    }
+    PDC_CHECK_CUDA(cudaMalloc(&memory, bytes));
     return memory;
   }
 
   // Errors are not thrown (a destructor calls this); the worst case is memory kept until exit.
   void release(void* memory, const std::vector<cudaStream_t>& streams) noexcept override {
+    // A release can come at any time (the garbage collector's), also while another stream of this
+    // thread is being captured in global mode: its calls then must not invalidate that capture.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    release_relaxed(memory, streams);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+  }
+
+ private:
+  void release_relaxed(void* memory, const std::vector<cudaStream_t>& streams) noexcept {
+    if (pools_unsupported_.load(std::memory_order_relaxed)) {
+      // No stream-ordered pools on this device: cudaFree waits for the device's work.
+      cudaFree(memory);
+      return;
+    }
     cudaStream_t freeing = nullptr;
     if (cudaStreamCreateWithFlags(&freeing, cudaStreamNonBlocking) != cudaSuccess) return;
     for (cudaStream_t stream : streams) {
@@ -107,11 +132,13 @@ class CudaStreamOrderedBackend final : public StreamOrderedMemory::Backend {
       cudaEvent_t done = nullptr;
       if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) continue;
       if (cudaEventRecord(done, stream) == cudaSuccess) cudaStreamWaitEvent(freeing, done, 0);
-      cudaEventDestroy(done);  // released once recorded work completes
+      cudaEventDestroy(done);  // its resources go once the recorded work completes
     }
     cudaFreeAsync(memory, freeing);
     cudaStreamDestroy(freeing);  // returns at once; the stream goes when its work is done
   }
+
+  std::atomic<bool> pools_unsupported_{false};  // cudaMallocAsync said cudaErrorNotSupported
 };
 
 }  // namespace
