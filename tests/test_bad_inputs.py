@@ -260,6 +260,10 @@ BAD_INPUTS = [
      "DoubleBufferManager.init needs NVSHMEM: call pydatacopy.init()"),
     # paths
     ("core: unknown path number", lambda: _C.put(0, 0, 16, 0, 0, 7), "path must be one of auto, copy_engine, sm, rma"),
+    ("core: put_fast, unknown path number", lambda: _C.put_fast(0, 0, 16, 0, 0, 7),
+     "path must be one of auto, copy_engine, sm, rma"),
+    ("core: put_fast before init", lambda: _C.put_fast(0, 0, 16, 0, 0, 0), "put needs NVSHMEM: call pydatacopy.init()"),
+    ("core: get_fast before init", lambda: _C.get_fast(0, 0, 16, 0, 0, 0), "get needs NVSHMEM: call pydatacopy.init()"),
     ("core: copy engine to an unreachable peer", lambda: _C.resolve_path(1, False, 4096),
      "needs a directly reachable peer (nvshmem_ptr), and this one is not"),
     ("unknown path name", lambda: _transfer._path("warp"), "path must be one of ['auto', 'copy_engine', 'rma', 'sm']"),

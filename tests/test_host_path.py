@@ -163,3 +163,19 @@ def test_finalize_turns_the_fast_path_off(core, monkeypatch):
         with pytest.raises(pydatacopy.Error, match="needs NVSHMEM: call pydatacopy.init"):
             call()
     assert core.calls == []
+
+
+def test_the_fast_entry_points_check_their_arguments():
+    # Plain CPython functions: a wrong count or type is Python's TypeError/OverflowError, as
+    # pybind11's were; the core's refusals are pydatacopy.Error (before init here).
+    with pytest.raises(TypeError, match="takes 6 positional arguments"):
+        _C.put_fast(0, 0, 16, 0, 0)
+    with pytest.raises(TypeError):
+        _C.get_fast(0, "0", 16, 0, 0, 0)
+    with pytest.raises(OverflowError):
+        _C.put_fast(0, 0, 16, 2**40, 0, 0)
+    with pytest.raises(OverflowError):
+        _C.put_fast(-1, 0, 16, 0, 0, 0)
+    with pytest.raises(pydatacopy.Error, match="needs NVSHMEM"):
+        _C.put_fast(0, 0, 16, 0, 0, 0)
+    _C._host_path_probe(0, 0, 16, 0, 0, 0)

@@ -181,6 +181,17 @@ void register_sources(const std::vector<PreparedRow>& table) {
     prepare_rma_local(reinterpret_cast<const void*>(row.src), row.bytes, "put_many (prepared): every src");
 }
 
+// On a private non-blocking stream, waited for: not on the legacy default stream, where the copy
+// would queue behind the caller's work (a recv waiting for its peer among it).
+void upload(void* device, const void* host, std::size_t bytes) {
+  cudaStream_t stream = nullptr;
+  PDC_CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaError_t status = cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream);
+  if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  PDC_CHECK_CUDA(status);
+}
+
 void check_rows_for_rma(const std::vector<PreparedRow>& table) {
   for (const PreparedRow& row : table) {
     check_rma_local(reinterpret_cast<const void*>(row.src), row.bytes, "put_many (prepared): every src");
@@ -225,8 +236,7 @@ PreparedPutMany PreparedPutMany::build(const TransferDescriptor* rows, std::size
   if (!state->host.empty()) {
     const std::size_t table_bytes = state->host.size() * sizeof(PreparedRow);
     state->device = StreamOrderedMemory(cuda_stream_ordered_backend(), table_bytes);
-    // A synchronous copy from pageable memory: the table is on the device when it returns.
-    PDC_CHECK_CUDA(cudaMemcpy(state->device.data(), state->host.data(), table_bytes, cudaMemcpyHostToDevice));
+    upload(state->device.data(), state->host.data(), table_bytes);
   }
   PreparedPutMany prepared;
   prepared.state_ = std::move(state);
