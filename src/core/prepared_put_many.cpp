@@ -123,18 +123,30 @@ class CudaStreamOrderedBackend final : public StreamOrderedMemory::Backend {
       cudaFree(memory);
       return;
     }
+    // Where the order after a stream cannot be had, the memory is kept (until exit) rather than
+    // freed while that stream's work may still read it.
     cudaStream_t freeing = nullptr;
     if (cudaStreamCreateWithFlags(&freeing, cudaStreamNonBlocking) != cudaSuccess) return;
+    bool ordered = true;
     for (cudaStream_t stream : streams) {
       cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-      if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone)
+      if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+        cudaGetLastError();
+        ordered = false;
+        break;
+      }
+      if (capture != cudaStreamCaptureStatusNone)
         continue;  // an event recorded there would join the capture; its replays are the caller's
       cudaEvent_t done = nullptr;
-      if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) continue;
-      if (cudaEventRecord(done, stream) == cudaSuccess) cudaStreamWaitEvent(freeing, done, 0);
-      cudaEventDestroy(done);  // its resources go once the recorded work completes
+      ordered = cudaEventCreateWithFlags(&done, cudaEventDisableTiming) == cudaSuccess &&
+                cudaEventRecord(done, stream) == cudaSuccess && cudaStreamWaitEvent(freeing, done, 0) == cudaSuccess;
+      if (done != nullptr) cudaEventDestroy(done);  // its resources go once the recorded work completes
+      if (!ordered) {
+        cudaGetLastError();
+        break;
+      }
     }
-    cudaFreeAsync(memory, freeing);
+    if (ordered) cudaFreeAsync(memory, freeing);
     cudaStreamDestroy(freeing);  // returns at once; the stream goes when its work is done
   }
 
