@@ -46,9 +46,9 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
     calls_by_name = {
         "cudaMemcpyAsync 4K": lambda: pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream),
         "put 4K (auto)": lambda: pydatacopy.put(symmetric, src, peer),
-        "put 4K (copy_engine)": lambda: pydatacopy.put(symmetric, src, peer, path="copy_engine"),
     }
-    if peer_address is not None:
+    if peer_address is not None:  # the copy engine reaches the peer (not under PYDATACOPY_FORCE_RMA)
+        calls_by_name["put 4K (copy_engine)"] = lambda: pydatacopy.put(symmetric, src, peer, path="copy_engine")
         calls_by_name["cudaMemcpyAsync 4K to the peer"] = lambda: pydatacopy._C.bench_memcpy(
             peer_address, src.data_ptr(), 4096, stream)
     samples: dict[str, list[float]] = {name: [] for name in calls_by_name}
