@@ -58,7 +58,7 @@ def main() -> None:
     dst = torch.zeros(4096, dtype=torch.uint8)
     src = torch.zeros(4096, dtype=torch.uint8)
     names = {"pydatacopy": pydatacopy, "_C": _C, "_transfer": _transfer, "dst": dst, "src": src,
-             "torch": torch, "check_int": _torch_utils.check_int}
+             "torch": torch, "check_int": _torch_utils.check_int, "_torch_utils": _torch_utils}
     rows = [
         ("pydatacopy.put(dst, src, 1), the whole Python path", "pydatacopy.put(dst, src, 1)"),
         ("  the checked path (what every call took before)",
@@ -87,6 +87,9 @@ def main() -> None:
         ("  _check_tensor(dst, 'dst') (one crossing for the device)", "_transfer._check_tensor(dst, 'dst')"),
         ("  _check_pair(dst, src, 'put')", "_transfer._check_pair(dst, src, 'put')"),
         ("  _path('auto')", "_transfer._path('auto')"),
+        ("  _C.default_timeout_seconds() (getenv + strtod: a timeout=None per call before)",
+         "_C.default_timeout_seconds()"),
+        ("  timeout_seconds(None) now (read once at init)", "_torch_utils.timeout_seconds(None)"),
         ("  _keep_alive(None, dst, src)", "_transfer._keep_alive(None, dst, src)"),
     ]
     print(f"{'ns per call':>12}  what")
