@@ -1,5 +1,6 @@
 """put_many: many tensors to one PE in one launch per 1280 rows, the rows read and checked in
-one native pass, the table of addresses carried in the launch itself (two PEs: peer = 1 - rank)."""
+one native pass, the table of addresses carried in the launch itself; and put_many prepared once
+(the table in device memory, one launch per run). Two PEs: peer = 1 - rank."""
 
 from __future__ import annotations
 
@@ -356,7 +357,6 @@ def test_prepared_in_a_cuda_graph_100_replays(world):
         torch.cuda.synchronize()
         pydatacopy.barrier(blocking=True)
         pydatacopy.free(pool)
-    del graph
 
 
 def test_prepared_keeps_its_tensors_after_a_side_stream_run(world):
