@@ -100,7 +100,8 @@ class PreparedPutMany {
   // From a host table (each src already known to be device memory of this process's device, as
   // the tensors' checks make sure). Checks every dst (symmetric), resolves each row's route for
   // `pe` (`path`: auto, sm or rma), registers the sources where NVSHMEM RMA needs it, and copies
-  // the table to device memory. Blocks until the table is there; not capturable.
+  // the table to device memory. Blocks until the table is there; not capturable. `call` names
+  // the public function in errors.
   static PreparedPutMany prepare(const TransferDescriptor* rows, std::size_t count, int pe, Path path,
                                  const char* call);
   // From three int64 arrays of `count` entries in device memory (destination and source
@@ -113,7 +114,8 @@ class PreparedPutMany {
 
   // One launch on `stream` (stream-ordered, capturable). PYDATACOPY_FORCE_RMA set since prepare
   // turns every row to NVSHMEM RMA (the sources are registered first, once); under
-  // PYDATACOPY_CHECK_RMA every row's addresses are checked before the launch.
+  // PYDATACOPY_CHECK_RMA every row's addresses are checked before the launch. `stream` must stay
+  // valid until the table is released: the release orders the free after each stream it ran on.
   void run(cudaStream_t stream);
   // Frees the table (see StreamOrderedMemory); run() refuses afterwards. Idempotent, local.
   void release() noexcept;
