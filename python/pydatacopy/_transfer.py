@@ -473,7 +473,9 @@ class PreparedPutMany:
         return self
 
     def run(self, *, stream=None) -> None:
-        """Every row, in one kernel launch on ``stream`` (torch's current one by default)."""
+        """Every row, in one kernel launch on ``stream`` (torch's current one by default). A raw
+        cudaStream_t given here must stay valid until the table is released (torch's streams
+        always do): the release orders the free of the table after the work of each."""
         device = _device
         if device is None:
             _require_init("PreparedPutMany.run")
