@@ -179,3 +179,32 @@ def test_the_fast_entry_points_check_their_arguments():
     with pytest.raises(pydatacopy.Error, match="needs NVSHMEM"):
         _C.put_fast(0, 0, 16, 0, 0, 0)
     _C._host_path_probe(0, 0, 16, 0, 0, 0)
+
+
+class FakeEngine:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def send(self, *args):
+        self.calls.append(("send", *args))
+
+    def recv(self, *args):
+        self.calls.append(("recv", *args))
+
+    def batch(self, ops, stream, timeout):
+        self.calls.append(("batch", ops, stream, timeout))
+
+
+def test_send_and_recv_hand_the_engine_one_op_each_and_a_group_one_batch(core, monkeypatch):
+    monkeypatch.setattr(_transfer, "_engine", FakeEngine(core.calls))
+    a, b = _u8(100), _u8(7)
+    pydatacopy.send(a, 1)
+    pydatacopy.recv(b, 0, timeout=2.5)
+    with pydatacopy.group():
+        pydatacopy.send(a, 1)
+        pydatacopy.recv(b, 0)
+    assert core.calls == [
+        ("send", a.data_ptr(), 100, 1, 0x5EED, 60.0), ("keep_alive", None, 1),
+        ("recv", b.data_ptr(), 7, 0, 0x5EED, 2.5), ("keep_alive", None, 1),
+        ("batch", [(True, a.data_ptr(), 100, 1), (False, b.data_ptr(), 7, 0)], 0x5EED, 60.0),
+    ]

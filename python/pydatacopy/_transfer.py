@@ -663,7 +663,10 @@ def _require_engine(what: str) -> "_C.SendRecvEngine":
 def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seconds: float) -> None:
     pending = getattr(_state, "pending", None)
     if pending is None:
-        engine.batch([(is_send, tensor.data_ptr(), _nbytes(tensor), peer)], _stream(stream), seconds)
+        # The engine's send/recv are a batch of one; their scalar arguments cross for a fraction
+        # of a list of tuples' conversion (0.6 us against 2 us where measured).
+        (engine.send if is_send else engine.recv)(tensor.data_ptr(), tensor.nbytes, peer, _stream(stream),
+                                                  seconds)
         _keep_alive(stream, tensor)
         return
     # The stream is resolved here, where the call is made (torch.cuda.stream() inside the group
