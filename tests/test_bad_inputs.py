@@ -139,6 +139,8 @@ NEEDS_INIT_ARGS = {
     "my_pe": ((), {}),
     "n_pes": ((), {}),
     "peer_view": ((_t, 0), {}),
+    "prepare_put_many": (([_t], [_t], 0), {}),
+    "PreparedPutMany": (([_t], [_t], 0), {}),
     "put": ((_t, _t, 0), {}),
     "put_blocks": ((_t, _t, _i, _i, 0), {}),
     "put_many": (([_t], [_t], 0), {}),
@@ -258,6 +260,10 @@ BAD_INPUTS = [
      "DoubleBufferManager.init needs NVSHMEM: call pydatacopy.init()"),
     # paths
     ("core: unknown path number", lambda: _C.put(0, 0, 16, 0, 0, 7), "path must be one of auto, copy_engine, sm, rma"),
+    ("core: put_fast, unknown path number", lambda: _C.put_fast(0, 0, 16, 0, 0, 7),
+     "path must be one of auto, copy_engine, sm, rma"),
+    ("core: put_fast before init", lambda: _C.put_fast(0, 0, 16, 0, 0, 0), "put needs NVSHMEM: call pydatacopy.init()"),
+    ("core: get_fast before init", lambda: _C.get_fast(0, 0, 16, 0, 0, 0), "get needs NVSHMEM: call pydatacopy.init()"),
     ("core: copy engine to an unreachable peer", lambda: _C.resolve_path(1, False, 4096),
      "needs a directly reachable peer (nvshmem_ptr), and this one is not"),
     ("unknown path name", lambda: _transfer._path("warp"), "path must be one of ['auto', 'copy_engine', 'rma', 'sm']"),
@@ -285,6 +291,32 @@ BAD_INPUTS = [
      "pydatacopy.put_many: dsts[0] must be contiguous (call .contiguous() first)"),
     ("core: put_many unknown path", lambda: _C.put_many_tensors([], [], 0, 0, 7, 0, torch.Tensor),
      "path must be one of auto, copy_engine, sm, rma"),
+    # put_many prepared once: the same native row pass, naming the call that prepares
+    ("from_addresses before init", lambda: pydatacopy.PreparedPutMany.from_addresses(_i, _i, _i, 0),
+     "pydatacopy.PreparedPutMany.from_addresses needs NVSHMEM: call"),
+    ("core: prepared rows, CPU source", lambda: _C.PreparedPutMany.from_tensors(
+        [_t], [_t], 0, 0, 0, torch.Tensor, "pydatacopy.prepare_put_many"),
+     "pydatacopy.prepare_put_many: srcs[0] is not on a CUDA device; pydatacopy moves CUDA tensors"),
+    ("core: prepared rows, not tensors", lambda: _C.PreparedPutMany.from_tensors(
+        [_t], ["x"], 0, 0, -1, torch.Tensor, "pydatacopy.PreparedPutMany"),
+     "pydatacopy.PreparedPutMany: srcs[0] must be a torch.Tensor, got str"),
+    ("core: prepared rows, unequal lists", lambda: _C.PreparedPutMany.from_tensors(
+        [_t, _t], [_t], 0, 0, -1, torch.Tensor, "pydatacopy.prepare_put_many"),
+     "pydatacopy.prepare_put_many: 2 destinations but 1 sources; pass one source per destination"),
+    ("core: prepared rows, dtype mismatch", lambda: _C.PreparedPutMany.from_tensors(
+        [_t], [_t.view(torch.int32)], 0, 0, -1, torch.Tensor, "pydatacopy.prepare_put_many"),
+     "pydatacopy.prepare_put_many: dtype mismatch in row 0"),
+    ("core: prepared rows, size mismatch", lambda: _C.PreparedPutMany.from_tensors(
+        [_t], [_t[:3]], 0, 0, -1, torch.Tensor, "pydatacopy.prepare_put_many"),
+     "pydatacopy.prepare_put_many: size mismatch in row 0: dst has 16 bytes, src has 12; pass equal-sized tensors"),
+    ("core: prepared rows before init", lambda: _C.PreparedPutMany.from_tensors(
+        [_t], [_t], 0, 0, -1, torch.Tensor, "pydatacopy.prepare_put_many"),
+     "pydatacopy.prepare_put_many needs NVSHMEM: call"),
+    ("core: prepared rows, unknown path", lambda: _C.PreparedPutMany.from_tensors(
+        [], [], 0, 9, -1, torch.Tensor, "pydatacopy.prepare_put_many"),
+     "path must be one of auto, copy_engine, sm, rma"),
+    ("core: prepared from addresses before init", lambda: _C.PreparedPutMany.from_addresses(0, 0, 0, 1, 0, 0, 0),
+     "pydatacopy.PreparedPutMany.from_addresses needs NVSHMEM: call"),
     # pydatacopy's environment variables, checked by init_nvshmem before anything starts
     *[(f"{name}={value!r}", _env_call({name: value}, lambda: pydatacopy.init_nvshmem(UID, 0, 1)), words)
       for name, value, words in [

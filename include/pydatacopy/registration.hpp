@@ -81,6 +81,15 @@ void refuse_rma_checks_for_tests(const char* what_prefix);
 // direct (load/store) op hands NVSHMEM nothing: a no-op.
 void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send);
 
+// The CUDA allocation holding ptr when it is device memory of CUDA `device`, as the driver
+// reports it: [base, base + bytes); bytes 0 when it is not (host memory, another device, memory
+// CUDA does not know). prepared put_many's check of sources given as raw addresses.
+struct DeviceAllocation {
+  std::uintptr_t base = 0;
+  std::size_t bytes = 0;
+};
+DeviceAllocation device_allocation(const void* ptr, int device);
+
 struct RegistrationStats {
   uint64_t registrations = 0;       // nvshmemx_buffer_register calls made
   uint64_t stale_dropped = 0;       // entries dropped because their allocation had gone

@@ -62,6 +62,16 @@ bool is_symmetric(const void* ptr, std::size_t bytes);
 // `pe` is not directly reachable (another node, or PYDATACOPY_FORCE_RMA=1).
 void* peer_pointer(const void* ptr, int pe);
 
+// A transfer's symmetric side in one lookup: whether [ptr, ptr + bytes) lies in one live
+// pydatacopy allocation and, if so, `pe`'s copy of ptr through load/store (null when `pe` is not
+// directly reachable, under PYDATACOPY_FORCE_RMA, or out of range: the caller checks the range).
+// Every PE's copy of an allocation is resolved once, by symmetric_malloc.
+struct SymmetricRoute {
+  bool symmetric = false;
+  void* peer = nullptr;
+};
+SymmetricRoute symmetric_route(const void* ptr, std::size_t bytes, int pe);
+
 // PYDATACOPY_FORCE_RMA=1 makes every path behave as if no peer were directly reachable, so the
 // NVSHMEM RMA path a peer on another server takes is exercised on one machine.
 // Read from the environment once, at load and again by init_nvshmem (it is asked on every put

@@ -16,6 +16,7 @@ from __future__ import annotations
 from . import _C
 from ._double_buffer import DoubleBufferManager
 from ._transfer import (
+    PreparedPutMany,
     barrier,
     empty,
     free,
@@ -23,6 +24,7 @@ from ._transfer import (
     group,
     is_symmetric,
     peer_view,
+    prepare_put_many,
     put,
     put_blocks,
     put_many,
@@ -79,6 +81,7 @@ def nvshmem_versions() -> dict[str, str]:
 
 __all__ = [
     "DoubleBufferManager",
+    "PreparedPutMany",
     "barrier",
     "empty",
     "free",
@@ -87,6 +90,7 @@ __all__ = [
     "is_registered",
     "is_symmetric",
     "peer_view",
+    "prepare_put_many",
     "put",
     "put_blocks",
     "put_many",

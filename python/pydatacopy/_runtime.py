@@ -565,6 +565,7 @@ def finalize() -> None:
     valid and NVSHMEM ends with the process). Once ended, NVSHMEM cannot start again in this
     process."""
     timed_out = None
+    _transfer._unbind()  # the calls' fast paths stop here; their checked paths say why
     if _C.is_initialized():
         _transfer.refuse_capture("finalize")
         try:

@@ -42,16 +42,19 @@ def tensor_from_address(address: int, shape: tuple[int, ...], dtype: torch.dtype
     return flat[:num_bytes].view(dtype).view(shape)
 
 
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+def _current_stream_handle(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+# torch's current cudaStream_t on a device: the raw handle, without building a Stream object
+# (this sits on every call's hot path), where this torch has it.
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream_handle
 
 
 def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
     """The cudaStream_t of `stream`, torch's current stream on `device` when None."""
     if stream is None:
-        # The raw handle, without building a Stream object: this sits on every call's hot path.
-        if _current_raw_stream is not None:
-            return _current_raw_stream(device)
-        return torch.cuda.current_stream(device).cuda_stream
+        return current_raw_stream(device)
     if isinstance(stream, int):
         return stream
     if isinstance(stream, (torch.cuda.Stream, torch.cuda.ExternalStream)):
@@ -59,10 +62,16 @@ def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
     raise Error(f"stream must be a torch.cuda.Stream, a raw cudaStream_t int or None, got {type(stream).__name__}")
 
 
+# PYDATACOPY_TIMEOUT_S as init read it (None: not initialised, read it now): a per-call timeout
+# of None would otherwise scan the environment on every call (the core's collectives still read it
+# afresh).
+default_timeout: float | None = None
+
+
 def timeout_seconds(timeout: float | None) -> float:
-    """`timeout` as float seconds; None: PYDATACOPY_TIMEOUT_S, else 60."""
+    """`timeout` as float seconds; None: PYDATACOPY_TIMEOUT_S (as read at init), else 60."""
     if timeout is None:
-        return _C.default_timeout_seconds()
+        return _C.default_timeout_seconds() if default_timeout is None else default_timeout
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
             or not timeout <= MAX_TIMEOUT_S:
         raise Error(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0e} "

@@ -12,18 +12,48 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import _C, _env
+from . import _C, _env, _torch_utils
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
 Error = _C.Error
+Tensor = torch.Tensor
 
 PATHS = {"auto": 0, "copy_engine": 1, "sm": 2, "rma": 3}
+_BATCH_PATHS = {"auto": 0, "sm": 2, "rma": 3}  # one kernel moves every row: no copy engine
 _PE_MAX = _env.INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
 _VALUE_MAX = 2**64 - 1  # signal values are uint64
+_SIGNAL_DTYPES = (torch.uint64, torch.int64)
+_INT64 = torch.int64
 
 # ---- symmetric tensors ---------------------------------------------------------------------
 
 _allocations: dict[int, int] = {}  # base address -> bytes, of tensors made by empty()
+
+
+# ---- what every call asks, read once -------------------------------------------------------
+# The hot calls (put, get, signals, put_blocks) take a fast path when every argument is as
+# expected: its checks use these instead of asking the core on every call. Anything unexpected
+# (not initialised, a wrong tensor, a bad PE...) goes to the checked path, which raises exactly
+# what it always did; the core checks initialisation, the PE range and symmetry either way.
+_device: int | None = None  # this process's CUDA device while initialised, else None
+_n_pes = 0  # PEs while initialised, else 0 (every PE is then out of the fast path's range)
+_raw_stream = _torch_utils.current_raw_stream  # torch's current cudaStream_t on a device
+
+
+def _bind() -> None:
+    """Read the facts above from the core (it is initialised); init does it, and so does the
+    checked path of any call that finds them unset (NVSHMEM started through _C directly)."""
+    global _device, _n_pes
+    _torch_utils.default_timeout = _C.default_timeout_seconds()
+    _n_pes = _C.n_pes()
+    _device = _C.cuda_device()
+
+
+def _unbind() -> None:
+    """finalize(): the fast paths stop at once; the checked path says what to do."""
+    global _device, _n_pes
+    _device, _n_pes = None, 0
+    _torch_utils.default_timeout = None
 
 
 def _require_init(what: str) -> None:
@@ -31,6 +61,8 @@ def _require_init(what: str) -> None:
     if not _C.is_initialized():
         raise Error(f"pydatacopy.{what} needs NVSHMEM: call pydatacopy.init() (or "
                     "pydatacopy.init_nvshmem()) first")
+    if _device is None:
+        _bind()
 
 
 def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -107,7 +139,7 @@ def _check_tensor(tensor: object, name: str, symmetric: bool = False) -> torch.T
     for put/get, whose hot path therefore skips it)."""
     if not isinstance(tensor, torch.Tensor):
         raise Error(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.get_device() != _C.cuda_device():  # -1 for CPU tensors
+    if tensor.get_device() != (_C.cuda_device() if _device is None else _device):  # -1 for CPU tensors
         if not tensor.is_cuda:
             raise Error(f"{name} is on {tensor.device}; pydatacopy moves CUDA tensors: use .cuda() first")
         raise Error(f"{name} is on {tensor.device}, but this process runs pydatacopy on "
@@ -145,7 +177,7 @@ def _path(path: str) -> int:
 
 
 def _stream(stream) -> int:
-    return stream_handle(stream, _C.cuda_device())
+    return stream_handle(stream, _C.cuda_device() if _device is None else _device)
 
 
 def _keep_alive(stream, *tensors: torch.Tensor) -> None:
@@ -197,7 +229,22 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     4 KiB to 1 GiB (docs/perf-notes.md, v3); else NVSHMEM RMA (another node, or
     PYDATACOPY_FORCE_RMA=1). ``copy_engine`` and ``sm`` (a copy kernel's stores) need a directly
     reachable peer; ``rma`` always takes NVSHMEM's put.
+
+    Host cost: the checks below read each tensor's facts once (about 10 attribute reads) and
+    cross into the core once; the core looks the destination up once (symmetry and the peer's
+    address, resolved when it was allocated).
     """
+    device = _device
+    if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
+            and dst.get_device() == device and src.get_device() == device
+            and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
+            and dst.is_contiguous() and src.is_contiguous() and path in PATHS):
+        _C.put_fast(dst.data_ptr(), src.data_ptr(), nbytes, pe,
+                    _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
+        if stream is not None:
+            _keep_alive(stream, src)  # dst is symmetric (the core refuses any other)
+        return
+    # The checked path: whatever the fast one did not take, with the error that says what to do.
     _require_init("put")
     check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst, "dst")  # the core checks that dst is symmetric and pe in range
@@ -210,6 +257,16 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
     """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered); ``path`` as in
     ``put``."""
+    device = _device
+    if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
+            and dst.get_device() == device and src.get_device() == device
+            and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
+            and dst.is_contiguous() and src.is_contiguous() and path in PATHS):
+        _C.get_fast(dst.data_ptr(), src.data_ptr(), nbytes, pe,
+                    _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
+        if stream is not None:
+            _keep_alive(stream, dst)  # src is symmetric (the core refuses any other)
+        return
     _require_init("get")
     check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst, "dst")
@@ -222,6 +279,19 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tensor, value: int,
                *, stream=None) -> None:
     """``put``, then set PE `pe`'s copy of `signal` to `value` once the data is visible there."""
+    device = _device
+    if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
+            and isinstance(signal, Tensor) and dst.get_device() == device
+            and src.get_device() == device and signal.get_device() == device
+            and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
+            and signal.dtype in _SIGNAL_DTYPES and signal.nbytes == 8
+            and dst.is_contiguous() and src.is_contiguous() and signal.is_contiguous()
+            and type(value) is int and 0 <= value <= _VALUE_MAX):
+        _C.put_signal(dst.data_ptr(), src.data_ptr(), nbytes, signal.data_ptr(), value, pe,
+                      _raw_stream(device) if stream is None else stream_handle(stream, device))
+        if stream is not None:
+            _keep_alive(stream, src)
+        return
     _check_pe(pe, "put_signal")
     _check_tensor(dst, "dst")  # the core checks that dst and signal are symmetric
     _check_tensor(src, "src")
@@ -234,6 +304,14 @@ def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tens
 
 def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> None:
     """Set PE `pe`'s copy of `signal` to `value` after this stream's earlier puts are visible."""
+    device = _device
+    if (type(pe) is int and 0 <= pe < _n_pes and isinstance(signal, Tensor)
+            and signal.get_device() == device and signal.dtype in _SIGNAL_DTYPES
+            and signal.nbytes == 8 and signal.is_contiguous()
+            and type(value) is int and 0 <= value <= _VALUE_MAX):
+        _C.signal_set(signal.data_ptr(), value, pe,
+                      _raw_stream(device) if stream is None else stream_handle(stream, device))
+        return
     _check_pe(pe, "signal_set")
     _check_signal(signal)
     check_int("value", value, 0, _VALUE_MAX)
@@ -244,6 +322,15 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
                 blocking: bool = False) -> None:
     """Stream-ordered wait until the local `signal` is >= `value`. With ``blocking=True`` it also
     synchronises the stream and raises TimeoutError here when the deadline passed."""
+    device = _device
+    if (not blocking and timeout is None and isinstance(signal, Tensor)
+            and signal.get_device() == device and signal.dtype in _SIGNAL_DTYPES
+            and signal.nbytes == 8 and signal.is_contiguous()
+            and type(value) is int and 0 <= value <= _VALUE_MAX):
+        _C.signal_wait(signal.data_ptr(), value,
+                       _raw_stream(device) if stream is None else stream_handle(stream, device),
+                       _torch_utils.default_timeout)
+        return
     _require_init("signal_wait")
     _check_signal(signal)
     check_int("value", value, 0, _VALUE_MAX)
@@ -256,6 +343,10 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
 
 def quiet(*, stream=None) -> None:
     """Complete this PE's puts issued on the stream: delivered at the peers when it completes."""
+    device = _device
+    if device is not None:
+        _C.quiet(_raw_stream(device) if stream is None else stream_handle(stream, device))
+        return
     _require_init("quiet")
     _C.quiet(_stream(stream))
 
@@ -267,6 +358,11 @@ def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False
     is reported as a TimeoutError naming it: here with ``blocking=True`` (which also
     synchronises the stream), else by the next call or ``check_errors()``.
     """
+    device = _device
+    if device is not None and not blocking and timeout is None:
+        _C.barrier(_raw_stream(device) if stream is None else stream_handle(stream, device),
+                   _torch_utils.default_timeout)
+        return
     _require_init("barrier")
     handle = _stream(stream)
     if blocking:
@@ -287,14 +383,159 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
     the graph replays. ``path``: auto
     or sm (one kernel's direct stores where the peer is reachable, NVSHMEM RMA where it is
     not), or rma. For pools with device-side indices, ``put_blocks`` needs no host work per row.
+
+    Host cost per call grows with the rows: each row's two tensors are asked about a dozen facts
+    through torch's Python API (type, device, layout, address, size, dtype), about 0.5 us per
+    row on the CPU it was measured on (scripts/profile_host_path.py, 2026-12-01; 0.8-1 ms for
+    1024 rows on the GPU machine, issue 24), nearly all of it reading the tensors; then one
+    symmetric lookup per row in the core. Lists that repeat are cheaper prepared once:
+    ``prepare_put_many`` (no host work per row at run time).
     """
     _check_pe(pe, "put_many")
     if path not in ("auto", "sm", "rma"):
         raise Error(f"pydatacopy.put_many: path must be auto, sm or rma (one kernel moves the "
                     f"tensors), got {path!r}")
-    _C.put_many_tensors(dsts, srcs, pe, _stream(stream), PATHS[path], _C.cuda_device(), torch.Tensor)
+    _C.put_many_tensors(dsts, srcs, pe, _stream(stream), PATHS[path], _device, torch.Tensor)
     if stream is not None:
         _keep_alive(stream, *srcs)
+
+
+class PreparedPutMany:
+    """``put_many`` prepared once: ``PreparedPutMany(dsts, srcs, pe)`` checks the rows (every dst
+    symmetric, dtypes and sizes equal, every src on this device) and resolves each row's route to
+    PE `pe` once, and keeps the table in device memory; ``run()`` is then one kernel launch that
+    reads it there, with no host work per row (like NIXL's prepared descriptor lists).
+    ``from_addresses`` builds it from int64 CUDA tensors of addresses and sizes instead.
+
+    ``path``: auto or sm (direct stores into the peer's memory where it is reachable by
+    load/store, NVSHMEM RMA where it is not: then the sources are registered here, once), or rma.
+    Rows of any size; long rows are cut into 64 KiB pieces so that warps share the work.
+
+    The object keeps the tensors alive while it lives, and ``run()`` moves whatever they hold at
+    that moment: refill the sources and run again. ``run()`` is stream-ordered and can be captured
+    in a CUDA graph (a replay reads the table and the tensors' current data; keep the object
+    alive while the graph replays). Preparing blocks (it copies the table to the device) and
+    cannot be captured. ``release()`` (or dropping the object) frees the table: local, never
+    collective, and it never waits (the memory goes once the streams it ran on are done with
+    it). Visibility of the data at the peer as in ``put``.
+    """
+
+    __slots__ = ("_core", "_keep", "_streams", "pe", "path", "rows", "__weakref__")
+
+    def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,
+                 path: str = "auto"):
+        self._prepare(dsts, srcs, pe, path, "PreparedPutMany")
+
+    def _prepare(self, dsts, srcs, pe: int, path: str, what: str) -> None:
+        self._core = None
+        _check_pe(pe, what)
+        refuse_capture(what)
+        path_code = _batch_path(path, what)
+        self._core = _C.PreparedPutMany.from_tensors(dsts, srcs, pe, path_code, _device, torch.Tensor,
+                                                     f"pydatacopy.{what}")
+        self._init(pe, path, len(dsts), (tuple(dsts), tuple(srcs)))
+
+    def _init(self, pe: int, path: str, rows: int, keep: tuple) -> None:
+        self.pe, self.path, self.rows = pe, path, rows
+        self._keep = keep
+        self._streams: set[int] = set()
+
+    @classmethod
+    def from_addresses(cls, dst_addrs: torch.Tensor, src_addrs: torch.Tensor, sizes: torch.Tensor,
+                       pe: int, *, path: str = "auto", stream=None) -> "PreparedPutMany":
+        """The table from three 1-D int64 CUDA tensors of equal length: destination addresses
+        (inside symmetric tensors), source addresses (device memory on this process's device)
+        and byte counts. They are read after the work on ``stream`` (torch's current one by
+        default), which this synchronises; the memory they point to must stay allocated while
+        the table runs (nothing here holds it)."""
+        _check_pe(pe, "PreparedPutMany.from_addresses")
+        refuse_capture("PreparedPutMany.from_addresses")
+        for name, tensor in (("dst_addrs", dst_addrs), ("src_addrs", src_addrs), ("sizes", sizes)):
+            _check_tensor(tensor, name)
+            if tensor.dtype != torch.int64 or tensor.dim() != 1:
+                raise Error(f"pydatacopy.PreparedPutMany.from_addresses: {name} must be a 1-D int64 "
+                            f"CUDA tensor, got {tensor.dtype} with {tensor.dim()} dimension(s)")
+        if not dst_addrs.numel() == src_addrs.numel() == sizes.numel():
+            raise Error("pydatacopy.PreparedPutMany.from_addresses: dst_addrs, src_addrs and sizes "
+                        f"must have one entry per row, got {dst_addrs.numel()}, {src_addrs.numel()} "
+                        f"and {sizes.numel()}")
+        path_code = _batch_path(path, "PreparedPutMany.from_addresses")
+        self = cls.__new__(cls)
+        self._core = None
+        self._core = _C.PreparedPutMany.from_addresses(
+            dst_addrs.data_ptr(), src_addrs.data_ptr(), sizes.data_ptr(), dst_addrs.numel(), pe,
+            path_code, _stream(stream))
+        self._init(pe, path, dst_addrs.numel(), ())
+        return self
+
+    def run(self, *, stream=None) -> None:
+        """Every row, in one kernel launch on ``stream`` (torch's current one by default). A raw
+        cudaStream_t given here must stay valid until the table is released (torch's streams
+        always do): the release orders the free of the table after the work of each."""
+        device = _device
+        if device is None:
+            _require_init("PreparedPutMany.run")
+            device = _device
+        if stream is None:
+            self._core.run(_raw_stream(device))
+            return
+        handle = stream_handle(stream, device)
+        if handle not in self._streams:
+            self._streams.add(handle)  # as _keep_alive: the tensors stay until its work is done
+        self._core.run(handle)
+
+    def release(self) -> None:
+        """Free the table now (idempotent; local). The table's memory and the tensors are let go
+        once the streams the table ran on (``stream=``) are done with them; run() refuses
+        afterwards."""
+        core = self._core
+        if core is None or core.released:
+            return
+        for handle in self._streams:
+            _keep_alive(handle, *(t for group in self._keep for t in group))
+        core.release()
+        self._keep = ()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # at interpreter exit torch or CUDA may be gone: nothing left to order
+            pass
+
+    @property
+    def pieces(self) -> int:
+        """Rows of the device table: empty rows left out, rows over 64 KiB cut into pieces."""
+        return self._core.pieces
+
+    @property
+    def bytes(self) -> int:
+        """Bytes one run moves."""
+        return self._core.bytes
+
+    @property
+    def direct(self) -> bool:
+        """True when the rows are stored directly into the peer's memory (False: NVSHMEM RMA)."""
+        return self._core.direct
+
+    def __repr__(self) -> str:
+        state = "released" if self._core is None or self._core.released else f"{self.bytes} bytes"
+        return f"PreparedPutMany({self.rows} rows to PE {self.pe}, path={self.path!r}, {state})"
+
+
+def prepare_put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,
+                     path: str = "auto") -> PreparedPutMany:
+    """``PreparedPutMany(dsts, srcs, pe, path=path)``: put_many's rows checked and resolved once,
+    the table kept on the GPU; ``.run(stream=None)`` moves them in one launch."""
+    prepared = PreparedPutMany.__new__(PreparedPutMany)
+    prepared._prepare(dsts, srcs, pe, path, "prepare_put_many")
+    return prepared
+
+
+def _batch_path(path: str, what: str) -> int:
+    if path not in ("auto", "sm", "rma"):
+        raise Error(f"pydatacopy.{what}: path must be auto, sm or rma (one kernel moves the "
+                    f"tensors), got {path!r}")
+    return PATHS[path]
 
 
 def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torch.Tensor,
@@ -307,6 +548,29 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     out of range is skipped and raises pydatacopy.Error at the next call or check_errors().
     Visibility as in ``put``. ``path`` as in ``put_many``.
     """
+    device = _device
+    if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst_pool, Tensor)
+            and isinstance(src_pool, Tensor) and isinstance(dst_indices, Tensor)
+            and isinstance(src_indices, Tensor) and dst_pool.get_device() == device
+            and src_pool.get_device() == device and dst_indices.get_device() == device
+            and src_indices.get_device() == device and dst_pool.dim() >= 1 and src_pool.dim() >= 1
+            and dst_pool.dtype is src_pool.dtype and dst_pool.shape[1:] == src_pool.shape[1:]
+            and dst_indices.dtype is _INT64 and src_indices.dtype is _INT64
+            and dst_indices.dim() == 1 and src_indices.dim() == 1
+            and (count := dst_indices.numel()) == src_indices.numel()
+            and dst_pool.is_contiguous() and src_pool.is_contiguous()
+            and dst_indices.is_contiguous() and src_indices.is_contiguous() and path in _BATCH_PATHS):
+        src_blocks = src_pool.shape[0]
+        block_bytes = src_pool.nbytes // max(src_blocks, 1)
+        if block_bytes == 0:
+            return
+        _C.put_blocks(dst_pool.data_ptr(), dst_pool.shape[0], src_pool.data_ptr(), src_blocks,
+                      block_bytes, dst_indices.data_ptr(), src_indices.data_ptr(), count, pe,
+                      _raw_stream(device) if stream is None else stream_handle(stream, device),
+                      _BATCH_PATHS[path])
+        if stream is not None:
+            _keep_alive(stream, src_pool, dst_indices, src_indices)
+        return
     _require_init("put_blocks")
     check_int("pe", pe, None, _PE_MAX)
     _check_tensor(dst_pool, "dst_pool")  # the core checks that it is symmetric
@@ -425,7 +689,10 @@ def _require_engine(what: str) -> "_C.SendRecvEngine":
 def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seconds: float) -> None:
     pending = getattr(_state, "pending", None)
     if pending is None:
-        engine.batch([(is_send, tensor.data_ptr(), _nbytes(tensor), peer)], _stream(stream), seconds)
+        # The engine's send/recv are a batch of one; their scalar arguments cross for a fraction
+        # of a list of tuples' conversion (0.6 us against 2 us where measured).
+        (engine.send if is_send else engine.recv)(tensor.data_ptr(), tensor.nbytes, peer, _stream(stream),
+                                                  seconds)
         _keep_alive(stream, tensor)
         return
     # The stream is resolved here, where the call is made (torch.cuda.stream() inside the group

@@ -5,11 +5,13 @@
 
 #include <climits>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <vector>
 
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/prepared_put_many.hpp"
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/send_recv.hpp"
@@ -45,16 +47,18 @@ std::mutex g_send_recv_mutex, g_token_exchange_mutex;
 // sizes) is checked here.
 class TensorRows {
  public:
-  TensorRows(py::handle tensor_type, int device) : type_(tensor_type), device_(device) {}
+  // `call`: the public function named in errors.
+  TensorRows(py::handle tensor_type, int device, const char* call = "pydatacopy.put_many")
+      : type_(tensor_type), device_(device), call_(call) {}
 
   std::vector<TransferDescriptor> read(py::handle dsts, py::handle srcs) {
     const py::object dst_list = fast(dsts, "dsts"), src_list = fast(srcs, "srcs");
     const Py_ssize_t count = PySequence_Fast_GET_SIZE(dst_list.ptr());
     PDC_REQUIRE(count == PySequence_Fast_GET_SIZE(src_list.ptr()),
-                "pydatacopy.put_many: " << count << " destinations but "
+                call_ << ": " << count << " destinations but "
                     << PySequence_Fast_GET_SIZE(src_list.ptr())
                     << " sources; pass one source per destination");
-    PDC_REQUIRE(count <= INT_MAX, "pydatacopy.put_many: at most " << INT_MAX << " tensors per call");
+    PDC_REQUIRE(count <= INT_MAX, call_ << ": at most " << INT_MAX << " tensors per call");
     PyObject** dst_items = PySequence_Fast_ITEMS(dst_list.ptr());
     PyObject** src_items = PySequence_Fast_ITEMS(src_list.ptr());
     std::vector<TransferDescriptor> rows;
@@ -64,12 +68,12 @@ class TensorRows {
       const Facts dst = facts(dst_items[i], "dsts", i, false);
       const Facts src = facts(src_items[i], "srcs", i, true);
       PDC_REQUIRE(dst.dtype.is(src.dtype),
-                  "pydatacopy.put_many: dtype mismatch in row " << i << ": dst is "
+                  call_ << ": dtype mismatch in row " << i << ": dst is "
                       << py::str(dst.dtype).cast<std::string>() << ", src is "
                       << py::str(src.dtype).cast<std::string>()
                       << "; use one dtype on both sides (src.to(dst.dtype))");
       PDC_REQUIRE(dst.bytes == src.bytes,
-                  "pydatacopy.put_many: size mismatch in row " << i << ": dst has " << dst.bytes
+                  call_ << ": size mismatch in row " << i << ": dst has " << dst.bytes
                       << " bytes, src has " << src.bytes
                       << "; pass equal-sized tensors (a slice of the larger one)");
       if (src.bytes > 0) rows.push_back({dst.address, src.address, src.bytes});
@@ -84,11 +88,11 @@ class TensorRows {
     py::object dtype;
   };
 
-  static py::object fast(py::handle sequence, const char* name) {
+  py::object fast(py::handle sequence, const char* name) const {
     PyObject* list = PySequence_Fast(sequence.ptr(), "");
     if (list == nullptr) {
       PyErr_Clear();
-      PDC_REQUIRE(false, "pydatacopy.put_many: " << name << " must be a list or tuple of tensors, got "
+      PDC_REQUIRE(false, call_ << ": " << name << " must be a list or tuple of tensors, got "
                                                   << Py_TYPE(sequence.ptr())->tp_name);
     }
     return py::reinterpret_steal<py::object>(list);
@@ -124,20 +128,20 @@ class TensorRows {
     static PyObject* const nbytes = name("nbytes");
     static PyObject* const dtype = name("dtype");
     PDC_REQUIRE(PyObject_TypeCheck(tensor, reinterpret_cast<PyTypeObject*>(type_.ptr())),
-                "pydatacopy.put_many: " << list << "[" << i << "] must be a torch.Tensor, got "
+                call_ << ": " << list << "[" << i << "] must be a torch.Tensor, got "
                                         << Py_TYPE(tensor)->tp_name);
     if (check_device) {
       const long device = PyLong_AsLong(call(tensor, get_device).ptr());  // -1: CPU
       if (device == -1 && PyErr_Occurred()) throw py::error_already_set();
       PDC_REQUIRE(device == device_,
-                  "pydatacopy.put_many: " << list << "[" << i << "] is "
+                  call_ << ": " << list << "[" << i << "] is "
                       << (device < 0 ? std::string("not on a CUDA device; pydatacopy moves CUDA tensors: use .cuda() first")
                                      : "on cuda:" + std::to_string(device) +
                                            ", but this process runs pydatacopy on cuda:" +
                                            std::to_string(device_) + "; move it there first"));
     }
     PDC_REQUIRE(call(tensor, is_contiguous).ptr() == Py_True,
-                "pydatacopy.put_many: " << list << "[" << i << "] must be contiguous (call .contiguous() first)");
+                call_ << ": " << list << "[" << i << "] must be contiguous (call .contiguous() first)");
     Facts f;
     f.address = static_cast<std::uintptr_t>(as_unsigned(call(tensor, data_ptr)));
     f.bytes = static_cast<std::size_t>(as_unsigned(attribute(tensor, nbytes)));
@@ -147,6 +151,86 @@ class TensorRows {
 
   py::handle type_;
   int device_;
+  const char* call_;
+};
+
+// ---- put and get from the hot path: plain CPython entry points ----
+//
+// pybind11's dispatch of put's six integers, with its GIL release, cost 167 ns per call on the
+// CPU where it was measured, a METH_FASTCALL function 60-90 ns (scripts/profile_host_path.py):
+// the Python layer's fast path calls these, positionally, after its own checks.
+PyObject* g_error = nullptr;          // pydatacopy.Error
+PyObject* g_timeout_error = nullptr;  // pydatacopy.TimeoutError
+
+bool unsigned_argument(PyObject* value, unsigned long long& out) {
+  out = PyLong_AsUnsignedLongLong(value);
+  return !(out == static_cast<unsigned long long>(-1) && PyErr_Occurred());
+}
+
+bool int_argument(PyObject* value, int& out) {
+  const long wide = PyLong_AsLong(value);
+  if (wide == -1 && PyErr_Occurred()) return false;
+  if (wide < INT_MIN || wide > INT_MAX) {
+    PyErr_SetString(PyExc_OverflowError, "an int argument does not fit a C int");
+    return false;
+  }
+  out = static_cast<int>(wide);
+  return true;
+}
+
+using TransferCall = void (*)(std::uintptr_t, std::uintptr_t, std::size_t, int, cudaStream_t, Path);
+
+template <TransferCall Call>
+PyObject* transfer_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != 6) {
+    PyErr_SetString(PyExc_TypeError, "takes 6 positional arguments: dst, src, bytes, pe, stream, path");
+    return nullptr;
+  }
+  unsigned long long dst = 0, src = 0, bytes = 0, stream = 0;
+  int pe = 0, path = 0;
+  if (!unsigned_argument(args[0], dst) || !unsigned_argument(args[1], src) ||
+      !unsigned_argument(args[2], bytes) || !int_argument(args[3], pe) ||
+      !unsigned_argument(args[4], stream) || !int_argument(args[5], path))
+    return nullptr;
+  std::exception_ptr failure;
+  Py_BEGIN_ALLOW_THREADS  // a first-use registration (RMA path) can block
+  try {
+    Call(dst, src, bytes, pe, as_stream(stream), as_path(path));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  Py_END_ALLOW_THREADS
+  if (failure) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const TimeoutError& e) {
+      PyErr_SetString(g_timeout_error, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(g_error, e.what());
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+    }
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+void put_call(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
+  put(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, stream, path);
+}
+void get_call(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
+  get(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, stream, path);
+}
+// The profile's probe: the same crossing, no work.
+void probe_call(std::uintptr_t, std::uintptr_t, std::size_t, int, cudaStream_t, Path) {}
+
+PyMethodDef g_fast_calls[] = {
+    {"put_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&transfer_fastcall<put_call>)),
+     METH_FASTCALL, "put_fast(dst, src, bytes, pe, stream, path): put, positional only (the hot path)"},
+    {"get_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&transfer_fastcall<get_call>)),
+     METH_FASTCALL, "get_fast(dst, src, bytes, pe, stream, path): get, positional only (the hot path)"},
+    {"_host_path_probe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&transfer_fastcall<probe_call>)),
+     METH_FASTCALL, "put_fast's crossing, arguments and GIL release, with no work (profiles)"},
 };
 
 }  // namespace
@@ -158,6 +242,13 @@ PYBIND11_MODULE(_C, m) {
 
   static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<TimeoutError> timeout_error(m, "TimeoutError", error.ptr());
+  g_error = error.ptr();
+  g_timeout_error = timeout_error.ptr();
+  for (PyMethodDef& def : g_fast_calls) {
+    PyObject* function = PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr());
+    if (function == nullptr) throw py::error_already_set();
+    m.add_object(def.ml_name, py::reinterpret_steal<py::object>(function));
+  }
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -355,6 +446,37 @@ PYBIND11_MODULE(_C, m) {
         py::arg("device"), py::arg("tensor_type"),
         "put_many from two lists (or tuples) of tensors, read and checked in one C++ pass; "
         "tensor_type is torch.Tensor, device the CUDA device every src must be on.");
+  py::class_<PreparedPutMany>(m, "PreparedPutMany",
+                              "put_many prepared once: the table in device memory, one launch per run")
+      .def_static("from_tensors", [](py::handle dsts, py::handle srcs, int pe, int path, int device,
+                                     py::handle tensor_type, const std::string& call) {
+             const Path resolved = as_path(path);
+             const std::vector<TransferDescriptor> rows =
+                 TensorRows(tensor_type, device, call.c_str()).read(dsts, srcs);
+             py::gil_scoped_release release;  // registration and the copy to the device block
+             return PreparedPutMany::prepare(rows.data(), rows.size(), pe, resolved, call.c_str());
+           }, py::arg("dsts"), py::arg("srcs"), py::arg("pe"), py::arg("path"), py::arg("device"),
+           py::arg("tensor_type"), py::arg("call"),
+           "rows from two lists (or tuples) of tensors, checked as put_many's; `call` names the "
+           "public function in errors")
+      .def_static("from_addresses", [](std::uintptr_t dst_addresses, std::uintptr_t src_addresses,
+                                       std::uintptr_t sizes, int64_t count, int pe, int path, std::uintptr_t stream) {
+             return PreparedPutMany::prepare_from_device(
+                 as_pointer<const int64_t>(dst_addresses), as_pointer<const int64_t>(src_addresses),
+                 as_pointer<const int64_t>(sizes), count, pe, as_path(path), as_stream(stream),
+                 "pydatacopy.PreparedPutMany.from_addresses");
+           }, py::arg("dst_addresses"), py::arg("src_addresses"), py::arg("sizes"), py::arg("count"),
+           py::arg("pe"), py::arg("path"), py::arg("stream"), release_gil(),
+           "rows from three int64 device arrays (read after `stream`'s work, which is synchronised)")
+      .def("run", [](PreparedPutMany& self, std::uintptr_t stream) { self.run(as_stream(stream)); },
+           py::arg("stream"), release_gil(), "one launch on `stream`")
+      .def("release", &PreparedPutMany::release, "free the table (stream-ordered, local); idempotent")
+      .def_property_readonly("released", &PreparedPutMany::released)
+      .def_property_readonly("rows", &PreparedPutMany::rows)
+      .def_property_readonly("pieces", &PreparedPutMany::pieces)
+      .def_property_readonly("bytes", &PreparedPutMany::bytes)
+      .def_property_readonly("pe", &PreparedPutMany::pe)
+      .def_property_readonly("direct", &PreparedPutMany::direct);
   m.def("put_blocks", [](std::uintptr_t dst_pool, int64_t dst_blocks, std::uintptr_t src_pool,
                          int64_t src_blocks, std::size_t block_bytes, std::uintptr_t dst_indices,
                          std::uintptr_t src_indices, int64_t count, int pe, std::uintptr_t stream, int path) {

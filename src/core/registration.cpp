@@ -216,6 +216,27 @@ void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send) {
   }
 }
 
+DeviceAllocation device_allocation(const void* ptr, int device) {
+  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+  static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
+  void* start = nullptr;
+  std::size_t bytes = 0;
+  unsigned int memory_type = 0;
+  int ordinal = -1;
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                      CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  void* values[] = {&start, &bytes, &memory_type, &ordinal};
+  // Memory CUDA does not know is no error here: its attributes stay zero.
+  const CUresult status = get_attributes(4, attributes, values, reinterpret_cast<CUdeviceptr>(ptr));
+  PDC_REQUIRE(status == CUDA_SUCCESS, "cuPointerGetAttributes failed with CUDA driver status "
+                                          << static_cast<int>(status) << " for " << ptr);
+  DeviceAllocation a;
+  if (memory_type != CU_MEMORYTYPE_DEVICE || ordinal != device || start == nullptr) return a;
+  a.base = reinterpret_cast<std::uintptr_t>(start);
+  a.bytes = bytes;
+  return a;
+}
+
 RegistrationStats registration_stats() {
   RegistrationStats stats = cache().stats();
   stats.check_violations = g_check_violations.load(std::memory_order_relaxed);

@@ -11,6 +11,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -20,9 +21,17 @@
 namespace pydatacopy {
 namespace {
 
+// A live allocation with every PE's copy of it through load/store, resolved once when it was
+// made: a transfer then finds its peer address by offset, in the one lookup that also checks
+// symmetry (nvshmem_ptr is linear within an allocation).
+struct Allocation {
+  std::size_t bytes = 0;
+  std::vector<std::uintptr_t> peer_base;  // [pe]: nvshmem_ptr(base, pe), 0 when not reachable
+};
+
 struct Allocations {
   std::mutex mutex;
-  std::map<std::uintptr_t, std::size_t> live;  // base address -> bytes
+  std::map<std::uintptr_t, Allocation> live;  // base address -> allocation
 };
 
 Allocations& allocations() {
@@ -54,7 +63,7 @@ std::size_t configured_heap_bytes() {
 std::size_t live_symmetric_bytes() {
   std::lock_guard<std::mutex> lock(allocations().mutex);
   std::size_t total = 0;
-  for (const auto& entry : allocations().live) total += entry.second;
+  for (const auto& entry : allocations().live) total += entry.second.bytes;
   return total;
 }
 
@@ -116,8 +125,13 @@ void* symmetric_malloc(std::size_t bytes) {
                               "the sum of all live symmetric buffers plus this one, e.g. "
                            << ((bytes >> 20) + 1025) << "M");
   }
+  Allocation allocation;
+  allocation.bytes = bytes;
+  allocation.peer_base.resize(static_cast<std::size_t>(n_pes()));
+  for (int pe = 0; pe < n_pes(); ++pe)
+    allocation.peer_base[static_cast<std::size_t>(pe)] = reinterpret_cast<std::uintptr_t>(nvshmem_ptr(ptr, pe));
   std::lock_guard<std::mutex> lock(allocations().mutex);
-  allocations().live[reinterpret_cast<std::uintptr_t>(ptr)] = bytes;
+  allocations().live[reinterpret_cast<std::uintptr_t>(ptr)] = std::move(allocation);
   return ptr;
 }
 
@@ -146,7 +160,7 @@ bool is_symmetric(const void* ptr, std::size_t bytes) {
   auto it = live.upper_bound(address);
   if (it == live.begin()) return false;
   --it;
-  return address + bytes <= it->first + it->second;
+  return address + bytes <= it->first + it->second.bytes;
 }
 
 namespace {
@@ -168,6 +182,23 @@ void* peer_pointer(const void* ptr, int pe) {
   require_valid_pe(pe, "peer_pointer");
   if (rma_forced()) return nullptr;
   return nvshmem_ptr(ptr, pe);
+}
+
+SymmetricRoute symmetric_route(const void* ptr, std::size_t bytes, int pe) {
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  SymmetricRoute route;
+  std::lock_guard<std::mutex> lock(allocations().mutex);
+  auto& live = allocations().live;
+  auto it = live.upper_bound(address);
+  if (it == live.begin()) return route;
+  --it;
+  const Allocation& allocation = it->second;
+  if (address + bytes > it->first + allocation.bytes) return route;
+  route.symmetric = true;
+  if (pe < 0 || static_cast<std::size_t>(pe) >= allocation.peer_base.size() || rma_forced()) return route;
+  const std::uintptr_t base = allocation.peer_base[static_cast<std::size_t>(pe)];
+  if (base != 0) route.peer = reinterpret_cast<void*>(base + (address - it->first));
+  return route;
 }
 
 int multiprocessor_count() {

@@ -19,17 +19,21 @@ namespace {
 // the least host time per call; SM stores remain a choice (path="sm").
 constexpr std::size_t kCopyEngineMinBytes = 0;
 
-void require_symmetric(const void* ptr, std::size_t bytes, const char* what) {
-  PDC_REQUIRE(is_symmetric(ptr, bytes),
-              what << " must lie in symmetric memory (pydatacopy.empty / symmetric_malloc): "
-                   << bytes << " bytes at " << ptr << " do not");
+void refuse_not_symmetric(const void* ptr, std::size_t bytes, const char* what) {
+  PDC_REQUIRE(false, what << " must lie in symmetric memory (pydatacopy.empty / symmetric_malloc): "
+                          << bytes << " bytes at " << ptr << " do not");
 }
 
-// Whether an operation on the symmetric `dst` of `pe` goes through NVSHMEM RMA (no load/store
-// path to the peer, PYDATACOPY_FORCE_RMA=1, or path="rma"): then its local side must be
-// registered.
-bool takes_rma(const void* dst, int pe, Path path) {
-  return path == Path::kRMA || peer_pointer(dst, pe) == nullptr;
+void require_symmetric(const void* ptr, std::size_t bytes, const char* what) {
+  if (!is_symmetric(ptr, bytes)) refuse_not_symmetric(ptr, bytes, what);
+}
+
+// The symmetric side of a transfer with `pe` (refused unless symmetric) and its route: `pe`'s copy
+// through load/store, or null for NVSHMEM RMA. One lookup (symmetric_route).
+void* require_symmetric_route(const void* ptr, std::size_t bytes, int pe, const char* what) {
+  const SymmetricRoute route = symmetric_route(ptr, bytes, pe);
+  if (!route.symmetric) refuse_not_symmetric(ptr, bytes, what);
+  return route.peer;
 }
 
 }  // namespace
@@ -59,9 +63,8 @@ Path resolve_path(Path requested, bool peer_reachable, std::size_t bytes) {
 void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "put");
   check_peer_timeouts(pe, "put");
-  require_symmetric(dst, bytes, "put: dst");
+  void* peer = require_symmetric_route(dst, bytes, pe, "put: dst");
   if (bytes == 0) return;
-  void* peer = peer_pointer(dst, pe);
   switch (resolve_path(path, peer != nullptr, bytes)) {
     case Path::kCopyEngine:
       PDC_CHECK_CUDA(cudaMemcpyAsync(peer, src, bytes, cudaMemcpyDeviceToDevice, stream));
@@ -78,9 +81,8 @@ void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t str
 void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   require_valid_pe(pe, "get");
   check_peer_timeouts(pe, "get");
-  require_symmetric(src, bytes, "get: src");
+  const void* peer = require_symmetric_route(src, bytes, pe, "get: src");
   if (bytes == 0) return;
-  const void* peer = peer_pointer(src, pe);
   switch (resolve_path(path, peer != nullptr, bytes)) {
     case Path::kCopyEngine:
       PDC_CHECK_CUDA(cudaMemcpyAsync(dst, peer, bytes, cudaMemcpyDeviceToDevice, stream));
@@ -98,12 +100,12 @@ void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal,
                 int pe, cudaStream_t stream) {
   require_valid_pe(pe, "put_signal");
   check_peer_timeouts(pe, "put_signal");
-  require_symmetric(dst, bytes, "put_signal: dst");
+  const bool reachable = require_symmetric_route(dst, bytes, pe, "put_signal: dst") != nullptr;
   require_symmetric(signal, sizeof(uint64_t), "put_signal: signal");
   // To a reachable peer NVSHMEM stores directly and src needs no registration; under
   // PYDATACOPY_FORCE_RMA it is registered and checked as for a peer on another server (NVSHMEM
   // itself still stores directly: docs/multinode.md).
-  if (takes_rma(dst, pe, Path::kAuto)) prepare_rma_local(src, bytes, "put_signal: src");
+  if (!reachable) prepare_rma_local(src, bytes, "put_signal: src");
   check_rma_remote(dst, bytes, "put_signal: dst");
   check_rma_remote(signal, sizeof(uint64_t), "put_signal: signal");
   nvshmemx_putmem_signal_on_stream(dst, src, bytes, signal, value, NVSHMEM_SIGNAL_SET, pe, stream);
@@ -151,12 +153,15 @@ void put_many(const TransferDescriptor* descriptors, int count, int pe, cudaStre
   PDC_REQUIRE(count >= 0, "put_many: count must not be negative, got " << count);
   PDC_REQUIRE(path == Path::kAuto || path == Path::kSM || path == Path::kRMA,
               "put_many moves many small tensors in one kernel: path must be auto, sm or rma");
-  for (int i = 0; i < count; ++i)
-    require_symmetric(reinterpret_cast<const void*>(descriptors[i].dst), descriptors[i].bytes,
-                      "put_many: every dst");
+  bool reachable = false;
+  for (int i = 0; i < count; ++i) {
+    const void* peer = require_symmetric_route(reinterpret_cast<const void*>(descriptors[i].dst),
+                                               descriptors[i].bytes, pe, "put_many: every dst");
+    if (i == 0) reachable = peer != nullptr;
+  }
   if (count == 0) return;
   // Every dst is on one heap and goes to one PE: the first tells whether all take NVSHMEM RMA.
-  const bool rma = takes_rma(reinterpret_cast<const void*>(descriptors[0].dst), pe, path);
+  const bool rma = path == Path::kRMA || !reachable;
   for (int i = 0; i < count && rma; ++i) {
     prepare_rma_local(reinterpret_cast<const void*>(descriptors[i].src), descriptors[i].bytes,
                       "put_many: every src");
@@ -179,7 +184,8 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   PDC_REQUIRE(block_bytes > 0, "put_blocks: block_bytes must be positive");
   PDC_REQUIRE(path == Path::kAuto || path == Path::kSM || path == Path::kRMA,
               "put_blocks moves many small blocks in one kernel: path must be auto, sm or rma");
-  require_symmetric(dst_pool, static_cast<std::size_t>(dst_blocks) * block_bytes, "put_blocks: dst_pool");
+  const bool reachable = require_symmetric_route(dst_pool, static_cast<std::size_t>(dst_blocks) * block_bytes,
+                                                 pe, "put_blocks: dst_pool") != nullptr;
   kernels::BlockCopyArgs a{};
   a.dst_pool = static_cast<uint8_t*>(dst_pool);
   a.src_pool = static_cast<const uint8_t*>(src_pool);
@@ -193,7 +199,7 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
   a.my_pe = my_pe();
   a.force_rma = path == Path::kRMA || rma_forced();
   a.status = detail::device_status();
-  if (takes_rma(dst_pool, pe, path)) {
+  if (path == Path::kRMA || !reachable) {
     prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes,
                       "put_blocks: src_pool");
     check_rma_remote(dst_pool, static_cast<std::size_t>(dst_blocks) * block_bytes, "put_blocks: dst_pool");

@@ -1,5 +1,6 @@
 """put_many: many tensors to one PE in one launch per 1280 rows, the rows read and checked in
-one native pass, the table of addresses carried in the launch itself (two PEs: peer = 1 - rank)."""
+one native pass, the table of addresses carried in the launch itself; and put_many prepared once
+(the table in device memory, one launch per run). Two PEs: peer = 1 - rank."""
 
 from __future__ import annotations
 
@@ -152,6 +153,257 @@ def test_put_many_refuses_bad_rows_before_any_launch(world):
         pydatacopy.barrier(blocking=True)
         assert int(pool.count_nonzero()) == 0, "a refused put_many wrote"
         pydatacopy.put_many([], [], peer)  # nothing to do
+    finally:
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+# ---- put_many prepared once ------------------------------------------------------------------
+
+def _bytes_of(rows) -> list[int]:
+    return [size * torch.empty((), dtype=d).element_size() for d, size in rows]
+
+
+def _fill(buffer: torch.Tensor, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, device="cuda", generator=generator))
+    return buffer
+
+
+class _Layout:
+    """Rows of mixed dtypes and odd sizes at the same byte offsets in a local source buffer and
+    a symmetric pool (with gaps between rows), so that the pool must end up equal to the peer's
+    source buffer on the rows and untouched (0xEE) in the gaps."""
+
+    def __init__(self, count: int, seed: int):
+        self.rows = _rows(count, seed)
+        self.offsets, self.total = _layout(self.rows)
+        self.sizes = _bytes_of(self.rows)
+        self.covered = torch.zeros(self.total, dtype=torch.bool, device="cuda")
+        for o, n in zip(self.offsets, self.sizes):
+            self.covered[o:o + n] = True
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return _views(buffer, self.rows, self.offsets)
+
+    def check(self, pool: torch.Tensor, expected_source: torch.Tensor, what: str) -> None:
+        wrong = [i for i, (o, n) in enumerate(zip(self.offsets, self.sizes))
+                 if not torch.equal(pool[o:o + n], expected_source[o:o + n])]
+        gaps = int((pool[~self.covered] != 0xEE).sum())
+        assert not wrong, f"{what}: {len(wrong)} of {len(self.rows)} rows wrong, first {wrong[:5]}"
+        assert gaps == 0, f"{what}: {gaps} bytes between rows written"
+
+
+def _send_and_check(world, layout: _Layout, pool: torch.Tensor, source: torch.Tensor, seed: int,
+                    send, what: str) -> None:
+    """Both PEs: fresh source data (seed, rank), the pool cleared, `send()` (towards the peer),
+    then the pool must hold the peer's data."""
+    rank, peer = world[0], 1 - world[0]
+    _fill(source, seed * 2 + rank)
+    pool.fill_(0xEE)
+    torch.cuda.synchronize()
+    pydatacopy.barrier(blocking=True)
+    send()
+    pydatacopy.barrier(blocking=True)
+    layout.check(pool, _fill(torch.empty_like(source), seed * 2 + peer), what)
+
+
+@pytest.mark.parametrize("path", ["auto", "rma"])
+def test_prepared_and_list_forms_deliver_the_same_bytes(world, path):
+    """1024 rows of mixed dtypes and odd sizes: the list form and the prepared form, each checked
+    byte for byte, three runs of the prepared table with fresh data each."""
+    peer = 1 - world[0]
+    layout = _Layout(1024, 41)
+    pool = pydatacopy.empty(layout.total, dtype=torch.uint8)
+    source = torch.empty(layout.total, dtype=torch.uint8, device="cuda")
+    dsts, srcs = layout.views(pool), layout.views(source)
+    try:
+        _send_and_check(world, layout, pool, source, 1, lambda: pydatacopy.put_many(dsts, srcs, peer, path=path),
+                        "list form")
+        prepared = pydatacopy.prepare_put_many(dsts, srcs, peer, path=path)
+        assert prepared.rows == 1024 and prepared.bytes == sum(layout.sizes)
+        assert prepared.direct == (path == "auto" and not pydatacopy._C.rma_forced())
+        for run in range(3):
+            _send_and_check(world, layout, pool, source, 10 + run, prepared.run, f"prepared, run {run}")
+        prepared.release()
+        prepared.release()  # idempotent
+        with pytest.raises(pydatacopy.Error, match="released; prepare another"):
+            prepared.run()
+    finally:
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+def test_prepared_rows_longer_than_a_piece(world):
+    """Rows of 64 KiB +- a few bytes, 1 MiB + 3 and 1 byte, at odd offsets: cut into pieces on the
+    device table, delivered whole."""
+    peer = 1 - world[0]
+    sizes = [65536, 65535, 65537, (1 << 20) + 3, 1, 200_001]
+    offsets, offset = [], 5
+    for n in sizes:
+        offsets.append(offset)
+        offset += n + 11
+    pool = pydatacopy.empty(offset, dtype=torch.uint8)
+    source = torch.empty(offset, dtype=torch.uint8, device="cuda")
+
+    class Layout(_Layout):
+        def __init__(self):
+            self.offsets, self.sizes, self.total = offsets, sizes, offset
+            self.rows = sizes
+            self.covered = torch.zeros(offset, dtype=torch.bool, device="cuda")
+            for o, n in zip(offsets, sizes):
+                self.covered[o:o + n] = True
+
+    layout = Layout()
+    try:
+        prepared = pydatacopy.prepare_put_many([pool[o:o + n] for o, n in zip(offsets, sizes)],
+                                               [source[o:o + n] for o, n in zip(offsets, sizes)], peer)
+        assert prepared.pieces > len(sizes)
+        _send_and_check(world, layout, pool, source, 3, prepared.run, "long rows")
+    finally:
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+def test_prepared_from_addresses(world):
+    """The table from int64 CUDA tensors of addresses and sizes (written on the device just
+    before: prepare reads them after the current stream's work)."""
+    peer = 1 - world[0]
+    layout = _Layout(300, 43)
+    pool = pydatacopy.empty(layout.total, dtype=torch.uint8)
+    source = torch.empty(layout.total, dtype=torch.uint8, device="cuda")
+    try:
+        offsets = torch.tensor(layout.offsets, dtype=torch.int64, device="cuda")
+        sizes = torch.tensor(layout.sizes, dtype=torch.int64, device="cuda")
+        prepared = pydatacopy.PreparedPutMany.from_addresses(pool.data_ptr() + offsets,
+                                                             source.data_ptr() + offsets, sizes, peer)
+        assert prepared.rows == 300 and prepared.bytes == sum(layout.sizes)
+        for run in range(2):
+            _send_and_check(world, layout, pool, source, 20 + run, prepared.run, f"from_addresses, run {run}")
+    finally:
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+def test_prepared_refuses_bad_rows_at_prepare(world):
+    """A destination out of the symmetric range (a local tensor, or a row one byte past the
+    allocation's end), bad address tensors, a source on the host: refused when preparing, and
+    nothing written."""
+    peer = 1 - world[0]
+    pool = pydatacopy.empty(64, dtype=torch.uint8)
+    local = torch.zeros(64, dtype=torch.uint8, device="cuda")
+    good = torch.ones(16, dtype=torch.uint8, device="cuda")
+    host = torch.ones(16, dtype=torch.uint8).pin_memory()
+
+    def addresses(*values):
+        return torch.tensor(values, dtype=torch.int64, device="cuda")
+
+    try:
+        pool.zero_()
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        for call, words in [
+            (lambda: pydatacopy.prepare_put_many([pool[:16], local[:16]], [good, good], peer),
+             r"row 1: the destination, 16 bytes at 0x[0-9a-f]+, does not lie in one symmetric allocation"),
+            (lambda: pydatacopy.PreparedPutMany.from_addresses(
+                addresses(pool.data_ptr() + 56), addresses(good.data_ptr()), addresses(16), peer),
+             r"row 0: the destination, 16 bytes at 0x[0-9a-f]+, does not lie in one symmetric allocation"),
+            (lambda: pydatacopy.PreparedPutMany.from_addresses(
+                addresses(pool.data_ptr()), addresses(host.data_ptr()), addresses(16), peer),
+             r"row 0: the source, 16 bytes at 0x[0-9a-f]+, does not lie in one allocation of device memory"),
+            (lambda: pydatacopy.PreparedPutMany.from_addresses(
+                addresses(pool.data_ptr()), addresses(good.data_ptr()), addresses(-1), peer),
+             r"sizes\[0\] is -1; sizes must not be negative"),
+            (lambda: pydatacopy.PreparedPutMany.from_addresses(
+                addresses(pool.data_ptr()), addresses(good.data_ptr(), 0), addresses(16), peer),
+             "must have one entry per row, got 1, 2 and 1"),
+            (lambda: pydatacopy.PreparedPutMany.from_addresses(
+                addresses(pool.data_ptr()).int(), addresses(good.data_ptr()), addresses(16), peer),
+             "dst_addrs must be a 1-D int64 CUDA tensor"),
+            (lambda: pydatacopy.prepare_put_many([pool[:16]], [good.cpu()], peer), r"srcs\[0\] is not on a CUDA device"),
+            (lambda: pydatacopy.prepare_put_many([pool[:16]], [good], peer, path="copy_engine"),
+             "path must be auto, sm or rma"),
+            (lambda: pydatacopy.prepare_put_many([pool[:16]], [good], 2), "out of range"),
+        ]:
+            with pytest.raises(pydatacopy.Error, match=words):
+                call()
+        pydatacopy.barrier(blocking=True)
+        assert int(pool.count_nonzero()) == 0, "a refused preparation wrote"
+        empty = pydatacopy.prepare_put_many([], [], peer)
+        empty.run()  # nothing to do
+        assert empty.bytes == 0
+    finally:
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+def test_prepared_in_a_cuda_graph_100_replays(world):
+    """One run captured, replayed 100 times, each with fresh source data written in place: every
+    replay delivers that replay's data."""
+    rank, peer = world[0], 1 - world[0]
+    layout = _Layout(257, 47)
+    pool = pydatacopy.empty(layout.total, dtype=torch.uint8)
+    source = torch.zeros(layout.total, dtype=torch.uint8, device="cuda")
+    prepared = pydatacopy.prepare_put_many(layout.views(pool), layout.views(source), peer)
+    try:
+        stream = torch.cuda.Stream()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            prepared.run()
+        for replay in range(100):
+            _send_and_check(world, layout, pool, source, 100 + replay, graph.replay, f"replay {replay}")
+    finally:
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+def test_prepared_keeps_its_tensors_after_a_side_stream_run(world):
+    """The only references to the sources are the table's; it runs on a side stream and is
+    dropped at once, and scratch allocations follow: the data still arrives whole (the tensors
+    and the table are freed after the stream's work)."""
+    rank, peer = world[0], 1 - world[0]
+    layout = _Layout(512, 53)
+    pool = pydatacopy.empty(layout.total, dtype=torch.uint8)
+    expected = _fill(torch.empty(layout.total, dtype=torch.uint8, device="cuda"), 7 * 2 + peer)
+    try:
+        pool.fill_(0xEE)
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        side = torch.cuda.Stream()
+        source = _fill(torch.empty(layout.total, dtype=torch.uint8, device="cuda"), 7 * 2 + rank)
+        side.wait_stream(torch.cuda.current_stream())
+        # A long kernel first on the side stream, so that the run is still queued when dropped.
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)
+        prepared = pydatacopy.prepare_put_many(layout.views(pool), layout.views(source), peer)
+        prepared.run(stream=side)
+        del prepared, source
+        scratch = [torch.full((layout.total,), 0x55, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        torch.cuda.current_stream().wait_stream(side)
+        pydatacopy.barrier(blocking=True)
+        del scratch
+        layout.check(pool, expected, "side stream, object dropped")
+    finally:
+        torch.cuda.synchronize()
+        pydatacopy.barrier(blocking=True)
+        pydatacopy.free(pool)
+
+
+def test_prepared_direct_then_forced_rma(world, force_rma):
+    """Prepared while the peer is reachable by load/store (force_rma comes after), run with
+    PYDATACOPY_FORCE_RMA on: the rows go through NVSHMEM RMA, the sources registered first."""
+    peer = 1 - world[0]
+    layout = _Layout(128, 59)
+    pool = pydatacopy.empty(layout.total, dtype=torch.uint8)
+    source = torch.empty(layout.total, dtype=torch.uint8, device="cuda")
+    pydatacopy._C.set_rma_forced(False)
+    try:
+        prepared = pydatacopy.prepare_put_many(layout.views(pool), layout.views(source), peer)
+        pydatacopy._C.set_rma_forced(True)
+        _send_and_check(world, layout, pool, source, 31, prepared.run, "direct table, forced RMA")
+        assert pydatacopy.is_registered(source) or not pydatacopy._C.auto_register_enabled()
     finally:
         pydatacopy.barrier(blocking=True)
         pydatacopy.free(pool)

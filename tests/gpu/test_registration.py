@@ -262,6 +262,9 @@ def _put_cases(peer: int, dst: torch.Tensor, src: torch.Tensor, signal: torch.Te
         "signal_set: signal": lambda: pydatacopy.signal_set(signal, 1, peer),
         "put_many: every dst": lambda: pydatacopy.put_many(list(pool), list(src.view(16, -1)), peer),
         "put_many: every src": lambda: pydatacopy.put_many(list(pool), list(src.view(16, -1)), peer),
+        # Prepared: the sources are checked when prepared (registered then), the rows before a run.
+        "put_many (prepared): every dst": lambda: pydatacopy.prepare_put_many(list(pool), list(src.view(16, -1)), peer).run(),
+        "put_many (prepared): every src": lambda: pydatacopy.prepare_put_many(list(pool), list(src.view(16, -1)), peer).run(),
         "put_blocks: dst_pool": lambda: pydatacopy.put_blocks(pool, src.view(16, -1), rows, rows, peer),
         "put_blocks: src_pool": lambda: pydatacopy.put_blocks(pool, src.view(16, -1), rows, rows, peer),
     }
@@ -272,6 +275,7 @@ def _put_cases(peer: int, dst: torch.Tensor, src: torch.Tensor, signal: torch.Te
 # wrong through the API): the call must raise before NVSHMEM is called, naming it, counted.
 FORCED_LABELS = ["put: dst", "put: src", "get: src", "get: dst", "put_signal: dst", "put_signal: signal",
                  "put_signal: src", "signal_set: signal", "put_many: every dst", "put_many: every src",
+                 "put_many (prepared): every dst", "put_many (prepared): every src",
                  "put_blocks: dst_pool", "put_blocks: src_pool"]
 DIRECT_LABELS = ["put_signal: dst", "put_signal: signal", "signal_set: signal"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -24,58 +25,76 @@ def put(sweep, path: str):
     return sweep._into_symmetric(make_run)
 
 
-def bench_host_overhead(args, calls: int = 2000) -> list[dict]:
+def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
     """Host time of one 4 KiB put from Python (no synchronisation inside the loop), beside a bare
-    cudaMemcpyAsync call of 4 KiB on this GPU."""
+    cudaMemcpyAsync call of 4 KiB on this GPU (the target: within 1 us of it) and one into the
+    peer's memory (what the copy engine path of put issues, without pydatacopy's code). The calls
+    are timed in interleaved rounds (each `calls` calls; the median round per call, the slower
+    PE), so that a drift of the machine during the run affects them alike."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
     symmetric = pydatacopy.empty(4096, dtype=torch.uint8)
     src = fill(torch.empty(4096, dtype=torch.uint8, device="cuda"), 5)
     local = torch.empty_like(src)
     stream = torch.cuda.current_stream().cuda_stream
-
-    def host_us(call) -> float:
-        for _ in range(50):
-            call()
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for _ in range(calls):
-            call()
-        spent = (time.perf_counter() - begin) / calls * 1e6
-        torch.cuda.synchronize()
-        seconds = torch.tensor([spent], dtype=torch.float64, device=reduce_device())
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        return float(seconds.item())
+    peer_memory = pydatacopy.peer_view(symmetric, peer)
+    peer_address = None if peer_memory is None else peer_memory.data_ptr()
 
     def row(path: str, us: float, ok: bool) -> dict:
         return {"op": "host_per_call", "path": path, "direction": "both", "bytes": 4096,
                 "size": "4K", "us": us, "issue_us": us, "gbps": 4096 / us / 1e3, "ok": ok}
 
+    calls_by_name = {
+        "cudaMemcpyAsync 4K": lambda: pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream),
+        "put 4K (auto)": lambda: pydatacopy.put(symmetric, src, peer),
+    }
+    if peer_address is not None:  # the copy engine reaches the peer (not under PYDATACOPY_FORCE_RMA)
+        calls_by_name["put 4K (copy_engine)"] = lambda: pydatacopy.put(symmetric, src, peer, path="copy_engine")
+        calls_by_name["cudaMemcpyAsync 4K to the peer"] = lambda: pydatacopy._C.bench_memcpy(
+            peer_address, src.data_ptr(), 4096, stream)
+    samples: dict[str, list[float]] = {name: [] for name in calls_by_name}
     rows = []
     try:
-        us = host_us(lambda: pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream))
-        fill(src, 6 + me)
-        local.zero_()
-        pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream)
+        for call in calls_by_name.values():  # warm-up: first-use work off the clock
+            for _ in range(50):
+                call()
         torch.cuda.synchronize()
-        base = row("cudaMemcpyAsync 4K", us, agree(torch.equal(local, src)))
-        rows.append(base)
-        for number, path in enumerate(("auto", "copy_engine")):
-            us = host_us(lambda: pydatacopy.put(symmetric, src, peer, path=path))
-            # Checked: fresh data, the destination cleared first, one put.
+        for _ in range(rounds):
+            for name, call in calls_by_name.items():
+                torch.cuda.synchronize()
+                begin = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                samples[name].append((time.perf_counter() - begin) / calls * 1e6)
+        torch.cuda.synchronize()
+        medians = torch.tensor([statistics.median(samples[name]) for name in calls_by_name],
+                               dtype=torch.float64, device=reduce_device())
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        us = dict(zip(calls_by_name, medians.tolist()))
+        # Checked, each: fresh data, the destination cleared first, one call.
+        for number, name in enumerate(calls_by_name):
             seed = 100 * (number + 1)
+            remote = name != "cudaMemcpyAsync 4K"
             torch.cuda.synchronize()
             pydatacopy.barrier()
             fill(src, seed + me)
-            symmetric.zero_()
+            (symmetric if remote else local).zero_()
             torch.cuda.synchronize()
-            pydatacopy.barrier()
-            pydatacopy.put(symmetric, src, peer, path=path)
+            pydatacopy.barrier(blocking=True)
+            calls_by_name[name]()
             pydatacopy.quiet()
             torch.cuda.synchronize()
-            pydatacopy.barrier()
-            torch.cuda.synchronize()
-            ok = agree(torch.equal(symmetric, fill(torch.empty_like(src), seed + peer)))
-            rows.append(against(row(f"put 4K ({path})", us, ok), base))
+            pydatacopy.barrier(blocking=True)
+            expected = fill(torch.empty_like(src), seed + (peer if remote else me))
+            ok = agree(torch.equal(symmetric if remote else local, expected))
+            rows.append(row(name, us[name], ok))
+        base = rows[0]
+        for r in rows[1:]:
+            against(r, base)
+            r["over_base_us"] = r["us"] - base["us"]
+        if me == 0:
+            for r in rows[1:]:
+                print(f"  host per call: {r['path']} {r['us']:.2f} us, {r['over_base_us']:+.2f} us over "
+                      f"{base['path']} ({base['us']:.2f} us)", file=sys.stderr, flush=True)
     finally:
         pydatacopy.barrier()
         pydatacopy.free(symmetric)

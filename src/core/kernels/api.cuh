@@ -11,6 +11,7 @@
 
 namespace pydatacopy {
 struct TransferDescriptor;  // transfer.hpp
+struct PreparedRow;         // prepared_put_many.hpp
 }
 
 namespace pydatacopy::kernels {
@@ -58,6 +59,11 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 constexpr int kPutManyRowsPerLaunch = 1280;
 void launch_put_many(const TransferDescriptor* host_descriptors, int count, int pe, bool force_rma,
                      cudaStream_t stream);
+
+// A prepared put_many: `count` rows read from device memory, a warp per row; a row with a peer
+// address is stored directly (unless force_rma), else put through NVSHMEM RMA.
+void launch_prepared_put_many(const PreparedRow* device_rows, int64_t count, int pe, bool force_rma,
+                              cudaStream_t stream);
 
 // Every PE takes its next epoch from the device counter *epoch_counter, adds one to its slot
 // `my_pe` of every other PE's `signals`, then waits until each of its own slots reached the

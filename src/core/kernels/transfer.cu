@@ -7,6 +7,7 @@
 #include "api.cuh"
 #include "copy.cuh"
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/prepared_put_many.hpp"
 #include "pydatacopy/symmetric.hpp"
 #include "pydatacopy/transfer.hpp"
 
@@ -64,6 +65,22 @@ void launch_put_many_rows(const TransferDescriptor* rows, int count, int pe, boo
   const int blocks = std::min((count + warps_per_block - 1) / warps_per_block, multiprocessor_count());
   put_many_kernel<kRows><<<blocks, kCopyThreads, 0, stream>>>(table, count, pe, force_rma);
   PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+// One warp per row of the table in device memory (rows of any size: prepare cut long ones).
+__global__ void __launch_bounds__(kCopyThreads)
+    prepared_put_many_kernel(const PreparedRow* rows, int64_t count, int pe, bool force_rma) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kCopyThreads / 32);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * (kCopyThreads / 32) + threadIdx.x / 32; i < count;
+       i += warps) {
+    const PreparedRow row = rows[i];  // one 32-byte load, the same address for the whole warp
+    const auto* src = reinterpret_cast<const uint8_t*>(row.src);
+    if (row.peer != 0 && !force_rma)
+      warp_copy(reinterpret_cast<uint8_t*>(row.peer), src, static_cast<int64_t>(row.bytes), lane);
+    else
+      nvshmemx_putmem_warp(reinterpret_cast<void*>(row.dst), src, row.bytes, pe);
+  }
 }
 
 __global__ void __launch_bounds__(kCopyThreads) put_blocks_kernel(const BlockCopyArgs a) {
@@ -156,6 +173,17 @@ void launch_put_many(const TransferDescriptor* host_descriptors, int count, int 
   }
 }
 
+void launch_prepared_put_many(const PreparedRow* device_rows, int64_t count, int pe, bool force_rma,
+                              cudaStream_t stream) {
+  if (count == 0) return;
+  const int64_t warps_per_block = kCopyThreads / 32;
+  // As put_blocks: a warp per row, at most a block per SM.
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((count + warps_per_block - 1) / warps_per_block, multiprocessor_count()));
+  prepared_put_many_kernel<<<blocks, kCopyThreads, 0, stream>>>(device_rows, count, pe, force_rma);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
 void launch_put_blocks(const BlockCopyArgs& args, cudaStream_t stream) {
   if (args.count == 0) return;
   const int64_t warps_per_block = kCopyThreads / 32;
@@ -181,6 +209,7 @@ void preload_kernels() {
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<256>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<kPutManyRowsPerLaunch>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_blocks_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, prepared_put_many_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, signal_wait_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, barrier_kernel));
   preload_send_recv_kernels();
