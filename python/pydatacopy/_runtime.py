@@ -11,7 +11,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from . import _C, _env, _network, _transfer
+from . import _C, _env, _network, _ops, _transfer
 from ._torch_utils import check_int, timeout_seconds
 
 Error = _C.Error
@@ -218,6 +218,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     """init_nvshmem's work; `nodes` is the number of hosts among the ranks when init() saw them;
     `preflight_done`: init() has agreed on the remote-transport check with every rank (a
     second, local check could disagree and leave the others in NVSHMEM's bootstrap)."""
+    _ops.refuse_tracing(call.removeprefix("pydatacopy."))
     values = _id_to_list(root_unique_id, call)
     check_int("world_size", world_size, 1, _env.INT32_MAX, call=call)
     check_int("rank", rank, 0, _env.INT32_MAX, call=call)
@@ -227,7 +228,10 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     init_timeout = _init_timeout(timeout, call)
     _transfer.refuse_capture(call.removeprefix("pydatacopy."))
     if _C.is_initialized():
-        return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
+        pe = _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
+        if _ops._order is None:
+            _ops.make_order_token(_C.cuda_device())
+        return pe
     _env.check_environment(call)
     if device is None:
         device = _choose_device(rank, call, world_size)
@@ -238,6 +242,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     _C.set_rma_options(*_env.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
+    _ops.make_order_token(device)  # what the traced calls order themselves by (_ops.py)
     return pe
 
 
@@ -422,6 +427,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     """
     import torch.distributed as dist
 
+    _ops.refuse_tracing("init")
     call = "pydatacopy.init"
     device = _device_index(device, call)
     _init_timeout(timeout, call)
@@ -565,7 +571,9 @@ def finalize() -> None:
     symmetric memory is not set to the NVSHMEM backend (torch may still use it: its tensors stay
     valid and NVSHMEM ends with the process). Once ended, NVSHMEM cannot start again in this
     process."""
+    _ops.refuse_tracing("finalize")
     timed_out = None
+    _ops.drop_order_token()
     if _C.is_initialized():
         _transfer.refuse_capture("finalize")
         try:
