@@ -416,7 +416,7 @@ def exchange(manager, number: int, send_buffers, recv_buffers, peer=None, *, dst
                   _timeout(timeout), _token("DoubleBufferManager.exchange"))
 
 
-def wait(number: int, recv_buffers, round_=None, *, stream=None, timeout=None,
+def wait(manager, number: int, recv_buffers, round_=None, *, stream=None, timeout=None,
          blocking=False) -> torch.Tensor:
     """DoubleBufferManager.wait, traced: the last exchanged round, returned as a copy."""
     if blocking:  # as in signal_wait
