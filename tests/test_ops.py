@@ -37,9 +37,11 @@ class Loopback:
 
     def __init__(self):
         self.calls: list[tuple] = []
+        self.addresses: list[int] = []  # of the tensors a put writes at the peer
 
     def put(self, dst, src, pe, *, stream=None, path="auto"):
         self.calls.append(("put", pe, stream, path))
+        self.addresses.append(dst.data_ptr())
         dst.copy_(src)
 
     def get(self, dst, src, pe, *, stream=None, path="auto"):
@@ -48,6 +50,7 @@ class Loopback:
 
     def put_signal(self, dst, src, pe, signal, value, *, stream=None):
         self.calls.append(("put_signal", pe, value, stream))
+        self.addresses += [dst.data_ptr(), signal.data_ptr()]
         dst.copy_(src)
         signal.fill_(_signed(value))
 
@@ -343,6 +346,27 @@ def test_compile_inductor_keeps_every_call_in_order(loopback):
         raise
     assert torch.equal(got, expected)
     assert loopback.calls == eager_calls
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_puts_write_the_callers_tensors_in_place(loopback, backend):
+    """A put's destination and a signal must be the caller's symmetric tensors themselves, not
+    copies: a copy is not symmetric (the core refuses it) and the peer would never see it.
+    Functionalization copies what an op writes; inductor's reinplacing undoes that (aot_eager
+    does not: see test_compile_fullgraph_matches_eager). A slice keeps its offset."""
+    def step(x, sym, signal):
+        pydatacopy.put(sym[2:10], x[:8] + 1, 1)
+        pydatacopy.put_signal(sym, x, 1, signal, 5)
+        return sym * 2
+
+    sym, signal = torch.zeros(16), torch.zeros(1, dtype=torch.int64)
+    try:
+        torch.compile(step, backend=backend, fullgraph=True)(_t(16), sym, signal)
+    except Exception as error:  # as in test_compile_inductor_keeps_every_call_in_order
+        if "compiler" in str(error).lower() and "pydatacopy" not in str(error):
+            pytest.skip(f"inductor cannot build CPU code here: {error}")
+        raise
+    assert loopback.addresses == [sym.data_ptr() + 2 * 4, sym.data_ptr(), signal.data_ptr()]
 
 
 def test_compile_with_raw_stream_and_put_many_and_blocks(loopback):
