@@ -388,6 +388,25 @@ def test_compile_with_raw_stream_and_put_many_and_blocks(loopback):
     assert ("get", 1, 78, "rma") in loopback.calls
 
 
+def test_changing_signal_values_do_not_recompile_every_call(loopback):
+    """A round number as the signal value: symbolic after the second value (SymInt in the
+    schemas), so one recompile, not one per value (Dynamo gives up after 8)."""
+    from torch._dynamo.utils import counters
+
+    def step(x, sym, signal, value):
+        pydatacopy.put_signal(sym, x, 1, signal, value)
+        pydatacopy.signal_wait(signal, value, received=[sym])
+        pydatacopy.signal_set(signal, value, 1)
+        return sym + 1
+
+    counters.clear()
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    for value in range(1, 7):
+        compiled(torch.ones(3), torch.zeros(3), torch.zeros(1, dtype=torch.int64), value)
+    assert counters["stats"]["unique_graphs"] <= 2
+    assert [call[2] for call in loopback.calls if call[0] == "put_signal"] == list(range(1, 7))
+
+
 def test_compile_token_exchange(loopback):
     manager = pydatacopy.DoubleBufferManager()
     send = [_t(4, 8, dtype=torch.uint8, seed=5), _t(4, 8, dtype=torch.uint8, seed=6)]

@@ -18,7 +18,8 @@ What each op declares, and why:
 
 Streams cross as ints: None is torch's current stream when the op runs (so a CUDA graph capture
 records the calls on its capture stream), an int a raw cudaStream_t. Signal values (uint64) cross
-as int64 with the same bits.
+as int64 with the same bits, typed SymInt so that a value that changes every call (a round
+number) stays symbolic after Dynamo's first recompile instead of recompiling for each value.
 """
 
 from __future__ import annotations
@@ -196,10 +197,10 @@ def _no_output(*args, **kwargs) -> None:
 SCHEMAS = {
     "put": "(Tensor(a!) dst, Tensor src, int pe, int? stream, str path, Tensor(b!) order) -> ()",
     "get": "(Tensor(a!) dst, Tensor src, int pe, int? stream, str path, Tensor(b!) order) -> ()",
-    "put_signal": ("(Tensor(a!) dst, Tensor src, int pe, Tensor(b!) signal, int value, int? stream, "
+    "put_signal": ("(Tensor(a!) dst, Tensor src, int pe, Tensor(b!) signal, SymInt value, int? stream, "
                    "Tensor(c!) order) -> ()"),
-    "signal_set": "(Tensor(a!) signal, int value, int pe, int? stream, Tensor(b!) order) -> ()",
-    "signal_wait": ("(Tensor(a!) signal, int value, Tensor(b!)[] received, int? stream, "
+    "signal_set": "(Tensor(a!) signal, SymInt value, int pe, int? stream, Tensor(b!) order) -> ()",
+    "signal_wait": ("(Tensor(a!) signal, SymInt value, Tensor(b!)[] received, int? stream, "
                     "float? timeout, Tensor(c!) order) -> ()"),
     "quiet": "(int? stream, Tensor(a!) order) -> ()",
     "barrier": "(Tensor(a!)[] received, int? stream, float? timeout, Tensor(b!) order) -> ()",
