@@ -148,6 +148,9 @@ def _op_cases():
         ("send", lambda: (_t(16), 1, None, None, order())),
         ("recv", lambda: (torch.zeros(16), 1, None, 2.5, order())),
         ("sendrecv", lambda: (_t(16), 1, torch.zeros(16), 1, None, None, order())),
+        # Activations in training require grad: what is sent carries none (as with NCCL).
+        ("put", lambda: (torch.zeros(8), _t(8).requires_grad_(), 1, None, "auto", order())),
+        ("sendrecv", lambda: (_t(16).requires_grad_(), 1, torch.zeros(16), 1, None, None, order())),
     ]
 
 
@@ -196,7 +199,8 @@ def test_every_op_writes_the_ordering_tensor_and_what_it_changes():
         assert written == writes[name] | {"order"}, name
 
 
-@pytest.mark.parametrize("name,make_args", _op_cases(), ids=[case[0] for case in _op_cases()])
+@pytest.mark.parametrize("name,make_args", _op_cases(),
+                         ids=[f"{case[0]}-{number}" for number, case in enumerate(_op_cases())])
 def test_opcheck(loopback, name, make_args):
     torch.library.opcheck(_ops.OPS[name], make_args(), test_utils=OPCHECK_TESTS)
 
