@@ -429,6 +429,22 @@ def test_compile_token_exchange(loopback):
     assert [call[0] for call in fake.calls] == ["exchange", "wait"] * 3
 
 
+def test_my_pe_and_n_pes_are_constants_when_compiled(loopback, monkeypatch):
+    """`peer = (my_pe() + 1) % n_pes()` inside a compiled function: no graph break."""
+    from pydatacopy import _runtime
+
+    core = types.SimpleNamespace(is_initialized=lambda: True, my_pe=lambda: 2, n_pes=lambda: 4)
+    monkeypatch.setattr(_runtime, "_C", core)
+    monkeypatch.setattr(_transfer, "_C", core)
+
+    def step(x, dst):
+        pydatacopy.put(dst, x, (pydatacopy.my_pe() + 1) % pydatacopy.n_pes())
+        return dst + 1
+
+    torch.compile(step, backend="eager", fullgraph=True)(torch.ones(2), torch.zeros(2))
+    assert loopback.calls == [("put", 3, None, "auto")]
+
+
 # ---- refusals -----------------------------------------------------------------------------------
 
 def _blocking_calls():

@@ -616,6 +616,13 @@ def n_pes() -> int:
     return _C.n_pes()
 
 
+# Fixed for the life of the process once initialised: torch.compile takes them as constants
+# (torch._dynamo.assume_constant_result, by its attribute: importing torch._dynamo here would
+# add about 2 s to `import pydatacopy`), so `peer = 1 - my_pe()` traces with no graph break.
+my_pe._dynamo_marked_constant = True  # type: ignore[attr-defined]
+n_pes._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def check_errors() -> None:
     """Raise what stream-ordered device-side work has reported since the last look: a timeout
     (TimeoutError, each timed-out PE once; calls with that PE keep refusing), a send/recv whose
