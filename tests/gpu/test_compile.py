@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import pydatacopy
 
-TIMEOUT_S = 30.0
+TIMEOUT_S = 60.0  # a watchdog on progress: covers one PE compiling a little longer than the other
 N = 4099  # elements: not a multiple of a block or a page
 REPLAYS = 100
 
@@ -50,8 +50,18 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                          f"at {int(differ.to(torch.uint8).argmax())}")
 
 
+@pytest.fixture(scope="module")
+def inductor_ready(world):
+    """Inductor's first compile in a process loads Triton and starts its workers (tens of seconds,
+    more on one PE than on another): done here, with no transfer waiting on the peer."""
+    with _recorded("warming inductor up"):
+        torch.compile(lambda x: x * 3 + 1, fullgraph=True)(torch.ones(8, device="cuda"))
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
 @pytest.fixture(autouse=True)
-def in_step(world):
+def in_step(world, inductor_ready):
     """Fresh compile caches and counters; after the test, every PE's failures on every PE."""
     _FAILURES.clear()
     torch._dynamo.reset()
