@@ -173,7 +173,7 @@ EXPECTED_SCHEMAS = {
 def test_every_stream_ordered_call_has_an_op():
     assert sorted(_ops.OPS) == sorted(
         ["put", "get", "put_signal", "signal_set", "signal_wait", "quiet", "barrier", "put_many",
-         "put_blocks", "send", "recv", "sendrecv", "exchange", "wait"])
+         "put_blocks", "send", "recv", "sendrecv", "exchange", "wait", "put_many_prepared"])
     for name, op in _ops.OPS.items():
         assert op is getattr(torch.ops.pydatacopy, name).default
         assert str(op._schema) == f"pydatacopy::{name}{_ops.SCHEMAS[name]}"
@@ -192,6 +192,7 @@ def test_every_op_writes_the_ordering_tensor_and_what_it_changes():
         "signal_wait": {"signal", "received"}, "quiet": set(), "barrier": {"received"},
         "put_many": {"dsts"}, "put_blocks": {"dst_pool"}, "send": set(), "recv": {"tensor"},
         "sendrecv": {"recv_tensor"}, "exchange": {"recv_buffers"}, "wait": {"recv_buffers"},
+        "put_many_prepared": {"dsts"},
     }
     for name, op in _ops.OPS.items():
         written = {arg.name for arg in op._schema.arguments
@@ -208,12 +209,49 @@ def test_opcheck(loopback, name, make_args):
 def test_opcheck_token_exchange(loopback):
     send = [_t(4, 8, dtype=torch.uint8, seed=1), _t(4, 8, dtype=torch.uint8, seed=2)]
     recv = [torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)]
-    number = _ops.register_manager(manager := LoopbackManager(send, recv))
+    number = _ops.register_object(manager := LoopbackManager(send, recv))
     order = torch.zeros(1, dtype=torch.uint8)
     torch.library.opcheck(_ops.OPS["exchange"], (number, send, recv, None, None, None, None, order),
                           test_utils=OPCHECK_TESTS)
     torch.library.opcheck(_ops.OPS["wait"], (number, recv, None, 3.0, order), test_utils=OPCHECK_TESTS)
     assert manager.calls  # the real kernels ran
+
+
+class LoopbackPrepared:
+    """A prepared put_many on the CPU: run() copies the rows (what PreparedPutMany.run moves)."""
+
+    def __init__(self, dsts, srcs):
+        self.dsts, self.srcs, self.runs = dsts, srcs, []
+
+    def run(self, *, stream=None):
+        self.runs.append(stream)
+        for dst, src in zip(self.dsts, self.srcs):
+            dst.copy_(src)
+
+
+def test_opcheck_prepared_put_many(loopback):
+    dsts, srcs = [torch.zeros(4), torch.zeros(2, 3)], [_t(4), _t(2, 3, seed=1)]
+    prepared = LoopbackPrepared(dsts, srcs)
+    number = _ops.register_object(prepared)
+    torch.library.opcheck(_ops.OPS["put_many_prepared"],
+                          (number, dsts, srcs, None, torch.zeros(1, dtype=torch.uint8)),
+                          test_utils=OPCHECK_TESTS)
+    assert prepared.runs
+
+
+def test_compile_prepared_put_many(loopback):
+    """The traced form a PreparedPutMany.run() takes (the class hooks it in: see _ops.py)."""
+    dsts, srcs = [torch.zeros(4), torch.zeros(3)], [torch.arange(4.0), torch.ones(3)]
+    prepared = LoopbackPrepared(dsts, srcs)
+    number = _ops.register_object(prepared)
+
+    def step(x):
+        srcs[0].mul_(2)
+        _ops.put_many_prepared(prepared, number, dsts, srcs, stream=5)
+        return dsts[0] + dsts[1].sum() + x
+
+    got = torch.compile(step, fullgraph=True)(torch.zeros(4))
+    assert torch.equal(got, torch.arange(4.0) * 2 + 3) and prepared.runs == [5]
 
 
 # ---- eager: no op, no change ------------------------------------------------------------------
@@ -417,7 +455,7 @@ def test_compile_token_exchange(loopback):
     recv = [torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)]
     manager._send, manager._recv = send, recv
     fake = LoopbackManager(send, recv)
-    _ops._managers[manager._op_number] = fake
+    _ops._objects[manager._op_number] = fake
 
     def step(manager):
         r = manager.exchange()

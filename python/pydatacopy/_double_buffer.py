@@ -69,7 +69,7 @@ class DoubleBufferManager:
         self._src_of_round: dict[int, int] = {}
         # Per buffer set: the torch stream that waited for its last round (its consumer), or None.
         self._consumer: list[torch.cuda.Stream | None] = [None, None]
-        self._op_number = _ops.register_manager(self)  # how the traced calls name it
+        self._op_number = _ops.register_object(self)  # how the traced calls name it
 
     # ---- the note's API -------------------------------------------------------------------
     def init(self, n_tokens: int, token_size: int) -> None:

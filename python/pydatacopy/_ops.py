@@ -231,6 +231,10 @@ SCHEMAS = {
                  "int? src_pe, int? stream, float? timeout, Tensor(b!) order) -> ()"),
     "wait": ("(int manager, Tensor(a!)[] recv_buffers, int? stream, float? timeout, "
              "Tensor(b!) order) -> Tensor"),
+    # PreparedPutMany.run: the table by number; its tensors (none when made from addresses) for
+    # the compiler's ordering, the destinations declared written.
+    "put_many_prepared": ("(int table, Tensor(a!)[] dsts, Tensor[] srcs, int? stream, "
+                          "Tensor(b!) order) -> ()"),
 }
 
 
@@ -296,24 +300,35 @@ def _sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream, timeout, order) 
            timeout=timeout)
 
 
-# DoubleBufferManager: the op names the manager by a number (ops take no Python objects) and runs
-# its eager method, whose round and buffer set come from the manager's state when it runs.
-_managers: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_manager_numbers = itertools.count(1)
+# Objects with state (a DoubleBufferManager, a prepared put_many): the op names the object by a
+# number (ops take no Python objects) and runs its eager method, whose state (round, buffer set,
+# table) is read when it runs.
+_objects: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_object_numbers = itertools.count(1)
 
 
-def register_manager(manager) -> int:
-    number = next(_manager_numbers)
-    _managers[number] = manager
+def register_object(obj) -> int:
+    """The number the traced calls name `obj` by (held weakly)."""
+    number = next(_object_numbers)
+    _objects[number] = obj
     return number
 
 
+def _object(number: int, what: str):
+    obj = _objects.get(number)
+    if obj is None:
+        raise Error(f"pydatacopy.{what}: the object this compiled call was traced with no longer "
+                    "exists; compile again with the live one")
+    return obj
+
+
 def _manager(number: int):
-    manager = _managers.get(number)
-    if manager is None:
-        raise Error("pydatacopy.DoubleBufferManager: the manager this compiled call was traced "
-                    "with no longer exists; recompile with the live one")
-    return manager
+    return _object(number, "DoubleBufferManager")
+
+
+@_op("put_many_prepared")
+def _put_many_prepared(table, dsts, srcs, stream, order) -> None:
+    _eager(_object(table, "PreparedPutMany").run, stream=stream)
 
 
 @_op("exchange")
@@ -437,3 +452,12 @@ def wait(manager, number: int, recv_buffers, round_=None, *, stream=None, timeou
                              "fixed when tracing would be wrong when the compiled code runs again)")
     return _ops.wait(number, list(recv_buffers), _stream(stream), _timeout(timeout),
                      _token("DoubleBufferManager.wait"))
+
+
+def put_many_prepared(prepared, number: int, dsts, srcs, *, stream=None) -> None:
+    """PreparedPutMany.run, traced: `dsts`, `srcs` the tensors the table was prepared from (empty
+    for one made from addresses: then only the ordering tensor orders it). The class takes it
+    with a number from register_object(self) kept on the object, and one branch at the top of
+    run(), as put() has: ``return _ops.put_many_prepared(self, number, dsts, srcs, stream=...)``."""
+    _ops.put_many_prepared(number, list(dsts), list(srcs), _stream(stream),
+                           _token("PreparedPutMany.run"))
