@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
+from . import _C, _ops
+from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling
 from ._transfer import refuse_capture
 from ._env import INT32_MAX
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
@@ -68,6 +69,7 @@ class DoubleBufferManager:
         self._src_of_round: dict[int, int] = {}
         # Per buffer set: the torch stream that waited for its last round (its consumer), or None.
         self._consumer: list[torch.cuda.Stream | None] = [None, None]
+        self._op_number = _ops.register_object(self)  # how the traced calls name it
 
     # ---- the note's API -------------------------------------------------------------------
     def init(self, n_tokens: int, token_size: int) -> None:
@@ -76,6 +78,7 @@ class DoubleBufferManager:
         Needs pydatacopy.init() first; n_tokens in [1, 2^31 - 1], n_tokens x token_size at most
         1 TiB, and the symmetric heap (NVSHMEM_SYMMETRIC_SIZE) must hold four such buffers.
         """
+        _ops.refuse_tracing("DoubleBufferManager.init")
         check_tokens(n_tokens, token_size, "pydatacopy.DoubleBufferManager.init")
         if not _C.is_initialized():
             raise Error("pydatacopy.DoubleBufferManager.init needs NVSHMEM: call pydatacopy.init() "
@@ -84,10 +87,11 @@ class DoubleBufferManager:
         self._core.init(n_tokens, token_size)
         device = _C.cuda_device()
         shape = (n_tokens, token_size)
-        self._send = [tensor_from_address(self._core.send_buffer(s), shape, torch.uint8, device, self)
-                      for s in (0, 1)]
-        self._recv = [tensor_from_address(self._core.recv_buffer(s), shape, torch.uint8, device, self)
-                      for s in (0, 1)]
+        # Static addresses for torch.compile: CUDA graphs must use the buffers in place.
+        self._send = [_ops.mark_static(tensor_from_address(self._core.send_buffer(s), shape,
+                                                           torch.uint8, device, self)) for s in (0, 1)]
+        self._recv = [_ops.mark_static(tensor_from_address(self._core.recv_buffer(s), shape,
+                                                           torch.uint8, device, self)) for s in (0, 1)]
         self._src_of_round.clear()
         self._consumer = [None, None]
 
@@ -96,6 +100,7 @@ class DoubleBufferManager:
 
         Tensors obtained from this manager must not be used afterwards.
         """
+        _ops.refuse_tracing("DoubleBufferManager.cleanup")
         refuse_capture("DoubleBufferManager.cleanup")
         self._send, self._recv = [], []
         self._src_of_round.clear()
@@ -105,6 +110,7 @@ class DoubleBufferManager:
     def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
         """One round with the default peers, blocking until this PE's tokens are delivered and
         the peer's have arrived. Returns this PE's send rate in GB/s (10^9 bytes per second)."""
+        _ops.refuse_tracing("DoubleBufferManager.test_bandwidth")
         call = "pydatacopy.DoubleBufferManager.test_bandwidth"
         check_int("rank", rank, 0, INT32_MAX, call=call)
         check_int("world_size", world_size, 1, INT32_MAX, call=call)
@@ -163,8 +169,12 @@ class DoubleBufferManager:
 
         Stream-ordered; returns the round number to pass to wait(). Calling it for round r
         declares this PE's receive buffer of round r - 2 free (the peer may overwrite it), so
-        round r - 2 must have been waited for.
+        round r - 2 must have been waited for. Under torch.compile it returns None (the round
+        is counted when the compiled code runs): call wait() there without a round.
         """
+        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+            return _ops.exchange(self, self._op_number, self._send, self._recv, peer, dst_pe=dst_pe,
+                                 src_pe=src_pe, stream=stream, timeout=timeout)
         self._require_init("exchange")
         dst, src = self._peers(peer, dst_pe, src_pe)
         handle = stream_handle(stream, _C.cuda_device())
@@ -181,8 +191,13 @@ class DoubleBufferManager:
         Stream-ordered: work queued on the stream afterwards sees the data. With
         ``blocking=True`` the call also synchronises the stream and raises TimeoutError here if
         the peer did not deliver in time; otherwise a timeout surfaces at the next call (or
-        ``pydatacopy.check_errors()``). Returns the round's receive buffer.
+        ``pydatacopy.check_errors()``). Returns the round's receive buffer; under torch.compile,
+        a copy of it (the set is known only when the compiled code runs, and an op's output
+        cannot alias its input), for the last exchanged round (``round_`` None).
         """
+        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+            return _ops.wait(self, self._op_number, self._recv, round_, stream=stream,
+                             timeout=timeout, blocking=blocking)
         self._require_init("wait")
         if round_ is None:
             round_ = self._last_round("wait")

@@ -11,7 +11,7 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from . import _C, _env, _network, _transfer
+from . import _C, _env, _network, _ops, _transfer
 from ._torch_utils import check_int, timeout_seconds
 
 Error = _C.Error
@@ -218,6 +218,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     """init_nvshmem's work; `nodes` is the number of hosts among the ranks when init() saw them;
     `preflight_done`: init() has agreed on the remote-transport check with every rank (a
     second, local check could disagree and leave the others in NVSHMEM's bootstrap)."""
+    _ops.refuse_tracing(call.removeprefix("pydatacopy."))
     values = _id_to_list(root_unique_id, call)
     check_int("world_size", world_size, 1, _env.INT32_MAX, call=call)
     check_int("rank", rank, 0, _env.INT32_MAX, call=call)
@@ -227,7 +228,10 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     init_timeout = _init_timeout(timeout, call)
     _transfer.refuse_capture(call.removeprefix("pydatacopy."))
     if _C.is_initialized():
-        return _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
+        pe = _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
+        if _ops._order is None:
+            _ops.make_order_token(_C.cuda_device())
+        return pe
     _env.check_environment(call)
     if device is None:
         device = _choose_device(rank, call, world_size)
@@ -238,6 +242,7 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     _C.set_rma_options(*_env.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _transfer.setup_send_recv()  # collective, like the init itself
+    _ops.make_order_token(device)  # what the traced calls order themselves by (_ops.py)
     return pe
 
 
@@ -421,6 +426,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     """
     import torch.distributed as dist
 
+    _ops.refuse_tracing("init")
     call = "pydatacopy.init"
     device = _device_index(device, call)
     _init_timeout(timeout, call)
@@ -564,8 +570,10 @@ def finalize() -> None:
     symmetric memory is not set to the NVSHMEM backend (torch may still use it: its tensors stay
     valid and NVSHMEM ends with the process). Once ended, NVSHMEM cannot start again in this
     process."""
+    _ops.refuse_tracing("finalize")
     timed_out = None
     _transfer._unbind()  # the calls' fast paths stop here; their checked paths say why
+    _ops.drop_order_token()
     if _C.is_initialized():
         _transfer.refuse_capture("finalize")
         try:
@@ -606,6 +614,13 @@ def n_pes() -> int:
     """The number of PEs (processes) in the NVSHMEM job. Needs init()."""
     _transfer._require_init("n_pes")
     return _C.n_pes()
+
+
+# Fixed for the life of the process once initialised: torch.compile takes them as constants
+# (torch._dynamo.assume_constant_result, by its attribute: importing torch._dynamo here would
+# add about 2 s to `import pydatacopy`), so `peer = 1 - my_pe()` traces with no graph break.
+my_pe._dynamo_marked_constant = True  # type: ignore[attr-defined]
+n_pes._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def check_errors() -> None:

@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import _C, _env, _torch_utils
+from . import _C, _env, _ops, _torch_utils
+from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
 Error = _C.Error
@@ -70,6 +71,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     in the same order). Free it with ``free()``, also collective; the garbage collector never
     frees it. Both wait for every PE at most PYDATACOPY_TIMEOUT_S (60 s) and then raise
     TimeoutError naming the PE that did not come."""
+    _ops.refuse_tracing("empty")
     _require_init("empty")
     refuse_capture("empty")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -86,12 +88,14 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
                     "symmetric heap (NVSHMEM_SYMMETRIC_SIZE) can hold")
     address = _C.symmetric_malloc(num_bytes)
     _allocations[address] = num_bytes
-    return tensor_from_address(address, shape, dtype, _C.cuda_device())
+    # A static address for torch.compile (CUDA graphs must use it in place, not a copy)
+    return _ops.mark_static(tensor_from_address(address, shape, dtype, _C.cuda_device()))
 
 
 def free(tensor: torch.Tensor) -> None:
     """Release a tensor made by ``empty()`` on every PE (collective, blocking). Views of it must
     not be used afterwards."""
+    _ops.refuse_tracing("free")
     _require_init("free")
     refuse_capture("free")
     if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() not in _allocations:
@@ -203,7 +207,9 @@ def _capturing(handle: int | None = None) -> bool:
 
 
 def refuse_capture(what: str, handle: int | None = None) -> None:
-    """Calls that block (they wait for every PE, or for the GPU) cannot be part of a CUDA graph."""
+    """Calls that block (they wait for every PE, or for the GPU) cannot be part of a CUDA graph,
+    nor of a traced one."""
+    _ops.refuse_tracing(what)
     if _capturing(handle):
         raise Error(f"pydatacopy.{what} blocks (it waits for every PE or synchronises the GPU), so it "
                     "cannot be captured in a CUDA graph: call it before or after the capture")
@@ -234,6 +240,8 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     cross into the core once; the core looks the destination up once (symmetry and the peer's
     address, resolved when it was allocated).
     """
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.put(dst, src, pe, stream=stream, path=path)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and dst.get_device() == device and src.get_device() == device
@@ -257,6 +265,8 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
     """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered); ``path`` as in
     ``put``."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.get(dst, src, pe, stream=stream, path=path)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and dst.get_device() == device and src.get_device() == device
@@ -279,6 +289,8 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tensor, value: int,
                *, stream=None) -> None:
     """``put``, then set PE `pe`'s copy of `signal` to `value` once the data is visible there."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.put_signal(dst, src, pe, signal, value, stream=stream)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and isinstance(signal, Tensor) and dst.get_device() == device
@@ -304,6 +316,8 @@ def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tens
 
 def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> None:
     """Set PE `pe`'s copy of `signal` to `value` after this stream's earlier puts are visible."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.signal_set(signal, value, pe, stream=stream)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(signal, Tensor)
             and signal.get_device() == device and signal.dtype in _SIGNAL_DTYPES
@@ -319,9 +333,15 @@ def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> Non
 
 
 def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float | None = None,
-                blocking: bool = False) -> None:
+                blocking: bool = False, received: Sequence[torch.Tensor] = ()) -> None:
     """Stream-ordered wait until the local `signal` is >= `value`. With ``blocking=True`` it also
-    synchronises the stream and raises TimeoutError here when the deadline passed."""
+    synchronises the stream and raises TimeoutError here when the deadline passed.
+
+    ``received``: under torch.compile, the tensors the peers wrote before setting the signal
+    (reads of them are then kept after the wait); eager calls need none (the stream orders them)."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.signal_wait(signal, value, stream=stream, timeout=timeout, blocking=blocking,
+                                received=received)
     device = _device
     if (not blocking and timeout is None and isinstance(signal, Tensor)
             and signal.get_device() == device and signal.dtype in _SIGNAL_DTYPES
@@ -343,6 +363,8 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
 
 def quiet(*, stream=None) -> None:
     """Complete this PE's puts issued on the stream: delivered at the peers when it completes."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.quiet(stream=stream)
     device = _device
     if device is not None:
         _C.quiet(_raw_stream(device) if stream is None else stream_handle(stream, device))
@@ -351,13 +373,17 @@ def quiet(*, stream=None) -> None:
     _C.quiet(_stream(stream))
 
 
-def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False) -> None:
+def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False,
+            received: Sequence[torch.Tensor] = ()) -> None:
     """quiet, then wait for every PE to reach the barrier (stream-ordered, collective).
 
     A PE that does not arrive within `timeout` seconds (default PYDATACOPY_TIMEOUT_S, else 60)
     is reported as a TimeoutError naming it: here with ``blocking=True`` (which also
-    synchronises the stream), else by the next call or ``check_errors()``.
+    synchronises the stream), else by the next call or ``check_errors()``. ``received`` as in
+    ``signal_wait``: under torch.compile, the symmetric tensors peers wrote before the barrier.
     """
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.barrier(stream=stream, timeout=timeout, blocking=blocking, received=received)
     device = _device
     if device is not None and not blocking and timeout is None:
         _C.barrier(_raw_stream(device) if stream is None else stream_handle(stream, device),
@@ -391,6 +417,8 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
     symmetric lookup per row in the core. Lists that repeat are cheaper prepared once:
     ``prepare_put_many`` (no host work per row at run time).
     """
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.put_many(dsts, srcs, pe, stream=stream, path=path)
     _check_pe(pe, "put_many")
     if path not in ("auto", "sm", "rma"):
         raise Error(f"pydatacopy.put_many: path must be auto, sm or rma (one kernel moves the "
@@ -548,6 +576,9 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     out of range is skipped and raises pydatacopy.Error at the next call or check_errors().
     Visibility as in ``put``. ``path`` as in ``put_many``.
     """
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, stream=stream,
+                               path=path)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst_pool, Tensor)
             and isinstance(src_pool, Tensor) and isinstance(dst_indices, Tensor)
@@ -626,6 +657,7 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     the same settings.
     """
     global _engine
+    _ops.refuse_tracing("setup_send_recv")
     _require_init("setup_send_recv")
     refuse_capture("setup_send_recv")
     defaults = send_recv_settings()
@@ -720,7 +752,10 @@ def group(*, stream=None) -> Iterator[None]:
     the same time: a PE that sends and receives at once must group them (as with NCCL's group
     calls). Up to 16 operations, any peers. The launch goes on the stream the calls were made
     on: ``stream=`` of group(), else each call's ``stream=``, else torch's current stream at the
-    call; all of a group's calls must come to the same stream."""
+    call; all of a group's calls must come to the same stream. Not traceable (torch.compile):
+    use sendrecv there."""
+    if _dynamo_compiling() or _dispatch_modes():
+        _ops.refuse_group()
     if getattr(_state, "pending", None) is not None:
         raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
                     "group() block")
@@ -745,6 +780,8 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
     """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
     tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
     To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
     engine = _require_engine("send")
     check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
@@ -753,6 +790,8 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
     engine = _require_engine("recv")
     check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
@@ -762,6 +801,9 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
              stream=None, timeout: float | None = None) -> None:
     """send() and recv() at the same time, in one kernel launch."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
+                             timeout=timeout)
     engine = _require_engine("sendrecv")
     if getattr(_state, "pending", None) is not None:
         raise Error("pydatacopy.sendrecv() runs its pair itself: call it outside group(), or use "

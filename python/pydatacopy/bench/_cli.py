@@ -14,7 +14,7 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy import _env
 
-from . import baselines, batched, latency, put, send_recv, token_exchange
+from . import baselines, batched, compiled, latency, put, send_recv, token_exchange
 from ._harness import Sweep, against, human, make_row
 from ._report import report
 
@@ -45,7 +45,9 @@ def _int_at_least(minimum: int, meaning: str):
 
 
 OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "sendrecv_staged", "nccl", "nixl", "tokens",
-       "latency", "host", "put_many", "graph")
+       "latency", "host", "put_many", "graph", "compile")
+# compile is asked for by name: it compiles with inductor first (tens of seconds).
+DEFAULT_OPS = tuple(op for op in OPS if op != "compile")
 
 
 def _ops(text: str) -> set[str]:
@@ -92,8 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="timings per row; the row reports their median")
     parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one",
                         help="one: rank 0 sends to rank 1; both: both send at once; all: both rows")
-    parser.add_argument("--ops", type=_ops, default=",".join(OPS),
-                        help="comma-separated subset of " + ",".join(OPS))
+    parser.add_argument("--ops", type=_ops, default=",".join(DEFAULT_OPS),
+                        help="comma-separated subset of " + ",".join(OPS) + " (compile: only "
+                        "when named, it compiles first)")
     parser.add_argument("--tokens", nargs="*", type=_tokens,
                         default=["1024x4096", "4096x7168", "16384x14336"],
                         help="token-exchange shapes, N_TOKENSxTOKEN_BYTES")
@@ -202,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.extend(batched.bench_batched(args))
     if "graph" in ops:
         fixed_rows.extend(put.bench_graph_put(args))
+    if "compile" in ops:
+        fixed_rows.extend(compiled.bench_compiled(args))
     if "torch_symm" in ops and not baselines.torch_symm_mem_ready():
         ops.discard("torch_symm")
     if "nixl" in ops and not baselines.nixl_ready():
