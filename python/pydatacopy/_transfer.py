@@ -448,7 +448,7 @@ class PreparedPutMany:
     it). Visibility of the data at the peer as in ``put``.
     """
 
-    __slots__ = ("_core", "_keep", "_streams", "pe", "path", "rows", "__weakref__")
+    __slots__ = ("_core", "_keep", "_streams", "_op_number", "pe", "path", "rows", "__weakref__")
 
     def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int, *,
                  path: str = "auto"):
@@ -467,6 +467,7 @@ class PreparedPutMany:
         self.pe, self.path, self.rows = pe, path, rows
         self._keep = keep
         self._streams: set[int] = set()
+        self._op_number = _ops.register_object(self)  # what a traced run() names it by
 
     @classmethod
     def from_addresses(cls, dst_addrs: torch.Tensor, src_addrs: torch.Tensor, sizes: torch.Tensor,
@@ -500,6 +501,8 @@ class PreparedPutMany:
         """Every row, in one kernel launch on ``stream`` (torch's current one by default). A raw
         cudaStream_t given here must stay valid until the table is released (torch's streams
         always do): the release orders the free of the table after the work of each."""
+        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+            return _ops.put_many_prepared(self, self._op_number, *(self._keep or ((), ())), stream=stream)
         device = _device
         if device is None:
             _require_init("PreparedPutMany.run")
