@@ -19,6 +19,15 @@ enum class WaitOp : int {
   kBlockIndex = 6,    // put_blocks(): an index out of range (code 2, not a timeout)
   kBarrier = 7,       // barrier(): a PE not arriving
   kChannelRefused = 8,  // send/recv on a channel refused since a size mismatch (not a wait)
+  kAllToAllCredit = 9,   // all_to_all: the receiver freeing its region of this PE's rows
+  kAllToAllArrival = 10,  // all_to_all: a source's count or rows arriving
+  // all_to_all refusals (record `all_to_all`, code kBadInput; not waits). peer: the other PE,
+  // expected: the rows asked (or the index found), seen: the limit.
+  kAllToAllCapacity = 11,       // this PE's count for `peer` is over the capacity (sender side)
+  kAllToAllCapacityFrom = 12,   // `peer` asked to send this PE more rows than the capacity
+  kAllToAllCount = 13,          // a negative count, or counts past the rows (or index) sent
+  kAllToAllIndex = 14,          // a gather index out of range (that row was not sent)
+  kAllToAllLayout = 15,         // `peer` sent rows of another width or field count than this PE's
 };
 
 const char* wait_op_name(WaitOp op);
@@ -51,6 +60,9 @@ struct DeviceStatus {
   // stays refused on the device until setup_send_recv() rebuilds it (send_recv.hpp). One record
   // per peer (tracked_pe_index): a mismatch with one PE neither refuses nor hides another's.
   ErrorRecord mismatch[kTrackedPes];
+  // Reported once, by check_errors() or after the next all-to-all call's launch: a refusal of
+  // the all-to-all (kAllToAllCapacity..kAllToAllLayout); the first one wins until reported.
+  ErrorRecord all_to_all;
   int timed_out_pes[kTrackedPes];  // nonzero: a wait on that PE timed out
 };
 
