@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import _C
 from ._double_buffer import DoubleBufferManager
+from ._moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
 from ._transfer import (
     barrier,
     empty,
@@ -78,7 +79,11 @@ def nvshmem_versions() -> dict[str, str]:
 
 
 __all__ = [
+    "AllToAll",
     "DoubleBufferManager",
+    "MoeDispatcher",
+    "MoeHandle",
+    "all_to_all_v",
     "barrier",
     "empty",
     "free",
