@@ -190,10 +190,10 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
       }
     }
     if (peer != nullptr) {
-      // The piece's stores are visible at d before its count.
+      // The piece's stores (every lane's) are visible at d before its count.
+      __threadfence_system();
       __syncwarp();
       if (lane == 0) {
-        __threadfence_system();
         atomicAdd_system(reinterpret_cast<unsigned long long*>(peer_word(peer, a.arrivals, a.my_pe)),
                          static_cast<unsigned long long>(rows * a.fields));
       }
@@ -273,6 +273,9 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
         ok = detail::wait_until_at_least(word(a, a.arrivals, s), expected[s], deadline, a.status,
                                          detail::WaitOp::kAllToAllArrival, s, a.my_pe);
       if (!__shfl_sync(0xffffffffu, ok, 0)) break;
+      // Every lane's reads of the region come after lane 0 saw the rows' count.
+      __syncwarp();
+      __threadfence();
       arrived = s;
     }
     const int64_t first = (piece - pieces[s]) * per_piece;
