@@ -134,8 +134,8 @@ has() { [[ " $1 " == *" $2 "* ]]; }
 case "$PART" in
   quick) STEPS="gpu2-tests gpu2-tests-rma n-pes" ;;
   a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async" ;;
-  b) STEPS="hostile kill-ring torch-order ucx-check kill-check netns-check sanitizers bench" ;;
-  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async hostile kill-ring torch-order ucx-check kill-check netns-check sanitizers bench" ;;
+  b) STEPS="hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
+  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
 esac
 # On one GPU the stress runs are cut by time (fewer rounds), so that a part fits one call.
 if [ "$ONE_GPU" = 1 ]; then
@@ -243,6 +243,14 @@ if has "$STEPS" bench; then
   fi
   step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-$DEFAULT_BENCH}
 fi
+# MoE dispatch/combine with N_PES PEs (4: the target shape; N_PES=8 for eight).
+if has "$STEPS" bench-moe; then
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step bench-moe env $(pes "$N_PES") NVSHMEM_SYMMETRIC_SIZE=${MOE_SYMMETRIC_SIZE:-6G} timeout 300 \
+    torchrun --nproc_per_node="$N_PES" -m pydatacopy.bench.moe --json "$OUT/bench-moe.json" ${BENCH_MOE_ARGS:-}
+  shared_mps stop
+fi
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
 mps stop
 
@@ -266,6 +274,8 @@ grep -h "^netns-check" "$OUT/netns-check.log" 2>/dev/null
 grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 [ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
+[ -s "$OUT/bench-moe.log" ] && sed -n '/^op /,$p' "$OUT/bench-moe.log"
+grep -h "^kill-moe" "$OUT/kill-moe.log" 2>/dev/null | tail -n 4
 for f in control server; do  # MPS's own logs, for a client it refused
   [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
 done
