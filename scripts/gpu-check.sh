@@ -200,6 +200,12 @@ if has "$STEPS" kill-ring; then  # 4 processes of its own, one killed (tests/str
   step kill-ring env $(pes "$N_PES") timeout 300 $PY tests/stress/kill_ring.py
   shared_mps stop
 fi
+if has "$STEPS" kill-moe; then  # 4 processes of its own, one killed during MoE dispatch/combine
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step kill-moe env $(pes 4) timeout 240 $PY tests/stress/kill_moe.py
+  shared_mps stop
+fi
 has "$STEPS" torch-order && step torch-order timeout 400 $PY tests/stress/torch_order_check.py
 has "$STEPS" ucx-check && step ucx-check timeout 200 $PY tests/stress/ucx_check.py
 if has "$STEPS" kill-check; then
