@@ -292,3 +292,48 @@ def test_symmetric_bytes_needed():
 def test_public_names():
     for name in ("AllToAll", "all_to_all_v", "MoeDispatcher", "MoeHandle"):
         assert name in pydatacopy.__all__ and hasattr(pydatacopy, name)
+
+
+def _stub_buffer(number: int, n_pes: int = 1) -> pydatacopy.AllToAll:
+    """An AllToAll object as the traced path sees it (its number and order tensor), with no
+    NVSHMEM behind it: the ops' kernels reach the loopback registered under `number`."""
+    stub = object.__new__(pydatacopy.AllToAll)
+    stub.number, stub._n_pes, stub._device = number, n_pes, -1
+    stub._order = torch.zeros(1, dtype=torch.uint8)
+    return stub
+
+
+def test_torch_compile_traces_dispatch_and_combine_whole():
+    """dispatch, an expert and combine under torch.compile(fullgraph=True): no graph break, the
+    two exchanges and the reduction as ops, the result as the arithmetic says (one PE, loopback)."""
+    tokens, hidden, topk, experts = 5, 8, 2, 4
+    numbers = (2 * 10**6 + random.randrange(10**6), 3 * 10**6 + random.randrange(10**6))
+    loopbacks = (_Loopback(capacity=tokens), _Loopback(capacity=tokens * topk))  # kept alive:
+    for number, loopback in zip(numbers, loopbacks):  # the registry holds them weakly
+        _moe._buffers[number] = loopback
+    try:
+        moe = object.__new__(pydatacopy.MoeDispatcher)
+        moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = experts, hidden, topk, tokens
+        moe.dtype = moe.combine_dtype = torch.float32
+        moe.n_pes, moe.experts_per_pe, moe.my_pe = 1, experts, 0
+        moe._dispatch, moe._combine = _stub_buffer(numbers[0]), _stub_buffer(numbers[1])
+
+        def layer(x, ids, weights):
+            recv_x, handle = moe.dispatch(x, ids)
+            return moe.combine(recv_x * 2, handle, weights)
+
+        rng = torch.Generator().manual_seed(9)
+        x = torch.randn(tokens, hidden, generator=rng)
+        ids = torch.stack([torch.randperm(experts, generator=rng)[:topk] for _ in range(tokens)])
+        ids[1, 0] = -1  # a slot without an expert
+        weights = torch.rand(tokens, topk, generator=rng)
+        torch._dynamo.reset()
+        out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x, ids, weights)
+        want = torch.zeros(tokens, hidden)
+        for k in range(topk):
+            want = want + torch.where(ids[:, k:k + 1] >= 0, weights[:, k:k + 1] * (x * 2), 0.0)
+        assert torch.equal(out, want)
+        assert [lb.calls for lb in loopbacks] == [1, 1]  # each exchange ran once
+    finally:
+        for number in numbers:
+            _moe._buffers.pop(number, None)

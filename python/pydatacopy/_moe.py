@@ -19,6 +19,7 @@ import weakref
 from typing import NamedTuple, Sequence
 
 import torch
+from torch._C import _len_torch_dispatch_stack
 
 from . import _C
 from ._torch_utils import check_int, stream_handle, timeout_seconds
@@ -33,7 +34,6 @@ _REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 def _traced() -> bool:
     """Dynamo tracing, or a torch dispatch mode active (make_fx, FakeTensorMode): the ops, not _C."""
-    from torch._C import _len_torch_dispatch_stack
     return torch.compiler.is_dynamo_compiling() or _len_torch_dispatch_stack() > 0
 
 
@@ -333,7 +333,6 @@ _SCHEMA_REDUCE = "(Tensor rows, Tensor slots, Tensor weights, int? stream) -> Te
 
 def _eager(function, *args):
     """Run an op's real kernel as eager code even under a dispatch mode that handed it on."""
-    from torch._C import _len_torch_dispatch_stack
     if _len_torch_dispatch_stack():
         from torch.utils._python_dispatch import _disable_current_modes
         with _disable_current_modes():
