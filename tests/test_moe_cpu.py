@@ -67,7 +67,7 @@ def _simulate(xs, topks, weights, num_experts, capacity):
     for r in range(n):
         (tokens, meta), counts, _ = received[r]
         layout = _moe.receive_layout(meta, counts, r, per_pe, topk)
-        recv_x = tokens.index_select(0, layout.row_of)
+        recv_x = _moe.gather_rows(tokens, layout.row_of, layout.num_rows)
         y = _expert_output(recv_x, layout.expert_of_row + r * per_pe)
         recv_xs.append(recv_x)
         layouts.append(layout)
@@ -218,6 +218,13 @@ def test_opcheck_all_to_all_v(loopback):
     args = (number, sends, torch.tensor([4]), torch.tensor([5, 4, 3, 2, 1, 0]), None, None,
             torch.zeros(1, dtype=torch.uint8))
     torch.library.opcheck(_moe.OPS["all_to_all_v"], args)
+
+
+def test_opcheck_gather_rows():
+    src = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+    args = (src, torch.tensor([4, 0, 2, 2]), torch.tensor(3), None)
+    torch.library.opcheck(_moe.OPS["moe_gather_rows"], args)
+    assert torch.equal(_moe.gather_rows(*args[:3])[:3], src[[4, 0, 2]])
 
 
 def test_opcheck_combine_reduce():

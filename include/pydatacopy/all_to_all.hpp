@@ -160,6 +160,13 @@ class AllToAll {
   int n_pes_ = 0;
 };
 
+// out[i] = src[index[i]] for i < min(*count, rows), rows of `row_bytes` bytes; `count` is a
+// device int64 (read by the kernel: no host synchronisation, a captured launch follows it); rows
+// past it, and rows whose index is outside [0, src_rows), are left as they are. MoE dispatch's
+// grouping by expert copies only the rows in use this way.
+void gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count, int64_t rows,
+                 int64_t src_rows, int64_t row_bytes, cudaStream_t stream);
+
 // MoE combine's reduction: out[t] = sum over k in order of weights[t, k] * rows[slots[t, k]]
 // (slots < 0 skipped), each product and sum rounded to float32 in that order (no fused
 // multiply-add, so a float32 reference computed in the same order matches bit for bit), then

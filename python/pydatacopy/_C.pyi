@@ -75,6 +75,10 @@ def moe_combine_reduce(out: int, rows: int, row_count: int, slots: int, weights:
                        topk: int, hidden: int, dtype: int, stream: int) -> None:
     """out[t] = sum_k weights[t,k] * rows[slots[t,k]] in float32, k order; dtype 0 f32, 1 bf16, 2 f16."""
 
+def gather_rows(out: int, src: int, index: int, count: int, rows: int, src_rows: int, row_bytes: int,
+                stream: int) -> None:
+    """out[i] = src[index[i]] for i < min(*count, rows); count is a device int64."""
+
 def check_all_to_all_refusal() -> None: ...
 
 class DoubleBufferManager:

@@ -225,6 +225,9 @@ class AllToAll:
         index_rows = 0 if send_index is None else send_index.shape[0]
         self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
                             offsets.data_ptr(), handle, seconds)
+        if stream is not None:  # on another stream: the inputs stay allocated until it is done
+            from ._transfer import _keep_alive
+            _keep_alive(stream, *sends, send_counts, *([] if send_index is None else [send_index]))
         return recvs, counts, offsets
 
 
@@ -286,6 +289,30 @@ def combine_reduce(rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tenso
     if _traced():
         return torch.ops.pydatacopy.moe_combine_reduce(rows, slots, weights, None)
     return _combine_reduce_eager(rows, slots, weights, None)
+
+
+def gather_rows(src: torch.Tensor, index: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``out[i] = src[index[i]]`` for ``i < count`` (a 0-dim int64 tensor on src's device, read by
+    the kernel: no host synchronisation); ``out`` has ``index.shape[0]`` rows, those past the count
+    unspecified. dispatch's grouping by expert: only the rows in use are copied (an index_select
+    would copy every row of the fixed-size output)."""
+    if _traced():
+        return torch.ops.pydatacopy.moe_gather_rows(src, index, count, None)
+    return _gather_rows_eager(src, index, count, None)
+
+
+def _gather_rows_eager(src, index, count, stream) -> torch.Tensor:
+    if index.dtype != torch.int64 or index.dim() != 1 or count.dtype != torch.int64 or count.numel() != 1:
+        raise Error("pydatacopy gather_rows: index must be a 1-D int64 tensor and count one int64")
+    if not src.is_cuda:  # tests, references: every row (those past the count are unspecified)
+        return src.index_select(0, index.clamp(0, max(src.shape[0] - 1, 0))) if src.shape[0] else \
+            src.new_empty((index.shape[0], *src.shape[1:]))
+    src, index, count = src.contiguous(), index.contiguous(), count.contiguous()
+    out = torch.empty((index.shape[0], *src.shape[1:]), dtype=src.dtype, device=src.device)
+    _C.gather_rows(out.data_ptr(), src.data_ptr(), index.data_ptr(), count.data_ptr(), index.shape[0],
+                   src.shape[0], _row_numel(src) * src.element_size(),
+                   stream_handle(stream, src.get_device()))
+    return out
 
 
 def _combine_reduce_eager(rows, slots, weights, stream) -> torch.Tensor:
@@ -362,6 +389,19 @@ def _exchange_fake(buffer, sends, send_counts, send_index, stream, timeout, orde
             send_counts.new_empty((b.n_pes,), dtype=torch.int64))
 
 
+def _gather_real(src, index, count, stream):
+    return _eager(_gather_rows_eager, src, index, count, stream)
+
+
+_gather_custom = torch.library.custom_op("pydatacopy::moe_gather_rows", _gather_real, mutates_args=(),
+                                         schema="(Tensor src, Tensor index, Tensor count, int? stream) -> Tensor")
+
+
+@_gather_custom.register_fake
+def _gather_fake(src, index, count, stream):
+    return src.new_empty((index.shape[0], *src.shape[1:]))
+
+
 def _reduce_real(rows, slots, weights, stream):
     return _eager(_combine_reduce_eager, rows, slots, weights, stream)
 
@@ -383,6 +423,7 @@ def _exchange_op(number, sends, send_counts, send_index, stream, timeout, order)
 
 
 OPS = {"all_to_all_v": torch.ops.pydatacopy.all_to_all_v.default,
+       "moe_gather_rows": torch.ops.pydatacopy.moe_gather_rows.default,
        "moe_combine_reduce": torch.ops.pydatacopy.moe_combine_reduce.default}
 
 
@@ -506,7 +547,7 @@ class MoeDispatcher:
         (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
             [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
         layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
-        recv_x = recv_tokens.index_select(0, layout.row_of)
+        recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
                            layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
                            layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)

@@ -434,6 +434,15 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("rows"), py::arg("row_count"), py::arg("slots"), py::arg("weights"),
         py::arg("tokens"), py::arg("topk"), py::arg("hidden"), py::arg("dtype"), py::arg("stream"),
         release_gil(), "out[t] = sum_k weights[t,k] * rows[slots[t,k]] (float32, in k order); dtype 0 f32, 1 bf16, 2 f16");
+  m.def("gather_rows",
+        [](std::uintptr_t out, std::uintptr_t src, std::uintptr_t index, std::uintptr_t count, int64_t rows,
+           int64_t src_rows, int64_t row_bytes, std::uintptr_t stream) {
+          gather_rows(as_pointer<void>(out), as_pointer<const void>(src), as_pointer<const int64_t>(index),
+                      as_pointer<const int64_t>(count), rows, src_rows, row_bytes, as_stream(stream));
+        },
+        py::arg("out"), py::arg("src"), py::arg("index"), py::arg("count"), py::arg("rows"),
+        py::arg("src_rows"), py::arg("row_bytes"), py::arg("stream"), release_gil(),
+        "out[i] = src[index[i]] for i < min(*count, rows) (count: a device int64)");
   m.def("check_all_to_all_refusal", &check_all_to_all_refusal,
         "Raise (once) an all-to-all refusal recorded on the device.");
 

@@ -246,6 +246,18 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
   ++calls_;
 }
 
+void gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count, int64_t rows,
+                 int64_t src_rows, int64_t row_bytes, cudaStream_t stream) {
+  PDC_REQUIRE(rows >= 0 && src_rows >= 0 && row_bytes >= 0,
+              "gather_rows: negative sizes (rows " << rows << ", src_rows " << src_rows << ", row_bytes "
+                                                   << row_bytes << ")");
+  PDC_REQUIRE(rows == 0 || (out != nullptr && index != nullptr && count != nullptr),
+              "gather_rows: out, index and count must be device tensors");
+  // Enough warps to keep the copy at full speed; the kernel strides over the rows in use.
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, 4 * multiprocessor_count()));
+  kernels::launch_gather_rows(out, src, index, count, rows, src_rows, row_bytes, std::max(blocks, 1), stream);
+}
+
 void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
                         const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                         int dtype, cudaStream_t stream) {

@@ -376,3 +376,19 @@ def test_dispatch_refuses_bad_arguments_on_every_pe(world, dispatcher):
         dispatcher.dispatch(x, topk)
     with pytest.raises(pydatacopy.Error, match="num_experts"):
         dispatcher.dispatch(x[:2], topk[:2], dispatcher.num_experts + 1)
+
+
+def test_dispatch_and_combine_under_torch_compile(world, dispatcher):
+    """dispatch, the expert and combine compiled whole (fullgraph, aot_eager: the ops' real
+    kernels between functionalized torch code), twice with fresh routing."""
+    rank, n, _ = world
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, topk, weights: _run_moe(dispatcher, x, topk, weights)[2],
+                             backend="aot_eager", fullgraph=True)
+    for iteration in range(2):
+        x, topk, weights = _moe_inputs("random", rank, n, 300 + 10 * rank + iteration, dispatcher.dtype,
+                                       MAX_TOKENS)
+        out = compiled(x.cuda(), topk.cuda(), weights.cuda())
+        every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+        _, outs = _reference(every_x, every_topk, every_weights, n)
+        _same_bytes(out, outs[rank], f"compiled, iteration {iteration}")

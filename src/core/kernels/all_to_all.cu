@@ -337,7 +337,32 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// out[i] = src[index[i]] for i < min(*count, rows): one warp per row; rows past the count are
+// left as they are (the count is read on the device, so a captured launch follows it).
+__global__ void __launch_bounds__(256)
+    gather_rows_kernel(uint8_t* out, const uint8_t* src, const int64_t* index, const int64_t* count,
+                       int64_t rows, int64_t src_rows, int64_t row_bytes) {
+  const int64_t used = min(*count, rows);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < used;
+       row += warps) {
+    const int64_t from = index[row];
+    if (from < 0 || from >= src_rows) continue;  // not a row of src: left as it is
+    warp_copy(out + row * row_bytes, src + from * row_bytes, row_bytes, lane);
+  }
+}
+
 }  // namespace
+
+void launch_gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count,
+                        int64_t rows, int64_t src_rows, int64_t row_bytes, int blocks,
+                        cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  gather_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(out), static_cast<const uint8_t*>(src),
+                                                 index, count, rows, src_rows, row_bytes);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
 
 void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream) {
   all_to_all_send_kernel<<<blocks, kThreads, 0, stream>>>(args);
@@ -375,6 +400,7 @@ void preload_all_to_all_kernels() {
   cudaFuncAttributes attributes;
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_send_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_recv_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, gather_rows_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_kernel<float>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_kernel<__nv_bfloat16>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_kernel<__half>));

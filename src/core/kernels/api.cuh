@@ -223,6 +223,10 @@ void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream
 // GPU are resident at once (they wait on one another).
 int all_to_all_blocks(int pes_sharing_gpu);
 
+void launch_gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count,
+                        int64_t rows, int64_t src_rows, int64_t row_bytes, int blocks,
+                        cudaStream_t stream);
+
 void launch_moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
                                const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                                int dtype, cudaStream_t stream);
