@@ -106,7 +106,7 @@ class AllToAll:
         check_int("capacity", capacity, 1, MAX_CAPACITY, call=call)
         check_int("max_row_bytes", max_row_bytes, 1, MAX_ROW_BYTES, call=call)
         if not _C.is_initialized():
-            raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or init_nvshmem()) first")
+            raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or pydatacopy.init_nvshmem()) first")
         _refuse_capture("AllToAll")
         self._core = _C.AllToAll()
         self._core.init(capacity, max_row_bytes)
@@ -278,6 +278,13 @@ def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor, buffer: AllToAll
     call's waits time out (``timeout``, default PYDATACOPY_TIMEOUT_S): TimeoutError at
     check_errors() or the next call, on every PE that waited on it.
     """
+    if not _traced():
+        if not _C.is_initialized():
+            raise Error("pydatacopy.all_to_all_v needs NVSHMEM: call pydatacopy.init() (or "
+                        "pydatacopy.init_nvshmem()) first, then set up a pydatacopy.AllToAll buffer")
+        if not isinstance(buffer, AllToAll):
+            raise Error(f"pydatacopy.all_to_all_v: buffer must be a pydatacopy.AllToAll (made once, "
+                        f"collectively, with the row capacity), got {type(buffer).__name__}")
     return buffer.all_to_all_v(send, send_counts, stream=stream, timeout=timeout)
 
 
@@ -478,7 +485,7 @@ class MoeDispatcher:
         call = "pydatacopy.MoeDispatcher"
         _refuse_tracing("MoeDispatcher")
         if not _C.is_initialized():
-            raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or init_nvshmem()) first")
+            raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or pydatacopy.init_nvshmem()) first")
         n = _C.n_pes()
         check_int("num_experts", num_experts, 1, call=call)
         check_int("hidden", hidden, 1, call=call)
