@@ -135,6 +135,8 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
     }
   }
 
+  __syncwarp();  // block 0's lanes took their own paths above; the warp calls below need all
+
   // Rows, piece by piece: each warp takes whole pieces of one destination.
   const int64_t total = pieces[n];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -155,7 +157,10 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
       }
       credited = d;
     }
-    if (*reinterpret_cast<volatile int*>(&failed)) break;
+    // Another warp may set `failed` at any time: one lane reads it, so that the warp stays whole.
+    int stop = 0;
+    if (lane == 0) stop = *reinterpret_cast<volatile int*>(&failed);
+    if (__shfl_sync(0xffffffffu, stop, 0)) break;
     const int64_t first = (piece - pieces[i]) * per_piece;
     const int64_t rows = min(per_piece, rows_to[d] - first);
     uint8_t* peer = a.direct ? a.peer_bases[d] : nullptr;
