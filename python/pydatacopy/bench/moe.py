@@ -11,6 +11,8 @@ Rows per shape: dispatch, combine, and dispatch + combine, eagerly; dispatch + c
 from a CUDA graph (the decode setting: no host work per layer); and, measured in the same run,
 bare cudaMemcpyAsync copies on this GPU of the bytes each moves (the rows and meta this PE sends
 in dispatch; the expert outputs it sends back in combine): `xbase` is the time over the copy's.
+With one PE per GPU (torch.distributed on NCCL) also NCCL's all_to_all_single of dispatch's rows,
+split sizes given on the host (which NCCL needs; not torch's all_to_all_vdev: not done).
 Times: CUDA events, median of repeats, the slower PE. Check (`ok`, can fail): after the timings
 one more dispatch + combine with fresh tokens, an identity expert (y = recv_x) and fresh weights,
 whose output must equal, bit for bit, sum_k w[t, k] * x[t] computed here in float32 in k order
@@ -107,6 +109,9 @@ def bench_shape(name: str, args) -> list[dict]:
         base_c = add("baseline", "local copy", combine_bytes, *_bare_copy(combine_bytes, args))
         base_dc = add("baseline", "local copy", dispatch_bytes + combine_bytes,
                       *_bare_copy(dispatch_bytes + combine_bytes, args))
+        if dist.get_backend() == "nccl":  # one PE per GPU: NCCL's all-to-all-v of the same rows
+            add("baseline", "NCCL a2a_single", dispatch_bytes,
+                *_nccl_all_to_all(x, ids, experts, n, hidden, topk, args), base_d)
         checked = _check(moe, tokens, hidden, experts, topk, 7000 + me)
         add("moe dispatch", "eager", dispatch_bytes,
             time_op(lambda: moe.dispatch(x, ids), args.iters, args.warmup, args.repeats), checked, base_d)
@@ -138,6 +143,31 @@ def bench_shape(name: str, args) -> list[dict]:
     finally:
         torch.cuda.synchronize()
         moe.close()
+
+
+def _nccl_all_to_all(x, ids, experts, n, hidden, topk, args) -> tuple:
+    """torch.distributed.all_to_all_single (NCCL) of the rows dispatch sends (each token once per
+    PE, with its ids' bytes), split sizes known on the host beforehand (NCCL needs them there; the
+    copy into send order is outside the timing). Checked: every PE receives the byte counts its
+    peers said they would send."""
+    plan = pydatacopy._moe.dispatch_plan(ids, experts, n)
+    row_bytes = hidden * 2 + (topk + 1) * 4
+    counts = plan.send_counts.tolist()
+    rows = int(sum(counts))
+    send = torch.zeros(rows, row_bytes, dtype=torch.uint8, device="cuda")
+    send[:, :hidden * 2] = x.view(torch.uint8).index_select(0, plan.send_index[:rows])
+    sizes = torch.tensor(counts, dtype=torch.int64, device="cuda")
+    recv_sizes = torch.empty_like(sizes)
+    dist.all_to_all_single(recv_sizes, sizes)
+    recv_counts = recv_sizes.tolist()
+    recv = torch.empty(int(sum(recv_counts)), row_bytes, dtype=torch.uint8, device="cuda")
+
+    def run():
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=counts)
+
+    timed = time_op(run, args.iters, args.warmup, args.repeats)
+    torch.cuda.synchronize()
+    return timed, agree(recv.shape[0] == int(sum(recv_counts)))
 
 
 def _check(moe, tokens, hidden, experts, topk, seed) -> bool:
