@@ -176,6 +176,14 @@ if has "$STEPS" n-pes; then
   step n-pes env $(pes "$N_PES") timeout 300 torchrun --nproc_per_node="$N_PES" $SUITE -m any_pes
   shared_mps stop
 fi
+# The MoE tests with 8 PEs (12% of the SMs each on one GPU): asked for by name (ONLY="moe-8",
+# or MOE8=1 with a part), as they take a few minutes beside the 4-PE step's run of them.
+if [[ " ${ONLY:-} " == *" moe-8 "* ]] || [ "${MOE8:-0}" = 1 ]; then
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step moe-8 env $(pes 8) timeout 400 torchrun --nproc_per_node=8 -m pytest tests/gpu/test_moe.py -q -p no:cacheprovider -rs
+  shared_mps stop
+fi
 # The real-conditions tests one group per process (a group that hangs or kills its processes
 # cannot hide the others). On one GPU only to find the culprit after a failed suite (the same
 # tests ran inside it), or with HOSTILE=1.
@@ -265,7 +273,7 @@ echo "=== gpu-check PART=$PART $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-s
 printf '%s\n' "${NOTES[@]}"
 printf '%s\n' "${SUMMARY[@]}"
 grep -h " rc=" "$OUT/hostile.log" 2>/dev/null
-for log in cpu-tests gpu2-tests gpu2-tests-rma n-pes; do
+for log in cpu-tests gpu2-tests gpu2-tests-rma n-pes moe-8; do
   [ -s "$OUT/$log.log" ] && echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"
 done
 grep -h "^SKIPPED" "$OUT"/gpu2-tests*.log "$OUT/n-pes.log" 2>/dev/null | sort | uniq -c | head -n 20
