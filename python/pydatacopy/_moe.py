@@ -92,7 +92,8 @@ class AllToAll:
     Construction is collective and blocking (every PE, same arguments, same order; not inside a
     CUDA graph capture or a compiled function). Each PE holds two sets (by the parity of its call
     count) of ``n_pes`` regions of ``capacity x max_row_bytes`` bytes on the symmetric heap
-    (``symmetric_bytes``); ``close()`` frees them, collectively too.
+    (``symmetric_bytes``); ``close()`` frees them, collectively too (the garbage collector never
+    does: freeing needs every PE, so a buffer dropped without close() stays until finalize()).
 
     A call that asks to send more than ``capacity`` rows to a PE sends it nothing and is refused
     on both PEs concerned: ``pydatacopy.check_errors()`` raises pydatacopy.Error there once the

@@ -11,7 +11,7 @@ pydatacopy code; `local copy`) is timed the same way: `xbase` is a row's time ov
 (device time; `xbaseH`: host time per call, issuing only), the ratio that matters on a GPU whose
 memory is local (2 PEs sharing one GPU) as on two. Also: put_many against put_blocks, a 4 KiB
 put replayed in a CUDA graph against bare copies replayed alike, and the token exchange against
-a bare copy of its bytes.
+a bare copy of its bytes. MoE dispatch/combine for any PE count: python -m pydatacopy.bench.moe.
 
 Two PEs on two GPUs (nccl), or sharing one GPU (PYDATACOPY_RANKS_PER_GPU=2, or more ranks than
 GPUs: torch.distributed on gloo, as NCCL refuses two ranks on one GPU; the NCCL and torch
