@@ -203,8 +203,6 @@ class AllToAll:
         if send_counts.shape != (self._n_pes,):
             raise Error(f"pydatacopy.all_to_all_v: send_counts must have shape ({self._n_pes},) "
                         f"(one count per PE), got {tuple(send_counts.shape)}")
-        if send_counts.dtype != torch.int64:
-            send_counts = send_counts.to(torch.int64)  # on the GPU, stream-ordered
         if send_index is not None:
             _check_cuda(send_index, "send_index", self._device)
             if send_index.dtype != torch.int64 or send_index.dim() != 1:
@@ -216,7 +214,9 @@ class AllToAll:
         seconds = timeout_seconds(timeout)
         handle = stream_handle(stream, self._device)
         recv_rows = self.recv_rows
-        with _on_stream(stream):
+        with _on_stream(stream):  # the call's stream: the conversion and outputs are ordered there
+            if send_counts.dtype != torch.int64:
+                send_counts = send_counts.to(torch.int64)
             recvs = [torch.empty((recv_rows, *s.shape[1:]), dtype=s.dtype, device=s.device) for s in sends]
             counts = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
             offsets = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
@@ -244,9 +244,11 @@ def _check_cuda(tensor: object, name: str, device: int) -> None:
 
 
 class _on_stream:
-    """torch.cuda.stream(stream) for a torch stream; nothing for None or a raw handle."""
+    """torch.cuda.stream(stream) for a torch stream or a raw cudaStream_t; nothing for None."""
 
     def __init__(self, stream) -> None:
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            stream = torch.cuda.ExternalStream(stream)
         self._context = torch.cuda.stream(stream) if isinstance(stream, torch.cuda.Stream) else None
 
     def __enter__(self):
