@@ -134,8 +134,8 @@ has() { [[ " $1 " == *" $2 "* ]]; }
 case "$PART" in
   quick) STEPS="gpu2-tests gpu2-tests-rma n-pes" ;;
   a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async" ;;
-  b) STEPS="hostile kill-ring torch-order ucx-check kill-check netns-check sanitizers bench" ;;
-  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async hostile kill-ring torch-order ucx-check kill-check netns-check sanitizers bench" ;;
+  b) STEPS="hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
+  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
 esac
 # On one GPU the stress runs are cut by time (fewer rounds), so that a part fits one call.
 if [ "$ONE_GPU" = 1 ]; then
@@ -176,6 +176,14 @@ if has "$STEPS" n-pes; then
   step n-pes env $(pes "$N_PES") timeout 300 torchrun --nproc_per_node="$N_PES" $SUITE -m any_pes
   shared_mps stop
 fi
+# The MoE tests with 8 PEs (12% of the SMs each on one GPU): asked for by name (ONLY="moe-8",
+# or MOE8=1 with a part), as they take a few minutes beside the 4-PE step's run of them.
+if [[ " ${ONLY:-} " == *" moe-8 "* ]] || [ "${MOE8:-0}" = 1 ]; then
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step moe-8 env $(pes 8) timeout 400 torchrun --nproc_per_node=8 -m pytest tests/gpu/test_moe.py -q -p no:cacheprovider -rs
+  shared_mps stop
+fi
 # The real-conditions tests one group per process (a group that hangs or kills its processes
 # cannot hide the others). On one GPU only to find the culprit after a failed suite (the same
 # tests ran inside it), or with HOSTILE=1.
@@ -199,6 +207,12 @@ if has "$STEPS" kill-ring; then  # 4 processes of its own, one killed (tests/str
   shared_mps start
   # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
   step kill-ring env $(pes "$N_PES") timeout 300 $PY tests/stress/kill_ring.py
+  shared_mps stop
+fi
+if has "$STEPS" kill-moe; then  # 4 processes of its own, one killed during MoE dispatch/combine
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step kill-moe env $(pes 4) timeout 240 $PY tests/stress/kill_moe.py
   shared_mps stop
 fi
 has "$STEPS" torch-order && step torch-order timeout 400 $PY tests/stress/torch_order_check.py
@@ -244,6 +258,14 @@ if has "$STEPS" bench; then
   fi
   step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-$DEFAULT_BENCH}
 fi
+# MoE dispatch/combine with N_PES PEs (4: the issue's target shape; N_PES=8 for eight).
+if has "$STEPS" bench-moe; then
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step bench-moe env $(pes "$N_PES") NVSHMEM_SYMMETRIC_SIZE=${MOE_SYMMETRIC_SIZE:-6G} timeout 300 \
+    torchrun --nproc_per_node="$N_PES" -m pydatacopy.bench.moe --json "$OUT/bench-moe.json" ${BENCH_MOE_ARGS:-}
+  shared_mps stop
+fi
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
 mps stop
 
@@ -252,7 +274,7 @@ echo "=== gpu-check PART=$PART $(date -u +%Y-%m-%dT%H:%MZ) on $NGPU x $(nvidia-s
 printf '%s\n' "${NOTES[@]}"
 printf '%s\n' "${SUMMARY[@]}"
 grep -h " rc=" "$OUT/hostile.log" 2>/dev/null
-for log in cpu-tests gpu2-tests gpu2-tests-rma n-pes; do
+for log in cpu-tests gpu2-tests gpu2-tests-rma n-pes moe-8; do
   [ -s "$OUT/$log.log" ] && echo "$log: $(grep -h "passed\|failed" "$OUT/$log.log" | tail -n 2 | tr '\n' ' ')"
 done
 grep -h "^SKIPPED" "$OUT"/gpu2-tests*.log "$OUT/n-pes.log" 2>/dev/null | sort | uniq -c | head -n 20
@@ -267,6 +289,8 @@ grep -h "^netns-check" "$OUT/netns-check.log" 2>/dev/null
 grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 [ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
+[ -s "$OUT/bench-moe.log" ] && sed -n '/^op /,$p' "$OUT/bench-moe.log"
+grep -h "^kill-moe" "$OUT/kill-moe.log" 2>/dev/null | tail -n 4
 for f in control server; do  # MPS's own logs, for a client it refused
   [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
 done

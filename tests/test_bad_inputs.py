@@ -132,6 +132,9 @@ ALL_INTERFACES = ",".join(name for _, name in socket.if_nameindex())
 _t = torch.zeros(4)
 _i = torch.zeros(1, dtype=torch.int64)
 NEEDS_INIT_ARGS = {
+    "AllToAll": ((4, 16), {}),
+    "MoeDispatcher": ((8, 16, 2, 4), {}),
+    "all_to_all_v": ((_t, _i, None), {}),
     "barrier": ((), {}),
     "empty": ((16,), {}),
     "free": ((_t,), {}),
@@ -480,6 +483,7 @@ def test_every_public_callable_needs_init_or_works_before_it():
         "is_symmetric": lambda: pydatacopy.is_symmetric(torch.zeros(1)),
         "nvshmem_versions": pydatacopy.nvshmem_versions,
         "group": _empty_group,
+        "MoeHandle": lambda: pydatacopy.MoeHandle(*([torch.zeros(1)] * len(pydatacopy.MoeHandle._fields))),
     }
     argument_errors = {"init", "init_nvshmem", "share_unique_id", "choose_device"}  # rows above
     not_callable = {"Error", "TimeoutError", "UNIQUE_ID_BYTES"}

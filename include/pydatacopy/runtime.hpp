@@ -127,7 +127,10 @@ void clear_size_mismatch();
 // device record is waiting to be reported (check_refusals then leaves it to that record).
 bool claim_send_refusal_report(int pe);
 bool send_refusal_recorded(int pe);
-// check_timeouts(), check_size_mismatch(), then the bad input a kernel found on the device (an
+// Throws (once) an all-to-all refusal recorded on the device (a count over the capacity, at the
+// sender and at the receiver; a bad count or index; rows of another width): all_to_all.hpp.
+void check_all_to_all_refusal();
+// check_timeouts(), check_size_mismatch(), check_all_to_all_refusal(), then the bad input a kernel found on the device (an
 // index out of range), which is reported once and cleared.
 void check_device_errors();
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import _C
 from ._double_buffer import DoubleBufferManager
+from ._moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
 from ._transfer import (
     PreparedPutMany,
     barrier,
@@ -80,8 +81,12 @@ def nvshmem_versions() -> dict[str, str]:
 
 
 __all__ = [
+    "AllToAll",
     "DoubleBufferManager",
     "PreparedPutMany",
+    "MoeDispatcher",
+    "MoeHandle",
+    "all_to_all_v",
     "barrier",
     "empty",
     "free",

@@ -627,8 +627,10 @@ def check_errors() -> None:
     """Raise what stream-ordered device-side work has reported since the last look: a timeout
     (TimeoutError, each timed-out PE once; calls with that PE keep refusing), a send/recv whose
     two sides disagreed on the byte count (Error: on the receiver once its recv has run, on the
-    sender once the receiver has looked, even when the send had completed before), or a
-    put_blocks index out of range (Error)."""
+    sender once the receiver has looked, even when the send had completed before), an
+    all_to_all_v / MoE dispatch or combine refusal (Error, on the sender and on the receiver of a
+    count over the buffer's capacity; a bad count or index, on the sender), or a put_blocks index
+    out of range (Error)."""
     _transfer.service_zero_copy()  # peers' zero-copy mapping requests, answered without waiting
     _C.check_device_errors()
     _transfer.check_send_recv_refusals()

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "pydatacopy/all_to_all.hpp"
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/prepared_put_many.hpp"
@@ -39,7 +40,7 @@ Path as_path(int path) {
 // only to swap the engine's state in or out (SendRecvEngine::swap/detach), never across their
 // barriers: a thread waiting in one must not keep another from the transfers its peers wait
 // for, and a hot call sees either the whole old state or none (it never uses freed staging).
-std::mutex g_send_recv_mutex, g_token_exchange_mutex;
+std::mutex g_send_recv_mutex, g_token_exchange_mutex, g_all_to_all_mutex;
 
 // put_many's rows, read from sequences of tensors through the tensors' own Python methods (this
 // module links no libtorch) in one C++ pass: no Python loop, each fact asked once. The core
@@ -511,6 +512,61 @@ PYBIND11_MODULE(_C, m) {
                                      as_stream(stream));
         }, py::arg("blocks"), py::arg("threads"), py::arg("shared_bytes"), py::arg("release"),
         py::arg("released_by_flag"), py::arg("seconds"), py::arg("stream"));
+
+  // The all-to-all-v with counts on the GPU (all_to_all.hpp), and MoE combine's reduction.
+  py::class_<AllToAll>(m, "AllToAll")
+      .def(py::init<>())
+      .def("init", &AllToAll::init, py::arg("capacity"), py::arg("max_row_bytes"), release_gil(),
+           "Allocate the receive regions on every PE (collective, blocking)")
+      .def("cleanup", &AllToAll::cleanup, release_gil(), "Free them on every PE (collective, blocking)")
+      .def_property_readonly("initialized", &AllToAll::initialized)
+      .def_property_readonly("capacity", &AllToAll::capacity)
+      .def_property_readonly("max_row_bytes", &AllToAll::max_row_bytes)
+      .def_property_readonly("calls", &AllToAll::calls)
+      .def_property_readonly("symmetric_bytes", &AllToAll::symmetric_bytes)
+      .def_static("symmetric_bytes_needed", &AllToAll::symmetric_bytes_needed, py::arg("capacity"),
+                  py::arg("max_row_bytes"), py::arg("n_pes"))
+      .def("exchange",
+           [](AllToAll& self,
+              const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t>>& fields,
+              std::uintptr_t send_counts, std::uintptr_t send_index, int64_t index_rows,
+              std::uintptr_t recv_counts, std::uintptr_t recv_offsets, std::uintptr_t stream,
+              double timeout) {
+             std::vector<AllToAllField> list;
+             for (const auto& [send, recv, row_bytes, send_rows, recv_rows] : fields)
+               list.push_back({as_pointer<const void>(send), as_pointer<void>(recv), row_bytes, send_rows, recv_rows});
+             std::lock_guard<std::mutex> lock(g_all_to_all_mutex);
+             self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
+                           index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
+                           as_stream(stream), timeout);
+           },
+           py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
+           py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
+           release_gil(),
+           "fields: (send, recv, row_bytes, send_rows, recv_rows) tuples (addresses as ints); "
+           "send_index 0 for none");
+  m.def("moe_combine_reduce",
+        [](std::uintptr_t out, std::uintptr_t rows, int64_t row_count, std::uintptr_t slots,
+           std::uintptr_t weights, int64_t tokens, int64_t topk, int64_t hidden, int dtype,
+           std::uintptr_t stream) {
+          moe_combine_reduce(as_pointer<void>(out), as_pointer<const void>(rows), row_count,
+                             as_pointer<const int64_t>(slots), as_pointer<const float>(weights), tokens,
+                             topk, hidden, dtype, as_stream(stream));
+        },
+        py::arg("out"), py::arg("rows"), py::arg("row_count"), py::arg("slots"), py::arg("weights"),
+        py::arg("tokens"), py::arg("topk"), py::arg("hidden"), py::arg("dtype"), py::arg("stream"),
+        release_gil(), "out[t] = sum_k weights[t,k] * rows[slots[t,k]] (float32, in k order); dtype 0 f32, 1 bf16, 2 f16");
+  m.def("gather_rows",
+        [](std::uintptr_t out, std::uintptr_t src, std::uintptr_t index, std::uintptr_t count, int64_t rows,
+           int64_t src_rows, int64_t row_bytes, std::uintptr_t stream) {
+          gather_rows(as_pointer<void>(out), as_pointer<const void>(src), as_pointer<const int64_t>(index),
+                      as_pointer<const int64_t>(count), rows, src_rows, row_bytes, as_stream(stream));
+        },
+        py::arg("out"), py::arg("src"), py::arg("index"), py::arg("count"), py::arg("rows"),
+        py::arg("src_rows"), py::arg("row_bytes"), py::arg("stream"), release_gil(),
+        "out[i] = src[index[i]] for i < min(*count, rows) (count: a device int64)");
+  m.def("check_all_to_all_refusal", &check_all_to_all_refusal,
+        "Raise (once) an all-to-all refusal recorded on the device.");
 
   // Two-sided copies through symmetric staging.
   py::class_<SendRecvEngine>(m, "SendRecvEngine")

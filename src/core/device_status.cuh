@@ -22,6 +22,15 @@ enum class WaitOp : int {
   kRendezvous = 9,      // send: the receiver's zero-copy rendezvous descriptor
   kZeroCopyDone = 10,   // recv: the sender's zero-copy writes into the receive buffer
   kZeroCopyMapping = 11,  // send: the receiver posted a mapping this PE no longer holds (refusal)
+  kAllToAllCredit = 12,   // all_to_all: the receiver freeing its region of this PE's rows
+  kAllToAllArrival = 13,  // all_to_all: a source's count or rows arriving
+  // all_to_all refusals (record `all_to_all`, code kBadInput; not waits). peer: the other PE,
+  // expected: the rows asked (or the index found), seen: the limit.
+  kAllToAllCapacity = 14,       // this PE's count for `peer` is over the capacity (sender side)
+  kAllToAllCapacityFrom = 15,   // `peer` asked to send this PE more rows than the capacity
+  kAllToAllCount = 16,          // a negative count, or counts past the rows (or index) sent
+  kAllToAllIndex = 17,          // a gather index out of range (that row was not sent)
+  kAllToAllLayout = 18,         // `peer` sent rows of another width or field count than this PE's
 };
 
 const char* wait_op_name(WaitOp op);
@@ -57,6 +66,9 @@ struct DeviceStatus {
   // [0]: this PE's send channel to the peer, [1]: its recv channel from the peer: both
   // directions of a pair can be refused, and each is reported once.
   ErrorRecord mismatch[2][kTrackedPes];
+  // Reported once, by check_errors() or after the next all-to-all call's launch: a refusal of
+  // the all-to-all (kAllToAllCapacity..kAllToAllLayout); the first one wins until reported.
+  ErrorRecord all_to_all;
   int timed_out_pes[kTrackedPes];  // nonzero: a wait on that PE timed out
 };
 

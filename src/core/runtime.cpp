@@ -183,6 +183,13 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kRendezvous: return "send (waiting for the receiver's zero-copy rendezvous descriptor)";
     case WaitOp::kZeroCopyDone: return "recv (waiting for the sender's zero-copy writes)";
     case WaitOp::kZeroCopyMapping: return "send (a zero-copy mapping of the receiver's buffer was gone)";
+    case WaitOp::kAllToAllCredit: return "all_to_all (waiting for the receiver to free its region)";
+    case WaitOp::kAllToAllArrival: return "all_to_all (waiting for the source's count and rows)";
+    case WaitOp::kAllToAllCapacity:
+    case WaitOp::kAllToAllCapacityFrom:
+    case WaitOp::kAllToAllCount:
+    case WaitOp::kAllToAllIndex:
+    case WaitOp::kAllToAllLayout: return "all_to_all";
     default: return "wait";
   }
 }
@@ -674,9 +681,58 @@ void report_new_timeouts() {
 }
 }  // namespace
 
+void check_all_to_all_refusal() {
+  detail::DeviceStatus* status = state().status_host;
+  if (status == nullptr) return;
+  detail::ErrorRecord& r = status->all_to_all;
+  if (__atomic_load_n(&r.code, __ATOMIC_ACQUIRE) != detail::kBadInput) return;
+  std::ostringstream text;
+  text << "all_to_all on PE " << r.pe << ": ";
+  const auto asked = static_cast<int64_t>(r.expected);
+  const auto limit = static_cast<int64_t>(r.seen);
+  switch (static_cast<detail::WaitOp>(r.op)) {
+    case detail::WaitOp::kAllToAllCapacity:
+      text << "this PE asked to send " << asked << " rows to PE " << r.peer
+           << ", more than the capacity of " << limit
+           << " rows per source fixed at setup; nothing was sent to PE " << r.peer
+           << " in that round (it received 0 rows from this PE). Set up the buffer with a larger "
+              "capacity (or send fewer rows per PE)";
+      break;
+    case detail::WaitOp::kAllToAllCapacityFrom:
+      text << "PE " << r.peer << " asked to send this PE " << asked
+           << " rows, more than the capacity of " << limit
+           << " rows per source fixed at setup; it sent none, and recv_counts[" << r.peer
+           << "] was 0 in that round. Set up the buffer with a larger capacity (or send fewer "
+              "rows per PE)";
+      break;
+    case detail::WaitOp::kAllToAllCount:
+      text << "send_counts[" << r.peer << "] = " << asked << " is negative or reaches past the "
+           << limit << " rows (or index entries) given; nothing was sent to PE " << r.peer
+           << " in that round. Counts must be >= 0 and sum to at most the rows of send";
+      break;
+    case detail::WaitOp::kAllToAllIndex:
+      text << "a gather index of " << asked << " is out of range [0, " << limit
+           << ") (rows for PE " << r.peer << "); that row was not sent (its bytes at PE " << r.peer
+           << " are stale). Check the index";
+      break;
+    case detail::WaitOp::kAllToAllLayout:
+      text << "PE " << r.peer << " sent rows of " << asked << " bytes in its fields where this PE "
+           << "expects " << limit << "; its rows were dropped (recv_counts[" << r.peer
+           << "] = 0). Every PE must move the same fields with the same row widths in each call";
+      break;
+    default:
+      text << "refused a round (op " << r.op << ")";
+      break;
+  }
+  int published = detail::kBadInput;
+  __atomic_compare_exchange_n(&r.code, &published, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  throw Error(text.str());
+}
+
 void check_device_errors() {
   report_new_timeouts();
   check_size_mismatch();
+  check_all_to_all_refusal();
   detail::DeviceStatus* status = state().status_host;
   if (status == nullptr) return;
   detail::ErrorRecord& r = status->bad_input;

@@ -15,7 +15,8 @@ threshold at 0: every message through the staging); where they cross is the thre
 (PYDATACOPY_ZERO_COPY_MIN_BYTES). Also: put_many against put_blocks, a 4 KiB
 put replayed in a CUDA graph against bare copies replayed alike, and the token exchange against
 a bare copy of its bytes, and a step (compute, sendrecv of 64 KiB, compute) eager beside the
-same step under torch.compile and under mode="reduce-overhead" (`--ops compile`).
+same step under torch.compile and under mode="reduce-overhead" (`--ops compile`). MoE dispatch/combine for any
+PE count: python -m pydatacopy.bench.moe.
 
 Two PEs on two GPUs (nccl), or sharing one GPU (PYDATACOPY_RANKS_PER_GPU=2, or more ranks than
 GPUs: torch.distributed on gloo, as NCCL refuses two ranks on one GPU; the NCCL and torch

@@ -227,3 +227,53 @@ void launch_occupy_sms(int blocks, int threads, std::size_t shared_bytes, const 
                        int* released_by_flag, uint64_t max_ns, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels
+
+namespace pydatacopy::kernels {
+
+// One round of the all-to-all-v (all_to_all.hpp). Offsets are from the symmetric base, the
+// same at every PE; `base` is this PE's address of it, peer_bases[pe] pe's through nvshmem_ptr
+// (null: NVSHMEM RMA to that PE).
+constexpr int kAllToAllMaxFields = 4;
+struct AllToAllArgs {
+  const uint8_t* send[kAllToAllMaxFields];
+  uint8_t* recv[kAllToAllMaxFields];
+  int64_t row_bytes[kAllToAllMaxFields];
+  int64_t field_start[kAllToAllMaxFields];  // in a region, for this call's row widths
+  int fields;
+  int64_t row_bytes_total;
+  int64_t send_rows;          // rows in each send field
+  const int64_t* send_counts;  // device [n_pes]
+  const int64_t* send_index;   // device [index_rows] or null
+  int64_t index_rows;
+  int64_t* recv_counts;        // device [n_pes]
+  int64_t* recv_offsets;       // device [n_pes]
+  uint8_t* base;
+  uint8_t* const* peer_bases;  // device [n_pes]
+  bool direct;                 // false: PYDATACOPY_FORCE_RMA (every peer through NVSHMEM RMA)
+  int64_t capacity;
+  int64_t region_bytes;
+  int64_t regions;             // offsets of this call's set
+  int64_t meta_signals, metas, arrivals, credits, outgoing;
+  uint64_t* uses;              // device: rounds of this set so far (the send kernel moves it on)
+  uint64_t* consumed;          // device [n_pes]: row-field units taken from each source, this set
+  unsigned int* send_done;     // device: send blocks finished in this launch
+  unsigned int* recv_done;     // device: receive blocks finished in this launch
+  int my_pe, n_pes;
+  uint64_t timeout_ns;
+  detail::DeviceStatus* status;
+};
+void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream);
+// Blocks of the all-to-all kernels per launch: the SMs this PE may use (its MPS share, and a
+// 1/pes_sharing_gpu of the GPU), one block each, so that the launches of every PE sharing the
+// GPU are resident at once (they wait on one another).
+int all_to_all_blocks(int pes_sharing_gpu);
+
+void launch_gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count,
+                        int64_t rows, int64_t src_rows, int64_t row_bytes, int blocks,
+                        cudaStream_t stream);
+
+void launch_moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
+                               const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
+                               int dtype, cudaStream_t stream);
+
+}  // namespace pydatacopy::kernels

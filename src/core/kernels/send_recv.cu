@@ -596,6 +596,12 @@ int usable_sms(int device, int pes_sharing_gpu) {
 }
 }  // namespace
 
+int all_to_all_blocks(int pes_sharing_gpu) {
+  int device = 0;
+  PDC_CHECK_CUDA(cudaGetDevice(&device));
+  return usable_sms(device, pes_sharing_gpu);
+}
+
 int chunk_batch_blocks_per_sm() {
   int small = 0, large = 0;
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&small, chunk_batch_kernel<2>, kThreads, 0));

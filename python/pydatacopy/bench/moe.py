@@ -1,0 +1,243 @@
+"""MoE dispatch and combine, beside a bare copy of the bytes they move, any number of PEs:
+
+    torchrun --nproc_per_node=4 -m pydatacopy.bench.moe [--shapes ds-128,ds-4096,small] [--json F]
+
+(on one GPU add PYDATACOPY_RANKS_PER_GPU=4 and run under CUDA MPS.) Shapes: ds-128 and ds-4096 are
+DeepSeek-V3's (hidden 7168, top-8 of 256 experts, bf16) with 128 (decode) and 4096 (prefill)
+tokens per PE; small is hidden 2048, top-2 of 8 x n_pes experts, 512 tokens, bf16. Routing:
+uniform random top-k per token (seeded per PE), drawn on the GPU.
+
+Rows per shape: dispatch, combine, and dispatch + combine, eagerly; dispatch + combine replayed
+from a CUDA graph (the decode setting: no host work per layer); and, measured in the same run,
+bare cudaMemcpyAsync copies on this GPU of the bytes each moves (the rows and meta this PE sends
+in dispatch; the expert outputs it sends back in combine): `xbase` is the time over the copy's.
+With one PE per GPU (torch.distributed on NCCL) also NCCL's all_to_all_single of dispatch's rows,
+split sizes given on the host (which NCCL needs; not torch's all_to_all_vdev: not done).
+Times: CUDA events, median of repeats, the slower PE. Check (`ok`, can fail): after the timings
+one more dispatch + combine with fresh tokens, an identity expert (y = recv_x) and fresh weights,
+whose output must equal, bit for bit, sum_k w[t, k] * x[t] computed here in float32 in k order
+(a row delivered to the wrong place, lost or stale changes it), and the experts' row counts
+summed over PEs must equal the routed (token, expert) pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+
+from ._harness import against, agree, make_row, reduce_device, time_op
+
+SHAPES = {  # name: (tokens per PE, hidden, topk, experts (None: 8 x n_pes))
+    "ds-128": (128, 7168, 8, 256),
+    "ds-4096": (4096, 7168, 8, 256),
+    "small": (512, 2048, 2, None),
+}
+
+
+def _routing(tokens: int, experts: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(tokens, experts, device="cuda", generator=generator)
+    weights, ids = scores.topk(topk, dim=1)
+    return ids, (weights / weights.sum(1, keepdim=True)).float()
+
+
+def _tokens(tokens: int, hidden: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(tokens, hidden, device="cuda", generator=generator).to(torch.bfloat16)
+
+
+def _bare_copy(nbytes: int, args) -> tuple:
+    src = torch.ones(max(nbytes, 1), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def run():
+        pydatacopy._C.bench_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+
+    timed = time_op(run, args.iters, args.warmup, args.repeats)
+    run()
+    torch.cuda.synchronize()
+    return timed, agree(torch.equal(dst[:nbytes], src[:nbytes]))
+
+
+def _max_over_pes(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=reduce_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def bench_shape(name: str, args) -> list[dict]:
+    me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
+    tokens, hidden, topk, experts = SHAPES[name]
+    experts = experts or 8 * n
+    if experts % n:
+        if me == 0:
+            print(f"  {name} skipped: {experts} experts do not split over {n} PEs", file=sys.stderr, flush=True)
+        return []
+    size = f"{name} {n}PE"
+    moe = pydatacopy.MoeDispatcher(experts, hidden, topk, tokens, torch.bfloat16)
+    try:
+        x = _tokens(tokens, hidden, 11 + me)
+        ids, weights = _routing(tokens, experts, topk, 100 + me)
+        recv_x, handle = moe.dispatch(x, ids)
+        y = recv_x.clone()
+        # Bytes this PE sends (the slower PE's count, as time_op takes the slower PE's time).
+        torch.cuda.synchronize()
+        sent_tokens = int(pydatacopy._moe.dispatch_plan(ids, experts, n).send_counts.sum())
+        sent_pairs = int((ids >= 0).sum())
+        dispatch_bytes = _max_over_pes(sent_tokens * (hidden * 2 + (topk + 1) * 4))
+        combine_bytes = _max_over_pes(sent_pairs * hidden * 2)
+        rows = []
+
+        def add(op, path, nbytes, timed, ok, base=None):
+            row = make_row(op, path, "all", nbytes, timed, ok, size)
+            if base is not None:
+                against(row, base)
+            rows.append(row)
+            if me == 0:
+                print(f"  {op:<18} {path:<16} {size:<12} {row['us']:10.1f} us", file=sys.stderr, flush=True)
+            return row
+
+        base_d = add("baseline", "local copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
+        base_c = add("baseline", "local copy", combine_bytes, *_bare_copy(combine_bytes, args))
+        base_dc = add("baseline", "local copy", dispatch_bytes + combine_bytes,
+                      *_bare_copy(dispatch_bytes + combine_bytes, args))
+        if dist.get_backend() == "nccl":  # one PE per GPU: NCCL's all-to-all-v of the same rows
+            add("baseline", "NCCL a2a_single", dispatch_bytes,
+                *_nccl_all_to_all(x, ids, experts, n, hidden, topk, args), base_d)
+        checked = _check(moe, tokens, hidden, experts, topk, 7000 + me)
+        add("moe dispatch", "eager", dispatch_bytes,
+            time_op(lambda: moe.dispatch(x, ids), args.iters, args.warmup, args.repeats), checked, base_d)
+        add("moe combine", "eager", combine_bytes,
+            time_op(lambda: moe.combine(y, handle, weights), args.iters, args.warmup, args.repeats),
+            checked, base_c)
+
+        def both():
+            got, h = moe.dispatch(x, ids)
+            moe.combine(got, h, weights)
+
+        add("moe dispatch+comb", "eager", dispatch_bytes + combine_bytes,
+            time_op(both, args.iters, args.warmup, args.repeats), checked, base_dc)
+        # The same in a CUDA graph (captured on a side stream after an eager warm-up).
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            both()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            both()
+        add("moe dispatch+comb", "cuda graph", dispatch_bytes + combine_bytes,
+            time_op(graph.replay, args.iters, args.warmup, args.repeats),
+            checked and _check(moe, tokens, hidden, experts, topk, 8000 + me), base_dc)
+        del graph
+        return rows
+    finally:
+        torch.cuda.synchronize()
+        moe.close()
+
+
+def _nccl_all_to_all(x, ids, experts, n, hidden, topk, args) -> tuple:
+    """torch.distributed.all_to_all_single (NCCL) of the rows dispatch sends (each token once per
+    PE, with its ids' bytes), split sizes known on the host beforehand (NCCL needs them there; the
+    copy into send order is outside the timing). Checked: every PE receives the byte counts its
+    peers said they would send."""
+    plan = pydatacopy._moe.dispatch_plan(ids, experts, n)
+    row_bytes = hidden * 2 + (topk + 1) * 4
+    counts = plan.send_counts.tolist()
+    rows = int(sum(counts))
+    send = torch.zeros(rows, row_bytes, dtype=torch.uint8, device="cuda")
+    send[:, :hidden * 2] = x.view(torch.uint8).index_select(0, plan.send_index[:rows])
+    sizes = torch.tensor(counts, dtype=torch.int64, device="cuda")
+    recv_sizes = torch.empty_like(sizes)
+    dist.all_to_all_single(recv_sizes, sizes)
+    recv_counts = recv_sizes.tolist()
+    recv = torch.empty(int(sum(recv_counts)), row_bytes, dtype=torch.uint8, device="cuda")
+
+    def run():
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_counts, input_split_sizes=counts)
+
+    timed = time_op(run, args.iters, args.warmup, args.repeats)
+    torch.cuda.synchronize()
+    return timed, agree(recv.shape[0] == int(sum(recv_counts)))
+
+
+def _check(moe, tokens, hidden, experts, topk, seed) -> bool:
+    """One dispatch + combine with fresh data and an identity expert; see the module docstring."""
+    x = _tokens(tokens, hidden, seed)
+    ids, weights = _routing(tokens, experts, topk, seed + 1)
+    recv_x, handle = moe.dispatch(x, ids)
+    out = moe.combine(recv_x.clone(), handle, weights)
+    want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+    for k in range(topk):  # separate multiply and add, each rounded to float32, k in order
+        want = want + weights[:, k:k + 1] * x.float()
+    ok = torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    pairs = torch.tensor([int((ids >= 0).sum()), int(handle.num_rows)], dtype=torch.int64,
+                         device=reduce_device())
+    dist.all_reduce(pairs)
+    try:
+        pydatacopy.check_errors()
+    except pydatacopy.Error as error:
+        print(f"  PE {pydatacopy.my_pe()}: {error}", file=sys.stderr, flush=True)
+        ok = False
+    return agree(ok and int(pairs[0]) == int(pairs[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench.moe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="ds-128,ds-4096,small",
+                        help="comma-separated subset of " + ",".join(SHAPES))
+    parser.add_argument("-n", "--iters", type=int, default=20)
+    parser.add_argument("-w", "--warmup", type=int, default=5)
+    parser.add_argument("-r", "--repeats", type=int, default=5)
+    parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    args = parser.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not shapes:
+        parser.error(f"unknown shapes {unknown}: choose from {','.join(SHAPES)}")
+    if "RANK" not in os.environ:
+        print("run under torchrun: torchrun --nproc_per_node=4 -m pydatacopy.bench.moe", file=sys.stderr)
+        return 2
+    from ._cli import _placement
+
+    device, per_gpu = _placement()
+    torch.cuda.set_device(device)
+    if per_gpu > 1:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    pydatacopy.init(device=device)
+    rows: list[dict] = []
+    for shape in shapes:
+        rows.extend(bench_shape(shape, args))
+    if pydatacopy.my_pe() == 0:
+        print(f"\n{'op':<18} {'path':<12} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
+              f"{'xbase':>6}  ok")
+        for r in rows:
+            xbase = f"{r['xbase']:6.2f}" if r.get("xbase") else "     -"
+            print(f"{r['op']:<18} {r['path']:<12} {r['size']:<14} {r['bytes'] / 1e6:9.2f} "
+                  f"{r['us']:10.1f} {r['gbps']:8.1f} {xbase}  {'yes' if r['ok'] else 'NO'}")
+        print("MB moved: the bytes the busiest PE sends (dispatch: token rows and their expert ids; "
+              "combine: one output row per (token, expert)); xbase: time over a bare copy of those "
+              "bytes on this GPU, same run")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+    ok = all(r["ok"] for r in rows)
+    pydatacopy.finalize()
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

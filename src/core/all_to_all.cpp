@@ -1,0 +1,271 @@
+#include "pydatacopy/all_to_all.hpp"
+
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "device_status.cuh"
+#include "kernels/api.cuh"
+#include "pydatacopy/error.hpp"
+#include "pydatacopy/registration.hpp"
+#include "pydatacopy/runtime.hpp"
+#include "pydatacopy/symmetric.hpp"
+
+namespace pydatacopy {
+namespace {
+
+int64_t align_up(int64_t value, int64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+}  // namespace
+
+// ---- layout -----------------------------------------------------------------------------------
+
+int64_t AllToAllLayout::field_start(int64_t capacity, const int64_t* row_bytes, int f) {
+  int64_t start = 0;
+  for (int g = 0; g < f; ++g) start = align_up(start + capacity * row_bytes[g], 16);
+  return start;
+}
+
+int64_t AllToAllLayout::region_bytes() const {
+  // The fields' rows, and up to 15 bytes of padding after each field but the last.
+  return align_up(capacity * max_row_bytes + 16 * (kMaxFields - 1), kAlignment);
+}
+
+int64_t AllToAllLayout::words_bytes() const {
+  return align_up(2 * static_cast<int64_t>(n_pes) * static_cast<int64_t>(sizeof(uint64_t)), kAlignment);
+}
+
+void AllToAllLayout::check(int64_t capacity, int64_t max_row_bytes, int n_pes) {
+  PDC_REQUIRE(capacity > 0 && capacity <= kMaxCapacity,
+              "capacity (rows per source PE and call) must be in [1, " << kMaxCapacity << "], got "
+                                                                        << capacity);
+  PDC_REQUIRE(max_row_bytes > 0 && max_row_bytes <= kMaxRowBytes,
+              "max_row_bytes must be in [1, " << kMaxRowBytes << "] (bytes of one row, all fields), got "
+                                              << max_row_bytes);
+  PDC_REQUIRE(n_pes >= 1 && n_pes <= kMaxPes,
+              "the all-to-all supports 1 to " << kMaxPes << " PEs, this job has " << n_pes);
+  // Two sets of n_pes regions: keep the product far from overflowing (and say what it is).
+  PDC_REQUIRE(capacity <= (int64_t{1} << 46) / max_row_bytes / n_pes,
+              "capacity x max_row_bytes x n_pes = " << capacity << " x " << max_row_bytes << " x "
+                  << n_pes << " bytes per receive set is larger than 64 TiB; use a smaller capacity");
+}
+
+// ---- AllToAll -----------------------------------------------------------------------------------
+
+AllToAll::~AllToAll() {
+  // Local releases only (the symmetric memory needs every PE: cleanup()).
+  if (peer_bases_ != nullptr) cudaFree(peer_bases_);
+  if (counters_ != nullptr) cudaFree(counters_);
+}
+
+std::size_t AllToAll::symmetric_bytes_needed(int64_t capacity, int64_t max_row_bytes, int n_pes) {
+  AllToAllLayout::check(capacity, max_row_bytes, n_pes);
+  return static_cast<std::size_t>(AllToAllLayout(capacity, max_row_bytes, n_pes).total());
+}
+
+std::size_t AllToAll::symmetric_bytes() const {
+  return base_ == nullptr ? 0 : symmetric_bytes_needed(capacity_, max_row_bytes_, n_pes_);
+}
+
+void AllToAll::require_initialized(const char* what) const {
+  pydatacopy::require_initialized(what);
+  PDC_REQUIRE(base_ != nullptr,
+              what << ": the all-to-all buffer is not set up (call init(capacity, max_row_bytes) "
+                      "first, or it was cleaned up)");
+}
+
+void AllToAll::init(int64_t capacity, int64_t max_row_bytes) {
+  pydatacopy::require_initialized("AllToAll.init");
+  PDC_REQUIRE(base_ == nullptr, "AllToAll.init: already initialised; call cleanup() first");
+  const int pes = n_pes();
+  AllToAllLayout::check(capacity, max_row_bytes, pes);
+  const AllToAllLayout layout(capacity, max_row_bytes, pes);
+  // Local resources first, so that nothing collective needs undoing when they fail.
+  ChannelOrder order(1);
+  const std::size_t counter_bytes = (2 + 2 * static_cast<std::size_t>(pes)) * sizeof(uint64_t) +
+                                    4 * sizeof(unsigned int);
+  void* counters = nullptr;
+  PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
+  void* peer_bases = nullptr;
+  if (cudaMalloc(&peer_bases, pes * sizeof(uint8_t*)) != cudaSuccess) {
+    cudaFree(counters);
+    PDC_REQUIRE(false, "AllToAll.init: cudaMalloc of " << pes * sizeof(uint8_t*) << " bytes failed");
+  }
+  void* base = nullptr;
+  try {
+    PDC_CHECK_CUDA(cudaMemset(counters, 0, counter_bytes));
+    base = symmetric_malloc(static_cast<std::size_t>(layout.total()));  // collective
+    // Zeroed signals and counters mean "nothing yet"; the barrier below keeps peers from
+    // writing before.
+    PDC_CHECK_CUDA(cudaMemset(base, 0, static_cast<std::size_t>(layout.total())));
+    // The direct path's addresses, asked once (nvshmem_ptr itself, not peer_pointer: whether
+    // PYDATACOPY_FORCE_RMA holds is asked at every call).
+    std::vector<uint8_t*> bases(static_cast<std::size_t>(pes));
+    bool every_direct = true;
+    for (int pe = 0; pe < pes; ++pe) {
+      bases[pe] = static_cast<uint8_t*>(nvshmem_ptr(base, pe));
+      every_direct = every_direct && bases[pe] != nullptr;
+    }
+    PDC_CHECK_CUDA(cudaMemcpy(peer_bases, bases.data(), pes * sizeof(uint8_t*), cudaMemcpyHostToDevice));
+    PDC_CHECK_CUDA(cudaDeviceSynchronize());
+    barrier_all_blocking("AllToAll.init", default_timeout_seconds());
+    every_peer_direct_ = every_direct;
+  } catch (...) {
+    // A failure after the allocation leaves it to NVSHMEM's teardown: freeing is collective,
+    // and the peers may not be here.
+    cudaFree(counters);
+    cudaFree(peer_bases);
+    throw;
+  }
+  base_ = static_cast<uint8_t*>(base);
+  peer_bases_ = static_cast<uint8_t**>(peer_bases);
+  counters_ = static_cast<uint64_t*>(counters);
+  done_ = reinterpret_cast<unsigned int*>(counters_ + 2 + 2 * pes);
+  order_ = std::move(order);
+  capacity_ = capacity;
+  max_row_bytes_ = max_row_bytes;
+  n_pes_ = pes;
+  calls_ = 0;
+}
+
+void AllToAll::cleanup() {
+  if (base_ == nullptr) return;
+  pydatacopy::require_initialized("AllToAll.cleanup");
+  uint8_t* base = base_;
+  base_ = nullptr;
+  capacity_ = max_row_bytes_ = calls_ = 0;
+  n_pes_ = 0;
+  // Settles every PE (bounded barrier) before freeing, after this device's work is done: peers
+  // may still be writing into our regions until then.
+  symmetric_free(base);
+  cudaFree(peer_bases_);  // local; a failure here changes nothing later calls depend on
+  cudaFree(counters_);
+  peer_bases_ = nullptr;
+  counters_ = nullptr;
+  done_ = nullptr;
+  order_ = ChannelOrder();
+}
+
+void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                        const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                        int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds) {
+  require_initialized("all_to_all");
+  check_timeouts();  // a collective: refused on every PE once any peer is presumed dead
+  const int count = static_cast<int>(fields.size());
+  PDC_REQUIRE(count >= 1 && count <= AllToAllLayout::kMaxFields,
+              "all_to_all: 1 to " << AllToAllLayout::kMaxFields << " fields per call, got " << count);
+  PDC_REQUIRE(send_counts != nullptr && recv_counts != nullptr && recv_offsets != nullptr,
+              "all_to_all: send_counts, recv_counts and recv_offsets must be device tensors");
+  PDC_REQUIRE(send_index == nullptr ? index_rows == 0 : index_rows >= 0,
+              "all_to_all: index_rows must be 0 without an index and >= 0 with one, got " << index_rows);
+  const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
+  kernels::AllToAllArgs args{};
+  int64_t widths[AllToAllLayout::kMaxFields] = {};
+  int64_t total_width = 0;
+  const int64_t send_rows = fields[0].send_rows;
+  for (int f = 0; f < count; ++f) {
+    const AllToAllField& field = fields[f];
+    PDC_REQUIRE(field.row_bytes > 0, "all_to_all: field " << f << " has rows of " << field.row_bytes
+                                                          << " bytes; rows must be at least 1 byte");
+    PDC_REQUIRE(field.send_rows == send_rows,
+                "all_to_all: every field must have the same number of send rows (field 0: "
+                    << send_rows << ", field " << f << ": " << field.send_rows << ")");
+    PDC_REQUIRE(field.recv_rows >= n_pes_ * capacity_,
+                "all_to_all: field " << f << "'s receive tensor has " << field.recv_rows
+                    << " rows; it needs n_pes x capacity = " << n_pes_ << " x " << capacity_ << " = "
+                    << n_pes_ * capacity_);
+    PDC_REQUIRE(field.send != nullptr || send_rows == 0,
+                "all_to_all: field " << f << " has no send tensor");
+    PDC_REQUIRE(field.recv != nullptr, "all_to_all: field " << f << " has no receive tensor");
+    widths[f] = field.row_bytes;
+    total_width += field.row_bytes;
+    args.send[f] = static_cast<const uint8_t*>(field.send);
+    args.recv[f] = static_cast<uint8_t*>(field.recv);
+    args.row_bytes[f] = field.row_bytes;
+  }
+  PDC_REQUIRE(total_width <= max_row_bytes_,
+              "all_to_all: rows of " << total_width << " bytes (all fields) do not fit the "
+                  << max_row_bytes_ << " bytes per row fixed at setup; set the buffer up with "
+                                       "max_row_bytes >= " << total_width);
+  for (int f = 0; f < count; ++f) args.field_start[f] = AllToAllLayout::field_start(capacity_, widths, f);
+  const int set = static_cast<int>(calls_ % 2);
+  args.fields = count;
+  args.row_bytes_total = total_width;
+  args.send_rows = send_rows;
+  args.send_counts = send_counts;
+  args.send_index = send_index;
+  args.index_rows = index_rows;
+  args.recv_counts = recv_counts;
+  args.recv_offsets = recv_offsets;
+  args.base = base_;
+  args.peer_bases = peer_bases_;
+  args.direct = !rma_forced();
+  args.capacity = capacity_;
+  args.region_bytes = layout.region_bytes();
+  args.regions = layout.regions(set);
+  args.meta_signals = layout.meta_signals(set);
+  args.metas = layout.metas(set);
+  args.arrivals = layout.arrivals(set);
+  args.credits = layout.credits(set);
+  args.outgoing = layout.outgoing(set);
+  args.uses = counters_ + set;
+  args.consumed = counters_ + 2 + set * n_pes_;
+  args.send_done = done_ + set;
+  args.recv_done = done_ + 2 + set;
+  args.my_pe = my_pe();
+  args.n_pes = n_pes_;
+  args.timeout_ns = timeout_nanoseconds(timeout_seconds);
+  args.status = detail::device_status();
+  if (!args.direct || !every_peer_direct_) {
+    // Some rows leave through NVSHMEM RMA: their sources must be symmetric or registered, and
+    // PYDATACOPY_CHECK_RMA checks what the kernels hand NVSHMEM.
+    for (int f = 0; f < count; ++f)
+      if (send_rows > 0)
+        prepare_rma_local(fields[f].send, static_cast<std::size_t>(send_rows * fields[f].row_bytes),
+                          "all_to_all: a send tensor");
+    const auto words = static_cast<std::size_t>(n_pes_) * sizeof(uint64_t);
+    check_rma_local(base_ + args.outgoing, words, "all_to_all: the meta words put from here");
+    check_rma_remote(base_ + args.regions, static_cast<std::size_t>(n_pes_ * args.region_bytes),
+                     "all_to_all: the receive regions");
+    check_rma_remote(base_ + args.metas, words, "all_to_all: the meta words");
+    check_rma_remote(base_ + args.meta_signals, words, "all_to_all: the meta signals");
+    check_rma_remote(base_ + args.arrivals, words, "all_to_all: the arrival counters");
+  }
+  check_rma_remote(base_ + args.credits, static_cast<std::size_t>(n_pes_) * sizeof(uint64_t),
+                   "all_to_all: the credits");
+  // One call at a time per buffer (its device counters), whatever streams they come on.
+  const unsigned long long capture = capture_id(stream);
+  order_.order_after_last(0, stream, capture);
+  kernels::launch_all_to_all(args, std::max(1, kernels::all_to_all_blocks(pes_sharing_my_gpu())), stream);
+  order_.record(0, stream, capture);
+  ++calls_;
+}
+
+void gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count, int64_t rows,
+                 int64_t src_rows, int64_t row_bytes, cudaStream_t stream) {
+  PDC_REQUIRE(rows >= 0 && src_rows >= 0 && row_bytes >= 0,
+              "gather_rows: negative sizes (rows " << rows << ", src_rows " << src_rows << ", row_bytes "
+                                                   << row_bytes << ")");
+  PDC_REQUIRE(rows == 0 || (out != nullptr && index != nullptr && count != nullptr),
+              "gather_rows: out, index and count must be device tensors");
+  // Enough warps to keep the copy at full speed; the kernel strides over the rows in use.
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, 4 * multiprocessor_count()));
+  kernels::launch_gather_rows(out, src, index, count, rows, src_rows, row_bytes, std::max(blocks, 1), stream);
+}
+
+void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
+                        const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
+                        int dtype, cudaStream_t stream) {
+  PDC_REQUIRE(tokens >= 0 && topk >= 0 && hidden >= 0 && row_count >= 0,
+              "moe_combine_reduce: negative sizes (tokens " << tokens << ", topk " << topk
+                                                            << ", hidden " << hidden << ")");
+  kernels::launch_moe_combine_reduce(out, rows, row_count, slots, weights, tokens, topk, hidden,
+                                     dtype, stream);
+}
+
+}  // namespace pydatacopy

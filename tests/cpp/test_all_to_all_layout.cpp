@@ -1,0 +1,90 @@
+// The all-to-all's symmetric layout and meta word (include/pydatacopy/all_to_all.hpp), without a
+// GPU: every array inside the allocation and apart from the others, each field's rows inside its
+// region, the meta word's round trip and saturation, and init's argument checks.
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "check.hpp"
+#include "pydatacopy/all_to_all.hpp"
+
+namespace {
+
+using pydatacopy::AllToAllLayout;
+using pydatacopy_test::check;
+using pydatacopy_test::check_throws;
+
+// [begin, end) ranges must not overlap.
+bool disjoint(std::vector<std::pair<int64_t, int64_t>> ranges) {
+  for (std::size_t i = 0; i < ranges.size(); ++i)
+    for (std::size_t j = i + 1; j < ranges.size(); ++j)
+      if (ranges[i].first < ranges[j].second && ranges[j].first < ranges[i].second) {
+        std::printf("  [%lld, %lld) overlaps [%lld, %lld)\n", (long long)ranges[i].first,
+                    (long long)ranges[i].second, (long long)ranges[j].first, (long long)ranges[j].second);
+        return false;
+      }
+  return true;
+}
+
+void layout_of(int64_t capacity, int64_t row_bytes, int pes) {
+  const AllToAllLayout layout(capacity, row_bytes, pes);
+  const int64_t words = static_cast<int64_t>(pes) * 8;
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int set = 0; set < 2; ++set) {
+    ranges.push_back({layout.regions(set), layout.regions(set) + pes * layout.region_bytes()});
+    for (int64_t start : {layout.meta_signals(set), layout.metas(set), layout.arrivals(set),
+                          layout.credits(set), layout.outgoing(set)}) {
+      ranges.push_back({start, start + words});
+      check(start % 8 == 0, "every word array is 8-byte aligned");
+    }
+  }
+  check(disjoint(ranges), "regions and word arrays of both sets do not overlap");
+  int64_t end = 0;
+  for (const auto& range : ranges) end = range.second > end ? range.second : end;
+  check(end <= layout.total(), "everything lies inside the allocation");
+  check(layout.region_bytes() % AllToAllLayout::kAlignment == 0, "regions are 256-byte multiples");
+  // Any split of the row into up to four fields fits its region.
+  const int64_t splits[][4] = {{row_bytes, 0, 0, 0},
+                               {1, row_bytes - 1, 0, 0},
+                               {row_bytes / 4 + 1, row_bytes / 4 + 1, row_bytes / 4 + 1,
+                                row_bytes - 3 * (row_bytes / 4 + 1)}};
+  for (const auto& split : splits) {
+    int fields = 0;
+    for (int64_t width : split) fields += width > 0;
+    if (split[fields - 1] <= 0) continue;
+    const int64_t last = AllToAllLayout::field_start(capacity, split, fields - 1);
+    check(last + capacity * split[fields - 1] <= layout.region_bytes(), "every field fits the region");
+    for (int f = 0; f < fields; ++f)
+      check(AllToAllLayout::field_start(capacity, split, f) % 16 == 0, "fields start 16-byte aligned");
+  }
+}
+
+}  // namespace
+
+int main() {
+  layout_of(24, 4108, 4);
+  layout_of(1, 1, 1);
+  layout_of(4096, 7168 * 2 + 36, 8);
+  layout_of(333, 17, 1024);
+
+  const uint64_t meta = AllToAllLayout::pack_meta(12345, 14372, 2, false);
+  check(AllToAllLayout::meta_count(meta) == 12345, "meta: count");
+  check(AllToAllLayout::meta_row_bytes(meta) == 14372, "meta: row bytes");
+  check(AllToAllLayout::meta_fields(meta) == 2, "meta: fields");
+  check(!AllToAllLayout::meta_refused(meta), "meta: not refused");
+  const uint64_t refused = AllToAllLayout::pack_meta(int64_t{1} << 40, AllToAllLayout::kMaxRowBytes, 4, true);
+  check(AllToAllLayout::meta_refused(refused), "meta: refused");
+  check(AllToAllLayout::meta_count(refused) == 0xffffffffll, "meta: a huge count saturates");
+  check(AllToAllLayout::meta_row_bytes(refused) == AllToAllLayout::kMaxRowBytes, "meta: the widest row");
+  check(AllToAllLayout::meta_count(AllToAllLayout::pack_meta(-5, 1, 1, true)) == 0, "meta: a negative count is 0");
+
+  check_throws([] { AllToAllLayout::check(0, 16, 2); }, "capacity", "capacity 0 refused");
+  check_throws([] { AllToAllLayout::check(16, 0, 2); }, "max_row_bytes", "row bytes 0 refused");
+  check_throws([] { AllToAllLayout::check(16, AllToAllLayout::kMaxRowBytes + 1, 2); }, "max_row_bytes",
+               "rows wider than the meta word refused");
+  check_throws([] { AllToAllLayout::check(16, 16, AllToAllLayout::kMaxPes + 1); }, "PEs", "too many PEs refused");
+  check_throws([] { AllToAllLayout::check(AllToAllLayout::kMaxCapacity, AllToAllLayout::kMaxRowBytes, 1024); },
+               "64 TiB", "a receive set beyond 64 TiB refused");
+  std::printf("test_all_to_all_layout: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
+  return pydatacopy_test::failed != 0;
+}

@@ -1,0 +1,394 @@
+"""all_to_all_v, MoE dispatch and combine on any number of PEs (2 or more; several on one GPU
+under MPS): `torchrun --nproc_per_node=4 -m pytest tests/gpu/test_moe.py` (scripts/gpu-check.sh
+runs it in its 2-PE suites and in the N-PE step).
+
+Every check is byte-exact against a torch reference computed on the CPU from every PE's inputs,
+gathered with dist.all_gather_object: random counts and routing, skew (every PE sends only to
+PE 0; the last PE gets nothing), zero rows, several experts of one PE per token, odd widths,
+bf16/fp8/int8/fp32 rows (compared as bytes). CUDA graphs replayed 100 times with fresh counts or
+routing written into the captured inputs, eager calls mixed in. A count over the capacity is
+refused on the two PEs concerned (pydatacopy.Error from check_errors) while every other pair is
+delivered, and the next call is right. Both paths (`path`: direct stores, NVSHMEM RMA).
+Wrong results are recorded and failed together after the test (`in_step`), never raised by one
+PE alone inside a collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+
+pytestmark = pytest.mark.any_pes
+
+TIMEOUT_S = 60.0
+CAPACITY = 24
+WIDEST_ROW_BYTES = 4 * 1027  # the widest row the tests send (1027 float32)
+_FAILURES: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def in_step(world):
+    """After each test: every PE's work done, every PE here, then any PE's wrong results fail
+    every PE together; then no pending device error."""
+    _FAILURES.clear()
+    yield
+    torch.cuda.synchronize()
+    pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
+    every: list = [None] * world[1]
+    dist.all_gather_object(every, list(_FAILURES))
+    _FAILURES.clear()
+    bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
+    if bad:
+        pytest.fail("; ".join(bad[:12]) + (f"; and {len(bad) - 12} more" if len(bad) > 12 else ""),
+                    pytrace=False)
+    pydatacopy.check_errors()
+
+
+@pytest.fixture(scope="module")
+def buffer(world):
+    buffer = pydatacopy.AllToAll(CAPACITY, WIDEST_ROW_BYTES)
+    yield buffer
+    torch.cuda.synchronize()
+    buffer.close()
+
+
+def _gather(obj) -> list:
+    """Every PE's `obj` (CPU tensors), indexed by PE."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def _same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got = got.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    want = want.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    if got.numel() != want.numel():
+        _FAILURES.append(f"{what}: {got.numel()} bytes, expected {want.numel()}")
+    elif not torch.equal(got, want):
+        differ = got != want
+        _FAILURES.append(f"{what}: {int(differ.sum())} of {want.numel()} bytes differ, first at "
+                         f"{int(differ.to(torch.uint8).argmax())}")
+
+
+def _rows(count: int, width: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """`count` random rows on the CPU; fp8 from finite values (no NaN payloads to compare)."""
+    if dtype in (torch.int8, torch.uint8):
+        return torch.randint(-128 if dtype == torch.int8 else 0, 128 if dtype == torch.int8 else 256,
+                             (count, width), generator=generator, dtype=dtype)
+    return torch.randn(count, width, generator=generator).to(dtype)
+
+
+def _counts(kind: str, rank: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    if kind == "random":
+        return torch.randint(0, CAPACITY + 1, (n,), generator=generator)
+    if kind == "skew":  # everyone sends only to PE 0, as much as it holds; PE n-1 gets nothing
+        counts = torch.zeros(n, dtype=torch.int64)
+        counts[0] = CAPACITY
+        return counts
+    if kind == "zero":
+        return torch.zeros(n, dtype=torch.int64)
+    raise AssertionError(kind)
+
+
+def _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets, what):
+    """What PE `rank` must hold after all_to_all_v, from every PE's send and counts."""
+    n = len(every_send)
+    want_counts = torch.tensor([int(every_counts[s][rank]) for s in range(n)])
+    if not torch.equal(recv_counts.cpu(), want_counts):
+        _FAILURES.append(f"{what}: recv_counts {recv_counts.tolist()}, expected {want_counts.tolist()}")
+        return
+    want_offsets = torch.cumsum(want_counts, 0) - want_counts
+    if not torch.equal(recv_offsets.cpu(), want_offsets):
+        _FAILURES.append(f"{what}: recv_offsets {recv_offsets.tolist()}, expected {want_offsets.tolist()}")
+        return
+    parts = []
+    for s in range(n):
+        start = int(every_counts[s][:rank].sum())
+        parts.append(every_send[s][start:start + int(every_counts[s][rank])])
+    want = torch.cat(parts, 0)
+    _same_bytes(recv[:want.shape[0]], want, what)
+
+
+# ---- all_to_all_v ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,width", [(torch.bfloat16, 7), (torch.float8_e4m3fn, 33),
+                                         (torch.int8, 1), (torch.float32, 1027)],
+                         ids=["bf16x7", "fp8x33", "int8x1", "f32x1027"])
+@pytest.mark.parametrize("kind", ["random", "skew", "zero"])
+def test_all_to_all_v_is_byte_exact(world, buffer, path, dtype, width, kind):
+    rank, n, _ = world
+    for iteration in range(3):
+        generator = torch.Generator().manual_seed(1000 * rank + 10 * iteration + len(kind))
+        counts = _counts(kind, rank, n, generator)
+        send = _rows(int(counts.sum()), width, dtype, generator)
+        recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(
+            send.cuda(), counts.cuda(), buffer, timeout=TIMEOUT_S)
+        if recv.shape != (n * CAPACITY, width) or recv.dtype != dtype:
+            _FAILURES.append(f"recv is {tuple(recv.shape)} {recv.dtype}")
+            continue
+        every_send, every_counts = zip(*_gather((send, counts)))
+        _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets,
+                        f"{kind} iteration {iteration}")
+
+
+def test_all_to_all_v_counts_of_another_integer_dtype(world, buffer):
+    rank, n, _ = world
+    counts = torch.full((n,), 2, dtype=torch.int32)
+    send = torch.arange(2 * n, dtype=torch.float32).reshape(2 * n, 1) + 100 * rank
+    recv, recv_counts, _ = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer)
+    every_send, every_counts = zip(*_gather((send, counts.to(torch.int64))))
+    _check_exchange(rank, every_send, every_counts, recv, recv_counts, torch.arange(n) * 2, "int32 counts")
+
+
+def test_capacity_overflow_is_refused_on_the_pair_and_the_next_call_is_right(world, buffer, path):
+    """PE 0 asks to send CAPACITY + 1 rows to PE 1; every other pair sends 3. PE 1 gets nothing
+    from PE 0 (recv_counts 0), every other pair is delivered; check_errors() raises
+    pydatacopy.Error naming the capacity on PE 0 and PE 1 only. Then a normal call is exact."""
+    rank, n, _ = world
+    width = 5
+    counts = torch.full((n,), 3, dtype=torch.int64)
+    if rank == 0:
+        counts[1] = CAPACITY + 1
+    generator = torch.Generator().manual_seed(77 + rank)
+    send = _rows(int(counts.sum()), width, torch.bfloat16, generator)
+    recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer,
+                                                              timeout=TIMEOUT_S)
+    torch.cuda.synchronize()
+    every_send, every_counts = zip(*_gather((send, counts)))
+    delivered = [c.clone() for c in every_counts]
+    delivered[0][1] = 0  # the refused pair: nothing sent
+    expected = [s[:0] for s in every_send]
+    for s in range(n):  # the rows each source really sent, for the reference
+        kept = []
+        start = 0
+        for d in range(n):
+            if delivered[s][d] == every_counts[s][d]:
+                kept.append(every_send[s][start:start + int(every_counts[s][d])])
+            start += int(every_counts[s][d])
+        expected[s] = torch.cat(kept, 0)
+    _check_exchange(rank, expected, delivered, recv, recv_counts, recv_offsets, "with a refused pair")
+    concerned = rank in (0, 1)
+    try:
+        pydatacopy.check_errors()
+        if concerned:
+            _FAILURES.append("check_errors() did not report the capacity overflow")
+    except pydatacopy.TimeoutError as error:
+        _FAILURES.append(f"a capacity overflow reported as a timeout: {error}")
+    except pydatacopy.Error as error:
+        if not concerned or "capacity" not in str(error):
+            _FAILURES.append(f"unexpected error: {error}")
+    dist.barrier()
+    counts = torch.full((n,), CAPACITY, dtype=torch.int64)
+    send = _rows(n * CAPACITY, width, torch.bfloat16, generator)
+    recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer,
+                                                              timeout=TIMEOUT_S)
+    every_send, every_counts = zip(*_gather((send, counts)))
+    _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets, "the call after")
+
+
+def test_all_to_all_v_graph_replays_take_fresh_counts(world, buffer, path):
+    """One call captured on a side stream, replayed 100 times with fresh counts and rows written
+    into the captured inputs; an eager call every tenth replay (the buffer's rounds stay in step)."""
+    rank, n, _ = world
+    width = 9
+    static_send = torch.zeros(n * CAPACITY, width, dtype=torch.bfloat16, device="cuda")
+    static_counts = torch.zeros(n, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up, eager: every PE makes the same calls
+        pydatacopy.all_to_all_v(static_send, static_counts, buffer, timeout=TIMEOUT_S)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(static_send, static_counts, buffer,
+                                                                  timeout=TIMEOUT_S)
+    for replay in range(100):
+        generator = torch.Generator().manual_seed(5000 + 1000 * rank + replay)
+        counts = _counts("random", rank, n, generator)
+        send = _rows(int(counts.sum()), width, torch.bfloat16, generator)
+        static_counts.copy_(counts)
+        static_send[:send.shape[0]].copy_(send)
+        graph.replay()
+        every_send, every_counts = zip(*_gather((send, counts)))  # also keeps the PEs in step
+        _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets, f"replay {replay}")
+        if replay % 10 == 9:
+            counts = _counts("random", rank, n, generator)
+            send = _rows(int(counts.sum()), width, torch.bfloat16, generator)
+            got = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer, timeout=TIMEOUT_S)
+            every_send, every_counts = zip(*_gather((send, counts)))
+            _check_exchange(rank, every_send, every_counts, *got, f"eager after replay {replay}")
+        if len(_FAILURES) > 5:
+            break
+
+
+# ---- dispatch / combine --------------------------------------------------------------------------
+
+EXPERTS_PER_PE, TOPK, HIDDEN, MAX_TOKENS = 3, 4, 65, 16
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def dispatcher(world, request):
+    n = world[1]
+    dispatcher = pydatacopy.MoeDispatcher(EXPERTS_PER_PE * n, HIDDEN, TOPK, MAX_TOKENS,
+                                          dtype=request.param, combine_dtype=torch.bfloat16)
+    yield dispatcher
+    torch.cuda.synchronize()
+    dispatcher.close()
+
+
+def _routing(kind: str, rank: int, n: int, tokens: int, generator) -> torch.Tensor:
+    experts = EXPERTS_PER_PE * n
+    if kind == "random":
+        return torch.stack([torch.randperm(experts, generator=generator)[:TOPK] for _ in range(tokens)]) \
+            if tokens else torch.zeros(0, TOPK, dtype=torch.int64)
+    if kind == "skew":  # every token to PE 0's experts (several per token); PE n-1 gets none
+        return torch.stack([torch.randperm(EXPERTS_PER_PE, generator=generator).repeat(2)[:TOPK]
+                            for _ in range(tokens)]) if tokens else torch.zeros(0, TOPK, dtype=torch.int64)
+    if kind == "one_pe":  # all of a token's experts on one PE (its top-k all there), some missing
+        pe = torch.randint(0, n, (tokens, 1), generator=generator)
+        local = torch.randint(0, EXPERTS_PER_PE, (tokens, TOPK), generator=generator)
+        ids = pe * EXPERTS_PER_PE + local
+        ids[torch.rand(ids.shape, generator=generator) < 0.25] = -1
+        return ids
+    raise AssertionError(kind)
+
+
+def _expert(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The test's expert: row x (global expert + 1) in float32, rounded to bf16."""
+    return (rows.float() * (experts.float() + 1)[:, None]).to(torch.bfloat16)
+
+
+def _reference(every_x, every_topk, every_weights, n):
+    """Per PE and local expert, the (source, token) rows in (source, token, k) order; per PE, the
+    combined output (float32, k order, rounded to bf16)."""
+    experts = EXPERTS_PER_PE * n
+    groups = [[[] for _ in range(EXPERTS_PER_PE)] for _ in range(n)]
+    outs = []
+    for s in range(n):
+        x, topk, weights = every_x[s], every_topk[s], every_weights[s]
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for t in range(x.shape[0]):
+            for k in range(TOPK):
+                e = int(topk[t, k])
+                if 0 <= e < experts:
+                    groups[e // EXPERTS_PER_PE][e % EXPERTS_PER_PE].append((s, t))
+                    acc[t] = acc[t] + weights[t, k] * _expert(x[t:t + 1], torch.tensor([e]))[0].float()
+        outs.append(acc.to(torch.bfloat16))
+    return groups, outs
+
+
+def _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out, what):
+    groups, outs = _reference(every_x, every_topk, every_weights, n)
+    mine = groups[rank]
+    counts = [len(g) for g in mine]
+    if handle.expert_counts.tolist() != counts or int(handle.num_rows) != sum(counts):
+        _FAILURES.append(f"{what}: expert_counts {handle.expert_counts.tolist()}, expected {counts}")
+        return
+    offsets = [sum(counts[:e]) for e in range(EXPERTS_PER_PE)]
+    if handle.expert_offsets.tolist() != offsets:
+        _FAILURES.append(f"{what}: expert_offsets {handle.expert_offsets.tolist()}, expected {offsets}")
+    flat = [row for group in mine for row in group]
+    if flat:
+        want = torch.stack([every_x[s][t] for s, t in flat])
+        _same_bytes(recv_x[:len(flat)], want, f"{what}: recv_x")
+        sources = torch.tensor(flat)
+        got = torch.stack([handle.source_pe[:len(flat)].cpu(), handle.source_token[:len(flat)].cpu()], 1)
+        if not torch.equal(got, sources):
+            _FAILURES.append(f"{what}: source_pe/source_token differ from the reference")
+    received = [sum(1 for t in range(every_x[s].shape[0])
+                    if any(0 <= int(e) < EXPERTS_PER_PE * n and int(e) // EXPERTS_PER_PE == rank
+                           for e in every_topk[s][t])) for s in range(n)]
+    if handle.recv_counts.tolist() != received:
+        _FAILURES.append(f"{what}: recv_counts {handle.recv_counts.tolist()}, expected {received}")
+    _same_bytes(out, outs[rank], f"{what}: combined output")
+
+
+def _moe_inputs(kind, rank, n, seed, dtype, tokens=None):
+    generator = torch.Generator().manual_seed(seed)
+    if tokens is None:
+        tokens = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=generator))
+    x = _rows(tokens, HIDDEN, dtype, generator)
+    topk = _routing(kind, rank, n, tokens, generator)
+    weights = torch.rand(tokens, TOPK, generator=generator)
+    return x, topk, weights
+
+
+def _run_moe(dispatcher, x, topk, weights):
+    recv_x, handle = dispatcher.dispatch(x, topk, dispatcher.num_experts, timeout=TIMEOUT_S)
+    y = _expert(recv_x, handle.expert_of_row + dispatcher.my_pe * EXPERTS_PER_PE)
+    out = dispatcher.combine(y, handle, weights, timeout=TIMEOUT_S)
+    return recv_x, handle, out
+
+
+@pytest.mark.parametrize("kind", ["random", "skew", "one_pe"])
+def test_dispatch_and_combine_are_byte_exact(world, dispatcher, path, kind):
+    rank, n, _ = world
+    for iteration in range(3):
+        tokens = 0 if (iteration == 0 and rank == n - 1) else None  # a PE with zero tokens
+        if kind == "skew":
+            tokens = MAX_TOKENS
+        x, topk, weights = _moe_inputs(kind, rank, n, 100 * rank + iteration, dispatcher.dtype, tokens)
+        recv_x, handle, out = _run_moe(dispatcher, x.cuda(), topk.cuda(), weights.cuda())
+        every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+        _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out,
+                   f"{kind} iteration {iteration}")
+
+
+def test_dispatch_and_combine_graph_replays_take_fresh_routing(world, dispatcher, path):
+    """dispatch, the expert and combine captured in one graph on a side stream, replayed 100
+    times with fresh tokens, routing and weights written into the captured inputs."""
+    rank, n, _ = world
+    tokens = MAX_TOKENS  # a graph has fixed shapes: every replay routes MAX_TOKENS tokens
+    static_x = torch.zeros(tokens, HIDDEN, dtype=dispatcher.dtype, device="cuda")
+    static_topk = torch.full((tokens, TOPK), -1, dtype=torch.int64, device="cuda")
+    static_weights = torch.zeros(tokens, TOPK, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up, eager, on every PE
+        _run_moe(dispatcher, static_x, static_topk, static_weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        recv_x, handle, out = _run_moe(dispatcher, static_x, static_topk, static_weights)
+    for replay in range(100):
+        kind = ("random", "skew", "one_pe")[replay % 3]
+        x, topk, weights = _moe_inputs(kind, rank, n, 9000 + 1000 * rank + replay, dispatcher.dtype, tokens)
+        static_x.copy_(x)
+        static_topk.copy_(topk)
+        static_weights.copy_(weights)
+        graph.replay()
+        every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+        _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out,
+                   f"replay {replay} ({kind})")
+        if len(_FAILURES) > 5:
+            break
+
+
+def test_dispatch_refuses_bad_arguments_on_every_pe(world, dispatcher):
+    """Host-side checks: raised before anything is launched, the same on every PE."""
+    x = torch.zeros(MAX_TOKENS + 1, HIDDEN, dtype=dispatcher.dtype, device="cuda")
+    topk = torch.zeros(MAX_TOKENS + 1, TOPK, dtype=torch.int64, device="cuda")
+    with pytest.raises(pydatacopy.Error, match="max_tokens"):
+        dispatcher.dispatch(x, topk)
+    with pytest.raises(pydatacopy.Error, match="num_experts"):
+        dispatcher.dispatch(x[:2], topk[:2], dispatcher.num_experts + 1)
+
+
+def test_dispatch_and_combine_under_torch_compile(world, dispatcher):
+    """dispatch, the expert and combine compiled whole (fullgraph, aot_eager: the ops' real
+    kernels between functionalized torch code), twice with fresh routing."""
+    rank, n, _ = world
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, topk, weights: _run_moe(dispatcher, x, topk, weights)[2],
+                             backend="aot_eager", fullgraph=True)
+    for iteration in range(2):
+        x, topk, weights = _moe_inputs("random", rank, n, 300 + 10 * rank + iteration, dispatcher.dtype,
+                                       MAX_TOKENS)
+        out = compiled(x.cuda(), topk.cuda(), weights.cuda())
+        every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+        _, outs = _reference(every_x, every_topk, every_weights, n)
+        _same_bytes(out, outs[rank], f"compiled, iteration {iteration}")

@@ -1,0 +1,346 @@
+"""MoE dispatch/combine and the all-to-all-v on the CPU, without a GPU or NVSHMEM.
+
+- The layout functions (dispatch_plan, receive_layout, combine_slots) run for several simulated
+  PEs with a torch all-to-all in between, and must give exactly what a plain-Python reference of
+  dispatch and combine gives: random routing, skew, zero tokens, several experts of one PE,
+  missing experts (-1), odd widths.
+- combine_reduce's torch arithmetic (the reference of the CUDA kernel) against a scalar loop.
+- The custom ops: torch.library.opcheck against a one-PE loopback buffer, fake kernels' shapes,
+  tracing with make_fx.
+- Argument checks that need no NVSHMEM.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import pydatacopy
+from pydatacopy import _moe
+
+
+# ---- a simulated world ----------------------------------------------------------------------
+
+def _exchange(sends_per_pe, counts_per_pe, index_per_pe, capacity):
+    """all_to_all_v with a gather index between simulated PEs: what PE r receives, grouped by
+    source, padded to n x capacity rows (padding filled with a marker that must never be read)."""
+    n = len(sends_per_pe)
+    out = []
+    for r in range(n):
+        fields = [[] for _ in sends_per_pe[0]]
+        counts = []
+        for s in range(n):
+            cnt = counts_per_pe[s]
+            start = int(cnt[:r].sum())
+            count = int(cnt[r])
+            assert count <= capacity
+            rows = index_per_pe[s][start:start + count]
+            for f, send in enumerate(sends_per_pe[s]):
+                fields[f].append(send.index_select(0, rows))
+            counts.append(count)
+        recvs = []
+        for f, send in enumerate(sends_per_pe[0]):
+            got = torch.cat(fields[f], 0)
+            pad = torch.full((n * capacity - got.shape[0], *send.shape[1:]), 7, dtype=send.dtype)
+            recvs.append(torch.cat([got, pad], 0))
+        counts = torch.tensor(counts, dtype=torch.int64)
+        out.append((recvs, counts, torch.cumsum(counts, 0) - counts))
+    return out
+
+
+def _expert_output(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """A stand-in expert: row x (global expert + 1), in float32, rounded to the rows' dtype."""
+    return (rows.float() * (experts.float() + 1)[:, None]).to(rows.dtype)
+
+
+def _simulate(xs, topks, weights, num_experts, capacity):
+    n = len(xs)
+    per_pe = num_experts // n
+    topk = topks[0].shape[1]
+    plans = [_moe.dispatch_plan(t, num_experts, n) for t in topks]
+    received = _exchange([[x, p.meta] for x, p in zip(xs, plans)], [p.send_counts for p in plans],
+                         [p.send_index for p in plans], capacity)
+    recv_xs, layouts, ys = [], [], []
+    for r in range(n):
+        (tokens, meta), counts, _ = received[r]
+        layout = _moe.receive_layout(meta, counts, r, per_pe, topk)
+        recv_x = _moe.gather_rows(tokens, layout.row_of, layout.num_rows)
+        y = _expert_output(recv_x, layout.expert_of_row + r * per_pe)
+        recv_xs.append(recv_x)
+        layouts.append(layout)
+        ys.append(y)
+    back = _exchange([[y] for y in ys], [lay.combine_counts for lay in layouts],
+                     [lay.combine_index for lay in layouts], capacity * topk)
+    outs = []
+    for s in range(n):
+        (rows,), counts, offsets = back[s]
+        slots = _moe.combine_slots(plans[s].pair_pe, plans[s].pair_rank, counts, offsets, n)
+        outs.append(_moe.combine_reduce(rows, slots, weights[s]))
+    return recv_xs, layouts, outs
+
+
+def _reference(xs, topks, weights, num_experts):
+    """Dispatch and combine written out: per PE and local expert, the (source, token) rows in
+    (source, token, k) order; per token, the weighted sum in k order in float32."""
+    n = len(xs)
+    per_pe = num_experts // n
+    groups = [[[] for _ in range(per_pe)] for _ in range(n)]
+    for s in range(n):
+        for t in range(xs[s].shape[0]):
+            for k in range(topks[s].shape[1]):
+                e = int(topks[s][t, k])
+                if 0 <= e < num_experts:
+                    groups[e // per_pe][e % per_pe].append((s, t))
+    outs = []
+    for s in range(n):
+        acc = torch.zeros(xs[s].shape, dtype=torch.float32)
+        for t in range(xs[s].shape[0]):
+            for k in range(topks[s].shape[1]):
+                e = int(topks[s][t, k])
+                if 0 <= e < num_experts:
+                    y = _expert_output(xs[s][t:t + 1], torch.tensor([e]))[0].float()
+                    acc[t] = acc[t] + weights[s][t, k] * y
+        outs.append(acc.to(xs[s].dtype))
+    return groups, outs
+
+
+def _routing(n, tokens, topk, num_experts, kind, rng):
+    if kind == "random":
+        return [torch.stack([torch.randperm(num_experts, generator=rng)[:topk] for _ in range(tokens[p])])
+                if tokens[p] else torch.zeros(0, topk, dtype=torch.int64) for p in range(n)]
+    if kind == "skew":  # every token to PE 0's experts; PE n-1 gets none
+        per_pe = num_experts // n
+        return [torch.randint(0, per_pe, (tokens[p], topk), generator=rng) for p in range(n)]
+    if kind == "missing":  # some slots without an expert
+        ids = [torch.randint(0, num_experts, (tokens[p], topk), generator=rng) for p in range(n)]
+        for t in ids:
+            t[torch.rand(t.shape, generator=rng) < 0.3] = -1
+        return ids
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("kind", ["random", "skew", "missing"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_simulated_dispatch_and_combine_match_the_reference(n, kind, dtype):
+    rng = torch.Generator().manual_seed(n * 100 + len(kind))
+    per_pe, topk, hidden, capacity = 3, 4, 5, 9  # odd widths; topk > experts per PE
+    num_experts = per_pe * n
+    tokens = [random.Random(p + n).randint(0, capacity) for p in range(n)]
+    tokens[0] = 0  # a PE with zero tokens
+    tokens[-1] = capacity
+    topks = _routing(n, tokens, topk, num_experts, kind, rng)
+    xs = [torch.randn(tokens[p], hidden, generator=rng).to(dtype) for p in range(n)]
+    weights = [torch.rand(tokens[p], topk, generator=rng) for p in range(n)]
+    recv_xs, layouts, outs = _simulate(xs, topks, weights, num_experts, capacity)
+    groups, want = _reference(xs, topks, weights, num_experts)
+    for r in range(n):
+        layout = layouts[r]
+        counts = [len(g) for g in groups[r]]
+        assert layout.expert_counts.tolist() == counts
+        assert layout.expert_offsets.tolist() == [sum(counts[:e]) for e in range(per_pe)]
+        assert int(layout.num_rows) == sum(counts)
+        flat = [row for group in groups[r] for row in group]
+        for i, (s, t) in enumerate(flat):
+            assert torch.equal(recv_xs[r][i].view(torch.uint8), xs[s][t].view(torch.uint8)), (r, i)
+            assert (int(layout.source_pe[i]), int(layout.source_token[i])) == (s, t)
+        assert layout.expert_of_row[:len(flat)].tolist() == [e for e, g in enumerate(groups[r]) for _ in g]
+        assert (layout.source_pe[len(flat):] == -1).all()
+    for s in range(n):
+        assert torch.equal(outs[s].view(torch.uint8), want[s].view(torch.uint8)), s
+
+
+def test_a_token_with_several_experts_on_one_pe_travels_once():
+    topk_idx = torch.tensor([[0, 1, 2, 5], [3, 4, 5, 0]])  # 2 PEs, 3 experts each
+    plan = _moe.dispatch_plan(topk_idx, 6, 2)
+    assert plan.send_counts.tolist() == [2, 2]  # each token once per PE
+    assert plan.send_index[:4].tolist() == [0, 1, 0, 1]
+
+
+def test_combine_reduce_reference_is_the_scalar_arithmetic():
+    rng = torch.Generator().manual_seed(3)
+    rows = torch.randn(6, 3, generator=rng).to(torch.bfloat16)
+    slots = torch.tensor([[0, 5, -1], [2, 2, 1]])
+    weights = torch.rand(2, 3, generator=rng)
+    out = _moe.combine_reduce(rows, slots, weights)
+    for t in range(2):
+        for h in range(3):
+            acc = torch.zeros((), dtype=torch.float32)
+            for k in range(3):
+                if slots[t, k] >= 0:
+                    acc = acc + weights[t, k] * rows[slots[t, k], h].float()
+            assert out[t, h].view(torch.int16) == acc.to(torch.bfloat16).view(torch.int16)
+
+
+def test_combine_reduce_refuses_other_dtypes():
+    with pytest.raises(pydatacopy.Error, match="float32, bfloat16 or float16"):
+        _moe.combine_reduce(torch.zeros(2, 2, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int64),
+                            torch.zeros(1, 1))
+
+
+# ---- the ops ------------------------------------------------------------------------------------
+
+class _Loopback:
+    """A one-PE AllToAll on the CPU: what it sends to itself it receives."""
+
+    def __init__(self, capacity):
+        self.capacity, self.n_pes = capacity, 1
+        self.recv_rows = capacity
+        self.calls = 0
+
+    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout):
+        self.calls += 1
+        count = int(send_counts[0])
+        rows = send_index[:count] if send_index is not None else torch.arange(count)
+        recvs = []
+        for send in sends:
+            recv = torch.zeros((self.recv_rows, *send.shape[1:]), dtype=send.dtype)
+            recv[:count] = send.index_select(0, rows)
+            recvs.append(recv)
+        return recvs, send_counts.to(torch.int64).clone(), torch.zeros(1, dtype=torch.int64)
+
+
+@pytest.fixture
+def loopback():
+    buffer = _Loopback(capacity=8)
+    number = 10**6 + random.randrange(10**6)
+    _moe._buffers[number] = buffer
+    yield number, buffer
+    _moe._buffers.pop(number, None)
+
+
+def test_opcheck_all_to_all_v(loopback):
+    number, _ = loopback
+    sends = [torch.arange(12, dtype=torch.float32).reshape(6, 2), torch.arange(6, dtype=torch.int32)]
+    args = (number, sends, torch.tensor([4]), torch.tensor([5, 4, 3, 2, 1, 0]), None, None,
+            torch.zeros(1, dtype=torch.uint8))
+    torch.library.opcheck(_moe.OPS["all_to_all_v"], args)
+
+
+def test_opcheck_gather_rows():
+    src = torch.arange(20, dtype=torch.float32).reshape(5, 4)
+    args = (src, torch.tensor([4, 0, 2, 2]), torch.tensor(3), None)
+    torch.library.opcheck(_moe.OPS["moe_gather_rows"], args)
+    assert torch.equal(_moe.gather_rows(*args[:3])[:3], src[[4, 0, 2]])
+
+
+def test_opcheck_combine_reduce():
+    rows = torch.randn(5, 4).to(torch.bfloat16)
+    args = (rows, torch.tensor([[0, -1], [4, 2]]), torch.rand(2, 2), None)
+    torch.library.opcheck(_moe.OPS["moe_combine_reduce"], args)
+
+
+def test_fake_shapes(loopback):
+    number, _ = loopback
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        send = torch.empty(3, 7, dtype=torch.bfloat16)
+        *recvs, counts, offsets = torch.ops.pydatacopy.all_to_all_v(
+            number, [send], torch.empty(1, dtype=torch.int64), None, None, None,
+            torch.empty(1, dtype=torch.uint8))
+        assert tuple(recvs[0].shape) == (8, 7) and recvs[0].dtype == torch.bfloat16
+        assert len(recvs) == 4 and all(r.numel() == 0 for r in recvs[1:])
+        assert tuple(counts.shape) == (1,) and tuple(offsets.shape) == (1,)
+        out = torch.ops.pydatacopy.moe_combine_reduce(torch.empty(8, 7), torch.empty(3, 2, dtype=torch.int64),
+                                                      torch.empty(3, 2), None)
+        assert tuple(out.shape) == (3, 7)
+
+
+def test_make_fx_traces_the_op_and_runs_it(loopback):
+    number, buffer = loopback
+    order = torch.zeros(1, dtype=torch.uint8)
+
+    def step(send, counts):
+        recvs, got, _ = _moe._exchange_op(number, [send], counts, None, None, None, order)
+        return recvs[0] * 2, got
+
+    send, counts = torch.arange(6.0).reshape(3, 2), torch.tensor([2])
+    graph = make_fx(step)(send, counts)
+    assert "pydatacopy.all_to_all_v" in str(graph.graph)
+    before = buffer.calls
+    recv, got = graph(send, counts)
+    assert buffer.calls == before + 1
+    assert got.tolist() == [2] and torch.equal(recv[:2], send[:2] * 2)
+
+
+def test_combine_reduce_traces_through_the_op():
+    graph = make_fx(lambda r, s, w: _moe.combine_reduce(r, s, w))(
+        torch.randn(4, 3), torch.tensor([[0, 1]]), torch.rand(1, 2))
+    assert "pydatacopy.moe_combine_reduce" in str(graph.graph)
+
+
+# ---- checks without NVSHMEM ------------------------------------------------------------------
+
+def test_setup_needs_init_and_good_sizes():
+    if pydatacopy.is_initialized():
+        pytest.skip("NVSHMEM is initialised in this process")
+    with pytest.raises(pydatacopy.Error, match="capacity"):
+        pydatacopy.AllToAll(0, 16)
+    with pytest.raises(pydatacopy.Error, match="max_row_bytes"):
+        pydatacopy.AllToAll(4, 1 << 24)
+    with pytest.raises(pydatacopy.Error, match="pydatacopy.init"):
+        pydatacopy.AllToAll(4, 16)
+    with pytest.raises(pydatacopy.Error, match="pydatacopy.init"):
+        pydatacopy.MoeDispatcher(8, 16, 2, 4)
+
+
+def test_symmetric_bytes_needed():
+    one = pydatacopy.AllToAll.symmetric_bytes_needed(100, 64, 4)
+    assert one >= 2 * 4 * 100 * 64  # two sets of four regions
+    assert one % 256 == 0
+    assert pydatacopy.AllToAll.symmetric_bytes_needed(100, 64, 8) > one
+    with pytest.raises(pydatacopy.Error, match="PEs"):
+        pydatacopy.AllToAll.symmetric_bytes_needed(100, 64, 5000)
+
+
+def test_public_names():
+    for name in ("AllToAll", "all_to_all_v", "MoeDispatcher", "MoeHandle"):
+        assert name in pydatacopy.__all__ and hasattr(pydatacopy, name)
+
+
+def _stub_buffer(number: int, n_pes: int = 1) -> pydatacopy.AllToAll:
+    """An AllToAll object as the traced path sees it (its number and order tensor), with no
+    NVSHMEM behind it: the ops' kernels reach the loopback registered under `number`."""
+    stub = object.__new__(pydatacopy.AllToAll)
+    stub.number, stub._n_pes, stub._device = number, n_pes, -1
+    stub._order = torch.zeros(1, dtype=torch.uint8)
+    return stub
+
+
+def test_torch_compile_traces_dispatch_and_combine_whole():
+    """dispatch, an expert and combine under torch.compile(fullgraph=True): no graph break, the
+    two exchanges and the reduction as ops, the result as the arithmetic says (one PE, loopback)."""
+    tokens, hidden, topk, experts = 5, 8, 2, 4
+    numbers = (2 * 10**6 + random.randrange(10**6), 3 * 10**6 + random.randrange(10**6))
+    loopbacks = (_Loopback(capacity=tokens), _Loopback(capacity=tokens * topk))  # kept alive:
+    for number, loopback in zip(numbers, loopbacks):  # the registry holds them weakly
+        _moe._buffers[number] = loopback
+    try:
+        moe = object.__new__(pydatacopy.MoeDispatcher)
+        moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = experts, hidden, topk, tokens
+        moe.dtype = moe.combine_dtype = torch.float32
+        moe.n_pes, moe.experts_per_pe, moe.my_pe = 1, experts, 0
+        moe._dispatch, moe._combine = _stub_buffer(numbers[0]), _stub_buffer(numbers[1])
+
+        def layer(x, ids, weights):
+            recv_x, handle = moe.dispatch(x, ids)
+            return moe.combine(recv_x * 2, handle, weights)
+
+        rng = torch.Generator().manual_seed(9)
+        x = torch.randn(tokens, hidden, generator=rng)
+        ids = torch.stack([torch.randperm(experts, generator=rng)[:topk] for _ in range(tokens)])
+        ids[1, 0] = -1  # a slot without an expert
+        weights = torch.rand(tokens, topk, generator=rng)
+        torch._dynamo.reset()
+        out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x, ids, weights)
+        want = torch.zeros(tokens, hidden)
+        for k in range(topk):
+            want = want + torch.where(ids[:, k:k + 1] >= 0, weights[:, k:k + 1] * (x * 2), 0.0)
+        assert torch.equal(out, want)
+        assert [lb.calls for lb in loopbacks] == [1, 1]  # each exchange ran once
+    finally:
+        for number in numbers:
+            _moe._buffers.pop(number, None)
