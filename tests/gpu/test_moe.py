@@ -54,11 +54,35 @@ def buffer(world):
     buffer.close()
 
 
+_FP8_TAG = "__fp8_as_uint8__"
+
+
+def _pack(obj):
+    """fp8 tensors travel as uint8 (torch 2.11 cannot unpickle an fp8 storage)."""
+    if isinstance(obj, torch.Tensor) and obj.dtype.itemsize == 1 and obj.is_floating_point():
+        return (_FP8_TAG, str(obj.dtype).removeprefix("torch."), obj.contiguous().view(torch.uint8))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pack(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _pack(v) for k, v in obj.items()}
+    return obj
+
+
+def _unpack(obj):
+    if isinstance(obj, tuple) and len(obj) == 3 and obj[0] == _FP8_TAG:
+        return obj[2].view(getattr(torch, obj[1]))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_unpack(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _unpack(v) for k, v in obj.items()}
+    return obj
+
+
 def _gather(obj) -> list:
     """Every PE's `obj` (CPU tensors), indexed by PE."""
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, obj)
-    return every
+    dist.all_gather_object(every, _pack(obj))
+    return [_unpack(x) for x in every]
 
 
 def _same_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -295,7 +297,7 @@ def _refused_call_is_caught(world, label: str) -> None:
         call = _put_cases(peer, dst, src, signal)[label]
         before = _violations()
         with _rma_options(check=True, auto_register=True), _refusing(label):
-            with pytest.raises(pydatacopy.Error, match=f"PYDATACOPY_CHECK_RMA: {label}"):
+            with pytest.raises(pydatacopy.Error, match="PYDATACOPY_CHECK_RMA: " + re.escape(label)):
                 call()
         assert _violations() == before + 1
         pydatacopy.barrier(blocking=True)
@@ -336,7 +338,7 @@ def test_forced_rma_checks_send_recv_staging(world, force_rma, label):
     before = _violations()
     with _rma_options(check=True, auto_register=True):
         with _refusing(label):
-            with pytest.raises(pydatacopy.Error, match=f"PYDATACOPY_CHECK_RMA: {label}"):
+            with pytest.raises(pydatacopy.Error, match="PYDATACOPY_CHECK_RMA: " + re.escape(label)):
                 pydatacopy.sendrecv(src, peer, out, peer)
         assert _violations() == before + 1
         # Nothing was launched: the channel is where it was, and the next message is right.
@@ -364,7 +366,7 @@ def test_forced_rma_checks_the_token_exchange(world, force_rma, label):
         before = _violations()
         with _rma_options(check=True, auto_register=True):
             with _refusing(label):
-                with pytest.raises(pydatacopy.Error, match=f"PYDATACOPY_CHECK_RMA: {label}"):
+                with pytest.raises(pydatacopy.Error, match="PYDATACOPY_CHECK_RMA: " + re.escape(label)):
                     manager.exchange(peer, peer, stream, 30.0)
             assert _violations() == before + 1
             assert manager.round == 0  # refused before the launch: no round was used

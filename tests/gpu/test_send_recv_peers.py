@@ -137,8 +137,13 @@ def test_a_mismatch_with_one_pe_does_not_stop_calls_with_another(world, peer, fr
     pydatacopy.sendrecv(_bytes(rank, 31, 64 * KiB), peer, got, peer)  # old code: raised here
     torch.cuda.synchronize()
     _assert_bytes(got, _bytes(peer, 31, 64 * KiB), "sendrecv with the other PE")
+    # Both directions of the self channel are told, once each: the receiver's side, then the
+    # sender's (its send had completed before the receiver looked).
     with pytest.raises(pydatacopy.Error, match=rf"recv on PE {rank} from PE {rank}: the sender's "
                                                r"message is 4096 bytes but this recv expected 8192"):
+        pydatacopy.check_errors()
+    with pytest.raises(pydatacopy.Error, match=rf"send from PE {rank} to PE {rank}: the receiver "
+                                               r"expected 8192 bytes for a message of 4096 bytes"):
         pydatacopy.check_errors()
     pydatacopy.check_errors()  # reported once
 
@@ -161,6 +166,8 @@ def test_group_launches_the_live_peers_ops_and_then_raises(world, peer, fresh_ch
     # moves nothing) and says so again: every later call on that channel raises.
     with pytest.raises(pydatacopy.Error, match=rf"between PE {rank} and PE {rank} refused"):
         pydatacopy.check_errors()
+    with pytest.raises(pydatacopy.Error, match=rf"send from PE {rank} to PE {rank}: the receiver expected 8192"):
+        pydatacopy.check_errors()  # the sender's side of the self channel, told once
     pydatacopy.check_errors()
 
 

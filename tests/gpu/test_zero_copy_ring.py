@@ -32,7 +32,7 @@ def _agree(world, failures: list[str], step: str) -> None:
 
 @pytest.mark.parametrize("shift", [1, -1], ids=["next", "previous"])
 def test_ring_sendrecv_goes_zero_copy_and_stays_exact(world, shift):
-    rank, n = world
+    rank, n = world[0], world[1]
     pydatacopy.setup_send_recv()
     _transfer.set_zero_copy_min_bytes(1 * MiB)
     to, frm = (rank + shift) % n, (rank - shift) % n
