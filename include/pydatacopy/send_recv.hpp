@@ -64,7 +64,7 @@
 //
 // Zero-copy between load/store peers (PEs on one node whose heaps nvshmem_ptr reaches, several
 // PEs on one GPU included; not under PYDATACOPY_FORCE_RMA, never to itself): a message of at
-// least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 1 MiB, agreed by every PE
+// least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 32 MiB, agreed by every PE
 // at init; 0: off) moves once, from the sender's tensor into the receiver's, inside the same
 // batch kernel (so a sendrecv's zero-copy and staged ops still run in one launch).
 // - Rendezvous: on such a channel EVERY recv (any size) posts a descriptor into the sender's
@@ -246,7 +246,7 @@ class SendRecvEngine {
   // ---- zero-copy (see above) ----
   // Messages of at least this many bytes to or from a load/store peer move once (0: never).
   // PYDATACOPY_ZERO_COPY_MIN_BYTES at init (default kDefaultZeroCopyMinBytes), the same on every PE.
-  static constexpr std::size_t kDefaultZeroCopyMinBytes = std::size_t{1} << 20;
+  static constexpr std::size_t kDefaultZeroCopyMinBytes = std::size_t{32} << 20;  // measured: docs/zero-copy.md
   std::size_t zero_copy_min_bytes() const { return zero_copy_min_bytes_; }
   // Collective and blocking (every PE, the same value, between calls; the pair's messages in
   // flight keep the mode they were issued with): changes the threshold. Throws on every PE

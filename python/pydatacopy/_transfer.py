@@ -700,7 +700,7 @@ def service_zero_copy() -> None:
 def zero_copy_min_bytes() -> int:
     """Messages of at least this many bytes between PEs that reach each other by load/store move
     once, from the sender's tensor into the receiver's (PYDATACOPY_ZERO_COPY_MIN_BYTES, default
-    1 MiB; 0: never). Needs the send/recv engine (init())."""
+    32 MiB; 0: never). Needs the send/recv engine (init())."""
     return _require_engine("zero_copy_min_bytes").zero_copy_min_bytes
 
 
