@@ -136,6 +136,10 @@ class Exporter {
 
   // Reads the sender's acknowledgements and flushes queued requests (never blocks).
   void poll();
+  // A call (one launch) begins: entries its ops are given from now on are in flight with it,
+  // so a later op of the same call must not evict them (the channel's last launch being idle
+  // says nothing about this one, not launched yet).
+  void begin_call() { call_start_ = tick_; }
   // The mode of a recv into [dst, dst + bytes) at or above the threshold. `capturing`: the
   // recv is being captured into a CUDA graph (the entry is pinned, see above).
   Decision prepare(const void* dst, std::size_t bytes, bool capturing);
@@ -172,6 +176,7 @@ class Exporter {
   std::vector<bool> pinned_ = std::vector<bool>(kTableEntries, false);  // never reusable again
   std::deque<Request> outgoing_;
   uint64_t tick_ = 0;
+  uint64_t call_start_ = 0;  // tick_ when the current call began (begin_call)
   Stats stats_;
 };
 

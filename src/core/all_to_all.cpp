@@ -85,6 +85,16 @@ void AllToAll::init(int64_t capacity, int64_t max_row_bytes) {
   const int pes = n_pes();
   AllToAllLayout::check(capacity, max_row_bytes, pes);
   const AllToAllLayout layout(capacity, max_row_bytes, pes);
+  // Every PE must set up the same buffer: a receiver trusts a sender's rows to fit its regions
+  // (two PEs with other capacities but the same product would allocate alike and then overrun).
+  // Voted before anything is allocated, so that a refusal leaves nothing to undo on any PE.
+  const uint64_t mine = (static_cast<uint64_t>(capacity) * 1000003u) ^ static_cast<uint64_t>(max_row_bytes);
+  const std::vector<uint64_t> votes =
+      barrier_all_blocking("AllToAll.init (collective: every PE must set up the buffer)", default_timeout_seconds(), mine);
+  for (std::size_t pe = 0; pe < votes.size(); ++pe)
+    PDC_REQUIRE(votes[pe] == mine, "AllToAll.init: PE " << pe << " set up its buffer with another capacity or "
+                                   "max_row_bytes than this PE (capacity=" << capacity << ", max_row_bytes="
+                                   << max_row_bytes << "); every PE must pass the same. Nothing was allocated on any PE");
   // Local resources first, so that nothing collective needs undoing when they fail.
   ChannelOrder order(1);
   const std::size_t counter_bytes = (2 + 2 * static_cast<std::size_t>(pes)) * sizeof(uint64_t) +

@@ -691,6 +691,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     if (seen) continue;
     zero_copy_->importers[ops[i].peer]->drain();
     zero_copy_->exporters[ops[i].peer]->poll();
+    zero_copy_->exporters[ops[i].peer]->begin_call();
   }
   const unsigned long long capturing = capture_id(stream);
   for (const Operation& op : ops) {

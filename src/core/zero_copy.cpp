@@ -109,9 +109,10 @@ int Exporter::take_index() {
   if (index >= 0) return index;
   auto lru = entries_.end();
   for (auto it = entries_.begin(); it != entries_.end(); ++it)
-    if (it->second.index >= 0 && !it->second.pinned && (lru == entries_.end() || it->second.last_use < lru->second.last_use))
+    if (it->second.index >= 0 && !it->second.pinned && it->second.last_use <= call_start_ &&
+        (lru == entries_.end() || it->second.last_use < lru->second.last_use))
       lru = it;
-  if (lru == entries_.end()) return -1;  // every index is pinned by captures
+  if (lru == entries_.end()) return -1;  // every index is pinned by captures or in this call
   index = lru->second.index;
   ++stats_.evicted;
   drop(lru);
@@ -297,10 +298,13 @@ Mailbox* create_mailbox(const std::string& name) {
 }
 
 Mailbox* open_mailbox(const std::string& name) {
-  const int fd = shm_open(name.c_str(), O_RDWR, 0600);
+  const int fd = shm_open(name.c_str(), O_RDWR | O_NOFOLLOW, 0600);
   if (fd < 0) return nullptr;
   struct stat status {};
-  if (fstat(fd, &status) != 0 || static_cast<std::size_t>(status.st_size) != sizeof(Mailbox)) {
+  // Only a segment this user made, that no one else may open: a segment another user put under
+  // this name could feed this PE requests to open arbitrary IPC handles (then: staged).
+  if (fstat(fd, &status) != 0 || static_cast<std::size_t>(status.st_size) != sizeof(Mailbox) ||
+      status.st_uid != geteuid() || (status.st_mode & 077) != 0) {
     close(fd);
     return nullptr;
   }

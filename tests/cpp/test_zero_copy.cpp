@@ -161,12 +161,37 @@ void test_eviction_waits_for_an_idle_channel() {
   check(p.exporter.stats().evicted == 0 && p.exporter.stats().requests == zc::kTableEntries,
         "nothing is evicted while a recv from the peer may still use an index");
   p.cuda.recv_idle = true;
+  p.exporter.begin_call();  // a new call: the entries used so far belong to launches that are done
   p.exporter.prepare(at(extra), 1 << 20, false);
   check(p.exporter.stats().evicted == 1, "the least recently used entry is evicted once the channel is idle");
   check(!p.exporter.prepare(at(kBase), 1 << 20, false).zero_copy, "the evicted allocation is no longer posted zero-copy");
   p.importer.drain();  // unmap then map at the same index, in that order
   check(p.exporter.prepare(at(extra), 1 << 20, false).zero_copy, "the new allocation took the freed index");
   check(p.importer.open_handles() <= zc::kTableEntries, "the sender holds no more handles than the table");
+}
+
+// Review finding: an op of one call was given index j, and a later op of the same call (not yet
+// launched either) evicted j's entry because the channel's last launch was idle; the sender then
+// wrote the first op's message through a table entry that now mapped the second op's buffer.
+void test_an_entry_used_in_this_call_is_not_evicted_by_it() {
+  Pair p;
+  for (int i = 0; i < zc::kTableEntries; ++i) {
+    p.cuda.allocate(kBase + static_cast<std::uintptr_t>(i) * kBytes, kBytes);
+    p.exporter.prepare(at(kBase + static_cast<std::uintptr_t>(i) * kBytes), 1 << 20, false);
+  }
+  p.importer.drain();
+  p.exporter.begin_call();
+  for (int i = 0; i < zc::kTableEntries; ++i)  // one call whose ops use every entry
+    check(p.exporter.prepare(at(kBase + static_cast<std::uintptr_t>(i) * kBytes), 1 << 20, false).zero_copy,
+          "every allocation of a full table goes zero-copy");
+  const std::uintptr_t extra = kBase + static_cast<std::uintptr_t>(zc::kTableEntries) * kBytes;
+  p.cuda.allocate(extra, kBytes);
+  p.cuda.recv_idle = true;
+  check(!p.exporter.prepare(at(extra), 1 << 20, false).zero_copy, "the same call's next op: staged");
+  check(p.exporter.stats().evicted == 0, "no entry used by this call is evicted by it");
+  p.exporter.begin_call();  // the next call: the last one's entries may go
+  p.exporter.prepare(at(extra), 1 << 20, false);
+  check(p.exporter.stats().evicted == 1, "evicted in a later call");
 }
 
 void test_freed_allocations_are_let_go_at_the_next_new_one() {
@@ -359,6 +384,7 @@ int main() {
   test_handshake_then_zero_copy();
   test_stale_buffer_id_drops_the_mapping();
   test_eviction_waits_for_an_idle_channel();
+  test_an_entry_used_in_this_call_is_not_evicted_by_it();
   test_freed_allocations_are_let_go_at_the_next_new_one();
   test_not_exportable_memory_stays_staged();
   test_a_failed_open_is_staged_for_good();

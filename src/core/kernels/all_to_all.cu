@@ -97,7 +97,8 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
         rows = 0;
       }
       rows_to[d] = rows;
-      if (asked > 0) offset += asked;
+      // Saturated: counts past the rows never wrap the offset (later destinations are refused).
+      if (asked > 0) offset = asked > limit - offset ? limit : offset + asked;
     }
     pieces[0] = 0;
     for (int i = 0; i < n; ++i) {
@@ -237,6 +238,8 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
       if (refused) {
         if (blockIdx.x == 0 && count > a.capacity)
           refuse(a, detail::WaitOp::kAllToAllCapacityFrom, s, count, a.capacity);
+      } else if (count < 0 || count > a.capacity) {  // never past this PE's region (init votes alike)
+        if (blockIdx.x == 0) refuse(a, detail::WaitOp::kAllToAllCapacityFrom, s, count, a.capacity);
       } else if (AllToAllLayout::meta_fields(meta) != a.fields ||
                  AllToAllLayout::meta_row_bytes(meta) != a.row_bytes_total) {
         if (blockIdx.x == 0)

@@ -316,6 +316,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // change next[i][j] in this visit.)
         const bool zero_copy_under_way =
             mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i]);
+        // Read before the barrier below, after which thread 0 may change posted[i] and mode[i]:
+        // every thread must take the same branches (each holds a __syncthreads).
+        const bool post_now = !send && slice == 0 && !posted[i];
+        const bool await_now = send && mode[i] == 0;
         const bool channel_failed =
             __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0);
         if (channel_failed && !zero_copy_under_way) {
@@ -326,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // A recv's descriptor goes out when its first slice's turn on the channel comes (every
         // earlier op's first slice done, none refused), so that a descriptor is never posted
         // for an op that the receiver then gives up on while the sender writes.
-        if (!send && slice == 0 && !posted[i]) {
+        if (post_now) {
           if (threadIdx.x == 0) {
             post_descriptor(a, message[i], first[i]);
             posted[i] = true;
@@ -335,7 +339,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         }
         // A send above the threshold first takes the receiver's descriptor (same size, and the
         // mode: zero-copy into its buffer, or staged).
-        if (send && mode[i] == 0) {
+        if (await_now) {
           __shared__ int taken;
           if (threadIdx.x == 0) {
             uint8_t* into = nullptr;
