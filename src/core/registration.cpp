@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 
+#include "cuda_calls.hpp"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
@@ -34,31 +35,12 @@ bool refused_for_tests(const char* what) {
   return std::strncmp(what, g_refused_prefix.c_str(), g_refused_prefix.size()) == 0;
 }
 
-// Driver functions through the runtime's entry point: the core links no libcuda.
-template <typename Function>
-Function driver_function(const char* name) {
-  void* symbol = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  PDC_CHECK_CUDA(cudaGetDriverEntryPointByVersion(name, &symbol, 12000, cudaEnableDefault, &found));
-  PDC_REQUIRE(found == cudaDriverEntryPointSuccess && symbol != nullptr,
-              "the CUDA driver has no " << name << ": update the NVIDIA driver");
-  return reinterpret_cast<Function>(symbol);
-}
-
 // NVSHMEM's (un)registration makes CUDA calls (a synchronous copy of its device state) that a
 // global-mode graph capture forbids: this thread makes them in relaxed mode. A buffer first used
 // inside a capture (a tensor of the graph's own pool) is thus registered at capture time; its
 // address stays the same for every replay.
-class RelaxedCaptureMode {
- public:
-  RelaxedCaptureMode() { PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode_)); }
-  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
+using detail::driver_function;
+using detail::RelaxedCaptureMode;
 
 // The CUDA driver and NVSHMEM behind the registration cache.
 class NvshmemBackend final : public RegistrationBackend {

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda_calls.hpp"
 #include "device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
@@ -38,29 +39,8 @@ static_assert(kernels::kRendezvousRing >= kernels::kMaxBatchOps,
 static_assert(kernels::kZeroCopyTableEntries == zero_copy::kTableEntries, "one table size");
 static_assert(sizeof(kernels::RendezvousDescriptor) == 64, "a descriptor is one 64-byte line");
 
-// Driver functions through the runtime's entry point: the core links no libcuda.
-template <typename Function>
-Function driver_function(const char* name) {
-  void* symbol = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  PDC_CHECK_CUDA(cudaGetDriverEntryPointByVersion(name, &symbol, 12000, cudaEnableDefault, &found));
-  PDC_REQUIRE(found == cudaDriverEntryPointSuccess && symbol != nullptr,
-              "the CUDA driver has no " << name << ": update the NVIDIA driver");
-  return reinterpret_cast<Function>(symbol);
-}
-
-// IPC calls and event queries are not stream work, but a global-mode capture on this thread
-// could refuse them: made in relaxed mode (as registration.cpp does).
-class RelaxedCaptureMode {
- public:
-  RelaxedCaptureMode() { PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode_)); }
-  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
+using detail::driver_function;
+using detail::RelaxedCaptureMode;
 
 // PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off).
 std::size_t zero_copy_min_bytes_from_environment() {
@@ -460,14 +440,9 @@ RefusalPoll& RefusalPoll::operator=(RefusalPoll&& other) noexcept {
 }
 
 const uint64_t* RefusalPoll::read(const uint64_t* device_words) {
-  // Relaxed capture mode: a capture another thread runs in global mode must neither refuse nor
-  // be broken by this small copy on a stream of our own.
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  PDC_CHECK_CUDA(cudaThreadExchangeStreamCaptureMode(&mode));
-  cudaError_t copied = cudaMemcpyAsync(host_, device_words, words_ * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_);
-  if (copied == cudaSuccess) copied = cudaStreamSynchronize(stream_);
-  cudaThreadExchangeStreamCaptureMode(&mode);
-  PDC_CHECK_CUDA(copied);
+  RelaxedCaptureMode relaxed;  // a capture running in global mode on another stream stays valid
+  PDC_CHECK_CUDA(cudaMemcpyAsync(host_, device_words, words_ * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_));
+  PDC_CHECK_CUDA(cudaStreamSynchronize(stream_));
   return host_;
 }
 
