@@ -111,9 +111,17 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
   local rc=$?
   tail -n 25 "$OUT/$name.log"
   local verdict; verdict=$([ $rc = 0 ] && echo PASS || echo "FAIL:$rc")
+  # A step that ran nothing says SKIPPED, not PASS: a check that skipped itself (ucx-check without
+  # libucx prints "ucx-check: SKIPPED: ..." and exits 0), or pytest with every test skipped.
+  if [ $rc = 0 ] && ran_nothing "$OUT/$name.log"; then verdict=SKIPPED; fi
   RESULT[$name]=$verdict
   SUMMARY+=("$(printf '%-28s %-8s %5ss  %s' "$name" "$verdict" $((SECONDS - start)) "$(counts "$name")")")
   return $rc
+}
+ran_nothing() {  # ran_nothing LOG: the step only skipped
+  local log=$1
+  if grep -qE "^[a-z_-]+: SKIPPED" "$log" && ! grep -qE "^[a-z_-]+:? .*\bPASS\b" "$log"; then return 0; fi
+  grep -qE "^=* ?[0-9]+ skipped" "$log" && ! grep -qE "[0-9]+ (passed|failed|errors?)" "$log"
 }
 counts() {  # what a step's log counts: pytest's last line, the stress rounds, or PASS/FAIL lines
   local log="$OUT/$1.log" line
