@@ -561,42 +561,49 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
 }
 
 namespace {
-// SMs this process's context may use: under Volta+ MPS with an active thread percentage the
-// context's execution affinity (cuCtxGetExecAffinity, through the runtime's driver entry point:
-// the core does not link libcuda), else, when that is unavailable, the percentage in the
-// environment; the whole device otherwise (cudaDevAttrMultiProcessorCount is the whole GPU).
-// With K PEs sharing the GPU (PYDATACOPY_RANKS_PER_GPU=K, or the K PEs init() found on this
-// GPU, whichever is more: ranks placed with device= set no variable), at most a K-th of it: the K
-// launches of a sendrecv between them must all fit at once, also when MPS sets no limit.
+// The whole GPU's SMs split between the PEs sharing it (the more of PYDATACOPY_RANKS_PER_GPU and
+// the PEs init() found on this GPU).
+int sms_per_sharing_pe(int whole, int pes_sharing_gpu) {
+  int share = whole;
+  if (const char* text = std::getenv("PYDATACOPY_RANKS_PER_GPU")) {
+    const int ranks = std::atoi(text);  // validated where the device is chosen (choose_device)
+    if (ranks > 1) share = std::min(share, whole / ranks);
+  }
+  if (pes_sharing_gpu > 1) share = std::min(share, whole / pes_sharing_gpu);
+  return share;
+}
+
+// SMs this process's context may use. Under MPS with an active thread percentage the device
+// attribute (and the context's execution affinity, read through the runtime's driver entry point:
+// the core does not link libcuda) already report this client's share, not the whole GPU: measured
+// on an H200 at 50%, 66 of 132. With K PEs sharing the GPU (PYDATACOPY_RANKS_PER_GPU=K, or the K
+// PEs init() found on this GPU, whichever is more: ranks placed with device= set no variable), each
+// gets at most a K-th of the whole GPU, so that the K launches of a sendrecv between them all fit at
+// once also when MPS sets no limit. The whole GPU is the share * 100 / percentage where the
+// percentage is in the environment; dividing the share itself by K again (as before 2026-12-01) left
+// zero-copy and all-to-all kernels half (2 PEs) or a quarter (4 PEs) of the SMs MPS gives them.
 int usable_sms(int device, int pes_sharing_gpu) {
-  int sms = 0;
-  PDC_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int usable = sms;
+  int reported = 0;
+  PDC_CHECK_CUDA(cudaDeviceGetAttribute(&reported, cudaDevAttrMultiProcessorCount, device));
+  int usable = reported;
   using GetExecAffinity = CUresult (*)(CUexecAffinityParam*, CUexecAffinityType);
   void* function = nullptr;
   cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  bool affinity_known = false;
   if (cudaGetDriverEntryPointByVersion("cuCtxGetExecAffinity", &function, 11040, cudaEnableDefault,
                                        &found) == cudaSuccess &&
       found == cudaDriverEntryPointSuccess && function != nullptr) {
     CUexecAffinityParam affinity{};
     if (reinterpret_cast<GetExecAffinity>(function)(&affinity, CU_EXEC_AFFINITY_TYPE_SM_COUNT) == CUDA_SUCCESS &&
-        affinity.param.smCount.val > 0) {
+        affinity.param.smCount.val > 0)
       usable = std::min(usable, static_cast<int>(affinity.param.smCount.val));
-      affinity_known = true;
-    }
   }
   cudaGetLastError();  // a failed query is no error of the caller's
-  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"); text != nullptr && !affinity_known) {
+  int whole = reported;
+  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
     const double percent = std::atof(text);
-    if (percent > 0 && percent < 100) usable = std::min(usable, static_cast<int>(std::ceil(sms * percent / 100)));
+    if (percent > 0 && percent < 100) whole = static_cast<int>(std::lround(reported * 100.0 / percent));
   }
-  if (const char* text = std::getenv("PYDATACOPY_RANKS_PER_GPU")) {
-    const int ranks = std::atoi(text);  // validated where the device is chosen (choose_device)
-    if (ranks > 1) usable = std::min(usable, sms / ranks);
-  }
-  if (pes_sharing_gpu > 1) usable = std::min(usable, sms / pes_sharing_gpu);
-  return std::max(1, usable);
+  return std::max(1, std::min(usable, sms_per_sharing_pe(whole, pes_sharing_gpu)));
 }
 }  // namespace
 
