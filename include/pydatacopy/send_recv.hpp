@@ -282,6 +282,11 @@ class SendRecvEngine {
                         bool capturing, double timeout_seconds);
 
   uint8_t* base_ = nullptr;
+  // Each PE's base_ as this PE reaches it by load/store (null: RMA only), asked once at init: every
+  // array of the engine lies at the same offset in every PE's base_, so a peer's address is one
+  // addition per op instead of an nvshmem_ptr call per array.
+  std::vector<uint8_t*> peer_bases_;
+  void* peer_address(const void* local, int peer) const;
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
   int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
   uint64_t* sequences_ = nullptr;  // device [2][n_pes]: next chunk of each send / recv channel

@@ -248,6 +248,8 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
     throw;
   }
   base_ = static_cast<uint8_t*>(base);
+  peer_bases_.assign(static_cast<std::size_t>(pes), nullptr);
+  for (int peer = 0; peer < pes; ++peer) peer_bases_[peer] = static_cast<uint8_t*>(nvshmem_ptr(base_, peer));
   sequences_ = static_cast<uint64_t*>(counters);
   order_ = std::move(order);
   refusal_poll_ = std::move(poll);
@@ -324,11 +326,18 @@ void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) {
                     "Set the same value on every PE; nothing was changed");
 }
 
+void* SendRecvEngine::peer_address(const void* local, int peer) const {
+  // As peer_pointer (null under PYDATACOPY_FORCE_RMA, read per call: tests switch it at run time).
+  if (rma_forced() || peer < 0 || static_cast<std::size_t>(peer) >= peer_bases_.size() || peer_bases_[peer] == nullptr)
+    return nullptr;
+  return peer_bases_[peer] + (static_cast<const uint8_t*>(local) - base_);
+}
+
 bool SendRecvEngine::load_store_peer(int peer) const {
   // peer_pointer is null for another node and under PYDATACOPY_FORCE_RMA; a PE's messages to
   // itself stay staged (a send and its recv may be in two launches).
   return zero_copy_min_bytes_ > 0 && peer != my_pe() && zero_copy_ != nullptr &&
-         peer_pointer(base_, peer) != nullptr;
+         peer_address(base_, peer) != nullptr;
 }
 
 void SendRecvEngine::service_zero_copy() {
@@ -364,6 +373,7 @@ SendRecvEngine::SendRecvEngine(SendRecvEngine&& other) noexcept { swap(other); }
 void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
   using std::swap;
   swap(base_, other.base_);
+  swap(peer_bases_, other.peer_bases_);
   swap(chunk_bytes_, other.chunk_bytes_);
   swap(page_bytes_, other.page_bytes_);
   swap(symmetric_bytes_, other.symmetric_bytes_);
@@ -565,15 +575,15 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     a.headers = headers(me);
     a.outgoing = outgoing_headers(peer);
     a.filled = filled_ + static_cast<std::size_t>(peer) * num_chunks_ * pages();
-    a.peer_staging = static_cast<uint8_t*>(peer_pointer(a.staging, peer));
-    a.peer_arrivals = static_cast<uint64_t*>(peer_pointer(a.arrivals, peer));
-    a.peer_headers = static_cast<kernels::SlotHeader*>(peer_pointer(a.headers, peer));
+    a.peer_staging = static_cast<uint8_t*>(peer_address(a.staging, peer));
+    a.peer_arrivals = static_cast<uint64_t*>(peer_address(a.arrivals, peer));
+    a.peer_headers = static_cast<kernels::SlotHeader*>(peer_address(a.headers, peer));
     if (a.peer_staging == nullptr || a.peer_arrivals == nullptr || a.peer_headers == nullptr)
       a.peer_staging = nullptr, a.peer_arrivals = nullptr, a.peer_headers = nullptr;
     if (load_store && a.peer_staging != nullptr && bytes >= zero_copy_min_bytes_) {
       a.ring = rendezvous_ring(peer);
-      a.peer_zc_done = static_cast<uint64_t*>(peer_pointer(zero_copy_done(me), peer));
-      a.peer_recv_broken = static_cast<uint64_t*>(peer_pointer(broken(false, me), peer));
+      a.peer_zc_done = static_cast<uint64_t*>(peer_address(zero_copy_done(me), peer));
+      a.peer_recv_broken = static_cast<uint64_t*>(peer_address(broken(false, me), peer));
       a.zc_table = zero_copy_->table_device + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
       a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
     }
@@ -583,16 +593,16 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     a.arrivals = arrivals(peer);
     a.credits = credits(me);
     a.headers = headers(peer);
-    a.peer_credits = static_cast<uint64_t*>(peer_pointer(a.credits, peer));
+    a.peer_credits = static_cast<uint64_t*>(peer_address(a.credits, peer));
     // The sender's refusal word for this channel: its send channel to this PE.
     a.remote_broken = broken(true, me);
-    a.peer_broken = static_cast<uint64_t*>(peer_pointer(a.remote_broken, peer));
+    a.peer_broken = static_cast<uint64_t*>(peer_address(a.remote_broken, peer));
     a.remote_refused_bytes = refused_bytes(me);
     a.peer_refused_bytes = a.peer_broken == nullptr ? nullptr
-                                                    : static_cast<uint64_t*>(peer_pointer(a.remote_refused_bytes, peer));
+                                                    : static_cast<uint64_t*>(peer_address(a.remote_refused_bytes, peer));
     if (a.peer_refused_bytes == nullptr) a.peer_broken = nullptr;  // both words by one path
     if (load_store && a.peer_credits != nullptr && a.peer_broken != nullptr) {
-      a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_pointer(rendezvous_ring(me), peer));
+      a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_address(rendezvous_ring(me), peer));
       a.zc_done = zero_copy_done(peer);
       a.post_descriptor = a.peer_ring != nullptr;
     }
