@@ -8,10 +8,11 @@ namespace pydatacopy::kernels {
 // Copies `bytes` with `threads` cooperating threads (this one is `thread`), in the widest vector
 // both pointers allow: 16 bytes when dst and src share their alignment modulo 16 (equal offsets
 // into 256-byte-aligned buffers, the usual case), else 8, 4 or 1. The unaligned head and the tail
-// go byte by byte; the body keeps four vectors in flight per thread.
-template <typename Vector>
-__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t bytes,
-                                             int thread, int threads) {
+// go byte by byte; the body keeps kUnroll vectors in flight per thread (dst and src never
+// overlap: a copy goes between two buffers, never within one).
+template <typename Vector, int kUnroll>
+__device__ __forceinline__ void copy_vectors(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
+                                             int64_t bytes, int thread, int threads) {
   constexpr int64_t kWidth = sizeof(Vector);
   const int64_t head = static_cast<int64_t>(
       (kWidth - (reinterpret_cast<uintptr_t>(dst) & (kWidth - 1))) & (kWidth - 1));
@@ -23,7 +24,6 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
   const int64_t vectors = bytes / kWidth;
   auto* dst_v = reinterpret_cast<Vector*>(dst);
   const auto* src_v = reinterpret_cast<const Vector*>(src);
-  constexpr int kUnroll = 4;
   int64_t i = thread;
   for (; i + static_cast<int64_t>(threads) * (kUnroll - 1) < vectors; i += threads * kUnroll) {
     Vector v[kUnroll];
@@ -36,13 +36,16 @@ __device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, i
   for (int64_t b = vectors * kWidth + thread; b < bytes; b += threads) dst[b] = src[b];
 }
 
+// kUnroll: vectors in flight per thread (4 for page-sized pieces; 8 where a block streams through
+// megabytes, as zero-copy does).
+template <int kUnroll = 4>
 __device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t bytes,
                                            int thread, int threads) {
   const uintptr_t misalignment = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
-  if ((misalignment & 15) == 0) copy_vectors<int4>(dst, src, bytes, thread, threads);
-  else if ((misalignment & 7) == 0) copy_vectors<uint64_t>(dst, src, bytes, thread, threads);
-  else if ((misalignment & 3) == 0) copy_vectors<uint32_t>(dst, src, bytes, thread, threads);
-  else copy_vectors<uint8_t>(dst, src, bytes, thread, threads);
+  if ((misalignment & 15) == 0) copy_vectors<int4, kUnroll>(dst, src, bytes, thread, threads);
+  else if ((misalignment & 7) == 0) copy_vectors<uint64_t, kUnroll>(dst, src, bytes, thread, threads);
+  else if ((misalignment & 3) == 0) copy_vectors<uint32_t, kUnroll>(dst, src, bytes, thread, threads);
+  else copy_vectors<uint8_t, kUnroll>(dst, src, bytes, thread, threads);
 }
 
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {

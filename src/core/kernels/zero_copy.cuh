@@ -98,36 +98,38 @@ __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_
   return zero_copy_detail::kModeZeroCopy;
 }
 
-// All threads, send side: slice `slice`'s pages of chunks i, i + 1, ... (about kVisitBytes of
-// them: a visit long enough that the block's bookkeeping between visits costs little, short
-// enough that the block soon polls its other ops again), straight into the receive buffer; then
-// its done word at the receiver. Returns the next chunk. Progress words need no fence (they only
-// feed the receiver's watchdog); the last one follows a system fence: the writes land first.
-constexpr int64_t kVisitBytes = 1 << 20;
+// All threads, send side: the next visit of slice `slice` to its part of the message, straight
+// into the receive buffer; then its done word at the receiver. A zero-copy message has no staging
+// pages to follow, so slice s owns one contiguous range, the s-th of zc_slices equal parts (256-byte
+// multiples): a block streams through it with eight 16-byte loads in flight per thread. (Following
+// the staging's 32 KiB pages, as until 2026-12-01, gave each thread one 4-vector copy per call and
+// reached 0.70x a bare copy's throughput at 1 GiB.) `i` counts visits, in the op's chunk units: a
+// visit moves at least kVisitBytes, and at least the part over chunk_count(a), so that the slice ends
+// within chunk_count(a) visits (the receiver reads the count as progress for its watchdog; only the
+// final word means done). A visit is long enough that the block's bookkeeping between visits costs
+// little, short enough that the block soon polls its other ops again. Progress words need no fence
+// (they only feed the watchdog); the last one follows a system fence: the writes land first.
+constexpr int64_t kVisitBytes = 2 << 20;
 __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, int slice, int64_t i,
                                                     uint64_t message, uint8_t* target) {
-  const int64_t share = max(int64_t{1}, a.chunk_bytes / a.zc_slices);
-  const int64_t end = min(chunk_count(a), i + max(int64_t{1}, kVisitBytes / share));
-  for (int64_t c = i; c < end; ++c) {
-    const int64_t length = chunk_length(a, c);
-    const int pages = data_pages(a, c);
-    const int64_t base = c * a.chunk_bytes;
-    for (int p = slice; p < pages; p += a.zc_slices) {
-      const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
-      if (n > 0) copy_bytes(target + base + offset, a.src + base + offset, n, threadIdx.x, blockDim.x);
-    }
-  }
+  const int64_t units = chunk_count(a);
+  const int64_t per = (((a.bytes + a.zc_slices - 1) / a.zc_slices) + 255) / 256 * 256;
+  const int64_t begin = min(a.bytes, slice * per), end = min(a.bytes, begin + per);
+  const int64_t visit = max(kVisitBytes, (end - begin + units - 1) / units);
+  const int64_t from = min(end, begin + i * visit), to = min(end, from + visit);
+  if (from < to) copy_bytes<8>(target + from, a.src + from, to - from, threadIdx.x, blockDim.x);
+  const int64_t next = to >= end ? units : i + 1;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (end >= chunk_count(a)) {
+    if (next >= units) {
       __threadfence_system();  // cumulative: the block's stores, seen through the barrier
       store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
     } else {
       *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + slice) =
-          zero_copy_detail::done_word(message, min(static_cast<uint64_t>(end), zero_copy_detail::kMostProgress));
+          zero_copy_detail::done_word(message, min(static_cast<uint64_t>(next), zero_copy_detail::kMostProgress));
     }
   }
-  return end;
+  return next;
 }
 
 // Thread 0, recv side of a zero-copy op: what the sender's slice `slice` has said of the
