@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pydatacopy
-from pydatacopy import _env, _runtime, doctor
+from pydatacopy import _probes, _runtime, _settings, doctor
 from pydatacopy._runtime import RankInfo
 
 SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
@@ -36,11 +36,11 @@ def launch(monkeypatch):
 
 @pytest.mark.parametrize("text, value", [("1", 1), ("2", 2), (" 4 ", 4), ("+8", 8), ("64", 64)])
 def test_ranks_per_gpu_reads_whole_numbers(text, value):
-    assert _env.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text}) == value
+    assert _settings.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text}) == value
 
 
 def test_ranks_per_gpu_defaults_to_one():
-    assert _env.ranks_per_gpu({}) == 1
+    assert _settings.ranks_per_gpu({}) == 1
 
 
 @pytest.mark.parametrize("text, words", [
@@ -48,29 +48,29 @@ def test_ranks_per_gpu_defaults_to_one():
     ("1.5", "not a whole number"), ("", "not a whole number"), ("-2", "not a whole number"),
 ])
 def test_ranks_per_gpu_refuses_the_rest(text, words):
-    with pytest.raises(_env.SettingError, match=words) as info:
-        _env.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text})
+    with pytest.raises(_settings.SettingError, match=words) as info:
+        _settings.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text})
     assert "PYDATACOPY_RANKS_PER_GPU" in str(info.value) and "r // " in str(info.value)
 
 
 def test_init_checks_the_setting_before_anything_starts():
-    problems = dict(_env.pydatacopy_problems({"PYDATACOPY_RANKS_PER_GPU": "0"}))
+    problems = dict(_settings.pydatacopy_problems({"PYDATACOPY_RANKS_PER_GPU": "0"}))
     assert "out of range" in problems["PYDATACOPY_RANKS_PER_GPU"]
     with pytest.raises(pydatacopy.Error, match="pydatacopy.init: PYDATACOPY_RANKS_PER_GPU='x'"):
-        _env.check_environment("pydatacopy.init", {"PYDATACOPY_RANKS_PER_GPU": "x"})
+        _settings.check_environment("pydatacopy.init", {"PYDATACOPY_RANKS_PER_GPU": "x"})
 
 
 @pytest.mark.parametrize("text, value", [(None, None), ("25", 25.0), ("12.5", 12.5), ("100", 100.0)])
 def test_mps_thread_percentage(text, value):
-    assert _env.mps_thread_percentage({} if text is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}) == value
+    assert _settings.mps_thread_percentage({} if text is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}) == value
 
 
 @pytest.mark.parametrize("text", ["0", "101", "-5", "half", "nan", ""])
 def test_mps_thread_percentage_refuses_what_is_no_share(text):
-    with pytest.raises(_env.SettingError, match=r"not a percentage in \(0, 100\]"):
-        _env.mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text})
+    with pytest.raises(_settings.SettingError, match=r"not a percentage in \(0, 100\]"):
+        _settings.mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text})
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in dict(
-        _env.pydatacopy_problems({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}))
+        _settings.pydatacopy_problems({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}))
 
 
 def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):
@@ -84,35 +84,35 @@ def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):
     control = os.path.join(directory, "control")
     environ = {"CUDA_MPS_PIPE_DIRECTORY": directory}
     try:
-        assert _env.mps_control_pipe(environ) is None
+        assert _probes.mps_control_pipe(environ) is None
         with open(control, "w"):
             pass  # a plain file is no daemon's
-        assert _env.mps_control_pipe(environ) is None
+        assert _probes.mps_control_pipe(environ) is None
         os.remove(control)
 
         daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         daemon.bind(control)
         daemon.listen(4)
-        assert _env.mps_control_pipe(environ) == control  # seen in /proc/net/unix
+        assert _probes.mps_control_pipe(environ) == control  # seen in /proc/net/unix
         # ... and from /proc/net/unix alone: with connect() failing, the table must find it.
         def refuse_connect(self, address):
             raise OSError("connect refused in this test")
         monkeypatch.setattr(socket.socket, "connect", refuse_connect)
-        assert _env.mps_control_pipe(environ) == control
+        assert _probes.mps_control_pipe(environ) == control
         monkeypatch.undo()
         # Another network namespace lists other sockets: the connect() fallback.
-        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) == control
+        assert _probes.mps_control_pipe(environ, unix_sockets=os.devnull) == control
         daemon.close()  # the daemon ends; its socket file stays
         assert os.path.exists(control)
-        assert _env.mps_control_pipe(environ) is None
-        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) is None
+        assert _probes.mps_control_pipe(environ) is None
+        assert _probes.mps_control_pipe(environ, unix_sockets=os.devnull) is None
         os.remove(control)
 
         os.mkfifo(control)  # an older daemon's named pipe: counts while an MPS process runs
-        monkeypatch.setattr(_env, "_mps_process_running", lambda: False)
-        assert _env.mps_control_pipe(environ) is None
-        monkeypatch.setattr(_env, "_mps_process_running", lambda: True)
-        assert _env.mps_control_pipe(environ) == control
+        monkeypatch.setattr(_probes, "_mps_process_running", lambda: False)
+        assert _probes.mps_control_pipe(environ) is None
+        monkeypatch.setattr(_probes, "_mps_process_running", lambda: True)
+        assert _probes.mps_control_pipe(environ) == control
     finally:
         if os.path.lexists(control):
             os.remove(control)
@@ -123,10 +123,10 @@ def test_mps_process_scan_reads_process_names(tmp_path):
     (tmp_path / "12").mkdir()
     (tmp_path / "12" / "comm").write_text("python3\n")
     (tmp_path / "self").mkdir()
-    assert not _env._mps_process_running(str(tmp_path))
+    assert not _probes._mps_process_running(str(tmp_path))
     (tmp_path / "34").mkdir()
     (tmp_path / "34" / "comm").write_text("nvidia-cuda-mps\n")
-    assert _env._mps_process_running(str(tmp_path))
+    assert _probes._mps_process_running(str(tmp_path))
 
 
 # ---- the device rule -----------------------------------------------------------------------
@@ -268,12 +268,12 @@ def test_the_gpu_identity_is_none_without_a_gpu(monkeypatch):
 # ---- through a real gloo group: every rank decides alike --------------------------------------
 
 def _sharing_worker(rank: int, store_file: str, shares: list, results) -> None:
-    from pydatacopy import _env, _runtime
+    from pydatacopy import _probes, _runtime
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(shares))
     try:
         _runtime._gpu_identity = lambda: "GPU-one"  # every rank on one GPU
-        _env.mps_control_pipe = lambda environ=None: "/tmp/nvidia-mps/control"
+        _probes.mps_control_pipe = lambda environ=None: "/tmp/nvidia-mps/control"
         if shares[rank] is not None:
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(shares[rank])
         _, ranks = _runtime._share_unique_id_and_ranks()
@@ -517,5 +517,5 @@ def test_force_rma_is_read_once_and_set_through_the_core(monkeypatch):
 def test_zero_copy_threshold_is_checked_before_init(text, ok):
     """PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0 turns zero-copy off); anything
     else is refused with the variable's name before NVSHMEM starts."""
-    problems = dict(_env.pydatacopy_problems({"PYDATACOPY_ZERO_COPY_MIN_BYTES": text}))
+    problems = dict(_settings.pydatacopy_problems({"PYDATACOPY_ZERO_COPY_MIN_BYTES": text}))
     assert ("PYDATACOPY_ZERO_COPY_MIN_BYTES" in problems) == (not ok), problems
