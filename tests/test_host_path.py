@@ -210,3 +210,12 @@ def test_send_and_recv_hand_the_engine_one_op_each_and_a_group_one_batch(core, m
         ("recv", b.data_ptr(), 7, 0, 0x5EED, 2.5), ("keep_alive", None, 1),
         ("batch", [(True, a.data_ptr(), 100, 1), (False, b.data_ptr(), 7, 0)], 0x5EED, 60.0),
     ]
+
+
+def test_path_choice():
+    assert _C.resolve_path(0, True, 1 << 30) == "copy_engine"
+    assert _C.resolve_path(0, True, 4096) == "copy_engine"
+    assert _C.resolve_path(0, False, 1 << 30) == "rma"
+    assert _C.resolve_path(2, True, 1 << 30) == "sm"
+    with pytest.raises(pydatacopy.Error, match="directly reachable"):
+        _C.resolve_path(1, False, 4096)
