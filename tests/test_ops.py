@@ -374,7 +374,8 @@ def test_compile_fullgraph_matches_eager(loopback, backend, monkeypatch):
     real put cannot use (a copy is not symmetric): on the GPU only "eager" and inductor run.
     Here the loopback does not care, so the bytes and the order are checked; _C is never
     reached (tracing runs the fake kernels only)."""
-    for module in (_transfer, _send_recv, _symmetric, _torch_utils, pydatacopy._runtime, pydatacopy._double_buffer):
+    for module in (_transfer, pydatacopy._prepared_put_many, _send_recv, _symmetric, _torch_utils,
+                   pydatacopy._runtime, pydatacopy._double_buffer):
         monkeypatch.setattr(module, "_C", _Untouchable())
     expected = _step(*_inputs(), api=loopback)
     eager_calls = list(loopback.calls)

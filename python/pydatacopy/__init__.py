@@ -16,13 +16,12 @@ from __future__ import annotations
 from . import _C
 from ._double_buffer import DoubleBufferManager
 from ._moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
+from ._prepared_put_many import PreparedPutMany, prepare_put_many
 from ._send_recv import group, recv, send, sendrecv, setup_send_recv
 from ._symmetric import empty, free, is_symmetric, peer_view
 from ._transfer import (
-    PreparedPutMany,
     barrier,
     get,
-    prepare_put_many,
     put,
     put_blocks,
     put_many,

@@ -22,12 +22,11 @@ from ._torch_utils import timeout_seconds
 
 Error = _C.Error
 
-__all__ = ["group", "recv", "send", "sendrecv", "setup_send_recv"]
-
 _PE_MAX = INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
 
 _engine: "_C.SendRecvEngine | None" = None
 _state = threading.local()
+_SETUP = "pydatacopy.setup_send_recv"  # the call a config's errors name: the one that makes it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +42,18 @@ class SendRecvConfig:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             check_int(field.name, getattr(self, field.name), *_settings.SEND_RECV_RANGES[field.name],
-                      call="pydatacopy.setup_send_recv")
+                      call=_SETUP)
 
     @classmethod
     def from_environment(cls, chunk_bytes: int | None = None, num_chunks: int | None = None,
-                         blocks: int | None = None, *, call: str = "pydatacopy.setup_send_recv"
-                         ) -> "SendRecvConfig":
+                         blocks: int | None = None) -> "SendRecvConfig":
         """The arguments given, the rest from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
         PYDATACOPY_SEND_BLOCKS, else the defaults (8 MiB, 4, 128). A bad variable is an Error
-        naming `call` and the variable, even when its argument was given."""
+        naming the variable, even when its argument was given."""
         try:
             defaults = _settings.send_recv_settings()
         except _settings.SettingError as error:
-            raise Error(f"{call}: {error}") from None
+            raise Error(f"{_SETUP}: {error}") from None
         return cls(defaults[0] if chunk_bytes is None else chunk_bytes,
                    defaults[1] if num_chunks is None else num_chunks,
                    defaults[2] if blocks is None else blocks)

@@ -19,8 +19,6 @@ from ._torch_utils import check_int, check_pe, check_tensor, nbytes, require_ini
 
 Error = _C.Error
 
-__all__ = ["empty", "free", "is_symmetric", "peer_view"]
-
 # Base addresses of the tensors empty() made and free() has not freed, in allocation order (a dict
 # as an ordered set: finalize() frees them collectively, so every PE must go in the same order).
 _from_empty: dict[int, None] = {}

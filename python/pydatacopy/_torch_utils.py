@@ -2,7 +2,7 @@
 its tensors and ints, streams, and tensors over raw device pointers.
 
 Python checks here what only it sees (a tensor's type, device, layout, dtype, size); the core
-checks initialisation, the PE range and symmetry (``_check_tensor(symmetric=True)`` aside, for
+checks initialisation, the PE range and symmetry (``check_tensor(symmetric=True)`` aside, for
 the calls whose core entry does not)."""
 
 from __future__ import annotations
