@@ -159,7 +159,8 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
 # The CPU tests set their own environment: not the one-GPU settings of this script.
 has "$STEPS" cpu-tests && step cpu-tests env -u PYDATACOPY_RANKS_PER_GPU -u CUDA_MPS_ACTIVE_THREAD_PERCENTAGE \
-  $PY -m pytest tests/test_cpu.py tests/test_bad_inputs.py -q
+  $PY -m pytest tests/test_runtime.py tests/test_network.py tests/test_doctor.py tests/test_double_buffer_cpu.py \
+    tests/test_host_path.py tests/test_bad_inputs.py -q
 has "$STEPS" doctor && step doctor $PY -m pydatacopy.doctor
 if has "$STEPS" gpu2-tests; then
   step gpu2-tests timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}

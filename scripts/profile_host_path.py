@@ -51,10 +51,10 @@ def main() -> None:
     args = parser.parse_args()
     calls = args.calls
 
-    _transfer._C = _FakeCore()
+    _transfer._C = _torch_utils._C = _FakeCore()
     _transfer._raw_stream = lambda device: 0
     _torch_utils.current_raw_stream = lambda device: 0
-    _transfer._bind()  # what init() leaves: device -1, 2 PEs, the timeout read
+    _torch_utils.bind()  # what init() leaves: device -1, 2 PEs, the timeout read
     dst = torch.zeros(4096, dtype=torch.uint8)
     src = torch.zeros(4096, dtype=torch.uint8)
     names = {"pydatacopy": pydatacopy, "_C": _C, "_transfer": _transfer, "dst": dst, "src": src,

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _env, _network, _torch_utils, _transfer, bench, doctor
+from pydatacopy import _C, _network, _probes, _settings, _symmetric, _torch_utils, _transfer, bench, doctor
 
 UID = pydatacopy.get_unique_id()
 NO_GPU = torch.cuda.device_count() == 0
@@ -454,7 +454,7 @@ def test_bad_input_raises_the_project_error(name, call, words):
     assert isinstance(info.value, RuntimeError)
     # Nothing left behind: no NVSHMEM job, no symmetric tensors, no device error recorded.
     assert not pydatacopy.is_initialized()
-    assert not _transfer._allocations
+    assert not _symmetric._from_empty
     pydatacopy.check_errors()
 
 
@@ -526,15 +526,15 @@ _refused_keys = {text: in_fresh_process("_C.get_unique_id()", NVSHMEM_SYMMETRIC_
 
 @pytest.mark.parametrize("text", list(ACCEPTED_SIZES))
 def test_sizes_nvshmem_accepts_are_read_as_nvshmem_reads_them(text):
-    assert _env.parse_nvshmem_size(text) == ACCEPTED_SIZES[text]
+    assert _settings.parse_nvshmem_size(text) == ACCEPTED_SIZES[text]
     result = fresh_result(_accepted_keys[text])  # the core's own call: NVSHMEM reads the value
     assert result["status"] == 0 and result["type"] is None, result
 
 
 @pytest.mark.parametrize("text", REFUSED_BY_NVSHMEM)
 def test_sizes_pydatacopy_refuses_are_ones_nvshmem_cannot_read(text):
-    with pytest.raises(_env.SettingError):
-        _env.parse_nvshmem_size(text)
+    with pytest.raises(_settings.SettingError):
+        _settings.parse_nvshmem_size(text)
     result = fresh_result(_refused_keys[text])  # without pydatacopy's check NVSHMEM fails or dies
     assert result["status"] != 0 or result["type"] is not None, result
 
@@ -544,7 +544,7 @@ def test_sizes_pydatacopy_refuses_are_ones_nvshmem_cannot_read(text):
 def test_interface_lists_follow_nccls_syntax():
     have = [("lo", socket.AF_INET), ("eth0", socket.AF_INET), ("eth0", socket.AF_INET6),
             ("eth10", socket.AF_INET), ("ib0", socket.AF_INET6)]
-    select = _env.select_interfaces
+    select = _settings.select_interfaces
     assert select("eth", have) == ["eth0", "eth10"]
     assert select("=eth1", have) == []
     assert select("=eth10", have) == ["eth10"]
@@ -555,9 +555,9 @@ def test_interface_lists_follow_nccls_syntax():
     assert select("", have) == ["lo", "eth0", "eth10", "ib0"]
     assert select("^", have) == []
     assert select("ib", have, socket.AF_INET) == []
-    with pytest.raises(_env.SettingError, match="it has: eth0, eth10, lo"):
-        _env.check_interfaces({"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "ib", "NCCL_SOCKET_FAMILY": "AF_INET"}, have)
-    assert _env.check_interfaces({"NCCL_SOCKET_IFNAME": "ib", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}, have) \
+    with pytest.raises(_settings.SettingError, match="it has: eth0, eth10, lo"):
+        _settings.check_interfaces({"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "ib", "NCCL_SOCKET_FAMILY": "AF_INET"}, have)
+    assert _settings.check_interfaces({"NCCL_SOCKET_IFNAME": "ib", "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo"}, have) \
         == ["lo"], "NVSHMEM's own setting wins over NCCL's"
 
 
@@ -568,7 +568,7 @@ _spec_keys = {spec: in_fresh_process("_C.get_unique_id()", NVSHMEM_BOOTSTRAP_UID
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_interface_check_agrees_with_nvshmem_on_this_machine(spec):
-    ours = bool(_env.select_interfaces(spec, _env.interface_addresses()))
+    ours = bool(_settings.select_interfaces(spec, _probes.interface_addresses()))
     result = fresh_result(_spec_keys[spec])
     assert result["status"] == 0, result
     assert ours == (result["type"] is None), (spec, result)
@@ -650,7 +650,7 @@ def test_the_wheels_own_bootstrap_plugin_is_accepted():
     lib = [os.path.join(base, "lib") for base in nvidia.nvshmem.__path__][0]
     name = next(f for f in os.listdir(lib) if f.startswith("nvshmem_bootstrap_uid.so"))
     for value in (name, os.path.join(lib, name)):
-        _env.check_bootstrap_plugin({"NVSHMEM_BOOTSTRAP_UID_PLUGIN": value})
+        _settings.check_bootstrap_plugin({"NVSHMEM_BOOTSTRAP_UID_PLUGIN": value})
     made = subprocess.run([sys.executable, "-c", "import pydatacopy; print(len(pydatacopy.get_unique_id()))"],
                           env=dict(os.environ, NVSHMEM_BOOTSTRAP_UID_PLUGIN=name), capture_output=True,
                           text=True, timeout=120)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _torch_utils, _transfer
+from pydatacopy import _C, _send_recv, _torch_utils, _transfer
 
 
 class FakeCore:
@@ -65,13 +65,15 @@ def core(monkeypatch):
     monkeypatch.setattr(_torch_utils, "current_raw_stream", lambda device: 0x5EED)
     monkeypatch.setattr(_torch_utils, "_C", fake)
     # A CPU build of torch has no streams to record: what would be kept alive is recorded instead.
-    monkeypatch.setattr(_transfer, "_keep_alive",
-                        lambda stream, *tensors: fake.calls.append(("keep_alive", stream, len(tensors))))
-    monkeypatch.setattr(_transfer, "_device", None)
-    monkeypatch.setattr(_transfer, "_n_pes", 0)
+    for module in (_transfer, _send_recv):
+        monkeypatch.setattr(module, "_keep_alive",
+                            lambda stream, *tensors: fake.calls.append(("keep_alive", stream, len(tensors))))
+    for module in (_transfer, _torch_utils):
+        monkeypatch.setattr(module, "_device", None)
+        monkeypatch.setattr(module, "_n_pes", 0)
     monkeypatch.setattr(_torch_utils, "default_timeout", None)
     yield fake
-    _transfer._unbind()
+    _torch_utils.unbind()
 
 
 def _u8(n: int) -> torch.Tensor:
@@ -90,7 +92,7 @@ def test_the_first_call_binds_and_later_calls_take_the_fast_path(core):
 
 
 def test_fast_path_hands_the_core_what_the_checked_path_did(core):
-    _transfer._bind()
+    _torch_utils.bind()
     dst, src = _u8(64), _u8(64)
     signal = torch.zeros(1, dtype=torch.uint64)
     pool, spool = torch.zeros(8, 16, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.uint8)
@@ -137,7 +139,7 @@ def test_fast_path_hands_the_core_what_the_checked_path_did(core):
      "path must be auto, sm or rma"),
 ])
 def test_anything_unexpected_takes_the_checked_path(core, call, words):
-    _transfer._bind()
+    _torch_utils.bind()
     with pytest.raises(pydatacopy.Error, match=words):
         call(_u8(64), _u8(64))
     assert core.calls == [], "a refused call reached the core"
@@ -145,14 +147,14 @@ def test_anything_unexpected_takes_the_checked_path(core, call, words):
 
 def test_a_pe_out_of_range_is_the_cores_to_refuse(core):
     # As before: put checks only that pe fits a C int; the core names the range.
-    _transfer._bind()
+    _torch_utils.bind()
     pydatacopy.put(_u8(8), _u8(8), 7)
     pydatacopy.put(_u8(8), _u8(8), -1)
     assert [c[4] for c in core.calls if c[0] == "put"] == [7, -1], core.calls
 
 
 def test_finalize_turns_the_fast_path_off(core, monkeypatch):
-    _transfer._bind()
+    _torch_utils.bind()
     core.initialized = False
     monkeypatch.setattr(pydatacopy._runtime, "_C", core)
     core.finalize = lambda end_nvshmem: None
@@ -196,7 +198,7 @@ class FakeEngine:
 
 
 def test_send_and_recv_hand_the_engine_one_op_each_and_a_group_one_batch(core, monkeypatch):
-    monkeypatch.setattr(_transfer, "_engine", FakeEngine(core.calls))
+    monkeypatch.setattr(_send_recv, "_engine", FakeEngine(core.calls))
     a, b = _u8(100), _u8(7)
     pydatacopy.send(a, 1)
     pydatacopy.recv(b, 0, timeout=2.5)
@@ -208,3 +210,12 @@ def test_send_and_recv_hand_the_engine_one_op_each_and_a_group_one_batch(core, m
         ("recv", b.data_ptr(), 7, 0, 0x5EED, 2.5), ("keep_alive", None, 1),
         ("batch", [(True, a.data_ptr(), 100, 1), (False, b.data_ptr(), 7, 0)], 0x5EED, 60.0),
     ]
+
+
+def test_path_choice():
+    assert _C.resolve_path(0, True, 1 << 30) == "copy_engine"
+    assert _C.resolve_path(0, True, 4096) == "copy_engine"
+    assert _C.resolve_path(0, False, 1 << 30) == "rma"
+    assert _C.resolve_path(2, True, 1 << 30) == "sm"
+    with pytest.raises(pydatacopy.Error, match="directly reachable"):
+        _C.resolve_path(1, False, 4096)

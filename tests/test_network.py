@@ -8,6 +8,8 @@ first atomic ("AMO not supported ... (GDRCopy Disabled)"); either way NVSHMEM en
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import pydatacopy
@@ -291,3 +293,29 @@ def test_host_identity_is_the_hostname_with_the_boot_id(tmp_path):
     boot_id.write_text("0f3c-node-a\n")
     assert _network.host_identity(str(boot_id)) == f"{socket.gethostname()}/0f3c-node-a"
     assert _network.host_identity(str(tmp_path / "absent")) == f"{socket.gethostname()}/"
+
+
+def test_nccl_settings_carry_over_to_nvshmem_when_unset():
+    environ = {"NCCL_SOCKET_IFNAME": "eth1", "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+               "NVSHMEM_HCA_LIST": "mlx5_3", "PYDATACOPY_IBGDA": "1"}
+    applied = _network.apply_network_settings(environ)
+    assert environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "eth1"
+    assert environ["NVSHMEM_HCA_LIST"] == "mlx5_3", "a user's NVSHMEM setting wins"
+    assert environ["NVSHMEM_IB_ENABLE_IBGDA"] == "1"
+    assert applied == {"NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "eth1", "NVSHMEM_IB_ENABLE_IBGDA": "1"}
+
+
+def test_unique_id_is_made_after_the_interface_settings(monkeypatch):
+    # The ID carries rank 0's bootstrap address: NCCL_SOCKET_IFNAME must reach NVSHMEM first.
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "lo")
+    monkeypatch.setenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "unset-below")  # restored after the test
+    monkeypatch.delenv("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME")
+    assert len(pydatacopy.get_unique_id()) == 128
+    assert os.environ["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"] == "lo"
+
+
+def test_p2p_disabled_without_a_remote_transport_is_refused(tmp_path):
+    # (tests/test_network.py covers each transport; tmp_path stands for a machine with no NIC.)
+    with pytest.raises(pydatacopy.Error, match="PYDATACOPY_FORCE_RMA"):
+        _network.check_transport_preconditions(2, {"NVSHMEM_DISABLE_P2P": "1"}, sysfs_root=str(tmp_path))
+    _network.check_transport_preconditions(1, {"NVSHMEM_DISABLE_P2P": "1"}, sysfs_root=str(tmp_path))

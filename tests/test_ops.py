@@ -17,7 +17,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pydatacopy
-from pydatacopy import _ops, _transfer
+from pydatacopy import _ops, _send_recv, _symmetric, _torch_utils, _transfer
 
 U64_MAX = 2**64 - 1
 
@@ -117,7 +117,8 @@ def loopback(monkeypatch):
     fake = Loopback()
     for name in ("put", "get", "put_signal", "signal_set", "signal_wait", "quiet", "barrier",
                  "put_many", "put_blocks", "send", "recv", "sendrecv"):
-        monkeypatch.setattr(_transfer, name, getattr(fake, name))
+        monkeypatch.setattr(_send_recv if name in ("send", "recv", "sendrecv") else _transfer, name,
+                            getattr(fake, name))
     monkeypatch.setattr(_ops, "_order", torch.zeros(1, dtype=torch.uint8))
     torch._dynamo.reset()
     yield fake
@@ -277,11 +278,13 @@ class _FakeCore(types.SimpleNamespace):
 def eager_core(monkeypatch):
     core = _FakeCore()
     monkeypatch.setattr(_transfer, "_C", core)
+    monkeypatch.setattr(_torch_utils, "_C", core)
     monkeypatch.setattr(_transfer, "_stream", lambda stream: 0)  # no CUDA here
     # The checked path (the host fast path would ask torch for CUDA streams, which need a GPU).
-    monkeypatch.setattr(_transfer, "_bind", lambda: None)
-    monkeypatch.setattr(_transfer, "_device", None)
-    monkeypatch.setattr(_transfer, "_n_pes", 0)
+    monkeypatch.setattr(_torch_utils, "bind", lambda: None)
+    for module in (_transfer, _torch_utils):
+        monkeypatch.setattr(module, "_device", None)
+        monkeypatch.setattr(module, "_n_pes", 0)
     for name in _ops.OPS:
         if hasattr(_ops, name):
             monkeypatch.setattr(_ops, name, lambda *a, **k: pytest.fail("eager call took the op"))
@@ -371,7 +374,8 @@ def test_compile_fullgraph_matches_eager(loopback, backend, monkeypatch):
     real put cannot use (a copy is not symmetric): on the GPU only "eager" and inductor run.
     Here the loopback does not care, so the bytes and the order are checked; _C is never
     reached (tracing runs the fake kernels only)."""
-    for module in (_transfer, pydatacopy._runtime, pydatacopy._double_buffer):
+    for module in (_transfer, pydatacopy._prepared_put_many, _send_recv, _symmetric, _torch_utils,
+                   pydatacopy._runtime, pydatacopy._double_buffer):
         monkeypatch.setattr(module, "_C", _Untouchable())
     expected = _step(*_inputs(), api=loopback)
     eager_calls = list(loopback.calls)
@@ -486,7 +490,8 @@ def test_my_pe_and_n_pes_are_constants_when_compiled(loopback, monkeypatch):
     core = types.SimpleNamespace(is_initialized=lambda: True, my_pe=lambda: 2, n_pes=lambda: 4)
     monkeypatch.setattr(_runtime, "_C", core)
     monkeypatch.setattr(_transfer, "_C", core)
-    monkeypatch.setattr(_transfer, "_bind", lambda: None)  # the host fast path's cache: not here
+    monkeypatch.setattr(_torch_utils, "_C", core)
+    monkeypatch.setattr(_torch_utils, "bind", lambda: None)  # the host fast path's cache: not here
 
     def step(x, dst):
         pydatacopy.put(dst, x, (pydatacopy.my_pe() + 1) % pydatacopy.n_pes())

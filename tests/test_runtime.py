@@ -1,9 +1,12 @@
-"""Several ranks on one GPU, without a GPU: PYDATACOPY_RANKS_PER_GPU, the device rule and its
-refusals, what init() decides from the ranks' GPUs and MPS shares, the NCCL refusal, the doctor."""
+"""The runtime without a GPU (the package's _runtime.py): import and the unique ID, calls before
+init, the device rule and its refusals with several ranks on one GPU, what init() decides from the
+ranks' GPUs and MPS shares, the NCCL refusal, PYDATACOPY_FORCE_RMA read once, and the ID's
+broadcast through real gloo groups."""
 
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pydatacopy
-from pydatacopy import _env, _runtime, doctor
+from pydatacopy import _C, _runtime
 from pydatacopy._runtime import RankInfo
 
 SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
@@ -30,103 +33,6 @@ def launch(monkeypatch):
         for name, value in variables.items():
             monkeypatch.setenv(name, value)
     return set_up
-
-
-# ---- the setting ---------------------------------------------------------------------------
-
-@pytest.mark.parametrize("text, value", [("1", 1), ("2", 2), (" 4 ", 4), ("+8", 8), ("64", 64)])
-def test_ranks_per_gpu_reads_whole_numbers(text, value):
-    assert _env.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text}) == value
-
-
-def test_ranks_per_gpu_defaults_to_one():
-    assert _env.ranks_per_gpu({}) == 1
-
-
-@pytest.mark.parametrize("text, words", [
-    ("0", "out of range"), ("65", "out of range"), ("two", "not a whole number"),
-    ("1.5", "not a whole number"), ("", "not a whole number"), ("-2", "not a whole number"),
-])
-def test_ranks_per_gpu_refuses_the_rest(text, words):
-    with pytest.raises(_env.SettingError, match=words) as info:
-        _env.ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": text})
-    assert "PYDATACOPY_RANKS_PER_GPU" in str(info.value) and "r // " in str(info.value)
-
-
-def test_init_checks_the_setting_before_anything_starts():
-    problems = dict(_env.pydatacopy_problems({"PYDATACOPY_RANKS_PER_GPU": "0"}))
-    assert "out of range" in problems["PYDATACOPY_RANKS_PER_GPU"]
-    with pytest.raises(pydatacopy.Error, match="pydatacopy.init: PYDATACOPY_RANKS_PER_GPU='x'"):
-        _env.check_environment("pydatacopy.init", {"PYDATACOPY_RANKS_PER_GPU": "x"})
-
-
-@pytest.mark.parametrize("text, value", [(None, None), ("25", 25.0), ("12.5", 12.5), ("100", 100.0)])
-def test_mps_thread_percentage(text, value):
-    assert _env.mps_thread_percentage({} if text is None else {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}) == value
-
-
-@pytest.mark.parametrize("text", ["0", "101", "-5", "half", "nan", ""])
-def test_mps_thread_percentage_refuses_what_is_no_share(text):
-    with pytest.raises(_env.SettingError, match=r"not a percentage in \(0, 100\]"):
-        _env.mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text})
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in dict(
-        _env.pydatacopy_problems({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": text}))
-
-
-def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):
-    """CUDA 13's MPS daemon listens on a UNIX socket named 'control' (the old probe looked for
-    a named pipe, missed it, and init() warned 'without CUDA MPS' under a running daemon); a file
-    left by a daemon that ended is no daemon."""
-    import socket
-    import tempfile
-
-    directory = tempfile.mkdtemp(prefix="pdc-mps-", dir="/tmp")  # AF_UNIX paths: 107 bytes at most
-    control = os.path.join(directory, "control")
-    environ = {"CUDA_MPS_PIPE_DIRECTORY": directory}
-    try:
-        assert _env.mps_control_pipe(environ) is None
-        with open(control, "w"):
-            pass  # a plain file is no daemon's
-        assert _env.mps_control_pipe(environ) is None
-        os.remove(control)
-
-        daemon = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        daemon.bind(control)
-        daemon.listen(4)
-        assert _env.mps_control_pipe(environ) == control  # seen in /proc/net/unix
-        # ... and from /proc/net/unix alone: with connect() failing, the table must find it.
-        def refuse_connect(self, address):
-            raise OSError("connect refused in this test")
-        monkeypatch.setattr(socket.socket, "connect", refuse_connect)
-        assert _env.mps_control_pipe(environ) == control
-        monkeypatch.undo()
-        # Another network namespace lists other sockets: the connect() fallback.
-        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) == control
-        daemon.close()  # the daemon ends; its socket file stays
-        assert os.path.exists(control)
-        assert _env.mps_control_pipe(environ) is None
-        assert _env.mps_control_pipe(environ, unix_sockets=os.devnull) is None
-        os.remove(control)
-
-        os.mkfifo(control)  # an older daemon's named pipe: counts while an MPS process runs
-        monkeypatch.setattr(_env, "_mps_process_running", lambda: False)
-        assert _env.mps_control_pipe(environ) is None
-        monkeypatch.setattr(_env, "_mps_process_running", lambda: True)
-        assert _env.mps_control_pipe(environ) == control
-    finally:
-        if os.path.lexists(control):
-            os.remove(control)
-        os.rmdir(directory)
-
-
-def test_mps_process_scan_reads_process_names(tmp_path):
-    (tmp_path / "12").mkdir()
-    (tmp_path / "12" / "comm").write_text("python3\n")
-    (tmp_path / "self").mkdir()
-    assert not _env._mps_process_running(str(tmp_path))
-    (tmp_path / "34").mkdir()
-    (tmp_path / "34" / "comm").write_text("nvidia-cuda-mps\n")
-    assert _env._mps_process_running(str(tmp_path))
 
 
 # ---- the device rule -----------------------------------------------------------------------
@@ -268,12 +174,12 @@ def test_the_gpu_identity_is_none_without_a_gpu(monkeypatch):
 # ---- through a real gloo group: every rank decides alike --------------------------------------
 
 def _sharing_worker(rank: int, store_file: str, shares: list, results) -> None:
-    from pydatacopy import _env, _runtime
+    from pydatacopy import _probes, _runtime
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(shares))
     try:
         _runtime._gpu_identity = lambda: "GPU-one"  # every rank on one GPU
-        _env.mps_control_pipe = lambda environ=None: "/tmp/nvidia-mps/control"
+        _probes.mps_control_pipe = lambda environ=None: "/tmp/nvidia-mps/control"
         if shares[rank] is not None:
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(shares[rank])
         _, ranks = _runtime._share_unique_id_and_ranks()
@@ -424,74 +330,6 @@ def test_other_nccl_errors_pass_through(gloo_posing_as_nccl, monkeypatch):
         _runtime._share_unique_id_and_ranks()
 
 
-# ---- the doctor ----------------------------------------------------------------------------
-
-def _lines(count, sms, environ, pipe):
-    return doctor.shared_gpu_lines(count, sms, environ, control_pipe=pipe)
-
-
-def _verdicts(lines):
-    return [verdict for verdict, _ in lines]
-
-
-def test_doctor_one_rank_per_gpu():
-    lines = _lines(2, 132, {"LOCAL_WORLD_SIZE": "2"}, None)
-    assert lines[0] == ("OK", "PYDATACOPY_RANKS_PER_GPU unset (1): local rank r uses cuda:r; "
-                              "LOCAL_WORLD_SIZE=2 ranks: 1 per GPU on 2 of this node's 2 GPU(s)")
-    assert "WARN" not in _verdicts(lines) and "FAIL" not in _verdicts(lines)
-    assert not any("gloo" in text for _, text in lines)
-
-
-def test_doctor_four_ranks_on_one_gpu_under_mps_at_25():
-    environ = {"LOCAL_WORLD_SIZE": "4", "PYDATACOPY_RANKS_PER_GPU": "4", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}
-    lines = _lines(1, 132, environ, "/tmp/nvidia-mps/control")
-    text = "\n".join(t for _, t in lines)
-    assert _verdicts(lines) == ["OK", "INFO", "OK", "OK"], lines
-    assert "4 per GPU on 1 of this node's 1 GPU(s)" in text
-    assert "gloo" in text and "NCCL refuses two ranks on one GPU" in text
-    assert "CUDA MPS: a control daemon listens at /tmp/nvidia-mps/control" in text
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25: this process may use 25% of its GPU's threads, about 33 of its 132 SMs" in text
-
-
-def test_doctor_sharing_without_mps_warns_of_the_speed():
-    lines = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2", "PYDATACOPY_RANKS_PER_GPU": "2"}, None)
-    warnings_ = [t for v, t in lines if v == "WARN"]
-    assert len(warnings_) == 1 and "time-sliced" in warnings_[0] and "nvidia-cuda-mps-control -d" in warnings_[0]
-    assert lines[-1] == ("INFO", "SM share: the whole GPU (132 SMs), time-sliced with the other ranks on it")
-
-
-def test_doctor_shares_past_100_and_unset_shares_warn():
-    over = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2", "PYDATACOPY_RANKS_PER_GPU": "2",
-                           "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"}, "/p/control")
-    assert over[-1][0] == "WARN" and "2 ranks x 60% is more than 100" in over[-1][1]
-    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in over[-1][1]
-    unset = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2", "PYDATACOPY_RANKS_PER_GPU": "2"}, "/p/control")
-    assert unset[-1][0] == "WARN" and "is unset" in unset[-1][1]
-
-
-def test_doctor_fails_what_init_refuses():
-    lines = _lines(1, 132, {"LOCAL_WORLD_SIZE": "2"}, None)
-    assert lines[0][0] == "FAIL"
-    assert "LOCAL_WORLD_SIZE=2 ranks on 1 GPU(s) need 2 ranks per GPU" in lines[0][1]
-    assert "PYDATACOPY_RANKS_PER_GPU=2 on every rank" in lines[0][1]
-    bad = _lines(1, 132, {"PYDATACOPY_RANKS_PER_GPU": "0", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "200"}, None)
-    assert [v for v in _verdicts(bad) if v == "FAIL"] == ["FAIL", "FAIL"], bad
-
-
-def test_doctor_reports_ranks_per_gpu(capsys, monkeypatch):
-    for name in SETTINGS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PYDATACOPY_RANKS_PER_GPU", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/nonexistent-mps")
-    doctor.run(["--world-size", "2"])
-    out = capsys.readouterr().out
-    assert "== ranks per GPU" in out
-    assert "PYDATACOPY_RANKS_PER_GPU=2: local rank r uses cuda:r // 2" in out
-    assert "CUDA MPS is not running (no daemon listens at /nonexistent-mps/control: nothing there)" in out
-    assert "gloo" in out
-
-
 # ---- PYDATACOPY_FORCE_RMA, read once -----------------------------------------------------------
 
 def test_force_rma_is_read_once_and_set_through_the_core(monkeypatch):
@@ -512,10 +350,168 @@ def test_force_rma_is_read_once_and_set_through_the_core(monkeypatch):
         _C.set_rma_forced(before)
 
 
-@pytest.mark.parametrize("text, ok", [("0", True), ("1048576", True), (" 4096 ", True), ("-1", False),
-                                      ("1M", False), ("", False), ("lots", False)])
-def test_zero_copy_threshold_is_checked_before_init(text, ok):
-    """PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0 turns zero-copy off); anything
-    else is refused with the variable's name before NVSHMEM starts."""
-    problems = dict(_env.pydatacopy_problems({"PYDATACOPY_ZERO_COPY_MIN_BYTES": text}))
-    assert ("PYDATACOPY_ZERO_COPY_MIN_BYTES" in problems) == (not ok), problems
+# ---- import, IDs and calls before init -------------------------------------------------------
+
+NO_GPU = torch.cuda.device_count() == 0
+
+
+def test_public_names_resolve():
+    for name in pydatacopy.__all__:
+        assert hasattr(pydatacopy, name), name
+    assert issubclass(pydatacopy.Error, RuntimeError)
+    assert issubclass(pydatacopy.TimeoutError, pydatacopy.Error)
+
+
+def test_nvshmem_version_built_matches_loaded():
+    versions = pydatacopy.nvshmem_versions()
+    assert versions["built"] == versions["loaded"]
+    assert versions["built"].count(".") == 2
+
+
+def test_unique_id_is_128_picklable_bytes():
+    first, second = pydatacopy.get_unique_id(), pydatacopy.get_unique_id()
+    assert len(first) == pydatacopy.UNIQUE_ID_BYTES == 128
+    assert all(isinstance(v, int) and 0 <= v <= 255 for v in first)
+    assert pickle.loads(pickle.dumps(first)) == first
+    assert first != second, "two IDs must name two different jobs"
+
+
+@pytest.mark.parametrize("id_type", [list, bytes, bytearray, lambda v: torch.tensor(v, dtype=torch.uint8)])
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
+def test_init_nvshmem_without_gpu_says_so(id_type):
+    uid = id_type(pydatacopy.get_unique_id())
+    with pytest.raises(pydatacopy.Error, match="no CUDA device is visible"):
+        pydatacopy.init_nvshmem(uid, 0, 1)
+    assert not pydatacopy.is_initialized()
+
+
+@pytest.mark.skipif(not NO_GPU, reason="checks the no-GPU error")
+def test_core_init_without_gpu_names_the_driver():
+    with pytest.raises(pydatacopy.Error, match="NVIDIA GPU and driver") as info:
+        _C.init_nvshmem(pydatacopy.get_unique_id(), 0, 1, -1, 10.0)
+    assert "runtime.cpp:" in str(info.value), "core errors carry file:line"
+
+
+def test_calls_before_init_raise_the_project_error():
+    assert not pydatacopy.is_initialized()
+    pydatacopy.finalize()  # harmless when not initialised
+    pydatacopy.finalize()
+    for call in (pydatacopy.my_pe, pydatacopy.n_pes):
+        with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+            call()
+    dbm = pydatacopy.DoubleBufferManager()
+    with pytest.raises(pydatacopy.Error, match="call pydatacopy.init"):
+        dbm.init(4, 16)
+    with pytest.raises(pydatacopy.Error, match="init\\(n_tokens, token_size\\) first"):
+        dbm.exchange()
+    with pytest.raises(pydatacopy.Error, match="init\\(n_tokens, token_size\\) first"):
+        _ = dbm.send_buffer
+    with pytest.raises(pydatacopy.Error, match="init\\(n_tokens, token_size\\) first"):
+        dbm.test_bandwidth(0, 1)
+    dbm.cleanup()  # harmless when never initialised
+    pydatacopy.check_errors()  # nothing reported
+
+
+def test_timeout_environment_variable(monkeypatch):
+    monkeypatch.setenv("PYDATACOPY_TIMEOUT_S", "2.5")
+    assert _C.default_timeout_seconds() == 2.5
+    monkeypatch.setenv("PYDATACOPY_TIMEOUT_S", "soon")
+    with pytest.raises(pydatacopy.Error, match="PYDATACOPY_TIMEOUT_S"):
+        _C.default_timeout_seconds()
+    monkeypatch.delenv("PYDATACOPY_TIMEOUT_S")
+    assert _C.default_timeout_seconds() == 60.0
+
+
+def test_init_without_torch_distributed_says_what_to_do():
+    assert not dist.is_initialized()
+    with pytest.raises(pydatacopy.Error, match="init_process_group"):
+        pydatacopy.init()
+    with pytest.raises(pydatacopy.Error, match="init_process_group"):
+        pydatacopy.share_unique_id()
+
+
+def test_choose_device_without_gpu():
+    if not NO_GPU:
+        pytest.skip("checks the no-GPU error")
+    with pytest.raises(pydatacopy.Error, match="no CUDA device"):
+        pydatacopy.choose_device(0)
+
+
+# ---- the ID broadcast through a real two-process gloo group ----------------------------------
+
+def _hosts_worker(rank: int, store_file: str, hosts: list[str], results) -> None:
+    from pydatacopy import _network, _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(hosts))
+    try:
+        _network.host_identity = lambda: hosts[rank]  # this rank's node, as the test lays them out
+        unique_id, nodes = _runtime._share_unique_id()
+        results[rank] = (len(unique_id), nodes)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("hosts, nodes", [(["a", "a", "a"], 1), (["a", "b", "a"], 2), (["a", "b", "c"], 3)])
+def test_init_counts_the_hosts_of_its_ranks(tmp_path, hosts, nodes):
+    """pydatacopy.init learns whether the job spans nodes from the ranks themselves (the
+    preflight then asks for a remote transport), whatever launched them."""
+    results = mp.Manager().dict()
+    mp.spawn(_hosts_worker, args=(str(tmp_path / "rendezvous"), hosts, results), nprocs=len(hosts), join=True)
+    assert [results[r] for r in range(len(hosts))] == [(128, nodes)] * len(hosts)
+
+
+def _preflight_worker(rank: int, store_file: str, refusing: list[int], results) -> None:
+    from pydatacopy import _network, _runtime
+
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=3)
+    try:
+        def preflight(world_size, **kwargs):  # a node with a remote transport, or without
+            if rank in refusing:
+                raise pydatacopy.Error(f"no remote transport on the node of rank {rank}")
+        _network.check_transport_preconditions = preflight
+        try:
+            _runtime._agree_on_preflight(None, 3, 2, "pydatacopy.init")
+            results[rank] = "started"
+        except pydatacopy.Error as error:
+            results[rank] = str(error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("refusing", [[], [1], [0, 2]])
+def test_a_preflight_refusal_on_one_rank_stops_every_rank(tmp_path, refusing):
+    """No rank goes on into NVSHMEM's bootstrap when another refused: it would wait there."""
+    results = mp.Manager().dict()
+    mp.spawn(_preflight_worker, args=(str(tmp_path / "rendezvous"), refusing, results), nprocs=3, join=True)
+    if not refusing:
+        assert [results[r] for r in range(3)] == ["started"] * 3
+        return
+    for rank in range(3):
+        assert f"NVSHMEM was not started on any rank, because on rank {', '.join(map(str, refusing))} " \
+               f"of the group: no remote transport on the node of rank {refusing[0]}" in results[rank]
+
+
+def _gloo_worker(rank: int, world_size: int, store_file: str, results) -> None:
+    # A file rendezvous: no port to race for.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        shared = pydatacopy.share_unique_id()
+        error = ""
+        try:
+            pydatacopy.init()  # no GPU here: must fail cleanly after the broadcast machinery
+        except pydatacopy.Error as e:
+            error = str(e)
+        results[rank] = (shared, error)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unique_id_broadcast_over_two_process_gloo_group(tmp_path):
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.spawn(_gloo_worker, args=(2, str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    (id0, err0), (id1, err1) = results[0], results[1]
+    assert len(id0) == 128 and id0 == id1, "both ranks must hold rank 0's ID"
+    if NO_GPU:
+        assert "no CUDA device" in err0 and "no CUDA device" in err1

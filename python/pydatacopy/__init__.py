@@ -16,25 +16,17 @@ from __future__ import annotations
 from . import _C
 from ._double_buffer import DoubleBufferManager
 from ._moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
+from ._prepared_put_many import PreparedPutMany, prepare_put_many
+from ._send_recv import group, recv, send, sendrecv, setup_send_recv
+from ._symmetric import empty, free, is_symmetric, peer_view
 from ._transfer import (
-    PreparedPutMany,
     barrier,
-    empty,
-    free,
     get,
-    group,
-    is_symmetric,
-    peer_view,
-    prepare_put_many,
     put,
     put_blocks,
     put_many,
     put_signal,
     quiet,
-    recv,
-    send,
-    sendrecv,
-    setup_send_recv,
     signal_set,
     signal_wait,
 )

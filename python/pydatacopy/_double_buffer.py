@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import _C, _ops
-from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling
-from ._transfer import refuse_capture
-from ._env import INT32_MAX
+from ._limits import INT32_MAX
+from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
 from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
 Error = _C.Error

@@ -227,7 +227,7 @@ class AllToAll:
         self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
                             offsets.data_ptr(), handle, seconds)
         if stream is not None:  # on another stream: the inputs stay allocated until it is done
-            from ._transfer import _keep_alive
+            from ._torch_utils import keep_alive as _keep_alive
             _keep_alive(stream, *sends, send_counts, *([] if send_index is None else [send_index]))
         return recvs, counts, offsets
 

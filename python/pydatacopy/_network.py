@@ -9,7 +9,7 @@ import socket
 from typing import Callable, Mapping, NamedTuple
 
 from . import _C
-from ._env import NCCL_TO_NVSHMEM, nvshmem_bool  # NCCL_TO_NVSHMEM: NCCL name -> NVSHMEM name
+from ._settings import NCCL_TO_NVSHMEM, nvshmem_bool  # NCCL_TO_NVSHMEM: NCCL name -> NVSHMEM name
 
 Error = _C.Error
 

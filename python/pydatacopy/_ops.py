@@ -113,6 +113,22 @@ def refuse_tracing(what: str) -> None:
         raise Error(refusal(what))
 
 
+def _capturing(handle: int | None = None) -> bool:
+    """Whether torch's current stream, or the stream `handle`, is being captured into a graph."""
+    if not torch.cuda.is_available():  # no GPU, no graph (and CPU builds of torch cannot tell)
+        return False
+    return torch.cuda.is_current_stream_capturing() or (handle is not None and _C.is_capturing(handle))
+
+
+def refuse_capture(what: str, handle: int | None = None) -> None:
+    """Calls that block (they wait for every PE, or for the GPU) cannot be part of a CUDA graph,
+    nor of a traced one."""
+    refuse_tracing(what)
+    if _capturing(handle):
+        raise Error(f"pydatacopy.{what} blocks (it waits for every PE or synchronises the GPU), so it "
+                    "cannot be captured in a CUDA graph: call it before or after the capture")
+
+
 # ---- the ordering tensor ----------------------------------------------------------------------
 
 _order: torch.Tensor | None = None
@@ -163,6 +179,7 @@ def _timeout(timeout) -> float | None:
 # on) would send the public call back here; the modes are set aside for it.
 
 _transfer_module = None
+_send_recv_module = None
 
 
 def _transfer():
@@ -172,6 +189,15 @@ def _transfer():
         from . import _transfer as module
         _transfer_module = module
     return _transfer_module
+
+
+def _send_recv():
+    """pydatacopy._send_recv (it imports this module: imported here when first needed)."""
+    global _send_recv_module
+    if _send_recv_module is None:
+        from . import _send_recv as module
+        _send_recv_module = module
+    return _send_recv_module
 
 
 def _eager(function, *args, **kwargs):
@@ -286,17 +312,17 @@ def _put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, stream, path, 
 
 @_op("send")
 def _send(tensor, dst_pe, stream, timeout, order) -> None:
-    _eager(_transfer().send, tensor, dst_pe, stream=stream, timeout=timeout)
+    _eager(_send_recv().send, tensor, dst_pe, stream=stream, timeout=timeout)
 
 
 @_op("recv")
 def _recv(tensor, src_pe, stream, timeout, order) -> None:
-    _eager(_transfer().recv, tensor, src_pe, stream=stream, timeout=timeout)
+    _eager(_send_recv().recv, tensor, src_pe, stream=stream, timeout=timeout)
 
 
 @_op("sendrecv")
 def _sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream, timeout, order) -> None:
-    _eager(_transfer().sendrecv, send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
+    _eager(_send_recv().sendrecv, send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
            timeout=timeout)
 
 

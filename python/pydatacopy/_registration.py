@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._transfer import _check_tensor, _nbytes, _require_init, refuse_capture
+from ._ops import refuse_capture
+from ._torch_utils import check_tensor as _check_tensor, nbytes as _nbytes, require_init as _require_init
 
 Error = _C.Error
 

@@ -11,8 +11,9 @@ from typing import NamedTuple, Sequence, Union
 
 import torch
 
-from . import _C, _env, _network, _ops, _transfer
-from ._torch_utils import check_int, timeout_seconds
+from . import _C, _network, _ops, _probes, _send_recv, _settings, _symmetric, _torch_utils
+from ._limits import INT32_MAX
+from ._torch_utils import check_int, require_init, timeout_seconds
 
 Error = _C.Error
 UNIQUE_ID_BYTES: int = _C.UNIQUE_ID_BYTES
@@ -43,7 +44,7 @@ def get_unique_id() -> list[int]:
     NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME, see _network) are checked and applied first, and so is
     every NVSHMEM setting NVSHMEM would crash on (NVSHMEM_SYMMETRIC_SIZE...): pydatacopy.Error.
     """
-    _env.check_nvshmem_environment("pydatacopy.get_unique_id")
+    _settings.check_nvshmem_environment("pydatacopy.get_unique_id")
     _network.apply_network_settings()
     try:
         return _C.get_unique_id()
@@ -120,9 +121,9 @@ def _choose_device(rank: int, call: str, world_size: int | None = None) -> int:
     """choose_device's rule; `world_size` (the group's, else WORLD_SIZE) lets every rank refuse
     alike when, without LOCAL_RANK, the last rank's device does not exist."""
     try:
-        local = _env.local_rank()
-        per_gpu = _env.ranks_per_gpu()
-    except _env.SettingError as error:
+        local = _settings.local_rank()
+        per_gpu = _settings.ranks_per_gpu()
+    except _settings.SettingError as error:
         raise Error(f"{call}: {error}; or pass device= to {call}") from None
     count = torch.cuda.device_count()
     if count == 0:
@@ -149,7 +150,7 @@ def _choose_device(rank: int, call: str, world_size: int | None = None) -> int:
         return rank // per_gpu
     # Every rank of the node reads the same LOCAL_WORLD_SIZE, so all of them refuse here alike,
     # before any collective: none is left waiting in the ID's broadcast for a rank that refused.
-    on_node = _env.local_world_size()
+    on_node = _settings.local_world_size()
     needed = max(local + 1, on_node or 0)
     if needed > count * per_gpu:
         where = (f"LOCAL_WORLD_SIZE={on_node} ranks on this node" if on_node and on_node > local
@@ -184,7 +185,7 @@ def choose_device(rank: int) -> int:
 
     init(device=...) and init_nvshmem(..., device) override the rule.
     """
-    check_int("rank", rank, 0, _env.INT32_MAX, call="pydatacopy.choose_device")
+    check_int("rank", rank, 0, INT32_MAX, call="pydatacopy.choose_device")
     return _choose_device(rank, "pydatacopy.choose_device")
 
 
@@ -220,28 +221,28 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     second, local check could disagree and leave the others in NVSHMEM's bootstrap)."""
     _ops.refuse_tracing(call.removeprefix("pydatacopy."))
     values = _id_to_list(root_unique_id, call)
-    check_int("world_size", world_size, 1, _env.INT32_MAX, call=call)
-    check_int("rank", rank, 0, _env.INT32_MAX, call=call)
+    check_int("world_size", world_size, 1, INT32_MAX, call=call)
+    check_int("rank", rank, 0, INT32_MAX, call=call)
     if rank >= world_size:
         raise Error(f"{call}: rank must be in [0, world_size={world_size}), got {rank}")
     device = _device_index(device, call)
     init_timeout = _init_timeout(timeout, call)
-    _transfer.refuse_capture(call.removeprefix("pydatacopy."))
+    _ops.refuse_capture(call.removeprefix("pydatacopy."))
     if _C.is_initialized():
         pe = _C.init_nvshmem(values, rank, world_size, _C.cuda_device(), init_timeout)
         if _ops._order is None:
             _ops.make_order_token(_C.cuda_device())
         return pe
-    _env.check_environment(call)
+    _settings.check_environment(call)
     if device is None:
         device = _choose_device(rank, call, world_size)
     torch.cuda.set_device(device)  # torch's current device and stream follow ours
     _network.apply_network_settings()
     if not preflight_done:
         _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
-    _C.set_rma_options(*_env.rma_options())
+    _C.set_rma_options(*_settings.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
-    _transfer.setup_send_recv()  # collective, like the init itself
+    _send_recv.setup_send_recv()  # collective, like the init itself
     _ops.make_order_token(device)  # what the traced calls order themselves by (_ops.py)
     return pe
 
@@ -266,7 +267,7 @@ class RankInfo(NamedTuple):
     digest: str  # of the unique ID the rank received
     host: str  # _network.host_identity()
     gpu: str | None  # the GPU's UUID (None: no CUDA device here); one physical GPU, one UUID
-    mps: bool  # an MPS control daemon runs for this rank (_env.mps_control_pipe)
+    mps: bool  # an MPS control daemon runs for this rank (_probes.mps_control_pipe)
     thread_percentage: float | None  # CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, None when unset
 
 
@@ -287,11 +288,11 @@ def _gpu_identity() -> str | None:
 
 def _this_rank(digest: str) -> RankInfo:
     try:
-        percentage = _env.mps_thread_percentage()
-    except _env.SettingError:
+        percentage = _settings.mps_thread_percentage()
+    except _settings.SettingError:
         percentage = None  # check_environment refused it already where init() runs
     return RankInfo(digest, _network.host_identity(), _gpu_identity(),
-                    _env.mps_control_pipe() is not None, percentage)
+                    _probes.mps_control_pipe() is not None, percentage)
 
 
 def _share_unique_id_and_ranks(group=None) -> tuple[list[int], list[RankInfo]]:
@@ -406,7 +407,7 @@ def _check_shared_gpus(group, ranks: Sequence[RankInfo], call: str) -> None:
     """Refuse (on every rank alike) or warn (on the group's rank 0) per shared_gpu_verdict."""
     import torch.distributed as dist
 
-    ignore = _env.nvshmem_bool(os.environ.get("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0"))
+    ignore = _settings.nvshmem_bool(os.environ.get("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0"))
     refusal, notes = shared_gpu_verdict(ranks, ignore)
     if refusal:
         raise Error(f"{call}: NVSHMEM was not started on any rank: {refusal}")
@@ -434,7 +435,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
         raise Error(f"{call} needs torch.distributed: call torch.distributed.init_process_group() "
                     "first (torchrun sets its environment), or use get_unique_id()/init_nvshmem()")
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    _transfer.refuse_capture("init")
+    _ops.refuse_capture("init")
     if _C.is_initialized():
         if (_C.my_pe(), _C.n_pes()) != (rank, world_size):
             raise Error(f"{call}: already initialised as PE {_C.my_pe()} of {_C.n_pes()}, which "
@@ -448,13 +449,13 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     # through the group's store, and sharing is refused before NCCL is touched.
     problem, per_gpu, gpu = None, None, None
     try:
-        _env.check_environment(call)
-        per_gpu = _env.ranks_per_gpu()
+        _settings.check_environment(call)
+        per_gpu = _settings.ranks_per_gpu()
         if device is None:
             device = _choose_device(rank, call, world_size)
         torch.cuda.set_device(device)
         gpu = _gpu_identity()
-    except (Error, _env.SettingError) as error:
+    except (Error, _settings.SettingError) as error:
         problem = str(error).removeprefix(f"{call}: ")
     except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
         problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
@@ -572,16 +573,16 @@ def finalize() -> None:
     process."""
     _ops.refuse_tracing("finalize")
     timed_out = None
-    _transfer._unbind()  # the calls' fast paths stop here; their checked paths say why
+    _torch_utils.unbind()  # the calls' fast paths stop here; their checked paths say why
     _ops.drop_order_token()
     if _C.is_initialized():
-        _transfer.refuse_capture("finalize")
+        _ops.refuse_capture("finalize")
         try:
-            _transfer.teardown_send_recv()
-            _transfer.free_all_symmetric()
+            _send_recv.teardown_send_recv()
+            _symmetric.free_all_symmetric()
         except _C.TimeoutError as error:  # a peer did not come to the collective frees
             timed_out = error
-            _transfer.free_all_symmetric()  # now local only: nothing waits on the peer
+            _symmetric.free_all_symmetric()  # now local only: nothing waits on the peer
     _C.finalize(not _torch_uses_nvshmem())  # after a timeout it skips NVSHMEM's collective teardown
     if timed_out is not None:
         raise timed_out
@@ -606,13 +607,13 @@ def is_initialized() -> bool:
 
 def my_pe() -> int:
     """This process's PE number, in [0, n_pes()): its rank in init()'s group. Needs init()."""
-    _transfer._require_init("my_pe")
+    require_init("my_pe")
     return _C.my_pe()
 
 
 def n_pes() -> int:
     """The number of PEs (processes) in the NVSHMEM job. Needs init()."""
-    _transfer._require_init("n_pes")
+    require_init("n_pes")
     return _C.n_pes()
 
 
@@ -631,6 +632,6 @@ def check_errors() -> None:
     all_to_all_v / MoE dispatch or combine refusal (Error, on the sender and on the receiver of a
     count over the buffer's capacity; a bad count or index, on the sender), or a put_blocks index
     out of range (Error)."""
-    _transfer.service_zero_copy()  # peers' zero-copy mapping requests, answered without waiting
+    _send_recv.service_zero_copy()  # peers' zero-copy mapping requests, answered without waiting
     _C.check_device_errors()
-    _transfer.check_send_recv_refusals()
+    _send_recv.check_send_recv_refusals()

@@ -1,11 +1,19 @@
-"""Torch-side helpers: streams, devices and tensors over raw device pointers."""
+"""Torch-side helpers every call shares: what it asks the core once (the bound facts), the checks of
+its tensors and ints, streams, and tensors over raw device pointers.
+
+Python checks here what only it sees (a tensor's type, device, layout, dtype, size); the core
+checks initialisation, the PE range and symmetry (``check_tensor(symmetric=True)`` aside, for
+the calls whose core entry does not)."""
 
 from __future__ import annotations
+
+import sys
+from types import ModuleType
 
 import torch
 
 from . import _C
-from ._env import MAX_TIMEOUT_S
+from ._limits import MAX_TIMEOUT_S
 
 Error = _C.Error
 
@@ -62,10 +70,58 @@ def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
     raise Error(f"stream must be a torch.cuda.Stream, a raw cudaStream_t int or None, got {type(stream).__name__}")
 
 
+# ---- what every call asks, read once -------------------------------------------------------
+# The hot calls (put, get, signals, put_blocks: _transfer.py) take a fast path when every argument
+# is as expected: its checks use these instead of asking the core on every call. Anything
+# unexpected (not initialised, a wrong tensor, a bad PE...) goes to the checked path, which raises
+# exactly what it always did; the core checks initialisation, the PE range and symmetry either way.
+# A module whose fast path reads them keeps its own copies, as module globals `_device` and
+# `_n_pes` (a global read is the cheapest there is), registered with keeps_bound_facts: bind()
+# and unbind() set them there too.
+_device: int | None = None  # this process's CUDA device while initialised, else None
+_n_pes = 0  # PEs while initialised, else 0 (every PE is then out of the fast path's range)
+_fast_path_modules: list[ModuleType] = []
+
 # PYDATACOPY_TIMEOUT_S as init read it (None: not initialised, read it now): a per-call timeout
 # of None would otherwise scan the environment on every call (the core's collectives still read it
 # afresh).
 default_timeout: float | None = None
+
+
+def keeps_bound_facts(module_name: str) -> None:
+    """`module_name`'s `_device` and `_n_pes` follow bind() and unbind() from now on."""
+    module = sys.modules[module_name]
+    module._device, module._n_pes = _device, _n_pes
+    _fast_path_modules.append(module)
+
+
+def bind() -> None:
+    """Read the facts above from the core (it is initialised); init does it, and so does the
+    checked path of any call that finds them unset (NVSHMEM started through _C directly)."""
+    global _device, _n_pes, default_timeout
+    default_timeout = _C.default_timeout_seconds()
+    _n_pes = _C.n_pes()
+    _device = _C.cuda_device()
+    for module in _fast_path_modules:
+        module._device, module._n_pes = _device, _n_pes
+
+
+def unbind() -> None:
+    """finalize(): the fast paths stop at once; the checked path says what to do."""
+    global _device, _n_pes, default_timeout
+    _device, _n_pes = None, 0
+    for module in _fast_path_modules:
+        module._device, module._n_pes = None, 0
+    default_timeout = None
+
+
+def require_init(what: str) -> None:
+    """`what`: the public call, without the package name (``put``)."""
+    if not _C.is_initialized():
+        raise Error(f"pydatacopy.{what} needs NVSHMEM: call pydatacopy.init() (or "
+                    "pydatacopy.init_nvshmem()) first")
+    if _device is None:
+        bind()
 
 
 def timeout_seconds(timeout: float | None) -> float:
@@ -92,3 +148,65 @@ def check_int(name: str, value: object, minimum: int | None = None,
     else:
         return value
     raise Error(f"{call}: {problem}" if call else problem)
+
+
+# ---- the checked path's checks ---------------------------------------------------------------
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def check_tensor(tensor: object, name: str, symmetric: bool = False) -> torch.Tensor:
+    """Type, device and layout; `symmetric` also checks the heap here (the core checks it again
+    for put/get, whose hot path therefore skips it)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise Error(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.get_device() != (_C.cuda_device() if _device is None else _device):  # -1 for CPU tensors
+        if not tensor.is_cuda:
+            raise Error(f"{name} is on {tensor.device}; pydatacopy moves CUDA tensors: use .cuda() first")
+        raise Error(f"{name} is on {tensor.device}, but this process runs pydatacopy on "
+                    f"cuda:{_C.cuda_device()}; move it there first")
+    if not tensor.is_contiguous():
+        raise Error(f"{name} must be contiguous (call .contiguous() first)")
+    if symmetric and not _C.is_symmetric(tensor.data_ptr(), max(nbytes(tensor), 1)):
+        raise Error(f"{name} must be a symmetric tensor (from pydatacopy.empty()), or a slice of one")
+    return tensor
+
+
+def check_pair(dst: torch.Tensor, src: torch.Tensor, what: str) -> int:
+    if dst.dtype != src.dtype:
+        raise Error(f"pydatacopy.{what}: dtype mismatch: dst is {dst.dtype}, src is {src.dtype}; "
+                    "use one dtype on both sides (src.to(dst.dtype))")
+    if dst.numel() != src.numel():
+        raise Error(f"pydatacopy.{what}: size mismatch: dst has {dst.numel()} elements, src has "
+                    f"{src.numel()}; pass equal-sized tensors (a slice of the larger one)")
+    return nbytes(src)
+
+
+def check_pe(pe: object, what: str) -> int:
+    require_init(what)
+    check_int("pe", pe)
+    if not 0 <= pe < _C.n_pes():
+        raise Error(f"pydatacopy.{what}: PE {pe} is out of range: there are {_C.n_pes()} PEs "
+                    f"(0 to {_C.n_pes() - 1})")
+    return pe
+
+
+def resolve_stream(stream) -> int:
+    """stream_handle on this process's device (the checked path's)."""
+    return stream_handle(stream, _C.cuda_device() if _device is None else _device)
+
+
+def keep_alive(stream, *tensors: torch.Tensor) -> None:
+    """Tensors handed to a call on a stream other than torch's current one stay allocated until
+    that stream's work is done: torch's caching allocator would otherwise give their memory out
+    again as soon as the caller drops them (as with NCCL's process groups, record_stream)."""
+    if stream is None:
+        return
+    if not isinstance(stream, torch.cuda.Stream):
+        stream = torch.cuda.ExternalStream(stream)
+    for tensor in tensors:
+        # Symmetric tensors are not the allocator's (and its cudaMallocAsync backend asserts on
+        # foreign pointers); they live until free().
+        if not _C.is_symmetric(tensor.data_ptr(), 1):
+            tensor.record_stream(stream)

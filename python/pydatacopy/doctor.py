@@ -19,7 +19,7 @@ import sys
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _env, _network, _runtime
+from pydatacopy import _C, _network, _probes, _runtime, _settings
 from pydatacopy._double_buffer import check_tokens
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -47,9 +47,9 @@ class Report:
 
 
 def parse_size(text: str) -> int:
-    """NVSHMEM_SYMMETRIC_SIZE's value in bytes, read as NVSHMEM reads it (see pydatacopy._env);
-    raises _env.SettingError, saying what to write, for a value NVSHMEM cannot use."""
-    return _env.parse_nvshmem_size(text)
+    """NVSHMEM_SYMMETRIC_SIZE's value in bytes, read as NVSHMEM reads it (see pydatacopy._settings);
+    raises _settings.SettingError, saying what to write, for a value NVSHMEM cannot use."""
+    return _settings.parse_nvshmem_size(text)
 
 
 def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None,
@@ -58,7 +58,7 @@ def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None,
     core's own layout arithmetic; NVSHMEM's per-allocation alignment is not counted).
     `settings`: send/recv's (chunk_bytes, num_chunks, blocks), by default from PYDATACOPY_*."""
     if settings is None:
-        settings = _env.send_recv_settings()
+        settings = _settings.send_recv_settings()
     need = _C.SendRecvEngine.symmetric_bytes_needed(world_size, *settings)
     need += 8 * world_size  # the barrier's signals
     if tokens:
@@ -106,14 +106,14 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
     (`control_pipe`: its control pipe, None when absent; by default looked up) and this
     process's share of the `sms` SMs of its GPU (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE)."""
     if control_pipe is False:
-        control_pipe = _env.mps_control_pipe(environ)
+        control_pipe = _probes.mps_control_pipe(environ)
     lines: list[tuple[str, str]] = []
     try:
-        per_gpu = _env.ranks_per_gpu(environ)
-    except _env.SettingError as error:
+        per_gpu = _settings.ranks_per_gpu(environ)
+    except _settings.SettingError as error:
         lines.append(("FAIL", str(error)))
         per_gpu = 1
-    on_node = _env.local_world_size(environ)
+    on_node = _settings.local_world_size(environ)
     setting = (f"PYDATACOPY_RANKS_PER_GPU={per_gpu}" if "PYDATACOPY_RANKS_PER_GPU" in environ
                else "PYDATACOPY_RANKS_PER_GPU unset (1)")
     rule = f"local rank r uses cuda:r // {per_gpu}" if per_gpu > 1 else "local rank r uses cuda:r"
@@ -144,7 +144,7 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
         lines.append(("OK", f"CUDA MPS: a control daemon listens at {control_pipe}: CUDA "
                             "processes started here become MPS clients and run side by side"))
     elif sharing:
-        where = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or _env.MPS_DEFAULT_PIPE_DIRECTORY,
+        where = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or _probes.MPS_DEFAULT_PIPE_DIRECTORY,
                              "control")
         state = ("a file left by a daemon that ended" if os.path.lexists(where)
                  else "nothing")
@@ -157,8 +157,8 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
     else:
         lines.append(("INFO", "CUDA MPS is not running (not needed with one rank per GPU)"))
     try:
-        percentage = _env.mps_thread_percentage(environ)
-    except _env.SettingError as error:
+        percentage = _settings.mps_thread_percentage(environ)
+    except _settings.SettingError as error:
         lines.append(("FAIL", str(error)))
         return lines
     ranks_here = max(ranks_here, -(-on_node // count) if count and on_node else 1)
@@ -191,8 +191,8 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
 
 def _positive_int(text: str) -> int:
     try:
-        return _env.parse_int(text, "--world-size", 1, _env.INT32_MAX, 2, "the number of PEs")
-    except _env.SettingError as error:
+        return _settings.parse_int(text, "--world-size", 1, _settings.INT32_MAX, 2, "the number of PEs")
+    except _settings.SettingError as error:
         raise argparse.ArgumentTypeError(str(error).replace("or unset it", "or leave it out")) from None
 
 
@@ -227,8 +227,8 @@ def parse_args(argv: list[str] | None = None, environ=os.environ) -> argparse.Na
     args = parser.parse_args(argv)
     if args.world_size is None:
         try:
-            args.world_size = _env.world_size(environ) or 2
-        except _env.SettingError as error:
+            args.world_size = _settings.world_size(environ) or 2
+        except _settings.SettingError as error:
             parser.error(f"{error}; or pass --world-size N")
     return args
 
@@ -255,7 +255,7 @@ def run(argv: list[str] | None = None) -> int:
         r.line("INFO", f"NVSHMEM remote transport plugins: {', '.join(trans) or 'none'} (in {lib})")
     except ImportError:
         r.line("WARN", "the nvidia-nvshmem-cu13 wheel is not importable; NVSHMEM comes from NVSHMEM_HOME")
-    blockers = [name for name, _ in _env.nvshmem_problems()]
+    blockers = [name for name, _ in _settings.nvshmem_problems()]
     if blockers:  # NVSHMEM would crash or fail on them: each gets its own line below
         r.line("FAIL", f"unique ID: not tried, NVSHMEM would fail on {', '.join(blockers)} (below)")
     else:
@@ -296,8 +296,8 @@ def run(argv: list[str] | None = None) -> int:
             r.line("WARN", f"nvidia-smi topo -m failed: {error}")
 
     try:
-        per_gpu = _env.ranks_per_gpu()
-    except _env.SettingError:
+        per_gpu = _settings.ranks_per_gpu()
+    except _settings.SettingError:
         per_gpu = 1  # its FAIL line is in "ranks per GPU"
 
     r.section("network")
@@ -309,15 +309,15 @@ def run(argv: list[str] | None = None) -> int:
     for name, value in mapped.items():
         r.line("INFO", f"init() will set {name}={value} (from NCCL's setting)")
     try:
-        chosen = _env.check_interfaces()
-        settings = _env.network_settings()
+        chosen = _settings.check_interfaces()
+        settings = _settings.network_settings()
         if chosen:
             value, source = settings["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"]
             r.line("OK", f"bootstrap interface: {source}={value} selects {', '.join(chosen)}")
         else:
             r.line("INFO", "bootstrap interface: NVSHMEM chooses (set NCCL_SOCKET_IFNAME or "
                            "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME to pick one)")
-    except _env.SettingError as error:
+    except _settings.SettingError as error:
         if "the bootstrap settings" not in reported:
             r.line("FAIL", str(error))
         reported.add("the bootstrap settings")
@@ -343,16 +343,16 @@ def run(argv: list[str] | None = None) -> int:
     configured = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
     heap = settings = None
     try:
-        heap = _env.symmetric_size()
-    except _env.SettingError as error:
+        heap = _settings.symmetric_size()
+    except _settings.SettingError as error:
         if "NVSHMEM_SYMMETRIC_SIZE" not in reported:
             r.line("FAIL", str(error))
         reported.add("NVSHMEM_SYMMETRIC_SIZE")
     try:
-        settings = _env.send_recv_settings()
-    except _env.SettingError as error:
+        settings = _settings.send_recv_settings()
+    except _settings.SettingError as error:
         r.line("FAIL", str(error))
-        reported.update(_env.SEND_RECV_DEFAULTS)
+        reported.update(_settings.SEND_RECV_DEFAULTS)
     if heap is not None and settings is not None:
         need = symmetric_bytes_needed(args.world_size, tokens, settings)
         shape = f" + DoubleBufferManager {tokens[0]}x{tokens[1]}" if tokens else ""
@@ -366,14 +366,14 @@ def run(argv: list[str] | None = None) -> int:
     r.section("environment")
     for name, value in MULTICAST_OFF.items():
         r.line(*multicast_line(name, value))
-    for name, problem in _env.nvshmem_problems() + _env.pydatacopy_problems():
+    for name, problem in _settings.nvshmem_problems() + _settings.pydatacopy_problems():
         if name not in reported:
             r.line("FAIL", problem)
             reported.add(name)
-    for read in (_env.world_size, _env.local_rank):
+    for read in (_settings.world_size, _settings.local_rank):
         try:
             read()
-        except _env.SettingError as error:
+        except _settings.SettingError as error:
             r.line("FAIL", str(error))
     for name in WATCHED:
         if name in os.environ:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _C, _transfer
+from pydatacopy import _C, _send_recv
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -217,7 +217,7 @@ def test_grid_cap_divides_the_gpu_by_the_pes_on_it(world, peer, fresh_channels, 
     monkeypatch.delenv("PYDATACOPY_RANKS_PER_GPU", raising=False)  # as with init(device=...)
     pydatacopy.setup_send_recv()
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    cap = _transfer._engine.max_grid
+    cap = _send_recv._engine.max_grid
     assert cap <= (sms // sharing) * _C.send_recv_blocks_per_sm(), (
         f"grid cap {cap} blocks with {sharing} PEs on a {sms}-SM GPU")
     _exchange_is_exact(rank, peer, 40, [4 * KiB, 64 * MiB + 5])
@@ -235,7 +235,7 @@ def test_slices_never_exceed_what_the_resident_blocks_drive(world, peer, fresh_c
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     monkeypatch.setenv("PYDATACOPY_RANKS_PER_GPU", str(sms))  # read again by the engine's init
     pydatacopy.setup_send_recv(chunk_bytes=32 * MiB, num_chunks=2, blocks=1024)
-    engine = _transfer._engine
+    engine = _send_recv._engine
     slices = engine.slices_for(32 * MiB)
     assert slices <= 32 * engine.max_grid, f"{slices} slices for a grid cap of {engine.max_grid}"
     assert slices >= 1

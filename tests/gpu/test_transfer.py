@@ -1,6 +1,7 @@
-"""Byte-exact data movement between two PEs (on two GPUs, or sharing one): put/get on every path,
-signals, send/recv of any tensor, batched puts, the forced RMA path, and argument errors (see
-conftest.py for how to run)."""
+"""Byte-exact one-sided transfers between two PEs (on two GPUs, or sharing one): put/get on every
+path, signals, barriers, batched puts and blocks, the forced RMA path, and argument errors (see
+conftest.py for how to run; symmetric tensors are in test_symmetric.py, send/recv in
+test_send_recv.py)."""
 
 from __future__ import annotations
 
@@ -11,31 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.bool]
-
-
-def _bytes(pe: int, tag: int, nbytes: int) -> torch.Tensor:
-    """Random bytes that PE `pe` sends under `tag`; the receiver regenerates them to compare."""
-    generator = torch.Generator(device="cuda").manual_seed((pe + 1) * 1_000_003 + tag)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda", generator=generator)
-
-
-def _as(tensor_bytes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bool:
-        return (tensor_bytes & 1).view(torch.bool)
-    return tensor_bytes.view(dtype)
-
-
-def _raw(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.dtype == torch.bool else tensor.view(torch.uint8)
-
-
-def _direct() -> bool:
-    """False when the whole suite runs with PYDATACOPY_FORCE_RMA=1 (scripts/gpu-check.sh runs it
-    both ways): then no peer is directly reachable and the direct-only paths must refuse."""
-    return not pydatacopy._C.rma_forced()
+from byte_patterns import _as, _bytes, _direct, _raw
 
 
 def _direct_paths(*paths: str) -> tuple[str, ...]:
@@ -73,26 +50,6 @@ def test_put_and_get_byte_exact_every_path(world, peer, path):
         pydatacopy.free(symmetric)
 
 
-def test_symmetric_tensors_every_dtype_and_peer_view(world, peer):
-    rank, _, _ = world
-    for tag, dtype in enumerate(DTYPES):
-        tensor = pydatacopy.empty((33, 5), dtype=dtype)
-        assert tensor.dtype == dtype and tensor.shape == (33, 5) and pydatacopy.is_symmetric(tensor)
-        source = _as(_bytes(rank, 100 + tag, 33 * 5 * tensor.element_size()), dtype).view(33, 5)
-        pydatacopy.put(tensor, source, peer)
-        pydatacopy.barrier()
-        expected = _as(_bytes(peer, 100 + tag, 33 * 5 * tensor.element_size()), dtype).view(33, 5)
-        assert torch.equal(_raw(tensor), _raw(expected))
-        view = pydatacopy.peer_view(tensor, peer)
-        if _direct():
-            assert view is not None and view.shape == tensor.shape
-        else:
-            assert view is None
-        pydatacopy.barrier()
-        pydatacopy.free(tensor)
-    assert not pydatacopy.is_symmetric(torch.zeros(4, device="cuda"))
-
-
 def test_put_signal_and_signal_wait(world, peer):
     rank, _, _ = world
     data = pydatacopy.empty(1 << 20, dtype=torch.uint8)
@@ -128,59 +85,6 @@ def test_barrier_with_deadline_orders_puts(world, peer):
             pydatacopy.barrier(timeout=30)  # the peer has checked before we overwrite
     finally:
         pydatacopy.free(box)
-
-
-SEND_SIZES = [1, 7, 4096, 1 << 20, 4 << 20, (4 << 20) + 1, (64 << 20) + 3]
-
-
-@pytest.mark.parametrize("nbytes", SEND_SIZES)
-def test_sendrecv_both_ways_byte_exact(world, peer, nbytes):
-    rank, _, _ = world
-    base = torch.empty(nbytes + 1, dtype=torch.uint8, device="cuda")
-    received = base[1:]  # an odd offset on the receiving side
-    outgoing = _bytes(rank, nbytes, nbytes)
-    pydatacopy.sendrecv(outgoing, peer, received, peer)
-    torch.testing.assert_close(received, _bytes(peer, nbytes, nbytes), rtol=0, atol=0)
-
-
-def test_send_recv_beyond_one_gib_and_the_heap(world, peer):
-    """1 GiB + 13 bytes: larger than the staging and than NVSHMEM's default 1 GiB heap."""
-    rank, _, _ = world
-    nbytes = (1 << 30) + 13
-    outgoing = _bytes(rank, 7777, nbytes)
-    received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    with pydatacopy.group():
-        pydatacopy.recv(received, peer)
-        pydatacopy.send(outgoing, peer)
-    assert torch.equal(received, _bytes(peer, 7777, nbytes))
-    del outgoing, received
-    torch.cuda.empty_cache()
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_send_recv_every_dtype(world, peer, dtype):
-    rank, _, _ = world
-    shape = (257, 3)
-    element = torch.empty((), dtype=dtype).element_size()
-    outgoing = _as(_bytes(rank, 300, 257 * 3 * element), dtype).view(shape)
-    received = torch.empty(shape, dtype=dtype, device="cuda")
-    pydatacopy.sendrecv(outgoing, peer, received, peer)
-    expected = _as(_bytes(peer, 300, 257 * 3 * element), dtype).view(shape)
-    # Compare bytes: random bit patterns include NaNs, which never compare equal as floats.
-    assert torch.equal(_raw(received), _raw(expected))
-
-
-def test_one_direction_send_recv(world, peer):
-    rank, _, _ = world
-    nbytes = (20 << 20) + 11
-    if rank == 0:
-        pydatacopy.send(_bytes(rank, 400, nbytes), peer)
-    else:
-        received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        pydatacopy.recv(received, peer)
-        assert torch.equal(received, _bytes(peer, 400, nbytes))
-    torch.cuda.synchronize()
-    dist.barrier()
 
 
 def test_1000_random_rounds_mixing_sizes_and_paths(world, peer):
@@ -337,15 +241,6 @@ def test_tensor_on_another_device_raises_the_project_error(world, peer, local_de
     finally:
         pydatacopy.barrier()
         pydatacopy.free(symmetric)
-
-
-def test_send_recv_alternating_copy_engine_and_sm_paths(world, peer):
-    """Messages above and below the copy-engine threshold share one channel's slots and signals."""
-    rank, _, _ = world
-    for tag, nbytes in enumerate([(20 << 20) + 1, 1 << 20, 3, (40 << 20) + 7, 5 << 20, (17 << 20)]):
-        received = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        pydatacopy.sendrecv(_bytes(rank, 900 + tag, nbytes), peer, received, peer)
-        assert torch.equal(received, _bytes(peer, 900 + tag, nbytes)), nbytes
 
 
 @pytest.mark.parametrize("count", [1, 300, 4096])

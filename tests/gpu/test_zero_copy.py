@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _transfer
+from pydatacopy import _send_recv
 from pydatacopy._torch_utils import tensor_from_address
 
 KiB = 1 << 10
@@ -83,7 +83,7 @@ def _load_store() -> bool:
 
 def _counters() -> dict[str, int]:
     torch.cuda.synchronize()  # the device counts an op when it finishes
-    return _transfer._require_engine("zero_copy_counters").zero_copy_counters()
+    return _send_recv._require_engine("zero_copy_counters").zero_copy_counters()
 
 
 def _step() -> None:
@@ -98,7 +98,7 @@ def zero_copy_on(world):
     """Every channel fresh with the default settings and the threshold at 1 MiB, then
     restored (setup_send_recv rereads PYDATACOPY_ZERO_COPY_MIN_BYTES)."""
     pydatacopy.setup_send_recv()
-    _transfer.set_zero_copy_min_bytes(THRESHOLD)
+    _send_recv.set_zero_copy_min_bytes(THRESHOLD)
     yield
     try:
         torch.cuda.synchronize()
@@ -122,7 +122,7 @@ def _sendrecv_exact(outcome, rank, peer, tag, nbytes, recv=None, send_offset=0, 
 def test_sizes_around_the_threshold_are_exact_and_go_zero_copy(world, peer):
     rank = world[0]
     outcome = _Outcome(world)
-    assert _transfer.zero_copy_min_bytes() == THRESHOLD
+    assert _send_recv.zero_copy_min_bytes() == THRESHOLD
     sizes = [THRESHOLD - 1, THRESHOLD, THRESHOLD + 13, 3 * MiB + 5, 17 * MiB + 1]
     # Receive buffers at odd offsets into one larger allocation, sends from odd offsets too.
     pool = torch.zeros(sum(sizes) + 64 * len(sizes), dtype=torch.uint8, device="cuda")
@@ -316,7 +316,7 @@ def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes)
     _step()
     outcome.agree("the mismatch")
     pydatacopy.setup_send_recv()
-    _transfer.set_zero_copy_min_bytes(THRESHOLD)
+    _send_recv.set_zero_copy_min_bytes(THRESHOLD)
     for round_ in range(3):
         _sendrecv_exact(outcome, rank, peer, 5300 + round_, 2 * THRESHOLD + 3, what=f"after setup_send_recv {round_}")
         _step()

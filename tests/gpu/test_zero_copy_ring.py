@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _transfer
+from pydatacopy import _send_recv
 
 pytestmark = pytest.mark.any_pes
 
@@ -34,13 +34,13 @@ def _agree(world, failures: list[str], step: str) -> None:
 def test_ring_sendrecv_goes_zero_copy_and_stays_exact(world, shift):
     rank, n = world[0], world[1]
     pydatacopy.setup_send_recv()
-    _transfer.set_zero_copy_min_bytes(1 * MiB)
+    _send_recv.set_zero_copy_min_bytes(1 * MiB)
     to, frm = (rank + shift) % n, (rank - shift) % n
     nbytes = 8 * MiB + 7
     recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     failures: list[str] = []
     torch.cuda.synchronize()
-    before = _transfer._require_engine("test").zero_copy_counters()
+    before = _send_recv._require_engine("test").zero_copy_counters()
     rounds = 6
     for round_ in range(rounds):
         try:
@@ -56,7 +56,7 @@ def test_ring_sendrecv_goes_zero_copy_and_stays_exact(world, shift):
         pydatacopy.check_errors()
     except Exception as error:
         failures.append(f"check_errors: {error}")
-    after = _transfer._require_engine("test").zero_copy_counters()
+    after = _send_recv._require_engine("test").zero_copy_counters()
     if pydatacopy._C.rma_forced():  # every message stays staged then
         if after["recv_zero_copy"] != before["recv_zero_copy"]:
             failures.append(f"forced RMA went zero-copy: {after}")

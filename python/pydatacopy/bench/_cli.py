@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _env
+from pydatacopy import _settings
 
 from . import baselines, batched, compiled, latency, put, send_recv, token_exchange
 from ._harness import Sweep, against, human, make_row
@@ -37,9 +37,9 @@ def _size(text: str) -> int:
 
 def _int_at_least(minimum: int, meaning: str):
     def parse(text: str) -> int:
-        if not re.fullmatch(r"\s*[0-9]+\s*", text) or not minimum <= int(text) <= _env.INT32_MAX:
+        if not re.fullmatch(r"\s*[0-9]+\s*", text) or not minimum <= int(text) <= _settings.INT32_MAX:
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not {meaning}: give a whole number from {minimum} to {_env.INT32_MAX}")
+                f"{text!r} is not {meaning}: give a whole number from {minimum} to {_settings.INT32_MAX}")
         return int(text)
     return parse
 
@@ -126,18 +126,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _placement() -> tuple[int, int]:
     """(CUDA device, ranks per GPU) of this rank: PYDATACOPY_RANKS_PER_GPU=K puts local rank r
     on device r // K; unset, ranks share GPUs when there are more of them than GPUs."""
-    local_rank = _env.local_rank() or 0
+    local_rank = _settings.local_rank() or 0
     count = torch.cuda.device_count()
     text = os.environ.get("PYDATACOPY_RANKS_PER_GPU")
     if text:
-        per_gpu = _env.parse_int(text, "PYDATACOPY_RANKS_PER_GPU", 1, _env.INT32_MAX, 2,
+        per_gpu = _settings.parse_int(text, "PYDATACOPY_RANKS_PER_GPU", 1, _settings.INT32_MAX, 2,
                                  "ranks sharing one GPU")
     else:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         per_gpu = max(1, -(-local_world // max(count, 1)))
     device = local_rank // per_gpu
     if device >= count:
-        raise _env.SettingError(f"local rank {local_rank} with {per_gpu} rank(s) per GPU needs device "
+        raise _settings.SettingError(f"local rank {local_rank} with {per_gpu} rank(s) per GPU needs device "
                                 f"{device}, but this process sees {count}: set PYDATACOPY_RANKS_PER_GPU")
     return device, per_gpu
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         device, per_gpu = _placement()
-    except _env.SettingError as error:
+    except _settings.SettingError as error:
         print(f"python -m pydatacopy.bench: {error}", file=sys.stderr)
         return 2
     torch.cuda.set_device(device)

@@ -9,18 +9,18 @@ import contextlib
 import sys
 
 import pydatacopy
-from pydatacopy import _transfer
+from pydatacopy import _send_recv
 
 
 @contextlib.contextmanager
 def zero_copy_min_bytes(nbytes: int):
     """The threshold for one row, on both PEs (collective), then the one before."""
-    before = _transfer.zero_copy_min_bytes()
-    _transfer.set_zero_copy_min_bytes(nbytes)
+    before = _send_recv.zero_copy_min_bytes()
+    _send_recv.set_zero_copy_min_bytes(nbytes)
     try:
         yield
     finally:
-        _transfer.set_zero_copy_min_bytes(before)
+        _send_recv.set_zero_copy_min_bytes(before)
 
 
 def _run(sweep):
@@ -39,7 +39,7 @@ def sendrecv(sweep):
     """Zero-copy at every size (the threshold at 1 byte for this row; the warm-up makes the
     handshake, as a user's repeated calls into one buffer do). The crossover with the staged
     row is where PYDATACOPY_ZERO_COPY_MIN_BYTES belongs."""
-    engine = _transfer._require_engine("bench")
+    engine = _send_recv._require_engine("bench")
     with zero_copy_min_bytes(1):
         before = engine.zero_copy_counters()["recv_zero_copy"]
         result = sweep.measure(_run(sweep), sweep.out)

@@ -1,4 +1,5 @@
-"""The environment variables pydatacopy and NVSHMEM read, parsed and checked by pydatacopy first.
+"""The environment variables pydatacopy and NVSHMEM read, parsed and checked by pydatacopy first
+(the machine they are checked against is _probes').
 
 NVSHMEM parses its own variables when it creates a unique ID and when it starts, and a value it
 cannot parse ends the process: NVSHMEM 3.4.5 prints "Invalid size in environment variable
@@ -19,27 +20,19 @@ reads as intended, and refuses:
 - a symmetric heap of 0 bytes: init() takes its send/recv staging from that heap.
 """
 
+
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 import os
 import re
 import socket
 from typing import Mapping
 
-from . import _C
+from . import _C, _probes
+from ._limits import INT32_MAX, MAX_CHUNK_BYTES, MAX_SEND_BLOCKS, MAX_TIMEOUT_S, SIZE_MAX
 
 Error = _C.Error
-
-INT32_MAX = 2**31 - 1
-SIZE_MAX = 2**64 - 1
-#: The longest timeout pydatacopy takes, in seconds (about 31 years): the core counts nanoseconds
-#: in 64 bits.
-MAX_TIMEOUT_S = 1e9
-MAX_CHUNK_BYTES = 1 << 40
-MAX_SEND_BLOCKS = 1024  # the core's limit (one thread block per slice of a chunk)
 
 # NVSHMEM 3.4.5's variables of kind "size" (env_defs.h), all parsed when an ID is created; each
 # was checked against libnvshmem_host.so.3: a bad value prints "Invalid size in environment
@@ -259,138 +252,6 @@ def mps_thread_percentage(environ: Mapping[str, str] = os.environ) -> float | No
     return value
 
 
-#: Where MPS clients look for the control daemon when CUDA_MPS_PIPE_DIRECTORY is unset.
-MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"
-
-
-def mps_control_pipe(environ: Mapping[str, str] = os.environ,
-                     unix_sockets: str = "/proc/net/unix") -> str | None:
-    """The control endpoint (CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps, then 'control') of
-    an MPS control daemon that is running, or None when none serves it: then CUDA contexts made
-    here are not MPS clients.
-
-    The file alone proves nothing: CUDA 13's daemon listens on a UNIX socket named 'control'
-    (not a named pipe, as older ones did: a probe for a pipe missed every running daemon), and a
-    daemon killed hard leaves the file behind. A socket counts when a process listens on it:
-    listed as listening in `unix_sockets` (read only: the daemon sees nothing), else (another
-    network namespace lists other sockets) a connect() that succeeds, closed at once. A named
-    pipe (older MPS) counts while an nvidia-cuda-mps process runs (the pipe is not opened: that
-    could disturb a live daemon)."""
-    import stat
-
-    path = os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY,
-                        "control")
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
-    if stat.S_ISSOCK(mode):
-        return path if _unix_socket_listening(path, unix_sockets) else None
-    if stat.S_ISFIFO(mode):
-        return path if _mps_process_running() else None
-    return None
-
-
-_SO_ACCEPTCON = 0x10000  # /proc/net/unix's Flags of a listening socket
-
-
-def _unix_socket_listening(path: str, unix_sockets: str) -> bool:
-    wanted = os.path.normpath(path)
-    try:
-        with open(unix_sockets, encoding="ascii", errors="replace") as table:
-            next(table, None)  # the header
-            for line in table:
-                fields = line.split()
-                if (len(fields) >= 8 and os.path.normpath(fields[7]) == wanted
-                        and int(fields[3], 16) & _SO_ACCEPTCON):
-                    return True
-    except (OSError, ValueError):
-        pass
-    import socket
-
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:  # refused: nobody listens (a stale file); or not allowed to connect
-        return False
-    finally:
-        probe.close()
-
-
-def _mps_process_running(proc: str = "/proc") -> bool:
-    """An nvidia-cuda-mps-control or -server process runs (the kernel keeps 15 characters of a
-    process name: both read 'nvidia-cuda-mps')."""
-    try:
-        entries = [e for e in os.listdir(proc) if e.isdigit()]
-    except OSError:
-        return False
-    for pid in entries:
-        try:
-            with open(os.path.join(proc, pid, "comm"), encoding="ascii", errors="replace") as comm:
-                if comm.read().strip().startswith("nvidia-cuda-mps"):
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-# ---- network interfaces --------------------------------------------------------------------
-
-class _SockAddr(ctypes.Structure):
-    _fields_ = [("sa_family", ctypes.c_ushort)]
-
-
-class _SockAddrIn6(ctypes.Structure):
-    _fields_ = [("sin6_family", ctypes.c_ushort), ("sin6_port", ctypes.c_ushort),
-                ("sin6_flowinfo", ctypes.c_uint32), ("sin6_addr", ctypes.c_ubyte * 16),
-                ("sin6_scope_id", ctypes.c_uint32)]
-
-
-class _IfAddrs(ctypes.Structure):
-    pass
-
-
-_IfAddrs._fields_ = [("ifa_next", ctypes.POINTER(_IfAddrs)), ("ifa_name", ctypes.c_char_p),
-                     ("ifa_flags", ctypes.c_uint), ("ifa_addr", ctypes.POINTER(_SockAddr)),
-                     ("ifa_netmask", ctypes.POINTER(_SockAddr)),
-                     ("ifa_ifu", ctypes.POINTER(_SockAddr)), ("ifa_data", ctypes.c_void_p)]
-
-_IPV6_LOOPBACK = bytes(15) + b"\x01"
-
-
-def interface_addresses() -> list[tuple[str, int]]:
-    """(interface name, address family) for every IPv4/IPv6 address of this machine, as
-    NVSHMEM's bootstrap (NCCL's socket code) sees them through getifaddrs(): IPv6 loopback left
-    out. Falls back to every interface name, both families, where getifaddrs is unavailable."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        head = ctypes.POINTER(_IfAddrs)()
-        if libc.getifaddrs(ctypes.byref(head)) != 0:
-            raise OSError(ctypes.get_errno(), "getifaddrs failed")
-    except (OSError, AttributeError):
-        return [(name, family) for _, name in socket.if_nameindex()
-                for family in (socket.AF_INET, socket.AF_INET6)]
-    found = []
-    try:
-        node = head
-        while node:
-            entry = node.contents
-            if entry.ifa_addr:
-                family = entry.ifa_addr.contents.sa_family
-                if family == socket.AF_INET6:
-                    address = ctypes.cast(entry.ifa_addr, ctypes.POINTER(_SockAddrIn6)).contents
-                    if bytes(address.sin6_addr) == _IPV6_LOOPBACK:
-                        family = None
-                if family in (socket.AF_INET, socket.AF_INET6):
-                    found.append((entry.ifa_name.decode(errors="replace"), family))
-            node = entry.ifa_next
-    finally:
-        libc.freeifaddrs(head)
-    return found
-
-
 def select_interfaces(spec: str, addresses: list[tuple[str, int]],
                       family: int | None = None) -> list[str]:
     """The interfaces NCCL's (and NVSHMEM's) findInterfaces picks for an IFNAME value: a comma
@@ -464,7 +325,7 @@ def check_interfaces(environ: Mapping[str, str] = os.environ,
         return []
     value, source = settings["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"]
     if addresses is None:
-        addresses = interface_addresses()
+        addresses = _probes.interface_addresses()
     chosen = select_interfaces(value, addresses, family)
     if not chosen:
         present = sorted({name for name, fam in addresses if family is None or fam == family})
@@ -479,21 +340,6 @@ def check_interfaces(environ: Mapping[str, str] = os.environ,
 
 # ---- the bootstrap plugin ------------------------------------------------------------------
 
-def _library_dirs() -> list[str]:
-    """Where dlopen would look for a bare library name NVSHMEM loads: beside libnvshmem_host (its
-    RUNPATH), LD_LIBRARY_PATH, then the system's directories."""
-    dirs = []
-    try:
-        import nvidia.nvshmem as wheel  # the NVSHMEM pydatacopy loads
-        dirs += [os.path.join(base, "lib") for base in wheel.__path__]
-    except ImportError:
-        pass
-    dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
-    dirs += ["/lib", "/usr/lib", "/lib64", "/usr/lib64", "/usr/local/lib",
-             "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
-    return dirs
-
-
 def check_bootstrap_plugin(environ: Mapping[str, str] = os.environ) -> None:
     """NVSHMEM_BOOTSTRAP_UID_PLUGIN names the library NVSHMEM's unique-ID bootstrap loads; a name
     it cannot load makes NVSHMEM abort the process (seen: "dlopen failed", then a double free)."""
@@ -501,7 +347,7 @@ def check_bootstrap_plugin(environ: Mapping[str, str] = os.environ) -> None:
     if name is None:
         return
     found = os.path.isfile(name) if "/" in name else any(
-        os.path.isfile(os.path.join(d, name)) for d in _library_dirs())
+        os.path.isfile(os.path.join(d, name)) for d in _probes.library_dirs())
     if not found:
         raise SettingError(
             f"NVSHMEM_BOOTSTRAP_UID_PLUGIN={name!r} names no library NVSHMEM could load (not a file"

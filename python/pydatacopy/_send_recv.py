@@ -1,0 +1,225 @@
+"""Two-sided transfers (the core's send_recv.cpp): send(), recv(), sendrecv() and group() of any
+contiguous CUDA tensor, through the send/recv engine's symmetric staging (and zero-copy between
+PEs that reach each other by load/store, docs/zero-copy.md). This module owns the engine's
+lifetime: setup_send_recv() (init() calls it), teardown_send_recv() (finalize() does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator
+
+import torch
+
+from . import _C, _ops, _settings
+from ._limits import INT32_MAX
+from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
+from ._torch_utils import check_int, check_tensor as _check_tensor, keep_alive as _keep_alive
+from ._torch_utils import nbytes as _nbytes, require_init as _require_init, resolve_stream as _stream
+from ._torch_utils import timeout_seconds
+
+Error = _C.Error
+
+_PE_MAX = INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
+
+_engine: "_C.SendRecvEngine | None" = None
+_state = threading.local()
+_SETUP = "pydatacopy.setup_send_recv"  # the call a config's errors name: the one that makes it
+
+
+@dataclasses.dataclass(frozen=True)
+class SendRecvConfig:
+    """The send/recv staging's shape, every field checked here and nowhere else in Python (the
+    core's SendRecvEngine::init checks again what it allocates by): bytes per chunk, chunks per
+    peer, and the most thread blocks one message uses. Every PE must use the same."""
+
+    chunk_bytes: int
+    num_chunks: int
+    blocks: int
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            check_int(field.name, getattr(self, field.name), *_settings.SEND_RECV_RANGES[field.name],
+                      call=_SETUP)
+
+    @classmethod
+    def from_environment(cls, chunk_bytes: int | None = None, num_chunks: int | None = None,
+                         blocks: int | None = None) -> "SendRecvConfig":
+        """The arguments given, the rest from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
+        PYDATACOPY_SEND_BLOCKS, else the defaults (8 MiB, 4, 128). A bad variable is an Error
+        naming the variable, even when its argument was given."""
+        try:
+            defaults = _settings.send_recv_settings()
+        except _settings.SettingError as error:
+            raise Error(f"{_SETUP}: {error}") from None
+        return cls(defaults[0] if chunk_bytes is None else chunk_bytes,
+                   defaults[1] if num_chunks is None else num_chunks,
+                   defaults[2] if blocks is None else blocks)
+
+
+def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = None,
+                    blocks: int | None = None) -> None:
+    """(Re)create the send/recv staging (collective; init() calls it with the defaults).
+
+    Defaults: PYDATACOPY_CHUNK_BYTES (8 MiB), PYDATACOPY_NUM_CHUNKS (4 per peer),
+    PYDATACOPY_SEND_BLOCKS (128: the most thread blocks one message uses; since one block
+    drives its slice of both directions of a sendrecv, twice the 64 that scripts/sweep-send-recv.sh
+    chose when each direction had blocks of its own, docs/perf-notes.md v6/v8). Every PE must use
+    the same settings.
+    """
+    global _engine
+    _ops.refuse_tracing("setup_send_recv")
+    _require_init("setup_send_recv")
+    refuse_capture("setup_send_recv")
+    config = SendRecvConfig.from_environment(chunk_bytes, num_chunks, blocks)
+    teardown_send_recv()
+    engine = _C.SendRecvEngine()
+    engine.init(config.chunk_bytes, config.num_chunks, config.blocks)
+    _engine = engine
+
+
+def check_send_recv_refusals() -> None:
+    """A size mismatch a receiver found after this PE's send had completed (check_errors())."""
+    engine = _engine
+    if engine is not None:
+        engine.check_refusals()
+
+
+def teardown_send_recv() -> None:
+    """Collective: release the send/recv staging (finalize() calls it)."""
+    global _engine
+    if _engine is not None:
+        engine, _engine = _engine, None
+        engine.cleanup()
+
+
+def service_zero_copy() -> None:
+    """Serve the peers' zero-copy mapping requests without waiting (check_errors() calls it;
+    every send/recv call does it for its own peers)."""
+    if _engine is not None:
+        _engine.service_zero_copy()
+
+
+def zero_copy_min_bytes() -> int:
+    """Messages of at least this many bytes between PEs that reach each other by load/store move
+    once, from the sender's tensor into the receiver's (PYDATACOPY_ZERO_COPY_MIN_BYTES, default
+    32 MiB; 0: never). Needs the send/recv engine (init())."""
+    return _require_engine("zero_copy_min_bytes").zero_copy_min_bytes
+
+
+def set_zero_copy_min_bytes(nbytes: int) -> None:
+    """Collective and blocking: every PE calls it with the same value, between its send/recv
+    calls (the benchmark and tests use it; 0 turns zero-copy off). Raises on every PE alike when
+    the values differ, changing nothing."""
+    check_int("nbytes", nbytes, 0, 2**63 - 1, call="pydatacopy.set_zero_copy_min_bytes")
+    refuse_capture("set_zero_copy_min_bytes")
+    _require_engine("set_zero_copy_min_bytes").set_zero_copy_min_bytes(nbytes)
+
+
+def _require_engine(what: str) -> "_C.SendRecvEngine":
+    _require_init(what)
+    if _engine is None:
+        raise Error("send/recv staging is not set up: pydatacopy.init()/init_nvshmem() do it, "
+                    "or call pydatacopy.setup_send_recv() on every PE")
+    return _engine
+
+
+def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seconds: float) -> None:
+    pending = getattr(_state, "pending", None)
+    if pending is None:
+        # The engine's send/recv are a batch of one; their scalar arguments cross for a fraction
+        # of a list of tuples' conversion (0.6 us against 2 us where measured).
+        (engine.send if is_send else engine.recv)(tensor.data_ptr(), tensor.nbytes, peer, _stream(stream),
+                                                  seconds)
+        _keep_alive(stream, tensor)
+        return
+    # The stream is resolved here, where the call is made (torch.cuda.stream() inside the group
+    # counts), not at the group's exit: that is where the caller ordered the tensor's producers.
+    if stream is None:
+        stream = pending["stream"]
+    handle = _stream(stream)
+    if pending["handle"] is None:
+        pending["handle"] = handle
+    elif pending["handle"] != handle:
+        raise Error("pydatacopy.send/recv inside pydatacopy.group(): the group's operations run as "
+                    f"one launch on one stream, but this call resolves to stream {handle:#x} and an "
+                    f"earlier one to {pending['handle']:#x}; issue them on one stream (pass stream= "
+                    "to group(), or make the calls under one torch.cuda.stream())")
+    if stream is not None:
+        pending["explicit"] = True  # _keep_alive's rule: tensors on a stream given explicitly
+    pending["ops"].append((is_send, tensor.data_ptr(), _nbytes(tensor), peer))
+    pending["tensors"].append(tensor)
+    pending["timeout"] = max(pending["timeout"], seconds)
+
+
+@contextlib.contextmanager
+def group(*, stream=None) -> Iterator[None]:
+    """Issue the send()/recv() calls inside together, as one kernel launch, so that they run at
+    the same time: a PE that sends and receives at once must group them (as with NCCL's group
+    calls). Up to 16 operations, any peers. The launch goes on the stream the calls were made
+    on: ``stream=`` of group(), else each call's ``stream=``, else torch's current stream at the
+    call; all of a group's calls must come to the same stream. Not traceable (torch.compile):
+    use sendrecv there."""
+    if _dynamo_compiling() or _dispatch_modes():
+        _ops.refuse_group()
+    if getattr(_state, "pending", None) is not None:
+        raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
+                    "group() block")
+    _state.pending = {"stream": stream, "handle": None, "explicit": stream is not None, "ops": [],
+                      "tensors": [], "timeout": 0.0}
+    try:
+        yield
+        pending = _state.pending
+    finally:
+        _state.pending = None
+    if not pending["ops"]:
+        return
+    handle = pending["handle"]
+    _require_engine("group").batch(pending["ops"], handle, pending["timeout"])
+    # The launch may be on a stream that is no longer torch's current one (the calls were made
+    # under torch.cuda.stream(s)): keep the tensors allocated until that stream is done with them.
+    if pending["explicit"] or handle != _stream(None):
+        _keep_alive(handle, *pending["tensors"])
+
+
+def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
+    """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
+    tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
+    To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
+    engine = _require_engine("send")
+    check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the range, with the same words
+    _check_tensor(tensor, "tensor")
+    _submit(engine, True, tensor, dst_pe, stream, timeout_seconds(timeout))
+
+
+def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
+    """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
+    engine = _require_engine("recv")
+    check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
+    _check_tensor(tensor, "tensor")
+    _submit(engine, False, tensor, src_pe, stream, timeout_seconds(timeout))
+
+
+def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
+             stream=None, timeout: float | None = None) -> None:
+    """send() and recv() at the same time, in one kernel launch."""
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
+        return _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
+                             timeout=timeout)
+    engine = _require_engine("sendrecv")
+    if getattr(_state, "pending", None) is not None:
+        raise Error("pydatacopy.sendrecv() runs its pair itself: call it outside group(), or use "
+                    "send() and recv() inside the group")
+    check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the ranges, with the same words
+    check_int("src_pe", src_pe, None, _PE_MAX)
+    _check_tensor(send_tensor, "send_tensor")
+    _check_tensor(recv_tensor, "recv_tensor")
+    engine.sendrecv(send_tensor.data_ptr(), _nbytes(send_tensor), dst_pe, recv_tensor.data_ptr(),
+                    _nbytes(recv_tensor), src_pe, _stream(stream), timeout_seconds(timeout))
+    _keep_alive(stream, send_tensor, recv_tensor)
