@@ -563,7 +563,10 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.status = detail::device_status();
   a.messages = messages_ + channel;
   a.zc_index = -1;
-  a.zc_slices = a.active_blocks;  // from the size alone (the batch may raise active_blocks)
+  // Slices of a zero-copy message: from its size and the agreed grid cap alone (the batch may
+  // raise active_blocks), so both sides count the same; at most one per resident block, so that
+  // a block streams one contiguous part instead of visiting two in turn.
+  a.zc_slices = std::min(a.active_blocks, std::max(1, resident_blocks_));
   a.zc_counters = reinterpret_cast<unsigned long long*>(
       zero_copy_->table_device + static_cast<std::size_t>(n_pes_) * zero_copy::kTableEntries);
   const bool load_store = load_store_peer(peer);
