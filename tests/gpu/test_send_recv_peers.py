@@ -9,6 +9,7 @@ says how the code before these fixes fails it."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -216,10 +217,14 @@ def test_grid_cap_divides_the_gpu_by_the_pes_on_it(world, peer, fresh_channels, 
         pytest.skip("one PE on this GPU: nothing to share")
     monkeypatch.delenv("PYDATACOPY_RANKS_PER_GPU", raising=False)  # as with init(device=...)
     pydatacopy.setup_send_recv()
+    # Under MPS with a thread percentage the device reports this client's share of the SMs, not
+    # the whole GPU (66 of an H200's 132 at 50%): the whole is the share * 100 / percentage.
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    percent = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100") or 100)
+    whole = round(sms * 100 / percent) if 0 < percent < 100 else sms
     cap = _send_recv._engine.max_grid
-    assert cap <= (sms // sharing) * _C.send_recv_blocks_per_sm(), (
-        f"grid cap {cap} blocks with {sharing} PEs on a {sms}-SM GPU")
+    assert cap <= min(sms, whole // sharing) * _C.send_recv_blocks_per_sm(), (
+        f"grid cap {cap} blocks with {sharing} PEs on a {whole}-SM GPU ({sms} SMs in this client's share)")
     _exchange_is_exact(rank, peer, 40, [4 * KiB, 64 * MiB + 5])
 
 
