@@ -27,7 +27,14 @@
 // - Receive kernel: waits (watchdog) for every source's meta of this round, writes recv_counts
 //   and recv_offsets, waits for each source's units, copies its rows out of the region into the
 //   caller's tensors (the compaction: one extra local read and write of the bytes received),
-//   then credits every source: the set's region is free again.
+//   then credits every source: the set's region is free again. A field with no receive tensor
+//   stays in the region (no compaction; the caller's kernels read it there): the credits are
+//   then owed (a per-set pending word per source) and signalled by release(), a one-block
+//   kernel the caller puts on the stream after its readers. A set whose release is owed is
+//   refused on the host by the call that would reuse it (the sources would time out on it).
+// - Send pieces: whole rows, at least 16 KiB and about two pieces per warp of the grid; each
+//   ends with one system-scope fence and one arrival atomic (per piece, not per row). Gathered
+//   rows (an index) load 32 indices per warp at once and copy every field of a row together.
 // - Round numbers are per set and counted on the device, so a replayed graph is a fresh round.
 //   The set is chosen by the host call count, the same on every PE as long as every PE makes the
 //   same calls (eager and captured) in the same order, as with any collective.
@@ -234,12 +241,22 @@ void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int
 // pairs), expert_counts / expert_offsets [experts_per_pe], num_rows [1], expert_of_row,
 // source_pe, source_token [rows * topk] (experts_per_pe / -1 / -1 past num_rows), combine_index
 // [rows * topk + 1] (recv_x row of each local pair in (row, k) order; zeros past them),
-// combine_counts [n_pes] (local pairs among each source's rows).
+// combine_counts [n_pes] (local pairs among each source's rows); pair_position (null: not
+// written) [rows * topk]: the recv_x row of each pair (row, k), -1 when not local.
 void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                         const int64_t* recv_counts, int n_pes, int my_pe, int64_t experts_per_pe,
                         int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
                         int64_t* num_rows, int64_t* expert_of_row, int64_t* source_pe,
                         int64_t* source_token, int64_t* combine_index, int64_t* combine_counts,
-                        cudaStream_t stream);
+                        int64_t* pair_position, cudaStream_t stream);
+
+// MoE dispatch's grouping by expert straight from the receive region, each received row read
+// once: received row j (numbered as in gather_region_rows; j < sum(recv_counts) and < rows) is
+// written to out[positions[j * topk + k]] for each k with 0 <= position < out_rows. Rows of
+// 16-byte multiples, region and out 16-byte aligned (else Error: use gather_region_rows).
+void scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                         const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                         const int64_t* positions, int64_t topk, int64_t rows, int64_t row_bytes,
+                         cudaStream_t stream);
 
 }  // namespace pydatacopy

@@ -68,7 +68,7 @@ class AllToAll:
     def symmetric_bytes_needed(capacity: int, max_row_bytes: int, n_pes: int) -> int: ...
     def exchange(self, fields: list[tuple[int, int, int, int, int]], send_counts: int,
                  send_index: int, index_rows: int, recv_counts: int, recv_offsets: int,
-                 stream: int, timeout: float) -> None:
+                 stream: int, timeout: float) -> int:
         """fields: (send, recv, row_bytes, send_rows, recv_rows); send_index 0 for none; recv 0:
         the rows stay in the receive region (in_region, release)."""
     def in_region(self, field: int) -> int: ...
@@ -92,13 +92,18 @@ def moe_dispatch_layout(topk_idx: int, id_bytes: int, tokens: int, topk: int, nu
 def moe_receive_layout(recv_meta: int, rows: int, topk: int, recv_counts: int, n_pes: int, my_pe: int,
                        experts_per_pe: int, row_of: int, expert_counts: int, expert_offsets: int,
                        num_rows: int, expert_of_row: int, source_pe: int, source_token: int,
-                       combine_index: int, combine_counts: int, stream: int) -> None:
+                       combine_index: int, combine_counts: int, pair_position: int, stream: int) -> None:
     """MoE dispatch's receiver layout in one kernel (all_to_all.hpp)."""
 
 def gather_region_rows(out: int, region: int, stride: int, recv_offsets: int, recv_counts: int,
                        n_sources: int, index: int, count: int, rows: int, row_bytes: int,
                        stream: int) -> None:
     """gather_rows straight from an all-to-all receive region."""
+
+def scatter_region_rows(out: int, out_rows: int, region: int, stride: int, recv_offsets: int,
+                        recv_counts: int, n_sources: int, positions: int, topk: int, rows: int,
+                        row_bytes: int, stream: int) -> None:
+    """MoE grouping by expert from an all-to-all receive region, each received row read once."""
 
 def moe_combine_reduce_region(out: int, region: int, stride: int, pair_pe: int, pair_rank: int,
                               back_counts: int, n_sources: int, weights: int, tokens: int, topk: int,

@@ -256,9 +256,9 @@ class AllToAll:
                    0 if r is None else recv_rows) for s, r in zip(sends, recvs)]
         index = 0 if send_index is None else send_index.data_ptr()
         index_rows = 0 if send_index is None else send_index.shape[0]
-        self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
-                            offsets.data_ptr(), handle, seconds)
-        return recvs, counts, offsets, self._core.calls - 1
+        call = self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
+                                   offsets.data_ptr(), handle, seconds)
+        return recvs, counts, offsets, call
 
 
 def _check_cuda(tensor: object, name: str, device: int) -> None:
@@ -642,13 +642,29 @@ class MoeDispatcher:
             (_, recv_meta), recv_counts, recv_offsets, call = buffer._exchange_in_region(
                 [x, plan.meta], [True, False], plan.send_counts, plan.send_index, timeout)
             try:
-                layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
-                rows = layout.row_of.shape[0]
-                recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
-                _C.gather_region_rows(recv_x.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
-                                      recv_offsets.data_ptr(), recv_counts.data_ptr(), self.n_pes,
-                                      layout.row_of.data_ptr(), layout.num_rows.data_ptr(), rows,
-                                      _row_bytes(x), stream_handle(None, buffer._device))
+                received = recv_meta.shape[0]
+                row_bytes = _row_bytes(x)
+                stream = stream_handle(None, buffer._device)
+                region, stride = buffer._core.in_region(0), buffer._core.region_stride
+                if row_bytes % 16 == 0 and _layout_kernels_fit(self.n_pes, self.experts_per_pe,
+                                                               received * self.topk + 1):
+                    # Each received row read once and written to each of its experts' rows.
+                    positions = torch.empty(received * self.topk, dtype=torch.int64, device=x.device)
+                    layout = ReceiveLayout(*_receive_layout_eager(recv_meta, recv_counts, self.my_pe,
+                                                                  self.experts_per_pe, self.topk, None,
+                                                                  positions))
+                    rows = layout.row_of.shape[0]
+                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                    _C.scatter_region_rows(recv_x.data_ptr(), rows, region, stride, recv_offsets.data_ptr(),
+                                           recv_counts.data_ptr(), self.n_pes, positions.data_ptr(),
+                                           self.topk, received, row_bytes, stream)
+                else:
+                    layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
+                    rows = layout.row_of.shape[0]
+                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                    _C.gather_region_rows(recv_x.data_ptr(), region, stride, recv_offsets.data_ptr(),
+                                          recv_counts.data_ptr(), self.n_pes, layout.row_of.data_ptr(),
+                                          layout.num_rows.data_ptr(), rows, row_bytes, stream)
             finally:
                 buffer._core.release(call, stream_handle(None, buffer._device))
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
@@ -822,7 +838,9 @@ def receive_layout(recv_meta: torch.Tensor, recv_counts: torch.Tensor, my_pe: in
     return receive_layout_reference(recv_meta, recv_counts, my_pe, experts_per_pe, topk)
 
 
-def _receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream):
+def _receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream, positions=None):
+    """The kernel; ``positions`` (int64 [rows * topk], or None): also each pair's recv_x row (-1
+    for a pair with no local expert), for scatter_region_rows."""
     rows = recv_meta.shape[0]
     n_pes = recv_counts.shape[0]
     pairs = rows * topk
@@ -842,6 +860,7 @@ def _receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, s
                             combine_index=longs(pairs + 1), combine_counts=longs(n_pes))
     _C.moe_receive_layout(recv_meta.data_ptr(), rows, topk, recv_counts.data_ptr(), n_pes, my_pe,
                           experts_per_pe, *(t.data_ptr() for t in out),
+                          0 if positions is None else positions.data_ptr(),
                           stream_handle(stream, recv_meta.get_device()))
     return tuple(out)
 

@@ -539,12 +539,14 @@ PYBIND11_MODULE(_C, m) {
              self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
                            index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
                            as_stream(stream), timeout);
+             return self.calls() - 1;  // this call's number (release() takes it)
            },
            py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
            py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
            release_gil(),
            "fields: (send, recv, row_bytes, send_rows, recv_rows) tuples (addresses as ints); "
-           "send_index 0 for none; recv 0: the rows stay in the receive region (in_region, release)")
+           "send_index 0 for none; recv 0: the rows stay in the receive region (in_region, release). "
+           "Returns the call's number")
       .def("in_region",
            [](const AllToAll& self, int field) { return reinterpret_cast<std::uintptr_t>(self.in_region(field)); },
            py::arg("field"), "Device address of field's rows from source 0 in the last call's region")
@@ -594,19 +596,20 @@ PYBIND11_MODULE(_C, m) {
            int64_t experts_per_pe, std::uintptr_t row_of, std::uintptr_t expert_counts,
            std::uintptr_t expert_offsets, std::uintptr_t num_rows, std::uintptr_t expert_of_row,
            std::uintptr_t source_pe, std::uintptr_t source_token, std::uintptr_t combine_index,
-           std::uintptr_t combine_counts, std::uintptr_t stream) {
+           std::uintptr_t combine_counts, std::uintptr_t pair_position, std::uintptr_t stream) {
           moe_receive_layout(as_pointer<const int32_t>(recv_meta), rows, topk, as_pointer<const int64_t>(recv_counts),
                              n_pes, my_pe, experts_per_pe, as_pointer<int64_t>(row_of),
                              as_pointer<int64_t>(expert_counts), as_pointer<int64_t>(expert_offsets),
                              as_pointer<int64_t>(num_rows), as_pointer<int64_t>(expert_of_row),
                              as_pointer<int64_t>(source_pe), as_pointer<int64_t>(source_token),
                              as_pointer<int64_t>(combine_index), as_pointer<int64_t>(combine_counts),
-                             as_stream(stream));
+                             as_pointer<int64_t>(pair_position), as_stream(stream));
         },
         py::arg("recv_meta"), py::arg("rows"), py::arg("topk"), py::arg("recv_counts"), py::arg("n_pes"),
         py::arg("my_pe"), py::arg("experts_per_pe"), py::arg("row_of"), py::arg("expert_counts"),
         py::arg("expert_offsets"), py::arg("num_rows"), py::arg("expert_of_row"), py::arg("source_pe"),
-        py::arg("source_token"), py::arg("combine_index"), py::arg("combine_counts"), py::arg("stream"),
+        py::arg("source_token"), py::arg("combine_index"), py::arg("combine_counts"), py::arg("pair_position"),
+        py::arg("stream"),
         release_gil(), "MoE dispatch's receiver layout in one kernel (all_to_all.hpp); addresses as ints");
   m.def("gather_region_rows",
         [](std::uintptr_t out, std::uintptr_t region, int64_t stride, std::uintptr_t recv_offsets,
@@ -620,6 +623,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("region"), py::arg("stride"), py::arg("recv_offsets"), py::arg("recv_counts"),
         py::arg("n_sources"), py::arg("index"), py::arg("count"), py::arg("rows"), py::arg("row_bytes"),
         py::arg("stream"), release_gil(), "gather_rows straight from an all-to-all receive region");
+  m.def("scatter_region_rows",
+        [](std::uintptr_t out, int64_t out_rows, std::uintptr_t region, int64_t stride, std::uintptr_t recv_offsets,
+           std::uintptr_t recv_counts, int n_sources, std::uintptr_t positions, int64_t topk, int64_t rows,
+           int64_t row_bytes, std::uintptr_t stream) {
+          scatter_region_rows(as_pointer<void>(out), out_rows, as_pointer<const void>(region), stride,
+                              as_pointer<const int64_t>(recv_offsets), as_pointer<const int64_t>(recv_counts),
+                              n_sources, as_pointer<const int64_t>(positions), topk, rows, row_bytes,
+                              as_stream(stream));
+        },
+        py::arg("out"), py::arg("out_rows"), py::arg("region"), py::arg("stride"), py::arg("recv_offsets"),
+        py::arg("recv_counts"), py::arg("n_sources"), py::arg("positions"), py::arg("topk"), py::arg("rows"),
+        py::arg("row_bytes"), py::arg("stream"), release_gil(),
+        "MoE grouping by expert from an all-to-all receive region, each received row read once");
   m.def("moe_combine_reduce_region",
         [](std::uintptr_t out, std::uintptr_t region, int64_t stride, std::uintptr_t pair_pe,
            std::uintptr_t pair_rank, std::uintptr_t back_counts, int n_sources, std::uintptr_t weights,

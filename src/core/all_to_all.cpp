@@ -5,6 +5,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <climits>
 #include <utility>
 
 #include "device_status.cuh"
@@ -364,8 +365,10 @@ void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int
   PDC_REQUIRE(tokens >= 0 && topk >= 1 && tokens <= kMoeLayoutMaxPairs / topk,
               "moe_dispatch_layout: tokens x topk = " << tokens << " x " << topk
                                                       << " must be below 2^31");
-  PDC_REQUIRE(send_counts != nullptr && send_index != nullptr && meta != nullptr && pair_pe != nullptr &&
-                  pair_rank != nullptr && (tokens == 0 || topk_idx != nullptr),
+  // (Tensors of no elements may have no address: zero tokens leaves only the counts and index.)
+  PDC_REQUIRE(send_counts != nullptr && send_index != nullptr &&
+                  (tokens == 0 || (topk_idx != nullptr && meta != nullptr && pair_pe != nullptr &&
+                                   pair_rank != nullptr)),
               "moe_dispatch_layout: every tensor must be on the GPU");
   kernels::launch_moe_dispatch_layout(topk_idx, id_bytes == 4, tokens, static_cast<int>(topk), num_experts,
                                       n_pes, send_counts, send_index, meta, pair_pe, pair_rank, stream);
@@ -376,7 +379,7 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                         int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
                         int64_t* num_rows, int64_t* expert_of_row, int64_t* source_pe,
                         int64_t* source_token, int64_t* combine_index, int64_t* combine_counts,
-                        cudaStream_t stream) {
+                        int64_t* pair_position, cudaStream_t stream) {
   static_assert(kMoeLayoutMaxExpertsPerPe + 1 == kernels::kMoeLayoutMaxBins, "one limit");
   PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes && my_pe >= 0 && my_pe < n_pes,
               "moe_receive_layout: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes << " (PE " << my_pe << ")");
@@ -385,15 +388,36 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                                           << experts_per_pe);
   PDC_REQUIRE(rows >= 0 && topk >= 1 && rows <= (kMoeLayoutMaxPairs - 1) / topk,
               "moe_receive_layout: rows x topk = " << rows << " x " << topk << " must be below 2^31 - 1");
-  PDC_REQUIRE(recv_counts != nullptr && row_of != nullptr && expert_counts != nullptr &&
-                  expert_offsets != nullptr && num_rows != nullptr && expert_of_row != nullptr &&
-                  source_pe != nullptr && source_token != nullptr && combine_index != nullptr &&
-                  combine_counts != nullptr && (rows == 0 || recv_meta != nullptr),
+  PDC_REQUIRE(recv_counts != nullptr && expert_counts != nullptr && expert_offsets != nullptr &&
+                  num_rows != nullptr && combine_index != nullptr && combine_counts != nullptr &&
+                  (rows == 0 || (recv_meta != nullptr && row_of != nullptr && expert_of_row != nullptr &&
+                                 source_pe != nullptr && source_token != nullptr)),
               "moe_receive_layout: every tensor must be on the GPU");
   kernels::launch_moe_receive_layout(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
                                      experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
                                      expert_of_row, source_pe, source_token, combine_index,
-                                     combine_counts, stream);
+                                     combine_counts, pair_position, stream);
+}
+
+void scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                         const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                         const int64_t* positions, int64_t topk, int64_t rows, int64_t row_bytes,
+                         cudaStream_t stream) {
+  PDC_REQUIRE(rows >= 0 && out_rows >= 0 && topk >= 1 && topk <= INT32_MAX && row_bytes >= 0 && stride >= 0 &&
+                  n_sources >= 1 && n_sources <= AllToAllLayout::kMaxPes,
+              "scatter_region_rows: bad sizes (rows " << rows << ", topk " << topk << ", row_bytes "
+                                                      << row_bytes << ", sources " << n_sources << ")");
+  const auto address = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(region) |
+                       static_cast<uintptr_t>(stride) | static_cast<uintptr_t>(row_bytes);
+  PDC_REQUIRE((address & 15) == 0, "scatter_region_rows: rows of " << row_bytes << " bytes or the tensors "
+                                   "are not 16-byte aligned; use gather_region_rows");
+  PDC_REQUIRE(rows == 0 || (out != nullptr && region != nullptr && positions != nullptr &&
+                            recv_offsets != nullptr && recv_counts != nullptr),
+              "scatter_region_rows: every pointer must be a device address");
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, 4 * multiprocessor_count()));
+  kernels::launch_scatter_region_rows(out, out_rows, region, stride, recv_offsets, recv_counts, n_sources,
+                                      positions, static_cast<int>(topk), rows, row_bytes, std::max(blocks, 1),
+                                      stream);
 }
 
 }  // namespace pydatacopy

@@ -474,6 +474,18 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
                      "source_pe", "source_token", "combine_counts"):
             _same_bytes(getattr(got, name), getattr(want, name), f"{what}: {name}")
         _same_bytes(got.combine_index[:used], want.combine_index[:used], f"{what}: combine_index")
+        # The pairs' positions (scatter_region_rows's input): each local pair's recv_x row, in
+        # (row, k) order the combine_index entries; -1 for every other pair.
+        positions = torch.full((rows * topk,), 7, dtype=torch.int64, device="cuda")
+        _moe._receive_layout_eager(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk, None, positions)
+        torch.cuda.synchronize()
+        local = ids - my_pe * experts_per_pe
+        in_use = (torch.arange(rows) < int(counts.sum()))[:, None]
+        valid = (in_use & (ids >= 0) & (local >= 0) & (local < experts_per_pe)).reshape(-1)
+        positions = positions.cpu()
+        _same_bytes(positions[valid], want.combine_index[:used], f"{what}: positions of the local pairs")
+        if not bool((positions[~valid] == -1).all()):
+            _FAILURES.append(f"{what}: a pair with no local expert has a position")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -265,7 +265,11 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
   __shared__ int meta_seen[kMaxPes];
   const int n = a.n_pes;
   const int lane = threadIdx.x % 32;
-  const int64_t per_piece = rows_per_piece(a.row_bytes_total);
+  // Pieces sized by the bytes copied out (fields left in the region are not: a dispatch's meta
+  // rows alone make pieces of hundreds of rows, not one row per piece).
+  int64_t copied_bytes = 0;
+  for (int f = 0; f < a.fields; ++f) copied_bytes += a.recv[f] != nullptr ? a.row_bytes[f] : 0;
+  const int64_t per_piece = rows_per_piece(copied_bytes);
   // The send kernel of this call has moved the set's round count on.
   const uint64_t round = *reinterpret_cast<volatile uint64_t*>(a.uses);
   const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
@@ -524,7 +528,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
                               int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
                               int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
                               int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                              int64_t* combine_counts) {
+                              int64_t* combine_counts, int64_t* pair_position) {
   __shared__ int32_t hist[kLayoutWarps][kMoeLayoutMaxBins];
   __shared__ int32_t bin_start[kMoeLayoutMaxBins];
   __shared__ int32_t valid_base[kLayoutWarps];
@@ -555,11 +559,13 @@ __global__ void __launch_bounds__(kLayoutThreads)
   const int64_t begin = warp * stretch;
   const int64_t end = min(pairs, begin + stretch);
   // A pair's bin (-1: past the stretch, a lane with nothing).
+  // (32-bit division: pairs < 2^31.)
   auto bin_of = [&](int64_t p) -> int {
     if (p >= end) return -1;
-    const int64_t row = p / topk;
+    const int64_t row = static_cast<int32_t>(p) / topk;
     if (row >= rows_in_use) return none;
-    const int64_t local = static_cast<int64_t>(recv_meta[row * (topk + 1) + p % topk]) - first_expert;
+    const int k = static_cast<int32_t>(p) - static_cast<int32_t>(row) * topk;
+    const int64_t local = static_cast<int64_t>(recv_meta[row * (topk + 1) + k]) - first_expert;
     return local >= 0 && local < experts_per_pe ? static_cast<int>(local) : none;
   };
   const unsigned below = (1u << lane) - 1u;
@@ -572,7 +578,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (bin >= 0 && (same & below) == 0) hist[warp][bin] += __popc(same);
     const bool valid = bin >= 0 && bin != none;
     valid_here += __popc(__ballot_sync(0xffffffffu, valid));
-    if (valid) atomicAdd(&back_counts[source_of_row(source_start, n_pes, p / topk)], 1);
+    if (valid) atomicAdd(&back_counts[source_of_row(source_start, n_pes, static_cast<int32_t>(p) / topk)], 1);
     __syncwarp();
   }
   if (lane == 0) valid_base[warp] = valid_here;
@@ -618,13 +624,14 @@ __global__ void __launch_bounds__(kLayoutThreads)
     const bool valid = bin >= 0 && bin != none;
     const unsigned valid_lanes = __ballot_sync(0xffffffffu, valid);
     if (bin >= 0) {
-      const int64_t row = p / topk;
+      const int64_t row = static_cast<int32_t>(p) / topk;
       const int64_t position = bin_start[bin] + hist[warp][bin] + __popc(same & below);
       row_of[position] = row;
       expert_of_row[position] = bin;
       source_pe[position] = valid ? source_of_row(source_start, n_pes, row) : -1;
       source_token[position] = valid ? recv_meta[row * (topk + 1) + topk] : -1;
       if (valid) combine_index[valid_at + __popc(valid_lanes & below)] = position;
+      if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
     }
     __syncwarp();  // every lane has read hist before the leaders move it on
     if (bin >= 0 && (same & below) == 0) hist[warp][bin] += __popc(same);
@@ -667,6 +674,54 @@ __global__ void __launch_bounds__(256)
     const int64_t at = from - start[s];
     if (at < 0 || at >= counts[s]) continue;  // not a received row: left as it is
     row_copy(out + row * row_bytes, region + s * stride + at * row_bytes, row_bytes, lane);
+  }
+}
+
+// Each received row read once (8 16-byte vectors per lane, 4 KiB per warp at a time) and
+// stored to every recv_x row it has (its pairs' positions, up to topk).
+__global__ void __launch_bounds__(256)
+    scatter_region_rows_kernel(uint8_t* out, int64_t out_rows, const uint8_t* region, int64_t stride,
+                               const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                               const int64_t* positions, int topk, int64_t rows, int64_t row_bytes) {
+  __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
+  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) start[s] = recv_offsets[s];
+  __syncthreads();
+  const int64_t received = recv_offsets[n_sources - 1] + recv_counts[n_sources - 1];
+  const int64_t used = min(received, rows);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  constexpr int kUnroll = 8;
+  const int64_t vectors = row_bytes / 16;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < used;
+       row += warps) {
+    const int s = find_slot(start, n_sources, row);
+    const int64_t at = row - start[s];
+    if (at < 0 || at >= recv_counts[s]) continue;
+    const int4* src = reinterpret_cast<const int4*>(region + s * stride + at * row_bytes);
+    const int64_t* row_positions = positions + row * topk;
+    for (int k0 = 0; k0 < topk; k0 += 32) {
+      // Up to 32 of the row's positions, one per lane; the valid ones, lane by lane.
+      const int64_t mine = k0 + lane < topk ? row_positions[k0 + lane] : -1;
+      unsigned targets = __ballot_sync(0xffffffffu, mine >= 0 && mine < out_rows);
+      if (targets == 0) continue;
+      for (int64_t v0 = 0; v0 < vectors; v0 += 32 * kUnroll) {
+        int4 chunk[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + u * 32 + lane;
+          if (v < vectors) chunk[u] = src[v];
+        }
+        for (unsigned left = targets; left != 0; left &= left - 1) {
+          const int64_t position = __shfl_sync(0xffffffffu, mine, __ffs(left) - 1);
+          int4* dst = reinterpret_cast<int4*>(out + position * row_bytes);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + u * 32 + lane;
+            if (v < vectors) dst[v] = chunk[u];
+          }
+        }
+      }
+    }
   }
 }
 
@@ -819,10 +874,11 @@ void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
                                int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
                                int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
                                int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                               int64_t* combine_counts, cudaStream_t stream) {
+                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream) {
   moe_receive_layout_kernel<<<1, kLayoutThreads, 0, stream>>>(
       recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, row_of, expert_counts,
-      expert_offsets, num_rows, expert_of_row, source_pe, source_token, combine_index, combine_counts);
+      expert_offsets, num_rows, expert_of_row, source_pe, source_token, combine_index, combine_counts,
+      pair_position);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -855,6 +911,18 @@ void launch_all_to_all_release(uint64_t* pending, uint64_t* credits, int my_pe, 
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
+void launch_scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                                const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                                const int64_t* positions, int topk, int64_t rows, int64_t row_bytes,
+                                int blocks, cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  scatter_region_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(out), out_rows,
+                                                         static_cast<const uint8_t*>(region), stride,
+                                                         recv_offsets, recv_counts, n_sources, positions, topk,
+                                                         rows, row_bytes);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
 void launch_gather_region_rows(void* out, const void* region, int64_t stride, const int64_t* recv_offsets,
                                const int64_t* recv_counts, int n_sources, const int64_t* index,
                                const int64_t* count, int64_t rows, int64_t row_bytes, int blocks,
@@ -876,6 +944,7 @@ void preload_all_to_all_kernels() {
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_rows_vector_kernel<__nv_bfloat16, SlotRows>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_rows_vector_kernel<__nv_bfloat16, RegionRows>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, gather_region_rows_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, scatter_region_rows_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_release_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, moe_dispatch_layout_kernel<int32_t>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, moe_dispatch_layout_kernel<int64_t>));

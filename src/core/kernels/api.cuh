@@ -304,6 +304,12 @@ void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
                                int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
                                int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
                                int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                               int64_t* combine_counts, cudaStream_t stream);
+                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream);
+// MoE dispatch's grouping by expert from the receive region, each received row read once and
+// written to every recv_x row of it: positions [received rows x topk] (recv_x row, or < 0).
+void launch_scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                                const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                                const int64_t* positions, int topk, int64_t rows, int64_t row_bytes,
+                                int blocks, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels
