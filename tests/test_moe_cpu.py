@@ -233,6 +233,27 @@ def test_opcheck_combine_reduce():
     torch.library.opcheck(_moe.OPS["moe_combine_reduce"], args)
 
 
+def test_opcheck_dispatch_layout():
+    """The GPU layout kernel's op: on the CPU it runs dispatch_plan's torch code."""
+    topk_idx = torch.tensor([[0, 5], [3, -1], [7, 7], [2, 4]])
+    args = (topk_idx, 8, 2, None)
+    torch.library.opcheck(_moe.OPS["moe_dispatch_layout"], args)
+    got = _moe.OPS["moe_dispatch_layout"](*args)
+    want = _moe.dispatch_plan_reference(topk_idx, 8, 2)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_opcheck_receive_layout():
+    meta = torch.tensor([[0, 5, 11], [3, -1, 12], [7, 2, 13], [1, 1, 14]], dtype=torch.int32)
+    args = (meta, torch.tensor([2, 1]), 0, 4, 2, None)
+    torch.library.opcheck(_moe.OPS["moe_receive_layout"], args)
+    got = _moe.OPS["moe_receive_layout"](*args)
+    want = _moe.receive_layout_reference(meta, torch.tensor([2, 1]), 0, 4, 2)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
 def test_fake_shapes(loopback):
     number, _ = loopback
     from torch._subclasses.fake_tensor import FakeTensorMode

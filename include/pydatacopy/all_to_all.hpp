@@ -27,7 +27,14 @@
 // - Receive kernel: waits (watchdog) for every source's meta of this round, writes recv_counts
 //   and recv_offsets, waits for each source's units, copies its rows out of the region into the
 //   caller's tensors (the compaction: one extra local read and write of the bytes received),
-//   then credits every source: the set's region is free again.
+//   then credits every source: the set's region is free again. A field with no receive tensor
+//   stays in the region (no compaction; the caller's kernels read it there): the credits are
+//   then owed (a per-set pending word per source) and signalled by release(), a one-block
+//   kernel the caller puts on the stream after its readers. A set whose release is owed is
+//   refused on the host by the call that would reuse it (the sources would time out on it).
+// - Send pieces: whole rows, at least 16 KiB and about two pieces per warp of the grid; each
+//   ends with one system-scope fence and one arrival atomic (per piece, not per row). Gathered
+//   rows (an index) load 32 indices per warp at once and copy every field of a row together.
 // - Round numbers are per set and counted on the device, so a replayed graph is a fresh round.
 //   The set is chosen by the host call count, the same on every PE as long as every PE makes the
 //   same calls (eager and captured) in the same order, as with any collective.
@@ -106,7 +113,11 @@ struct AllToAllLayout {
 };
 
 // One array moved by a call: rows of `row_bytes` bytes; `send` has `send_rows` of them, `recv`
-// has room for `recv_rows` (at least n_pes x capacity).
+// has room for `recv_rows` (at least n_pes x capacity). recv null: the rows stay where they
+// landed, in the receive regions (in_region(): source s's rows at in_region(f) + s x
+// region_stride(), in the order sent), with no compaction copy; the set's regions are then
+// handed back to the sources by release() instead of by the call, once the caller's kernels
+// that read them are on the stream (MoE dispatch and combine read them directly).
 struct AllToAllField {
   const void* send = nullptr;
   void* recv = nullptr;
@@ -145,19 +156,34 @@ class AllToAll {
                 const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                 int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds);
 
+  // After a call with a field left in the region (recv null): where field f's rows from source
+  // 0 are (device address, this PE), and the bytes from one source's rows to the next. Valid
+  // for stream-ordered reads until release(call) is on the stream.
+  const uint8_t* in_region(int field) const;
+  int64_t region_stride() const;
+  // Stream-ordered: hands the regions of call `call` (calls() - 1 right after it) back to the
+  // sources, after everything before on `stream`. Every call that left a field in the region
+  // needs it, before the same PE's call two later on this buffer (the sources' sends of that
+  // round wait for it: a missing release makes them time out). A call without one: no-op.
+  void release(int64_t call, cudaStream_t stream);
+
  private:
   void require_initialized(const char* what) const;
 
   uint8_t* base_ = nullptr;            // the symmetric allocation
   uint8_t** peer_bases_ = nullptr;     // device [n_pes]: base_ at each PE through nvshmem_ptr, or null
   bool every_peer_direct_ = false;     // every peer reachable through nvshmem_ptr
-  uint64_t* counters_ = nullptr;       // device: uses[2], consumed[2][n_pes]
+  uint64_t* counters_ = nullptr;       // device: uses[2], consumed[2][n_pes], pending[2][n_pes]
   unsigned int* done_ = nullptr;       // device: send blocks done[2], receive blocks done[2]
   ChannelOrder order_;                 // one channel: a call's kernels after the previous call's
   int64_t capacity_ = 0;
   int64_t max_row_bytes_ = 0;
   int64_t calls_ = 0;
   int n_pes_ = 0;
+  // The last call's set, field starts, and whether it left rows in the region (release owed).
+  int64_t last_call_ = -1;
+  int64_t last_field_start_[AllToAllLayout::kMaxFields] = {};
+  bool release_owed_[2] = {false, false};
 };
 
 // out[i] = src[index[i]] for i < min(*count, rows), rows of `row_bytes` bytes; `count` is a
@@ -167,6 +193,23 @@ class AllToAll {
 void gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count, int64_t rows,
                  int64_t src_rows, int64_t row_bytes, cudaStream_t stream);
 
+// gather_rows from an exchange's receive region (AllToAll::in_region): out[i] = received row
+// index[i] for i < min(*count, rows), received rows numbered as a compacted receive tensor
+// would hold them (source s's rows from recv_offsets[s], recv_counts[s] of them), read at
+// region + s x stride + (row - recv_offsets[s]) x row_bytes; rows outside every source left.
+void gather_region_rows(void* out, const void* region, int64_t stride, const int64_t* recv_offsets,
+                        const int64_t* recv_counts, int n_sources, const int64_t* index,
+                        const int64_t* count, int64_t rows, int64_t row_bytes, cudaStream_t stream);
+
+// moe_combine_reduce reading (token, k)'s row straight from combine's receive region: the row
+// pair_rank[t, k] of source pair_pe[t, k] (region + pe x stride + rank x hidden elements),
+// skipped when pe is outside [0, n_sources) or rank outside [0, back_counts[pe]) (no expert, or
+// a refused round). The arithmetic of moe_combine_reduce.
+void moe_combine_reduce_region(void* out, const void* region, int64_t stride, const int64_t* pair_pe,
+                               const int64_t* pair_rank, const int64_t* back_counts, int n_sources,
+                               const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
+                               int dtype, cudaStream_t stream);
+
 // MoE combine's reduction: out[t] = sum over k in order of weights[t, k] * rows[slots[t, k]]
 // (slots < 0 skipped), each product and sum rounded to float32 in that order (no fused
 // multiply-add, so a float32 reference computed in the same order matches bit for bit), then
@@ -174,5 +217,46 @@ void gather_rows(void* out, const void* src, const int64_t* index, const int64_t
 void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
                         const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                         int dtype, cudaStream_t stream);
+
+// MoE dispatch's layouts, one kernel each (the torch references: dispatch_plan and
+// receive_layout in python/pydatacopy/_moe.py), stream-ordered, nothing read on the host.
+// Limits of the one-block kernels (the Python side falls back to the torch code past them):
+constexpr int kMoeLayoutMaxPes = 64;
+constexpr int64_t kMoeLayoutMaxExpertsPerPe = 256;
+constexpr int64_t kMoeLayoutMaxPairs = (int64_t{1} << 31) - 1;  // tokens x topk, rows x topk
+
+// Sender: topk_idx [tokens, topk] (int32 or int64: id_bytes 4 or 8) of global expert ids (outside
+// [0, num_experts): none) -> send_counts [n_pes] (tokens for each PE), send_index
+// [n_pes * tokens + 1] (the token of each row sent, PE-major, tokens in order; zeros past them),
+// meta [tokens, topk + 1] int32 (ids, -1 for none; the token), pair_pe [tokens, topk] (PE of
+// each pair, n_pes for none), pair_rank [tokens, topk] (rank among this PE's pairs with that PE
+// in (token, k) order).
+void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
+                         int64_t num_experts, int n_pes, int64_t* send_counts, int64_t* send_index,
+                         int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream);
+
+// Receiver: recv_meta [rows, topk + 1] int32 as received (rows grouped by source, recv_counts
+// [n_pes] of each) -> the pairs (row, k) whose expert is local, grouped by local expert then in
+// (row, k) order: row_of [rows * topk] (the received row of each recv_x row; then the other
+// pairs), expert_counts / expert_offsets [experts_per_pe], num_rows [1], expert_of_row,
+// source_pe, source_token [rows * topk] (experts_per_pe / -1 / -1 past num_rows), combine_index
+// [rows * topk + 1] (recv_x row of each local pair in (row, k) order; zeros past them),
+// combine_counts [n_pes] (local pairs among each source's rows); pair_position (null: not
+// written) [rows * topk]: the recv_x row of each pair (row, k), -1 when not local.
+void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
+                        const int64_t* recv_counts, int n_pes, int my_pe, int64_t experts_per_pe,
+                        int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
+                        int64_t* num_rows, int64_t* expert_of_row, int64_t* source_pe,
+                        int64_t* source_token, int64_t* combine_index, int64_t* combine_counts,
+                        int64_t* pair_position, cudaStream_t stream);
+
+// MoE dispatch's grouping by expert straight from the receive region, each received row read
+// once: received row j (numbered as in gather_region_rows; j < sum(recv_counts) and < rows) is
+// written to out[positions[j * topk + k]] for each k with 0 <= position < out_rows. Rows of
+// 16-byte multiples, region and out 16-byte aligned (else Error: use gather_region_rows).
+void scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                         const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                         const int64_t* positions, int64_t topk, int64_t rows, int64_t row_bytes,
+                         cudaStream_t stream);
 
 }  // namespace pydatacopy

@@ -68,8 +68,13 @@ class AllToAll:
     def symmetric_bytes_needed(capacity: int, max_row_bytes: int, n_pes: int) -> int: ...
     def exchange(self, fields: list[tuple[int, int, int, int, int]], send_counts: int,
                  send_index: int, index_rows: int, recv_counts: int, recv_offsets: int,
-                 stream: int, timeout: float) -> None:
-        """fields: (send, recv, row_bytes, send_rows, recv_rows); send_index 0 for none."""
+                 stream: int, timeout: float) -> int:
+        """fields: (send, recv, row_bytes, send_rows, recv_rows); send_index 0 for none; recv 0:
+        the rows stay in the receive region (in_region, release)."""
+    def in_region(self, field: int) -> int: ...
+    @property
+    def region_stride(self) -> int: ...
+    def release(self, call: int, stream: int) -> None: ...
 
 def moe_combine_reduce(out: int, rows: int, row_count: int, slots: int, weights: int, tokens: int,
                        topk: int, hidden: int, dtype: int, stream: int) -> None:
@@ -78,6 +83,36 @@ def moe_combine_reduce(out: int, rows: int, row_count: int, slots: int, weights:
 def gather_rows(out: int, src: int, index: int, count: int, rows: int, src_rows: int, row_bytes: int,
                 stream: int) -> None:
     """out[i] = src[index[i]] for i < min(*count, rows); count is a device int64."""
+
+def moe_dispatch_layout(topk_idx: int, id_bytes: int, tokens: int, topk: int, num_experts: int,
+                        n_pes: int, send_counts: int, send_index: int, meta: int, pair_pe: int,
+                        pair_rank: int, stream: int) -> None:
+    """MoE dispatch's sender layout in one kernel (all_to_all.hpp)."""
+
+def moe_receive_layout(recv_meta: int, rows: int, topk: int, recv_counts: int, n_pes: int, my_pe: int,
+                       experts_per_pe: int, row_of: int, expert_counts: int, expert_offsets: int,
+                       num_rows: int, expert_of_row: int, source_pe: int, source_token: int,
+                       combine_index: int, combine_counts: int, pair_position: int, stream: int) -> None:
+    """MoE dispatch's receiver layout in one kernel (all_to_all.hpp)."""
+
+def gather_region_rows(out: int, region: int, stride: int, recv_offsets: int, recv_counts: int,
+                       n_sources: int, index: int, count: int, rows: int, row_bytes: int,
+                       stream: int) -> None:
+    """gather_rows straight from an all-to-all receive region."""
+
+def scatter_region_rows(out: int, out_rows: int, region: int, stride: int, recv_offsets: int,
+                        recv_counts: int, n_sources: int, positions: int, topk: int, rows: int,
+                        row_bytes: int, stream: int) -> None:
+    """MoE grouping by expert from an all-to-all receive region, each received row read once."""
+
+def moe_combine_reduce_region(out: int, region: int, stride: int, pair_pe: int, pair_rank: int,
+                              back_counts: int, n_sources: int, weights: int, tokens: int, topk: int,
+                              hidden: int, dtype: int, stream: int) -> None:
+    """moe_combine_reduce reading each pair's row from combine's receive region."""
+
+MOE_LAYOUT_MAX_PES: int
+MOE_LAYOUT_MAX_EXPERTS_PER_PE: int
+MOE_LAYOUT_MAX_PAIRS: int
 
 def check_all_to_all_refusal() -> None: ...
 

@@ -30,6 +30,10 @@ MAX_FIELDS = 4  # AllToAllLayout::kMaxFields
 MAX_ROW_BYTES = (1 << 24) - 1  # AllToAllLayout::kMaxRowBytes
 MAX_CAPACITY = (1 << 31) - 1
 _REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
+# all-to-all's receive regions (no compaction copy); False: the compacting path that traced
+# (torch.compile) calls take. A switch for comparing the two, and a way back if needed.
+IN_REGION = True
 
 
 def _traced() -> bool:
@@ -232,6 +236,31 @@ class AllToAll:
         return recvs, counts, offsets
 
 
+    def _exchange_in_region(self, sends, in_region, send_counts, send_index, timeout):
+        """_exchange_eager, but the fields with in_region[i] True stay in the receive region
+        (None in recvs): the caller reads them with its own kernels (``self._core.in_region(i)``,
+        source s's rows ``self._core.region_stride`` bytes after source s - 1's), then MUST call
+        ``self._core.release(call, stream)`` on the current stream. Eager only (no op); returns
+        (recvs, recv_counts, recv_offsets, call)."""
+        send_counts = self._check(sends, send_counts, send_index)
+        seconds = timeout_seconds(timeout)
+        handle = stream_handle(None, self._device)
+        recv_rows = self.recv_rows
+        if send_counts.dtype != torch.int64:
+            send_counts = send_counts.to(torch.int64)
+        recvs = [None if keep else torch.empty((recv_rows, *s.shape[1:]), dtype=s.dtype, device=s.device)
+                 for s, keep in zip(sends, in_region)]
+        counts = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
+        offsets = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
+        fields = [(s.data_ptr(), 0 if r is None else r.data_ptr(), _row_bytes(s), s.shape[0],
+                   0 if r is None else recv_rows) for s, r in zip(sends, recvs)]
+        index = 0 if send_index is None else send_index.data_ptr()
+        index_rows = 0 if send_index is None else send_index.shape[0]
+        call = self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
+                                   offsets.data_ptr(), handle, seconds)
+        return recvs, counts, offsets, call
+
+
 def _check_cuda(tensor: object, name: str, device: int) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise Error(f"pydatacopy.all_to_all_v: {name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -425,6 +454,51 @@ def _reduce_fake(rows, slots, weights, stream):
     return rows.new_empty((slots.shape[0], *rows.shape[1:]))
 
 
+def _dispatch_layout_real(topk_idx, num_experts, n_pes, stream):
+    if not topk_idx.is_cuda:  # opcheck and references on the CPU: the torch code
+        return tuple(t.clone() for t in dispatch_plan_reference(topk_idx, num_experts, n_pes))
+    return _eager(_dispatch_layout_eager, topk_idx, num_experts, n_pes, stream)
+
+
+_dispatch_layout_custom = torch.library.custom_op(
+    "pydatacopy::moe_dispatch_layout", _dispatch_layout_real, mutates_args=(),
+    schema="(Tensor topk_idx, int num_experts, int n_pes, int? stream) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@_dispatch_layout_custom.register_fake
+def _dispatch_layout_fake(topk_idx, num_experts, n_pes, stream):
+    tokens, topk = topk_idx.shape
+    longs = dict(dtype=torch.int64)
+    return (topk_idx.new_empty((n_pes,), **longs), topk_idx.new_empty((n_pes * tokens + 1,), **longs),
+            topk_idx.new_empty((tokens, topk + 1), dtype=torch.int32),
+            topk_idx.new_empty((tokens, topk), **longs), topk_idx.new_empty((tokens, topk), **longs))
+
+
+def _receive_layout_real(recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream):
+    if not recv_meta.is_cuda:
+        return tuple(t.clone() for t in receive_layout_reference(recv_meta, recv_counts, my_pe,
+                                                                 experts_per_pe, topk))
+    return _eager(_receive_layout_eager, recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream)
+
+
+_receive_layout_custom = torch.library.custom_op(
+    "pydatacopy::moe_receive_layout", _receive_layout_real, mutates_args=(),
+    schema="(Tensor recv_meta, Tensor recv_counts, int my_pe, int experts_per_pe, int topk, int? stream) -> "
+           "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+
+
+@_receive_layout_custom.register_fake
+def _receive_layout_fake(recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream):
+    pairs = recv_meta.shape[0] * topk
+    n_pes = recv_counts.shape[0]
+
+    def longs(*shape):
+        return recv_meta.new_empty(shape, dtype=torch.int64)
+
+    return (longs(pairs), longs(experts_per_pe), longs(experts_per_pe), longs(), longs(pairs),
+            longs(pairs), longs(pairs), longs(pairs + 1), longs(n_pes))
+
+
 def _exchange_op(number, sends, send_counts, send_index, stream, timeout, order):
     handle = None if stream is None else (stream if isinstance(stream, int) else stream.cuda_stream)
     *recvs, counts, offsets = torch.ops.pydatacopy.all_to_all_v(
@@ -434,7 +508,9 @@ def _exchange_op(number, sends, send_counts, send_index, stream, timeout, order)
 
 OPS = {"all_to_all_v": torch.ops.pydatacopy.all_to_all_v.default,
        "moe_gather_rows": torch.ops.pydatacopy.moe_gather_rows.default,
-       "moe_combine_reduce": torch.ops.pydatacopy.moe_combine_reduce.default}
+       "moe_combine_reduce": torch.ops.pydatacopy.moe_combine_reduce.default,
+       "moe_dispatch_layout": torch.ops.pydatacopy.moe_dispatch_layout.default,
+       "moe_receive_layout": torch.ops.pydatacopy.moe_receive_layout.default}
 
 
 # ---- dispatch / combine -------------------------------------------------------------------------
@@ -554,10 +630,43 @@ class MoeDispatcher:
                         f"dispatcher was set up for {self.num_experts}")
         self._check_tokens(x, topk_idx, "dispatch")
         plan = dispatch_plan(topk_idx, self.num_experts, self.n_pes)
-        (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
-            [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
-        layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
-        recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
+        if _traced() or not IN_REGION:
+            (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
+                [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
+            layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
+            recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
+        else:
+            # The token rows stay in the receive region: the grouping by expert reads them there
+            # (one copy of the rows received, not two); the meta rows are compacted for the layout.
+            buffer = self._dispatch
+            (_, recv_meta), recv_counts, recv_offsets, call = buffer._exchange_in_region(
+                [x, plan.meta], [True, False], plan.send_counts, plan.send_index, timeout)
+            try:
+                received = recv_meta.shape[0]
+                row_bytes = _row_bytes(x)
+                stream = stream_handle(None, buffer._device)
+                region, stride = buffer._core.in_region(0), buffer._core.region_stride
+                if row_bytes % 16 == 0 and _layout_kernels_fit(self.n_pes, self.experts_per_pe,
+                                                               received * self.topk + 1):
+                    # Each received row read once and written to each of its experts' rows.
+                    positions = torch.empty(received * self.topk, dtype=torch.int64, device=x.device)
+                    layout = ReceiveLayout(*_receive_layout_eager(recv_meta, recv_counts, self.my_pe,
+                                                                  self.experts_per_pe, self.topk, None,
+                                                                  positions))
+                    rows = layout.row_of.shape[0]
+                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                    _C.scatter_region_rows(recv_x.data_ptr(), rows, region, stride, recv_offsets.data_ptr(),
+                                           recv_counts.data_ptr(), self.n_pes, positions.data_ptr(),
+                                           self.topk, received, row_bytes, stream)
+                else:
+                    layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
+                    rows = layout.row_of.shape[0]
+                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                    _C.gather_region_rows(recv_x.data_ptr(), region, stride, recv_offsets.data_ptr(),
+                                          recv_counts.data_ptr(), self.n_pes, layout.row_of.data_ptr(),
+                                          layout.num_rows.data_ptr(), rows, row_bytes, stream)
+            finally:
+                buffer._core.release(call, stream_handle(None, buffer._device))
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
                            layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
                            layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)
@@ -579,10 +688,29 @@ class MoeDispatcher:
         if tuple(topk_weights.shape) != tuple(handle.pair_pe.shape):
             raise Error(f"pydatacopy.MoeDispatcher.combine: topk_weights must be {tuple(handle.pair_pe.shape)} "
                         f"([tokens, topk] as dispatched), got {tuple(topk_weights.shape)}")
-        (back,), back_counts, back_offsets = self._combine.exchange(
-            [y], handle.combine_counts, handle.combine_index, timeout=timeout)
-        slots = combine_slots(handle.pair_pe, handle.pair_rank, back_counts, back_offsets, self.n_pes)
-        return combine_reduce(back, slots, topk_weights)
+        if _traced() or not IN_REGION or not topk_weights.is_cuda:
+            (back,), back_counts, back_offsets = self._combine.exchange(
+                [y], handle.combine_counts, handle.combine_index, timeout=timeout)
+            slots = combine_slots(handle.pair_pe, handle.pair_rank, back_counts, back_offsets, self.n_pes)
+            return combine_reduce(back, slots, topk_weights)
+        # The expert outputs stay in the receive region: the reduction reads each (token, k)'s
+        # row there (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
+        buffer = self._combine
+        y = y.contiguous()
+        tokens, topk = handle.pair_pe.shape
+        (_,), back_counts, _, call = buffer._exchange_in_region(
+            [y], [True], handle.combine_counts, handle.combine_index, timeout)
+        try:
+            weights = topk_weights.to(torch.float32).contiguous()
+            out = torch.empty((tokens, self.hidden), dtype=y.dtype, device=y.device)
+            _C.moe_combine_reduce_region(out.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
+                                         handle.pair_pe.contiguous().data_ptr(),
+                                         handle.pair_rank.contiguous().data_ptr(), back_counts.data_ptr(),
+                                         self.n_pes, weights.data_ptr(), tokens, topk, self.hidden,
+                                         _REDUCE_DTYPES[y.dtype], stream_handle(None, buffer._device))
+        finally:
+            buffer._core.release(call, stream_handle(None, buffer._device))
+        return out
 
     def _check_tokens(self, x, topk_idx, what) -> None:
         call = f"pydatacopy.MoeDispatcher.{what}"
@@ -612,8 +740,47 @@ class DispatchPlan(NamedTuple):
     pair_rank: torch.Tensor    # [tokens, topk]: rank among this PE's (token, k) pairs with that PE
 
 
+def _layout_kernels_fit(n_pes: int, experts_per_pe: int, pairs: int) -> bool:
+    """Within the one-block layout kernels' limits (all_to_all.hpp); past them: the torch code."""
+    return (n_pes <= _C.MOE_LAYOUT_MAX_PES and experts_per_pe <= _C.MOE_LAYOUT_MAX_EXPERTS_PER_PE
+            and pairs < _C.MOE_LAYOUT_MAX_PAIRS)
+
+
 def dispatch_plan(topk_idx: torch.Tensor, num_experts: int, n_pes: int) -> DispatchPlan:
-    """Which PE each token goes to, and in which order (the sender's side of dispatch)."""
+    """Which PE each token goes to, and in which order (the sender's side of dispatch).
+
+    On the GPU one kernel computes it (moe_dispatch_layout in the core; under torch.compile the
+    op ``pydatacopy::moe_dispatch_layout``); on the CPU, or past the kernel's limits, the torch
+    code of ``dispatch_plan_reference`` (the same values)."""
+    tokens, topk = topk_idx.shape
+    if topk_idx.is_cuda and _layout_kernels_fit(n_pes, 1, tokens * topk):
+        if _traced():
+            return DispatchPlan(*torch.ops.pydatacopy.moe_dispatch_layout(topk_idx, num_experts, n_pes, None))
+        return DispatchPlan(*_dispatch_layout_eager(topk_idx, num_experts, n_pes, None))
+    return dispatch_plan_reference(topk_idx, num_experts, n_pes)
+
+
+def _dispatch_layout_eager(topk_idx, num_experts, n_pes, stream):
+    tokens, topk = topk_idx.shape
+    device = topk_idx.device
+    with _on_stream(stream):
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            topk_idx = topk_idx.to(torch.int64)
+        topk_idx = topk_idx.contiguous()
+        send_counts = torch.empty(n_pes, dtype=torch.int64, device=device)
+        send_index = torch.empty(n_pes * tokens + 1, dtype=torch.int64, device=device)
+        meta = torch.empty((tokens, topk + 1), dtype=torch.int32, device=device)
+        pair_pe = torch.empty((tokens, topk), dtype=torch.int64, device=device)
+        pair_rank = torch.empty((tokens, topk), dtype=torch.int64, device=device)
+    _C.moe_dispatch_layout(topk_idx.data_ptr(), topk_idx.element_size(), tokens, topk, num_experts, n_pes,
+                           send_counts.data_ptr(), send_index.data_ptr(), meta.data_ptr(),
+                           pair_pe.data_ptr(), pair_rank.data_ptr(), stream_handle(stream, topk_idx.get_device()))
+    return send_counts, send_index, meta, pair_pe, pair_rank
+
+
+def dispatch_plan_reference(topk_idx: torch.Tensor, num_experts: int, n_pes: int) -> DispatchPlan:
+    """dispatch_plan in plain torch (CPU, tests; the kernel's reference). send_index entries past
+    the rows sent are not specified (the kernel writes zeros)."""
     tokens, topk = topk_idx.shape
     device = topk_idx.device
     ids = topk_idx.to(torch.int64)
@@ -656,7 +823,52 @@ def receive_layout(recv_meta: torch.Tensor, recv_counts: torch.Tensor, my_pe: in
     """The receiver's side of dispatch: group the received tokens by local expert, and the order
     in which combine sends the outputs back. ``recv_meta``: ``[R, topk + 1]`` int32 of the
     received rows (grouped by source, ``recv_counts`` of each): expert ids, then the source's
-    token index."""
+    token index.
+
+    On the GPU one kernel computes it (moe_receive_layout in the core; under torch.compile the op
+    ``pydatacopy::moe_receive_layout``); on the CPU, or past the kernel's limits,
+    ``receive_layout_reference``."""
+    n_pes = recv_counts.shape[0]
+    if (recv_meta.is_cuda and recv_meta.dtype == torch.int32 and n_pes >= 1 and 0 <= my_pe < n_pes
+            and _layout_kernels_fit(n_pes, experts_per_pe, recv_meta.shape[0] * topk + 1)):
+        if _traced():
+            return ReceiveLayout(*torch.ops.pydatacopy.moe_receive_layout(
+                recv_meta, recv_counts, my_pe, experts_per_pe, topk, None))
+        return ReceiveLayout(*_receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, None))
+    return receive_layout_reference(recv_meta, recv_counts, my_pe, experts_per_pe, topk)
+
+
+def _receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream, positions=None):
+    """The kernel; ``positions`` (int64 [rows * topk], or None): also each pair's recv_x row (-1
+    for a pair with no local expert), for scatter_region_rows."""
+    rows = recv_meta.shape[0]
+    n_pes = recv_counts.shape[0]
+    pairs = rows * topk
+    device = recv_meta.device
+
+    def longs(*shape):
+        return torch.empty(shape, dtype=torch.int64, device=device)
+
+    with _on_stream(stream):
+        recv_meta = recv_meta.contiguous()
+        if recv_counts.dtype != torch.int64:
+            recv_counts = recv_counts.to(torch.int64)
+        recv_counts = recv_counts.contiguous()
+        out = ReceiveLayout(row_of=longs(pairs), expert_counts=longs(experts_per_pe),
+                            expert_offsets=longs(experts_per_pe), num_rows=longs(),
+                            expert_of_row=longs(pairs), source_pe=longs(pairs), source_token=longs(pairs),
+                            combine_index=longs(pairs + 1), combine_counts=longs(n_pes))
+    _C.moe_receive_layout(recv_meta.data_ptr(), rows, topk, recv_counts.data_ptr(), n_pes, my_pe,
+                          experts_per_pe, *(t.data_ptr() for t in out),
+                          0 if positions is None else positions.data_ptr(),
+                          stream_handle(stream, recv_meta.get_device()))
+    return tuple(out)
+
+
+def receive_layout_reference(recv_meta: torch.Tensor, recv_counts: torch.Tensor, my_pe: int,
+                             experts_per_pe: int, topk: int) -> ReceiveLayout:
+    """receive_layout in plain torch (CPU, tests; the kernel's reference). combine_index entries
+    past the pairs sent back are not specified (the kernel writes zeros)."""
     rows = recv_meta.shape[0]
     n_pes = recv_counts.shape[0]
     device = recv_meta.device

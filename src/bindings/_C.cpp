@@ -539,12 +539,25 @@ PYBIND11_MODULE(_C, m) {
              self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
                            index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
                            as_stream(stream), timeout);
+             return self.calls() - 1;  // this call's number (release() takes it)
            },
            py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
            py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
            release_gil(),
            "fields: (send, recv, row_bytes, send_rows, recv_rows) tuples (addresses as ints); "
-           "send_index 0 for none");
+           "send_index 0 for none; recv 0: the rows stay in the receive region (in_region, release). "
+           "Returns the call's number")
+      .def("in_region",
+           [](const AllToAll& self, int field) { return reinterpret_cast<std::uintptr_t>(self.in_region(field)); },
+           py::arg("field"), "Device address of field's rows from source 0 in the last call's region")
+      .def_property_readonly("region_stride", &AllToAll::region_stride)
+      .def("release",
+           [](AllToAll& self, int64_t call, std::uintptr_t stream) {
+             std::lock_guard<std::mutex> lock(g_all_to_all_mutex);
+             self.release(call, as_stream(stream));
+           },
+           py::arg("call"), py::arg("stream"), release_gil(),
+           "Hand call's receive regions back to the sources (stream-ordered)");
   m.def("moe_combine_reduce",
         [](std::uintptr_t out, std::uintptr_t rows, int64_t row_count, std::uintptr_t slots,
            std::uintptr_t weights, int64_t tokens, int64_t topk, int64_t hidden, int dtype,
@@ -565,6 +578,81 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"), py::arg("src"), py::arg("index"), py::arg("count"), py::arg("rows"),
         py::arg("src_rows"), py::arg("row_bytes"), py::arg("stream"), release_gil(),
         "out[i] = src[index[i]] for i < min(*count, rows) (count: a device int64)");
+  m.def("moe_dispatch_layout",
+        [](std::uintptr_t topk_idx, int id_bytes, int64_t tokens, int64_t topk, int64_t num_experts, int n_pes,
+           std::uintptr_t send_counts, std::uintptr_t send_index, std::uintptr_t meta, std::uintptr_t pair_pe,
+           std::uintptr_t pair_rank, std::uintptr_t stream) {
+          moe_dispatch_layout(as_pointer<const void>(topk_idx), id_bytes, tokens, topk, num_experts, n_pes,
+                              as_pointer<int64_t>(send_counts), as_pointer<int64_t>(send_index),
+                              as_pointer<int32_t>(meta), as_pointer<int64_t>(pair_pe),
+                              as_pointer<int64_t>(pair_rank), as_stream(stream));
+        },
+        py::arg("topk_idx"), py::arg("id_bytes"), py::arg("tokens"), py::arg("topk"), py::arg("num_experts"),
+        py::arg("n_pes"), py::arg("send_counts"), py::arg("send_index"), py::arg("meta"), py::arg("pair_pe"),
+        py::arg("pair_rank"), py::arg("stream"), release_gil(),
+        "MoE dispatch's sender layout in one kernel (all_to_all.hpp); addresses as ints");
+  m.def("moe_receive_layout",
+        [](std::uintptr_t recv_meta, int64_t rows, int64_t topk, std::uintptr_t recv_counts, int n_pes, int my_pe,
+           int64_t experts_per_pe, std::uintptr_t row_of, std::uintptr_t expert_counts,
+           std::uintptr_t expert_offsets, std::uintptr_t num_rows, std::uintptr_t expert_of_row,
+           std::uintptr_t source_pe, std::uintptr_t source_token, std::uintptr_t combine_index,
+           std::uintptr_t combine_counts, std::uintptr_t pair_position, std::uintptr_t stream) {
+          moe_receive_layout(as_pointer<const int32_t>(recv_meta), rows, topk, as_pointer<const int64_t>(recv_counts),
+                             n_pes, my_pe, experts_per_pe, as_pointer<int64_t>(row_of),
+                             as_pointer<int64_t>(expert_counts), as_pointer<int64_t>(expert_offsets),
+                             as_pointer<int64_t>(num_rows), as_pointer<int64_t>(expert_of_row),
+                             as_pointer<int64_t>(source_pe), as_pointer<int64_t>(source_token),
+                             as_pointer<int64_t>(combine_index), as_pointer<int64_t>(combine_counts),
+                             as_pointer<int64_t>(pair_position), as_stream(stream));
+        },
+        py::arg("recv_meta"), py::arg("rows"), py::arg("topk"), py::arg("recv_counts"), py::arg("n_pes"),
+        py::arg("my_pe"), py::arg("experts_per_pe"), py::arg("row_of"), py::arg("expert_counts"),
+        py::arg("expert_offsets"), py::arg("num_rows"), py::arg("expert_of_row"), py::arg("source_pe"),
+        py::arg("source_token"), py::arg("combine_index"), py::arg("combine_counts"), py::arg("pair_position"),
+        py::arg("stream"),
+        release_gil(), "MoE dispatch's receiver layout in one kernel (all_to_all.hpp); addresses as ints");
+  m.def("gather_region_rows",
+        [](std::uintptr_t out, std::uintptr_t region, int64_t stride, std::uintptr_t recv_offsets,
+           std::uintptr_t recv_counts, int n_sources, std::uintptr_t index, std::uintptr_t count, int64_t rows,
+           int64_t row_bytes, std::uintptr_t stream) {
+          gather_region_rows(as_pointer<void>(out), as_pointer<const void>(region), stride,
+                             as_pointer<const int64_t>(recv_offsets), as_pointer<const int64_t>(recv_counts),
+                             n_sources, as_pointer<const int64_t>(index), as_pointer<const int64_t>(count), rows,
+                             row_bytes, as_stream(stream));
+        },
+        py::arg("out"), py::arg("region"), py::arg("stride"), py::arg("recv_offsets"), py::arg("recv_counts"),
+        py::arg("n_sources"), py::arg("index"), py::arg("count"), py::arg("rows"), py::arg("row_bytes"),
+        py::arg("stream"), release_gil(), "gather_rows straight from an all-to-all receive region");
+  m.def("scatter_region_rows",
+        [](std::uintptr_t out, int64_t out_rows, std::uintptr_t region, int64_t stride, std::uintptr_t recv_offsets,
+           std::uintptr_t recv_counts, int n_sources, std::uintptr_t positions, int64_t topk, int64_t rows,
+           int64_t row_bytes, std::uintptr_t stream) {
+          scatter_region_rows(as_pointer<void>(out), out_rows, as_pointer<const void>(region), stride,
+                              as_pointer<const int64_t>(recv_offsets), as_pointer<const int64_t>(recv_counts),
+                              n_sources, as_pointer<const int64_t>(positions), topk, rows, row_bytes,
+                              as_stream(stream));
+        },
+        py::arg("out"), py::arg("out_rows"), py::arg("region"), py::arg("stride"), py::arg("recv_offsets"),
+        py::arg("recv_counts"), py::arg("n_sources"), py::arg("positions"), py::arg("topk"), py::arg("rows"),
+        py::arg("row_bytes"), py::arg("stream"), release_gil(),
+        "MoE grouping by expert from an all-to-all receive region, each received row read once");
+  m.def("moe_combine_reduce_region",
+        [](std::uintptr_t out, std::uintptr_t region, int64_t stride, std::uintptr_t pair_pe,
+           std::uintptr_t pair_rank, std::uintptr_t back_counts, int n_sources, std::uintptr_t weights,
+           int64_t tokens, int64_t topk, int64_t hidden, int dtype, std::uintptr_t stream) {
+          moe_combine_reduce_region(as_pointer<void>(out), as_pointer<const void>(region), stride,
+                                    as_pointer<const int64_t>(pair_pe), as_pointer<const int64_t>(pair_rank),
+                                    as_pointer<const int64_t>(back_counts), n_sources,
+                                    as_pointer<const float>(weights), tokens, topk, hidden, dtype,
+                                    as_stream(stream));
+        },
+        py::arg("out"), py::arg("region"), py::arg("stride"), py::arg("pair_pe"), py::arg("pair_rank"),
+        py::arg("back_counts"), py::arg("n_sources"), py::arg("weights"), py::arg("tokens"), py::arg("topk"),
+        py::arg("hidden"), py::arg("dtype"), py::arg("stream"), release_gil(),
+        "moe_combine_reduce reading each pair's row from combine's receive region");
+  m.attr("MOE_LAYOUT_MAX_PES") = kMoeLayoutMaxPes;
+  m.attr("MOE_LAYOUT_MAX_EXPERTS_PER_PE") = kMoeLayoutMaxExpertsPerPe;
+  m.attr("MOE_LAYOUT_MAX_PAIRS") = kMoeLayoutMaxPairs;
   m.def("check_all_to_all_refusal", &check_all_to_all_refusal,
         "Raise (once) an all-to-all refusal recorded on the device.");
 

@@ -5,6 +5,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <climits>
 #include <utility>
 
 #include "device_status.cuh"
@@ -97,7 +98,7 @@ void AllToAll::init(int64_t capacity, int64_t max_row_bytes) {
                                    << max_row_bytes << "); every PE must pass the same. Nothing was allocated on any PE");
   // Local resources first, so that nothing collective needs undoing when they fail.
   ChannelOrder order(1);
-  const std::size_t counter_bytes = (2 + 2 * static_cast<std::size_t>(pes)) * sizeof(uint64_t) +
+  const std::size_t counter_bytes = (2 + 4 * static_cast<std::size_t>(pes)) * sizeof(uint64_t) +
                                     4 * sizeof(unsigned int);
   void* counters = nullptr;
   PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
@@ -135,12 +136,14 @@ void AllToAll::init(int64_t capacity, int64_t max_row_bytes) {
   base_ = static_cast<uint8_t*>(base);
   peer_bases_ = static_cast<uint8_t**>(peer_bases);
   counters_ = static_cast<uint64_t*>(counters);
-  done_ = reinterpret_cast<unsigned int*>(counters_ + 2 + 2 * pes);
+  done_ = reinterpret_cast<unsigned int*>(counters_ + 2 + 4 * pes);
   order_ = std::move(order);
   capacity_ = capacity;
   max_row_bytes_ = max_row_bytes;
   n_pes_ = pes;
   calls_ = 0;
+  last_call_ = -1;
+  release_owed_[0] = release_owed_[1] = false;
 }
 
 void AllToAll::cleanup() {
@@ -149,6 +152,8 @@ void AllToAll::cleanup() {
   uint8_t* base = base_;
   base_ = nullptr;
   capacity_ = max_row_bytes_ = calls_ = 0;
+  last_call_ = -1;
+  release_owed_[0] = release_owed_[1] = false;
   n_pes_ = 0;
   // Settles every PE (bounded barrier) before freeing, after this device's work is done: peers
   // may still be writing into our regions until then.
@@ -185,13 +190,12 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
     PDC_REQUIRE(field.send_rows == send_rows,
                 "all_to_all: every field must have the same number of send rows (field 0: "
                     << send_rows << ", field " << f << ": " << field.send_rows << ")");
-    PDC_REQUIRE(field.recv_rows >= n_pes_ * capacity_,
+    PDC_REQUIRE(field.recv == nullptr || field.recv_rows >= n_pes_ * capacity_,
                 "all_to_all: field " << f << "'s receive tensor has " << field.recv_rows
                     << " rows; it needs n_pes x capacity = " << n_pes_ << " x " << capacity_ << " = "
                     << n_pes_ * capacity_);
     PDC_REQUIRE(field.send != nullptr || send_rows == 0,
                 "all_to_all: field " << f << " has no send tensor");
-    PDC_REQUIRE(field.recv != nullptr, "all_to_all: field " << f << " has no receive tensor");
     widths[f] = field.row_bytes;
     total_width += field.row_bytes;
     args.send[f] = static_cast<const uint8_t*>(field.send);
@@ -204,6 +208,13 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
                                        "max_row_bytes >= " << total_width);
   for (int f = 0; f < count; ++f) args.field_start[f] = AllToAllLayout::field_start(capacity_, widths, f);
   const int set = static_cast<int>(calls_ % 2);
+  // The sources' sends into this set wait for its previous round's credits: a release owed
+  // and never made would make them time out; refused here, on the host, instead.
+  PDC_REQUIRE(!release_owed_[set],
+              "all_to_all: call " << calls_ - 2 << " on this buffer left rows in its receive region "
+                                  "and was never released (AllToAll.release); release it first");
+  bool defer = false;
+  for (int f = 0; f < count; ++f) defer = defer || fields[f].recv == nullptr;
   args.fields = count;
   args.row_bytes_total = total_width;
   args.send_rows = send_rows;
@@ -225,6 +236,8 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
   args.outgoing = layout.outgoing(set);
   args.uses = counters_ + set;
   args.consumed = counters_ + 2 + set * n_pes_;
+  args.pending = counters_ + 2 + 2 * n_pes_ + set * n_pes_;
+  args.defer_credits = defer;
   args.send_done = done_ + set;
   args.recv_done = done_ + 2 + set;
   args.my_pe = my_pe();
@@ -253,7 +266,43 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
   order_.order_after_last(0, stream, capture);
   kernels::launch_all_to_all(args, std::max(1, kernels::all_to_all_blocks(pes_sharing_my_gpu())), stream);
   order_.record(0, stream, capture);
+  for (int f = 0; f < AllToAllLayout::kMaxFields; ++f) last_field_start_[f] = f < count ? args.field_start[f] : 0;
+  release_owed_[set] = defer;
+  last_call_ = calls_;
   ++calls_;
+}
+
+const uint8_t* AllToAll::in_region(int field) const {
+  require_initialized("all_to_all: in_region");
+  PDC_REQUIRE(last_call_ >= 0 && field >= 0 && field < AllToAllLayout::kMaxFields,
+              "all_to_all: in_region(" << field << ") needs a call before it and a field in [0, "
+                                       << AllToAllLayout::kMaxFields << ")");
+  const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
+  return base_ + layout.regions(static_cast<int>(last_call_ % 2)) + last_field_start_[field];
+}
+
+int64_t AllToAll::region_stride() const {
+  require_initialized("all_to_all: region_stride");
+  return AllToAllLayout(capacity_, max_row_bytes_, n_pes_).region_bytes();
+}
+
+void AllToAll::release(int64_t call, cudaStream_t stream) {
+  require_initialized("all_to_all: release");
+  PDC_REQUIRE(call >= 0 && call < calls_ && call >= calls_ - 2,
+              "all_to_all: release(" << call << "): only one of the last two calls (" << calls_ - 2
+                                     << ", " << calls_ - 1 << ") can be released");
+  const int set = static_cast<int>(call % 2);
+  if (!release_owed_[set]) return;
+  const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
+  // Ordered like a call of this buffer: after its exchange (and after what the caller put on
+  // `stream` since, the readers of the region), before the next call's kernels.
+  const unsigned long long capture = capture_id(stream);
+  order_.order_after_last(0, stream, capture);
+  kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
+                                     reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(),
+                                     n_pes_, stream);
+  order_.record(0, stream, capture);
+  release_owed_[set] = false;
 }
 
 void gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count, int64_t rows,
@@ -268,6 +317,31 @@ void gather_rows(void* out, const void* src, const int64_t* index, const int64_t
   kernels::launch_gather_rows(out, src, index, count, rows, src_rows, row_bytes, std::max(blocks, 1), stream);
 }
 
+void gather_region_rows(void* out, const void* region, int64_t stride, const int64_t* recv_offsets,
+                        const int64_t* recv_counts, int n_sources, const int64_t* index,
+                        const int64_t* count, int64_t rows, int64_t row_bytes, cudaStream_t stream) {
+  PDC_REQUIRE(rows >= 0 && row_bytes >= 0 && stride >= 0 && n_sources >= 1 && n_sources <= AllToAllLayout::kMaxPes,
+              "gather_region_rows: bad sizes (rows " << rows << ", row_bytes " << row_bytes << ", sources "
+                                                     << n_sources << ")");
+  PDC_REQUIRE(rows == 0 || (out != nullptr && region != nullptr && index != nullptr && count != nullptr &&
+                            recv_offsets != nullptr && recv_counts != nullptr),
+              "gather_region_rows: every pointer must be a device address");
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, 4 * multiprocessor_count()));
+  kernels::launch_gather_region_rows(out, region, stride, recv_offsets, recv_counts, n_sources, index, count,
+                                     rows, row_bytes, std::max(blocks, 1), stream);
+}
+
+void moe_combine_reduce_region(void* out, const void* region, int64_t stride, const int64_t* pair_pe,
+                               const int64_t* pair_rank, const int64_t* back_counts, int n_sources,
+                               const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
+                               int dtype, cudaStream_t stream) {
+  PDC_REQUIRE(tokens >= 0 && topk >= 0 && hidden >= 0 && stride >= 0 && n_sources >= 1,
+              "moe_combine_reduce_region: negative sizes (tokens " << tokens << ", topk " << topk
+                                                                   << ", hidden " << hidden << ")");
+  kernels::launch_moe_combine_reduce_region(out, region, stride, pair_pe, pair_rank, back_counts, n_sources,
+                                            weights, tokens, topk, hidden, dtype, stream);
+}
+
 void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
                         const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                         int dtype, cudaStream_t stream) {
@@ -276,6 +350,74 @@ void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const in
                                                             << ", hidden " << hidden << ")");
   kernels::launch_moe_combine_reduce(out, rows, row_count, slots, weights, tokens, topk, hidden,
                                      dtype, stream);
+}
+
+void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
+                         int64_t num_experts, int n_pes, int64_t* send_counts, int64_t* send_index,
+                         int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream) {
+  static_assert(kMoeLayoutMaxPes == kernels::kMoeLayoutMaxPes, "one limit");
+  PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes,
+              "moe_dispatch_layout: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes);
+  PDC_REQUIRE(id_bytes == 4 || id_bytes == 8, "moe_dispatch_layout: expert ids must be int32 or int64");
+  PDC_REQUIRE(num_experts >= n_pes && num_experts % n_pes == 0 && num_experts <= kMoeLayoutMaxPairs,
+              "moe_dispatch_layout: num_experts=" << num_experts << " must be a multiple of the "
+                                                  << n_pes << " PEs below 2^31");
+  PDC_REQUIRE(tokens >= 0 && topk >= 1 && tokens <= kMoeLayoutMaxPairs / topk,
+              "moe_dispatch_layout: tokens x topk = " << tokens << " x " << topk
+                                                      << " must be below 2^31");
+  // (Tensors of no elements may have no address: zero tokens leaves only the counts and index.)
+  PDC_REQUIRE(send_counts != nullptr && send_index != nullptr &&
+                  (tokens == 0 || (topk_idx != nullptr && meta != nullptr && pair_pe != nullptr &&
+                                   pair_rank != nullptr)),
+              "moe_dispatch_layout: every tensor must be on the GPU");
+  kernels::launch_moe_dispatch_layout(topk_idx, id_bytes == 4, tokens, static_cast<int>(topk), num_experts,
+                                      n_pes, send_counts, send_index, meta, pair_pe, pair_rank, stream);
+}
+
+void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
+                        const int64_t* recv_counts, int n_pes, int my_pe, int64_t experts_per_pe,
+                        int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
+                        int64_t* num_rows, int64_t* expert_of_row, int64_t* source_pe,
+                        int64_t* source_token, int64_t* combine_index, int64_t* combine_counts,
+                        int64_t* pair_position, cudaStream_t stream) {
+  static_assert(kMoeLayoutMaxExpertsPerPe + 1 == kernels::kMoeLayoutMaxBins, "one limit");
+  PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes && my_pe >= 0 && my_pe < n_pes,
+              "moe_receive_layout: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes << " (PE " << my_pe << ")");
+  PDC_REQUIRE(experts_per_pe >= 1 && experts_per_pe <= kMoeLayoutMaxExpertsPerPe,
+              "moe_receive_layout: 1 to " << kMoeLayoutMaxExpertsPerPe << " experts per PE, got "
+                                          << experts_per_pe);
+  PDC_REQUIRE(rows >= 0 && topk >= 1 && rows <= (kMoeLayoutMaxPairs - 1) / topk,
+              "moe_receive_layout: rows x topk = " << rows << " x " << topk << " must be below 2^31 - 1");
+  PDC_REQUIRE(recv_counts != nullptr && expert_counts != nullptr && expert_offsets != nullptr &&
+                  num_rows != nullptr && combine_index != nullptr && combine_counts != nullptr &&
+                  (rows == 0 || (recv_meta != nullptr && row_of != nullptr && expert_of_row != nullptr &&
+                                 source_pe != nullptr && source_token != nullptr)),
+              "moe_receive_layout: every tensor must be on the GPU");
+  kernels::launch_moe_receive_layout(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
+                                     experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
+                                     expert_of_row, source_pe, source_token, combine_index,
+                                     combine_counts, pair_position, stream);
+}
+
+void scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                         const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                         const int64_t* positions, int64_t topk, int64_t rows, int64_t row_bytes,
+                         cudaStream_t stream) {
+  PDC_REQUIRE(rows >= 0 && out_rows >= 0 && topk >= 1 && topk <= INT32_MAX && row_bytes >= 0 && stride >= 0 &&
+                  n_sources >= 1 && n_sources <= AllToAllLayout::kMaxPes,
+              "scatter_region_rows: bad sizes (rows " << rows << ", topk " << topk << ", row_bytes "
+                                                      << row_bytes << ", sources " << n_sources << ")");
+  const auto address = reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(region) |
+                       static_cast<uintptr_t>(stride) | static_cast<uintptr_t>(row_bytes);
+  PDC_REQUIRE((address & 15) == 0, "scatter_region_rows: rows of " << row_bytes << " bytes or the tensors "
+                                   "are not 16-byte aligned; use gather_region_rows");
+  PDC_REQUIRE(rows == 0 || (out != nullptr && region != nullptr && positions != nullptr &&
+                            recv_offsets != nullptr && recv_counts != nullptr),
+              "scatter_region_rows: every pointer must be a device address");
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, 4 * multiprocessor_count()));
+  kernels::launch_scatter_region_rows(out, out_rows, region, stride, recv_offsets, recv_counts, n_sources,
+                                      positions, static_cast<int>(topk), rows, row_bytes, std::max(blocks, 1),
+                                      stream);
 }
 
 }  // namespace pydatacopy

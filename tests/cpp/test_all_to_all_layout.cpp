@@ -1,6 +1,7 @@
 // The all-to-all's symmetric layout and meta word (include/pydatacopy/all_to_all.hpp), without a
 // GPU: every array inside the allocation and apart from the others, each field's rows inside its
-// region, the meta word's round trip and saturation, and init's argument checks.
+// region, the meta word's round trip and saturation, init's argument checks, and those of the MoE
+// layout and region kernels (refused before any launch).
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -85,6 +86,36 @@ int main() {
   check_throws([] { AllToAllLayout::check(16, 16, AllToAllLayout::kMaxPes + 1); }, "PEs", "too many PEs refused");
   check_throws([] { AllToAllLayout::check(AllToAllLayout::kMaxCapacity, AllToAllLayout::kMaxRowBytes, 1024); },
                "64 TiB", "a receive set beyond 64 TiB refused");
+  // The MoE layout and region kernels' argument checks: refused before anything is launched.
+  int64_t words[8] = {};
+  int32_t ints[8] = {};
+  int64_t* w = words;
+  check_throws([&] { pydatacopy::moe_dispatch_layout(w, 8, 2, 2, 8, 0, w, w, ints, w, w, nullptr); }, "PEs",
+               "dispatch layout: 0 PEs refused");
+  check_throws([&] { pydatacopy::moe_dispatch_layout(w, 8, 2, 2, 130, pydatacopy::kMoeLayoutMaxPes + 1, w, w, ints,
+                                                     w, w, nullptr); },
+               "PEs", "dispatch layout: more PEs than the kernel's limit refused");
+  check_throws([&] { pydatacopy::moe_dispatch_layout(w, 2, 2, 2, 8, 2, w, w, ints, w, w, nullptr); }, "int32 or int64",
+               "dispatch layout: 2-byte ids refused");
+  check_throws([&] { pydatacopy::moe_dispatch_layout(w, 8, 2, 2, 9, 2, w, w, ints, w, w, nullptr); }, "multiple",
+               "dispatch layout: experts that do not split over the PEs refused");
+  check_throws([&] { pydatacopy::moe_dispatch_layout(w, 8, int64_t{1} << 29, 8, 8, 2, w, w, ints, w, w, nullptr); },
+               "2^31", "dispatch layout: 2^32 pairs refused");
+  check_throws([&] { pydatacopy::moe_dispatch_layout(nullptr, 8, 2, 2, 8, 2, w, w, ints, w, w, nullptr); }, "GPU",
+               "dispatch layout: tokens without ids refused");
+  check_throws([&] { pydatacopy::moe_receive_layout(ints, 4, 2, w, 2, 2, 4, w, w, w, w, w, w, w, w, w, nullptr,
+                                                    nullptr); },
+               "PE 2", "receive layout: this PE outside the PEs refused");
+  check_throws([&] { pydatacopy::moe_receive_layout(ints, 4, 2, w, 2, 0, pydatacopy::kMoeLayoutMaxExpertsPerPe + 1, w, w,
+                                                    w, w, w, w, w, w, w, nullptr, nullptr); },
+               "experts per PE", "receive layout: more local experts than the kernel's bins refused");
+  check_throws([&] { pydatacopy::moe_receive_layout(ints, int64_t{1} << 28, 8, w, 2, 0, 4, w, w, w, w, w, w, w, w, w,
+                                                    nullptr, nullptr); },
+               "2^31", "receive layout: 2^31 pairs refused");
+  check_throws([&] { pydatacopy::scatter_region_rows(w, 4, w, 256, w, w, 2, w, 2, 4, 130, nullptr); }, "16-byte",
+               "scatter_region_rows: rows of 130 bytes refused (gather them)");
+  check_throws([&] { pydatacopy::gather_region_rows(w, w, 256, w, w, 0, w, w, 4, 16, nullptr); }, "sources",
+               "gather_region_rows: no sources refused");
   std::printf("test_all_to_all_layout: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
   return pydatacopy_test::failed != 0;
 }

@@ -416,3 +416,177 @@ def test_dispatch_and_combine_under_torch_compile(world, dispatcher):
         every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
         _, outs = _reference(every_x, every_topk, every_weights, n)
         _same_bytes(out, outs[rank], f"compiled, iteration {iteration}")
+
+
+# ---- the layout kernels and the vectorised reduction against their torch references ----------
+
+def _random_ids(tokens, topk, num_experts, generator, dtype):
+    """Expert ids with repeats, -1 (none) and ids past num_experts (none too)."""
+    ids = torch.randint(-1, num_experts + 2, (tokens, topk), generator=generator)
+    return ids.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("tokens,topk,num_experts,n_pes", [
+    (0, 4, 8, 2), (1, 1, 3, 3), (5, 8, 256, 4), (128, 8, 256, 8), (1023, 3, 12, 4),
+    (1025, 8, 256, 4), (4100, 8, 256, 8), (300, 9, 64, 64), (77, 2, 2, 1)])
+def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens, topk, num_experts, n_pes):
+    """The one-block layout kernel (PEs not tied to this job's: it is local) vs dispatch_plan's
+    torch code: counts, rows sent (in order), meta, each pair's PE and rank."""
+    from pydatacopy import _moe
+    generator = torch.Generator().manual_seed(tokens * 31 + topk * 7 + n_pes)
+    ids = _random_ids(tokens, topk, num_experts, generator, dtype)
+    want = _moe.dispatch_plan_reference(ids.to(torch.int64), num_experts, n_pes)
+    got = _moe.dispatch_plan(ids.cuda(), num_experts, n_pes)
+    torch.cuda.synchronize()
+    what = f"dispatch layout {tokens}x{topk} of {num_experts} on {n_pes} PEs ({dtype})"
+    sent = int(want.send_counts.sum())
+    _same_bytes(got.send_counts, want.send_counts, f"{what}: send_counts")
+    _same_bytes(got.send_index[:sent], want.send_index[:sent], f"{what}: send_index")
+    _same_bytes(got.meta, want.meta, f"{what}: meta")
+    _same_bytes(got.pair_pe, want.pair_pe, f"{what}: pair_pe")
+    _same_bytes(got.pair_rank, want.pair_rank, f"{what}: pair_rank")
+    if got.send_index.shape != want.send_index.shape:
+        _FAILURES.append(f"{what}: send_index shape {tuple(got.send_index.shape)}")
+
+
+@pytest.mark.parametrize("rows,topk,experts_per_pe,n_pes", [
+    (0, 4, 3, 2), (7, 1, 1, 1), (96, 8, 64, 4), (512, 8, 32, 8), (16384, 8, 64, 4),
+    (3000, 5, 256, 3), (200, 8, 2, 64)])
+def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, experts_per_pe, n_pes):
+    """The receiver's layout kernel vs receive_layout's torch code, for every PE of a made-up
+    job: received meta with ids of every PE, -1 and repeats, counts that do not fill the rows."""
+    from pydatacopy import _moe
+    generator = torch.Generator().manual_seed(rows + topk * 13 + n_pes)
+    experts = experts_per_pe * n_pes
+    ids = torch.randint(-1, experts, (rows, topk), generator=generator)
+    tokens = torch.randint(0, 1 << 20, (rows, 1), generator=generator)
+    meta = torch.cat([ids, tokens], 1).to(torch.int32)
+    share = torch.rand(n_pes, generator=generator)
+    counts = (share / share.sum() * rows * 0.9).to(torch.int64) if rows else torch.zeros(n_pes, dtype=torch.int64)
+    for my_pe in sorted({0, n_pes // 2, n_pes - 1}):
+        want = _moe.receive_layout_reference(meta, counts, my_pe, experts_per_pe, topk)
+        got = _moe.receive_layout(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk)
+        torch.cuda.synchronize()
+        what = f"receive layout {rows}x{topk}, {experts_per_pe} experts per PE, PE {my_pe} of {n_pes}"
+        used = int(want.num_rows)
+        for name in ("row_of", "expert_counts", "expert_offsets", "num_rows", "expert_of_row",
+                     "source_pe", "source_token", "combine_counts"):
+            _same_bytes(getattr(got, name), getattr(want, name), f"{what}: {name}")
+        _same_bytes(got.combine_index[:used], want.combine_index[:used], f"{what}: combine_index")
+        # The pairs' positions (scatter_region_rows's input): each local pair's recv_x row, in
+        # (row, k) order the combine_index entries; -1 for every other pair.
+        positions = torch.full((rows * topk,), 7, dtype=torch.int64, device="cuda")
+        _moe._receive_layout_eager(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk, None, positions)
+        torch.cuda.synchronize()
+        local = ids - my_pe * experts_per_pe
+        in_use = (torch.arange(rows) < int(counts.sum()))[:, None]
+        valid = (in_use & (ids >= 0) & (local >= 0) & (local < experts_per_pe)).reshape(-1)
+        positions = positions.cpu()
+        _same_bytes(positions[valid], want.combine_index[:used], f"{what}: positions of the local pairs")
+        if not bool((positions[~valid] == -1).all()):
+            _FAILURES.append(f"{what}: a pair with no local expert has a position")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [8, 7168, 24, 13])
+def test_combine_reduce_kernels_match_the_reference_bit_for_bit(world, dtype, hidden):
+    """The 16-byte-vector reduction (hidden x element a multiple of 16) and the scalar one (13):
+    bit for bit the float32, k-order arithmetic, slots < 0 and past the rows skipped."""
+    from pydatacopy import _moe
+    generator = torch.Generator().manual_seed(hidden)
+    tokens, topk, row_count = 37, 8, 50
+    rows = torch.randn(row_count, hidden, generator=generator).to(dtype)
+    slots = torch.randint(-2, row_count + 3, (tokens, topk), generator=generator)
+    weights = torch.rand(tokens, topk, generator=generator)
+    want = _moe._combine_reduce_reference(rows, slots, weights)
+    got = _moe.combine_reduce(rows.cuda(), slots.cuda(), weights.cuda())
+    _same_bytes(got, want, f"combine_reduce {dtype} hidden {hidden}")
+
+
+BIG_TOKENS, BIG_HIDDEN, BIG_TOPK = 1500, 256, 8
+
+
+@pytest.fixture(scope="module")
+def big_dispatcher(world):
+    """More than one layout-kernel thread's worth of tokens, many rows per piece, 16-byte rows."""
+    _, n, _ = world
+    dispatcher = pydatacopy.MoeDispatcher(8 * n, BIG_HIDDEN, BIG_TOPK, BIG_TOKENS, torch.bfloat16)
+    yield dispatcher
+    torch.cuda.synchronize()
+    dispatcher.close()
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_dispatch_and_combine_of_many_tokens_are_exact(world, big_dispatcher, graph):
+    """1500 tokens per PE (top-8 of 8 x n_pes experts, some -1), an identity expert: the combined
+    output equals sum_k w[t, k] * x[t] (float32, k order, bf16) bit for bit, and every PE's
+    recv_x rows are the tokens its experts were given, grouped by expert, by source and token.
+    With graph=True: captured once, replayed with fresh routing three times."""
+    rank, n, _ = world
+    d = big_dispatcher
+    experts = 8 * n
+    x = torch.zeros(BIG_TOKENS, BIG_HIDDEN, dtype=torch.bfloat16, device="cuda")
+    ids = torch.full((BIG_TOKENS, BIG_TOPK), -1, dtype=torch.int64, device="cuda")
+    weights = torch.zeros(BIG_TOKENS, BIG_TOPK, device="cuda")
+
+    def step():
+        recv_x, handle = d.dispatch(x, ids, timeout=TIMEOUT_S)
+        return recv_x, handle, d.combine(recv_x, handle, weights, timeout=TIMEOUT_S)
+
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured, stream=stream):
+            results = step()
+    for iteration in range(3):
+        generator = torch.Generator().manual_seed(500 + 10 * rank + iteration)
+        new_x = torch.randn(BIG_TOKENS, BIG_HIDDEN, generator=generator).to(torch.bfloat16)
+        new_ids = torch.stack([torch.randperm(experts, generator=generator)[:BIG_TOPK]
+                               for _ in range(BIG_TOKENS)])
+        new_ids[torch.rand(new_ids.shape, generator=generator) < 0.1] = -1
+        new_weights = torch.rand(BIG_TOKENS, BIG_TOPK, generator=generator)
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        if graph:
+            captured.replay()
+            recv_x, handle, out = results
+        else:
+            recv_x, handle, out = step()
+        torch.cuda.synchronize()
+        want = torch.zeros(BIG_TOKENS, BIG_HIDDEN, dtype=torch.float32)
+        for k in range(BIG_TOPK):
+            valid = (new_ids[:, k] >= 0)[:, None]
+            want = torch.where(valid, want + new_weights[:, k:k + 1] * new_x.float(), want)
+        what = f"{'graph' if graph else 'eager'} iteration {iteration}"
+        _same_bytes(out, want.to(torch.bfloat16), f"{what}: combined output")
+        every_x, every_ids = zip(*_gather((new_x, new_ids)))
+        per_pe = experts // n
+        used = int(handle.num_rows)
+        expected = []
+        for s in range(n):
+            local = every_ids[s] - rank * per_pe
+            hit = (local >= 0) & (local < per_pe) & (every_ids[s] >= 0)
+            for t, k in hit.nonzero().tolist():
+                expected.append((int(local[t, k]), s, t))
+        expected.sort()
+        if used != len(expected):
+            _FAILURES.append(f"{what}: num_rows {used}, expected {len(expected)}")
+            continue
+        if not expected:
+            continue
+        source_pe = handle.source_pe[:used].cpu()
+        source_token = handle.source_token[:used].cpu()
+        expert_of_row = handle.expert_of_row[:used].cpu()
+        got_keys = torch.stack([expert_of_row, source_pe, source_token], 1)
+        if not torch.equal(got_keys, torch.tensor(expected)):
+            _FAILURES.append(f"{what}: recv_x rows' (expert, source, token) differ from the reference")
+            continue
+        want_rows = torch.stack([every_x[s][t] for _, s, t in expected])
+        _same_bytes(recv_x[:used], want_rows, f"{what}: recv_x")

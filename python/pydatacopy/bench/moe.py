@@ -1,6 +1,6 @@
 """MoE dispatch and combine, beside a bare copy of the bytes they move, any number of PEs:
 
-    torchrun --nproc_per_node=4 -m pydatacopy.bench.moe [--shapes ds-128,ds-4096,small] [--json F]
+    torchrun --nproc_per_node=4 -m pydatacopy.bench.moe [--shapes ds-128,ds-4096,small] [--json F] [--compact]
 
 (on one GPU add PYDATACOPY_RANKS_PER_GPU=4 and run under CUDA MPS.) Shapes: ds-128 and ds-4096 are
 DeepSeek-V3's (hidden 7168, top-8 of 256 experts, bf16) with 128 (decode) and 4096 (prefill)
@@ -200,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-r", "--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    parser.add_argument("--compact", action="store_true",
+                        help="the compacting path (received rows copied out of the region first, "
+                             "as traced calls do) instead of reading them in the region")
     args = parser.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group("nccl", device_id=torch.device("cuda", device))
     pydatacopy.init(device=device)
+    if args.compact:
+        pydatacopy._moe.IN_REGION = False
     rows: list[dict] = []
     for shape in shapes:
         rows.extend(bench_shape(shape, args))

@@ -35,6 +35,30 @@ __device__ __forceinline__ int64_t rows_per_piece(int64_t row_bytes) {
   return rows > 0 ? rows : 1;
 }
 
+// warp_copy with eight 16-byte vectors in flight per lane (4 KiB per warp) when both pointers
+// share their 16-byte alignment, as rows of 16-byte multiples do: a row of a few KiB then takes
+// one or two memory latencies instead of four to eight. Other alignments: warp_copy.
+__device__ __forceinline__ void row_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src)) & 15) != 0) {
+    warp_copy(dst, src, bytes, lane);
+    return;
+  }
+  constexpr int kUnroll = 8;
+  const int64_t vectors = bytes / 16;
+  auto* dst_v = reinterpret_cast<int4*>(dst);
+  const auto* src_v = reinterpret_cast<const int4*>(src);
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < vectors; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = src_v[i + 32 * u];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst_v[i + 32 * u] = v[u];
+  }
+  for (; i < vectors; i += 32) dst_v[i] = src_v[i];
+  for (int64_t b = vectors * 16 + lane; b < bytes; b += 32) dst[b] = src[b];
+}
+
 // The position i in [0, n) with prefix[i] <= piece < prefix[i + 1] (prefix nondecreasing).
 __device__ __forceinline__ int find_slot(const int64_t* prefix, int n, int64_t piece) {
   int lo = 0, hi = n;  // prefix[lo] <= piece < prefix[hi]
@@ -76,9 +100,9 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
   __shared__ int64_t pieces[kMaxPes + 1];  // prefix, in send order: position i is PE my_pe + i
   __shared__ uint64_t round_value;
   __shared__ int failed;
+  __shared__ int64_t per_piece_shared;
   const int n = a.n_pes;
   const int lane = threadIdx.x % 32;
-  const int64_t per_piece = rows_per_piece(a.row_bytes_total);
   if (threadIdx.x == 0) {
     // This use of the set: one more than the device count, which the last block moves on.
     round_value = *reinterpret_cast<volatile uint64_t*>(a.uses) + 1;
@@ -100,6 +124,16 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
       // Saturated: counts past the rows never wrap the offset (later destinations are refused).
       if (asked > 0) offset = asked > limit - offset ? limit : offset + asked;
     }
+    // Rows per piece: at least kPieceBytes' worth, and enough that the rows make about two
+    // pieces per warp of the grid: each piece ends with a system-scope fence and an atomic at
+    // the destination, which per row (rows of several KiB) cost as much as the row's copy.
+    int64_t rows_all = 0;
+    for (int d = 0; d < n; ++d) rows_all += rows_to[d];
+    const int64_t target = 2 * static_cast<int64_t>(gridDim.x) * kWarps;
+    const int64_t spread = (rows_all + target - 1) / target;
+    const int64_t by_bytes = rows_per_piece(a.row_bytes_total);
+    const int64_t per_piece = spread > by_bytes ? spread : by_bytes;
+    per_piece_shared = per_piece;
     pieces[0] = 0;
     for (int i = 0; i < n; ++i) {
       const int d = (a.my_pe + i) % n;
@@ -107,6 +141,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
     }
   }
   __syncthreads();
+  const int64_t per_piece = per_piece_shared;
   const uint64_t round = round_value;
   const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
   const int64_t my_region = a.regions + static_cast<int64_t>(a.my_pe) * a.region_bytes;
@@ -166,32 +201,44 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
     const int64_t rows = min(per_piece, rows_to[d] - first);
     uint8_t* peer = a.direct ? a.peer_bases[d] : nullptr;
     uint64_t* arrivals = word(a, a.arrivals, a.my_pe);  // d's counter for this source
-    for (int f = 0; f < a.fields; ++f) {
-      const int64_t width = a.row_bytes[f];
-      const int64_t at = my_region + a.field_start[f] + first * width;
-      if (a.send_index == nullptr) {
+    if (a.send_index == nullptr) {
+      for (int f = 0; f < a.fields; ++f) {
+        const int64_t width = a.row_bytes[f];
+        const int64_t at = my_region + a.field_start[f] + first * width;
         const uint8_t* src = a.send[f] + (first_row[d] + first) * width;
         if (peer != nullptr) {
-          warp_copy(peer + at, src, rows * width, lane);
+          row_copy(peer + at, src, rows * width, lane);
         } else {
           nvshmemx_putmem_signal_warp(a.base + at, src, static_cast<size_t>(rows * width), arrivals,
                                       static_cast<uint64_t>(rows), NVSHMEM_SIGNAL_ADD, d);
         }
-        continue;
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t index = a.send_index[first_row[d] + first + r];
-        const bool valid = index >= 0 && index < a.send_rows;
-        if (!valid && lane == 0) refuse(a, detail::WaitOp::kAllToAllIndex, d, index, a.send_rows);
-        const uint8_t* src = a.send[f] + index * width;
-        if (peer != nullptr) {
-          if (valid) warp_copy(peer + at + r * width, src, width, lane);
-        } else if (valid) {
-          nvshmemx_putmem_signal_warp(a.base + at + r * width, src, static_cast<size_t>(width),
-                                      arrivals, 1, NVSHMEM_SIGNAL_ADD, d);
-        } else if (lane == 0) {
-          // The receiver counts every row: an unsent one still counts, its bytes stay stale.
-          nvshmemx_signal_op(arrivals, 1, NVSHMEM_SIGNAL_ADD, d);
+    } else {
+      // Gathered rows: the lanes load 32 rows' indices at once (one memory latency, not one per
+      // row and field), then the warp copies row by row, every field of a row together.
+      const int64_t* index_of = a.send_index + first_row[d] + first;
+      for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        const int batch = static_cast<int>(min(static_cast<int64_t>(32), rows - r0));
+        const int64_t my_index = lane < batch ? index_of[r0 + lane] : 0;
+        for (int j = 0; j < batch; ++j) {
+          const int64_t r = r0 + j;
+          const int64_t index = __shfl_sync(0xffffffffu, my_index, j);
+          const bool valid = index >= 0 && index < a.send_rows;
+          if (!valid && lane == 0) refuse(a, detail::WaitOp::kAllToAllIndex, d, index, a.send_rows);
+          for (int f = 0; f < a.fields; ++f) {
+            const int64_t width = a.row_bytes[f];
+            const int64_t at = my_region + a.field_start[f] + (first + r) * width;
+            const uint8_t* src = a.send[f] + index * width;
+            if (peer != nullptr) {
+              if (valid) row_copy(peer + at, src, width, lane);
+            } else if (valid) {
+              nvshmemx_putmem_signal_warp(a.base + at, src, static_cast<size_t>(width), arrivals, 1,
+                                          NVSHMEM_SIGNAL_ADD, d);
+            } else if (lane == 0) {
+              // The receiver counts every row: an unsent one still counts, its bytes stay stale.
+              nvshmemx_signal_op(arrivals, 1, NVSHMEM_SIGNAL_ADD, d);
+            }
+          }
         }
       }
     }
@@ -218,7 +265,11 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
   __shared__ int meta_seen[kMaxPes];
   const int n = a.n_pes;
   const int lane = threadIdx.x % 32;
-  const int64_t per_piece = rows_per_piece(a.row_bytes_total);
+  // Pieces sized by the bytes copied out (fields left in the region are not: a dispatch's meta
+  // rows alone make pieces of hundreds of rows, not one row per piece).
+  int64_t copied_bytes = 0;
+  for (int f = 0; f < a.fields; ++f) copied_bytes += a.recv[f] != nullptr ? a.row_bytes[f] : 0;
+  const int64_t per_piece = rows_per_piece(copied_bytes);
   // The send kernel of this call has moved the set's round count on.
   const uint64_t round = *reinterpret_cast<volatile uint64_t*>(a.uses);
   const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
@@ -290,9 +341,10 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
     const int64_t rows = min(per_piece, rows_from[s] - first);
     const uint8_t* region = a.base + a.regions + static_cast<int64_t>(s) * a.region_bytes;
     for (int f = 0; f < a.fields; ++f) {
+      if (a.recv[f] == nullptr) continue;  // left in the region for the caller's kernels
       const int64_t width = a.row_bytes[f];
-      warp_copy(a.recv[f] + (offset_of[s] + first) * width, region + a.field_start[f] + first * width,
-                rows * width, lane);
+      row_copy(a.recv[f] + (offset_of[s] + first) * width, region + a.field_start[f] + first * width,
+               rows * width, lane);
     }
   }
   after_every_block(a.recv_done, [&] {
@@ -304,7 +356,8 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
                                        detail::WaitOp::kAllToAllArrival, s, a.my_pe))
         continue;
       a.consumed[s] = expected[s];
-      nvshmemx_signal_op(word(a, a.credits, a.my_pe), round, NVSHMEM_SIGNAL_SET, s);
+      if (a.defer_credits) a.pending[s] = round;  // release() signals it after the readers
+      else nvshmemx_signal_op(word(a, a.credits, a.my_pe), round, NVSHMEM_SIGNAL_SET, s);
     }
   });
 }
@@ -327,24 +380,6 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) 
 template <>
 __device__ __forceinline__ __half from_float<__half>(float value) { return __float2half_rn(value); }
 
-template <typename T>
-__global__ void __launch_bounds__(256)
-    combine_reduce_kernel(T* out, const T* rows, int64_t row_count, const int64_t* slots,
-                          const float* weights, int64_t tokens, int64_t topk, int64_t hidden) {
-  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < topk; ++k) {
-        const int64_t slot = slots[t * topk + k];
-        if (slot < 0 || slot >= row_count) continue;
-        // Rounded separately, in k order: the float32 reference's arithmetic exactly.
-        sum = __fadd_rn(sum, __fmul_rn(weights[t * topk + k], to_float(rows[slot * hidden + h])));
-      }
-      out[t * hidden + h] = from_float<T>(sum);
-    }
-  }
-}
-
 // out[i] = src[index[i]] for i < min(*count, rows): one warp per row; rows past the count are
 // left as they are (the count is read on the device, so a captured launch follows it).
 __global__ void __launch_bounds__(256)
@@ -357,10 +392,448 @@ __global__ void __launch_bounds__(256)
        row += warps) {
     const int64_t from = index[row];
     if (from < 0 || from >= src_rows) continue;  // not a row of src: left as it is
-    warp_copy(out + row * row_bytes, src + from * row_bytes, row_bytes, lane);
+    row_copy(out + row * row_bytes, src + from * row_bytes, row_bytes, lane);
   }
 }
 
+
+// ---- MoE layout kernels: one block each, no host synchronisation --------------------------
+//
+// Both are counting sorts with deterministic order: each thread (dispatch) or warp (receive)
+// takes a contiguous stretch of the input, counts per bin, a block-wide exclusive scan of the
+// counts gives every stretch its start in every bin, and a second pass writes the positions.
+// One block: the counts are small (tokens x topk <= 2^31, at most kLayoutMaxBins bins) and a
+// second launch or a grid-wide scan would cost more than the work.
+
+constexpr int kLayoutThreads = 1024;
+constexpr int kLayoutWarps = kLayoutThreads / 32;
+
+// Inclusive scan over a warp (every lane calls it).
+__device__ __forceinline__ uint64_t warp_inclusive_scan(uint64_t value, int lane) {
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const uint64_t other = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += other;
+  }
+  return value;
+}
+
+// The sender's side (dispatch_plan in _moe.py is the reference): thread i owns tokens
+// [i * per_thread, + per_thread). For each destination d (and d == n_pes: "no expert"), a
+// thread's count is packed as (tokens it sends to d) << 32 | (pairs it has with d): both fit
+// 32 bits (tokens x topk <= 2^31 - 1, checked by the caller), so one 64-bit scan does both.
+template <typename Id>
+__global__ void __launch_bounds__(kLayoutThreads)
+    moe_dispatch_layout_kernel(const Id* ids, int64_t tokens, int topk, int64_t num_experts,
+                               int64_t experts_per_pe, int n_pes, int64_t* send_counts,
+                               int64_t* send_index, int32_t* meta, int64_t* pair_pe,
+                               int64_t* pair_rank) {
+  __shared__ uint64_t warp_base[kLayoutWarps][kMoeLayoutMaxPes + 1];  // exclusive, per destination
+  __shared__ int64_t dest_start[kMoeLayoutMaxPes + 1];  // first send_index entry of each PE
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  const int64_t per_thread = (tokens + blockDim.x - 1) / blockDim.x;
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * per_thread;
+  const int64_t last = min(tokens, first + per_thread);
+  // Pass 0: each pair's PE (n_pes: no expert) and the meta rows sent along.
+  for (int64_t t = first; t < last; ++t) {
+    for (int k = 0; k < topk; ++k) {
+      const int64_t id = static_cast<int64_t>(ids[t * topk + k]);
+      const bool valid = id >= 0 && id < num_experts;
+      pair_pe[t * topk + k] = valid ? id / experts_per_pe : n_pes;
+      meta[t * (topk + 1) + k] = valid ? static_cast<int32_t>(id) : -1;
+    }
+    meta[t * (topk + 1) + topk] = static_cast<int32_t>(t);
+  }
+  // This thread's packed count for destination d (it reads back its own pass-0 writes).
+  auto count_for = [&](int d) {
+    uint64_t packed = 0;
+    for (int64_t t = first; t < last; ++t) {
+      uint64_t pairs = 0;
+      for (int k = 0; k < topk; ++k) pairs += pair_pe[t * topk + k] == d;
+      packed += pairs + ((pairs > 0 && d < n_pes) ? (uint64_t{1} << 32) : 0);
+    }
+    return packed;
+  };
+  // Pass 1: every warp's total per destination.
+  for (int d = 0; d <= n_pes; ++d) {
+    const uint64_t inclusive = warp_inclusive_scan(count_for(d), lane);
+    if (lane == 31) warp_base[warp][d] = inclusive;
+  }
+  __syncthreads();
+  if (threadIdx.x <= n_pes) {  // column d: totals into exclusive bases (one thread per column)
+    const int d = threadIdx.x;
+    uint64_t running = 0;
+    for (int w = 0; w < warps; ++w) {
+      const uint64_t total = warp_base[w][d];
+      warp_base[w][d] = running;
+      running += total;
+    }
+    dest_start[d] = static_cast<int64_t>(running >> 32);  // tokens for d, for now
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t offset = 0;
+    for (int d = 0; d < n_pes; ++d) {
+      const int64_t count = dest_start[d];
+      send_counts[d] = count;
+      dest_start[d] = offset;
+      offset += count;
+    }
+    dest_start[n_pes] = offset;  // rows sent in all
+  }
+  __syncthreads();
+  // Pass 2: positions. Tokens in order within a destination; pairs in (token, k) order.
+  for (int d = 0; d <= n_pes; ++d) {
+    const uint64_t mine = count_for(d);
+    const uint64_t before = warp_inclusive_scan(mine, lane) - mine + warp_base[warp][d];
+    int64_t token_at = static_cast<int64_t>(before >> 32);
+    int64_t pair_at = static_cast<int64_t>(before & 0xffffffffull);
+    for (int64_t t = first; t < last; ++t) {
+      int64_t pairs = 0;
+      for (int k = 0; k < topk; ++k) {
+        if (pair_pe[t * topk + k] != d) continue;
+        pair_rank[t * topk + k] = pair_at + pairs;
+        ++pairs;
+      }
+      if (pairs > 0 && d < n_pes) send_index[dest_start[d] + token_at++] = t;
+      pair_at += pairs;
+    }
+  }
+  // Entries past the rows sent (and the spare last one) are never read; zeros, to be definite.
+  const int64_t index_rows = static_cast<int64_t>(n_pes) * tokens + 1;
+  for (int64_t i = dest_start[n_pes] + threadIdx.x; i < index_rows; i += blockDim.x) send_index[i] = 0;
+}
+
+// Binary search: the source s with start[s] <= row < start[s + 1] (start nondecreasing, n >= 1).
+__device__ __forceinline__ int source_of_row(const int64_t* start, int n, int64_t row) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (start[mid] <= row) lo = mid;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// The receiver's side (receive_layout in _moe.py is the reference): pairs (received row, k),
+// rows*topk of them, sorted stably by local expert (bin experts_per_pe: none here, or a row not
+// in use), and the pairs of a local expert in (row, k) order once more for combine. Warp w owns
+// pairs [w * stretch, + stretch), 32 at a time; __match_any_sync ranks a batch's lanes of one
+// bin in lane order, and warp-private histograms (exclusive over warps after pass 1) place them.
+__global__ void __launch_bounds__(kLayoutThreads)
+    moe_receive_layout_kernel(const int32_t* recv_meta, int64_t rows, int topk,
+                              const int64_t* recv_counts, int n_pes, int my_pe,
+                              int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
+                              int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
+                              int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
+                              int64_t* combine_counts, int64_t* pair_position) {
+  __shared__ int32_t hist[kLayoutWarps][kMoeLayoutMaxBins];
+  __shared__ int32_t bin_start[kMoeLayoutMaxBins];
+  __shared__ int32_t valid_base[kLayoutWarps];
+  __shared__ int64_t source_start[kMoeLayoutMaxPes + 1];
+  __shared__ int32_t back_counts[kMoeLayoutMaxPes];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  const int bins = static_cast<int>(experts_per_pe) + 1;
+  const int none = bins - 1;
+  const int64_t pairs = rows * topk;  // < 2^31 (checked by the caller)
+  const int64_t first_expert = static_cast<int64_t>(my_pe) * experts_per_pe;
+  for (int i = threadIdx.x; i < kLayoutWarps * kMoeLayoutMaxBins; i += blockDim.x)
+    (&hist[0][0])[i] = 0;
+  for (int s = threadIdx.x; s < n_pes; s += blockDim.x) back_counts[s] = 0;
+  if (threadIdx.x == 0) {
+    int64_t offset = 0;
+    for (int s = 0; s < n_pes; ++s) {
+      source_start[s] = offset;
+      const int64_t count = recv_counts[s];
+      offset += count > 0 ? count : 0;
+    }
+    source_start[n_pes] = offset < rows ? offset : rows;  // rows in use
+  }
+  __syncthreads();
+  const int64_t rows_in_use = source_start[n_pes];
+  const int64_t stretch = ((pairs + warps - 1) / warps + 31) / 32 * 32;
+  const int64_t begin = warp * stretch;
+  const int64_t end = min(pairs, begin + stretch);
+  // A pair's bin (-1: past the stretch, a lane with nothing).
+  // (32-bit division: pairs < 2^31.)
+  auto bin_of = [&](int64_t p) -> int {
+    if (p >= end) return -1;
+    const int64_t row = static_cast<int32_t>(p) / topk;
+    if (row >= rows_in_use) return none;
+    const int k = static_cast<int32_t>(p) - static_cast<int32_t>(row) * topk;
+    const int64_t local = static_cast<int64_t>(recv_meta[row * (topk + 1) + k]) - first_expert;
+    return local >= 0 && local < experts_per_pe ? static_cast<int>(local) : none;
+  };
+  const unsigned below = (1u << lane) - 1u;
+  // Pass 1: per-warp counts of each bin, of valid pairs, and of valid pairs per source.
+  int32_t valid_here = 0;
+  for (int64_t batch = begin; batch < end; batch += 32) {
+    const int64_t p = batch + lane;
+    const int bin = bin_of(p);
+    const unsigned same = __match_any_sync(0xffffffffu, bin);
+    if (bin >= 0 && (same & below) == 0) hist[warp][bin] += __popc(same);
+    const bool valid = bin >= 0 && bin != none;
+    valid_here += __popc(__ballot_sync(0xffffffffu, valid));
+    if (valid) atomicAdd(&back_counts[source_of_row(source_start, n_pes, static_cast<int32_t>(p) / topk)], 1);
+    __syncwarp();
+  }
+  if (lane == 0) valid_base[warp] = valid_here;
+  __syncthreads();
+  if (threadIdx.x < bins) {  // column b: exclusive over warps; its total into bin_start for now
+    const int b = threadIdx.x;
+    int32_t running = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int32_t count = hist[w][b];
+      hist[w][b] = running;
+      running += count;
+    }
+    bin_start[b] = running;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t offset = 0;
+    for (int b = 0; b < bins; ++b) {
+      const int32_t count = bin_start[b];
+      if (b < none) {
+        expert_counts[b] = count;
+        expert_offsets[b] = offset;
+      }
+      bin_start[b] = offset;
+      offset += count;
+    }
+    num_rows[0] = bin_start[none];
+    int32_t valid = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int32_t count = valid_base[w];
+      valid_base[w] = valid;
+      valid += count;
+    }
+    for (int s = 0; s < n_pes; ++s) combine_counts[s] = back_counts[s];
+  }
+  __syncthreads();
+  // Pass 2: the positions.
+  int32_t valid_at = valid_base[warp];
+  for (int64_t batch = begin; batch < end; batch += 32) {
+    const int64_t p = batch + lane;
+    const int bin = bin_of(p);
+    const unsigned same = __match_any_sync(0xffffffffu, bin);
+    const bool valid = bin >= 0 && bin != none;
+    const unsigned valid_lanes = __ballot_sync(0xffffffffu, valid);
+    if (bin >= 0) {
+      const int64_t row = static_cast<int32_t>(p) / topk;
+      const int64_t position = bin_start[bin] + hist[warp][bin] + __popc(same & below);
+      row_of[position] = row;
+      expert_of_row[position] = bin;
+      source_pe[position] = valid ? source_of_row(source_start, n_pes, row) : -1;
+      source_token[position] = valid ? recv_meta[row * (topk + 1) + topk] : -1;
+      if (valid) combine_index[valid_at + __popc(valid_lanes & below)] = position;
+      if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
+    }
+    __syncwarp();  // every lane has read hist before the leaders move it on
+    if (bin >= 0 && (same & below) == 0) hist[warp][bin] += __popc(same);
+    valid_at += __popc(valid_lanes);
+    __syncwarp();
+  }
+  // combine_index past the valid pairs (and its spare last entry): never read; zeros.
+  for (int64_t i = bin_start[none] + threadIdx.x; i <= pairs; i += blockDim.x) combine_index[i] = 0;
+}
+
+// A deferred call's credits (AllToAll::release), after the kernels that read its regions.
+__global__ void all_to_all_release_kernel(uint64_t* pending, uint64_t* credits, int my_pe, int n_pes) {
+  for (int s = threadIdx.x; s < n_pes; s += blockDim.x) {
+    const uint64_t round = pending[s];
+    if (round == 0) continue;  // nothing owed (the source's round failed: no credit)
+    pending[s] = 0;
+    nvshmemx_signal_op(credits + my_pe, round, NVSHMEM_SIGNAL_SET, s);
+  }
+}
+
+// gather_rows from the receive regions: received row j is source s's row j - offsets[s].
+__global__ void __launch_bounds__(256)
+    gather_region_rows_kernel(uint8_t* out, const uint8_t* region, int64_t stride,
+                              const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                              const int64_t* index, const int64_t* count, int64_t rows, int64_t row_bytes) {
+  __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
+  __shared__ int64_t counts[AllToAllLayout::kMaxPes];
+  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) {
+    start[s] = recv_offsets[s];
+    counts[s] = recv_counts[s];
+  }
+  __syncthreads();
+  const int64_t used = min(*count, rows);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < used;
+       row += warps) {
+    const int64_t from = index[row];
+    const int s = find_slot(start, n_sources, from);  // start[s] <= from (or s == 0)
+    const int64_t at = from - start[s];
+    if (at < 0 || at >= counts[s]) continue;  // not a received row: left as it is
+    row_copy(out + row * row_bytes, region + s * stride + at * row_bytes, row_bytes, lane);
+  }
+}
+
+// Each received row read once (8 16-byte vectors per lane, 4 KiB per warp at a time) and
+// stored to every recv_x row it has (its pairs' positions, up to topk).
+__global__ void __launch_bounds__(256)
+    scatter_region_rows_kernel(uint8_t* out, int64_t out_rows, const uint8_t* region, int64_t stride,
+                               const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                               const int64_t* positions, int topk, int64_t rows, int64_t row_bytes) {
+  __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
+  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) start[s] = recv_offsets[s];
+  __syncthreads();
+  const int64_t received = recv_offsets[n_sources - 1] + recv_counts[n_sources - 1];
+  const int64_t used = min(received, rows);
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  constexpr int kUnroll = 8;
+  const int64_t vectors = row_bytes / 16;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < used;
+       row += warps) {
+    const int s = find_slot(start, n_sources, row);
+    const int64_t at = row - start[s];
+    if (at < 0 || at >= recv_counts[s]) continue;
+    const int4* src = reinterpret_cast<const int4*>(region + s * stride + at * row_bytes);
+    const int64_t* row_positions = positions + row * topk;
+    for (int k0 = 0; k0 < topk; k0 += 32) {
+      // Up to 32 of the row's positions, one per lane; the valid ones, lane by lane.
+      const int64_t mine = k0 + lane < topk ? row_positions[k0 + lane] : -1;
+      unsigned targets = __ballot_sync(0xffffffffu, mine >= 0 && mine < out_rows);
+      if (targets == 0) continue;
+      for (int64_t v0 = 0; v0 < vectors; v0 += 32 * kUnroll) {
+        int4 chunk[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t v = v0 + u * 32 + lane;
+          if (v < vectors) chunk[u] = src[v];
+        }
+        for (unsigned left = targets; left != 0; left &= left - 1) {
+          const int64_t position = __shfl_sync(0xffffffffu, mine, __ffs(left) - 1);
+          int4* dst = reinterpret_cast<int4*>(out + position * row_bytes);
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t v = v0 + u * 32 + lane;
+            if (v < vectors) dst[v] = chunk[u];
+          }
+        }
+      }
+    }
+  }
+}
+
+// Where (token, k)'s row is for the reductions: a compacted tensor's slot, or a source's row
+// in combine's receive region. Null: skipped.
+struct SlotRows {
+  const uint8_t* rows;
+  int64_t row_count, row_bytes;
+  const int64_t* slots;
+  __device__ __forceinline__ const uint8_t* operator()(int64_t pair) const {
+    const int64_t slot = slots[pair];
+    return slot >= 0 && slot < row_count ? rows + slot * row_bytes : nullptr;
+  }
+};
+struct RegionRows {
+  const uint8_t* region;
+  int64_t stride, row_bytes;
+  const int64_t *pair_pe, *pair_rank, *back_counts;
+  int n_sources;
+  __device__ __forceinline__ const uint8_t* operator()(int64_t pair) const {
+    const int64_t pe = pair_pe[pair];
+    if (pe < 0 || pe >= n_sources) return nullptr;
+    const int64_t rank = pair_rank[pair];
+    return rank >= 0 && rank < back_counts[pe] ? region + pe * stride + rank * row_bytes : nullptr;
+  }
+};
+
+template <typename T, typename Rows>
+__global__ void __launch_bounds__(256)
+    combine_reduce_rows_kernel(T* out, Rows rows_of, const float* weights, int64_t tokens,
+                               int64_t topk, int64_t hidden) {
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < topk; ++k) {
+        const T* row = reinterpret_cast<const T*>(rows_of(t * topk + k));
+        if (row == nullptr) continue;
+        sum = __fadd_rn(sum, __fmul_rn(weights[t * topk + k], to_float(row[h])));
+      }
+      out[t * hidden + h] = from_float<T>(sum);
+    }
+  }
+}
+
+// 16-byte vectors (rows 16-byte aligned, hidden x element a multiple of 16): a thread keeps one
+// vector of each of the token's rows in flight; the per-element arithmetic of the scalar kernel.
+template <typename T, typename Rows>
+__global__ void __launch_bounds__(256)
+    combine_reduce_rows_vector_kernel(T* out, Rows rows_of, const float* weights, int64_t tokens,
+                                      int64_t topk, int64_t hidden) {
+  constexpr int kPer = 16 / sizeof(T);
+  extern __shared__ int64_t reduce_rows_shared[];
+  const uint8_t** token_rows = reinterpret_cast<const uint8_t**>(reduce_rows_shared);
+  float* token_weights = reinterpret_cast<float*>(token_rows + topk);
+  const int64_t vectors = hidden / kPer;
+  for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's rows are no longer read
+    for (int64_t k = threadIdx.x; k < topk; k += blockDim.x) {
+      token_rows[k] = rows_of(t * topk + k);
+      token_weights[k] = weights[t * topk + k];
+    }
+    __syncthreads();
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
+      float sum[kPer];
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) sum[e] = 0.0f;
+      for (int64_t k = 0; k < topk; ++k) {
+        const uint8_t* row = token_rows[k];
+        if (row == nullptr) continue;
+        const float w = token_weights[k];
+        const int4 packed = reinterpret_cast<const int4*>(row)[v];
+        const T* values = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) sum[e] = __fadd_rn(sum[e], __fmul_rn(w, to_float(values[e])));
+      }
+      int4 packed;
+      T* values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) values[e] = from_float<T>(sum[e]);
+      reinterpret_cast<int4*>(out + t * hidden)[v] = packed;
+    }
+  }
+}
+
+template <typename T, typename Rows>
+void launch_reduce_rows(T* out, Rows rows_of, bool vector, const float* weights, int64_t tokens,
+                        int64_t topk, int64_t hidden, cudaStream_t stream) {
+  const int blocks = static_cast<int>(tokens < 65535 ? tokens : 65535);
+  if (vector) {
+    const std::size_t shared = static_cast<std::size_t>(topk) * (sizeof(void*) + sizeof(float));
+    PDC_REQUIRE(shared <= 48 * 1024, "moe_combine_reduce: topk " << topk << " is too large");
+    combine_reduce_rows_vector_kernel<T, Rows><<<blocks, 256, shared, stream>>>(out, rows_of, weights, tokens,
+                                                                                topk, hidden);
+  } else {
+    combine_reduce_rows_kernel<T, Rows><<<blocks, 256, 0, stream>>>(out, rows_of, weights, tokens, topk, hidden);
+  }
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename Rows>
+void reduce_rows_by_dtype(void* out, Rows rows_of, bool aligned, const float* weights, int64_t tokens,
+                          int64_t topk, int64_t hidden, int dtype, cudaStream_t stream) {
+  const int64_t element = dtype == 0 ? 4 : 2;
+  const bool vector = aligned && (reinterpret_cast<uintptr_t>(out) & 15) == 0 && (hidden * element) % 16 == 0;
+  switch (dtype) {
+    case 0: launch_reduce_rows(static_cast<float*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
+    case 1: launch_reduce_rows(static_cast<__nv_bfloat16*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
+    case 2: launch_reduce_rows(static_cast<__half*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
+    default:
+      PDC_REQUIRE(false, "moe_combine_reduce: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
+  }
+}
 }  // namespace
 
 void launch_gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count,
@@ -379,28 +852,86 @@ void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
+void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t tokens, int topk,
+                                int64_t num_experts, int n_pes, int64_t* send_counts,
+                                int64_t* send_index, int32_t* meta, int64_t* pair_pe,
+                                int64_t* pair_rank, cudaStream_t stream) {
+  const int64_t per_pe = num_experts / n_pes;
+  if (ids_int32) {
+    moe_dispatch_layout_kernel<int32_t><<<1, kLayoutThreads, 0, stream>>>(
+        static_cast<const int32_t*>(topk_idx), tokens, topk, num_experts, per_pe, n_pes, send_counts,
+        send_index, meta, pair_pe, pair_rank);
+  } else {
+    moe_dispatch_layout_kernel<int64_t><<<1, kLayoutThreads, 0, stream>>>(
+        static_cast<const int64_t*>(topk_idx), tokens, topk, num_experts, per_pe, n_pes, send_counts,
+        send_index, meta, pair_pe, pair_rank);
+  }
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
+                               const int64_t* recv_counts, int n_pes, int my_pe,
+                               int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
+                               int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
+                               int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
+                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream) {
+  moe_receive_layout_kernel<<<1, kLayoutThreads, 0, stream>>>(
+      recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, row_of, expert_counts,
+      expert_offsets, num_rows, expert_of_row, source_pe, source_token, combine_index, combine_counts,
+      pair_position);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
 void launch_moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
                                const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                                int dtype, cudaStream_t stream) {
   if (tokens == 0 || hidden == 0) return;
-  const int blocks = static_cast<int>(tokens < 65535 ? tokens : 65535);
-  switch (dtype) {
-    case 0:
-      combine_reduce_kernel<<<blocks, 256, 0, stream>>>(static_cast<float*>(out), static_cast<const float*>(rows),
-                                                        row_count, slots, weights, tokens, topk, hidden);
-      break;
-    case 1:
-      combine_reduce_kernel<<<blocks, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(out),
-                                                        static_cast<const __nv_bfloat16*>(rows), row_count,
-                                                        slots, weights, tokens, topk, hidden);
-      break;
-    case 2:
-      combine_reduce_kernel<<<blocks, 256, 0, stream>>>(static_cast<__half*>(out), static_cast<const __half*>(rows),
-                                                        row_count, slots, weights, tokens, topk, hidden);
-      break;
-    default:
-      PDC_REQUIRE(false, "moe_combine_reduce: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
-  }
+  const int64_t element = dtype == 0 ? 4 : 2;
+  const SlotRows rows_of{static_cast<const uint8_t*>(rows), row_count, hidden * element, slots};
+  reduce_rows_by_dtype(out, rows_of, (reinterpret_cast<uintptr_t>(rows) & 15) == 0, weights, tokens, topk,
+                       hidden, dtype, stream);
+}
+
+void launch_moe_combine_reduce_region(void* out, const void* region, int64_t stride,
+                                      const int64_t* pair_pe, const int64_t* pair_rank,
+                                      const int64_t* back_counts, int n_sources, const float* weights,
+                                      int64_t tokens, int64_t topk, int64_t hidden, int dtype,
+                                      cudaStream_t stream) {
+  if (tokens == 0 || hidden == 0) return;
+  const int64_t element = dtype == 0 ? 4 : 2;
+  const RegionRows rows_of{static_cast<const uint8_t*>(region), stride, hidden * element, pair_pe, pair_rank,
+                           back_counts, n_sources};
+  reduce_rows_by_dtype(out, rows_of, ((reinterpret_cast<uintptr_t>(region) | static_cast<uintptr_t>(stride)) & 15) == 0,
+                       weights, tokens, topk, hidden, dtype, stream);
+}
+
+void launch_all_to_all_release(uint64_t* pending, uint64_t* credits, int my_pe, int n_pes,
+                               cudaStream_t stream) {
+  all_to_all_release_kernel<<<1, 256, 0, stream>>>(pending, credits, my_pe, n_pes);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                                const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                                const int64_t* positions, int topk, int64_t rows, int64_t row_bytes,
+                                int blocks, cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  scatter_region_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(out), out_rows,
+                                                         static_cast<const uint8_t*>(region), stride,
+                                                         recv_offsets, recv_counts, n_sources, positions, topk,
+                                                         rows, row_bytes);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+void launch_gather_region_rows(void* out, const void* region, int64_t stride, const int64_t* recv_offsets,
+                               const int64_t* recv_counts, int n_sources, const int64_t* index,
+                               const int64_t* count, int64_t rows, int64_t row_bytes, int blocks,
+                               cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  gather_region_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(out),
+                                                        static_cast<const uint8_t*>(region), stride,
+                                                        recv_offsets, recv_counts, n_sources, index, count,
+                                                        rows, row_bytes);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -409,9 +940,15 @@ void preload_all_to_all_kernels() {
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_send_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_recv_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, gather_rows_kernel));
-  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_kernel<float>));
-  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_kernel<__nv_bfloat16>));
-  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_kernel<__half>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_rows_kernel<__nv_bfloat16, SlotRows>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_rows_vector_kernel<__nv_bfloat16, SlotRows>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_rows_vector_kernel<__nv_bfloat16, RegionRows>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, gather_region_rows_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, scatter_region_rows_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_release_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, moe_dispatch_layout_kernel<int32_t>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, moe_dispatch_layout_kernel<int64_t>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, moe_receive_layout_kernel));
 }
 
 }  // namespace pydatacopy::kernels

@@ -256,6 +256,8 @@ struct AllToAllArgs {
   int64_t meta_signals, metas, arrivals, credits, outgoing;
   uint64_t* uses;              // device: rounds of this set so far (the send kernel moves it on)
   uint64_t* consumed;          // device [n_pes]: row-field units taken from each source, this set
+  uint64_t* pending;           // device [n_pes]: credit owed to each source (release), this set
+  bool defer_credits;          // a field stays in the region: credits wait for release
   unsigned int* send_done;     // device: send blocks finished in this launch
   unsigned int* recv_done;     // device: receive blocks finished in this launch
   int my_pe, n_pes;
@@ -263,6 +265,19 @@ struct AllToAllArgs {
   detail::DeviceStatus* status;
 };
 void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream);
+// The credits a deferred call owes (pending[s], 0: none) signalled to the sources: credits is
+// the symmetric credit array of the call's set.
+void launch_all_to_all_release(uint64_t* pending, uint64_t* credits, int my_pe, int n_pes,
+                               cudaStream_t stream);
+void launch_gather_region_rows(void* out, const void* region, int64_t stride, const int64_t* recv_offsets,
+                               const int64_t* recv_counts, int n_sources, const int64_t* index,
+                               const int64_t* count, int64_t rows, int64_t row_bytes, int blocks,
+                               cudaStream_t stream);
+void launch_moe_combine_reduce_region(void* out, const void* region, int64_t stride,
+                                      const int64_t* pair_pe, const int64_t* pair_rank,
+                                      const int64_t* back_counts, int n_sources, const float* weights,
+                                      int64_t tokens, int64_t topk, int64_t hidden, int dtype,
+                                      cudaStream_t stream);
 // Blocks of the all-to-all kernels per launch: the SMs this PE may use (its MPS share, and a
 // 1/pes_sharing_gpu of the GPU), one block each, so that the launches of every PE sharing the
 // GPU are resident at once (they wait on one another).
@@ -275,5 +290,26 @@ void launch_gather_rows(void* out, const void* src, const int64_t* index, const 
 void launch_moe_combine_reduce(void* out, const void* rows, int64_t row_count, const int64_t* slots,
                                const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                                int dtype, cudaStream_t stream);
+
+// MoE layouts (one block each; pydatacopy::moe_dispatch_layout / moe_receive_layout check the
+// limits: n_pes <= kMoeLayoutMaxPes, experts_per_pe < kMoeLayoutMaxBins, pairs < 2^31).
+constexpr int kMoeLayoutMaxPes = 64;
+constexpr int kMoeLayoutMaxBins = 257;  // local experts + "none"
+void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t tokens, int topk,
+                                int64_t num_experts, int n_pes, int64_t* send_counts,
+                                int64_t* send_index, int32_t* meta, int64_t* pair_pe,
+                                int64_t* pair_rank, cudaStream_t stream);
+void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
+                               const int64_t* recv_counts, int n_pes, int my_pe,
+                               int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
+                               int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
+                               int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
+                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream);
+// MoE dispatch's grouping by expert from the receive region, each received row read once and
+// written to every recv_x row of it: positions [received rows x topk] (recv_x row, or < 0).
+void launch_scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,
+                                const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
+                                const int64_t* positions, int topk, int64_t rows, int64_t row_bytes,
+                                int blocks, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels
