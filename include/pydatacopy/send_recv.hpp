@@ -74,9 +74,10 @@
 //   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
 //   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
 //   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous), checks
-//   its bytes, then either writes its slices' pages straight into mapped_base[j] + offset (SM
-//   stores; each slice then stores (ordinal + 1) << 24 | chunks written into its done word at
-//   the receiver, all ones in the low bits at the end, after a system fence) or runs the staged
+//   its bytes, then either writes straight into mapped_base[j] + offset (SM stores: slice s of
+//   zc_slices = min(active blocks, resident blocks) copies the s-th contiguous part of the
+//   message; each slice then stores (ordinal + 1) << 24 | visits done into its done word at the
+//   receiver, all ones in the low bits at the end, after a system fence) or runs the staged
 //   protocol. A zero-copy recv waits for its slices' done words (a watchdog on their progress).
 //   Either mode consumes the message's chunk sequence numbers, so the channel stays in step
 //   whatever the mode, in eager calls and graph replays alike.
