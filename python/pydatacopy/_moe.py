@@ -703,9 +703,11 @@ class MoeDispatcher:
         try:
             weights = topk_weights.to(torch.float32).contiguous()
             out = torch.empty((tokens, self.hidden), dtype=y.dtype, device=y.device)
+            # Held in locals until the launch is queued: a temporary copy freed as soon as its
+            # data_ptr() is read could hand its memory to the next one before the kernel runs.
+            pair_pe, pair_rank = handle.pair_pe.contiguous(), handle.pair_rank.contiguous()
             _C.moe_combine_reduce_region(out.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
-                                         handle.pair_pe.contiguous().data_ptr(),
-                                         handle.pair_rank.contiguous().data_ptr(), back_counts.data_ptr(),
+                                         pair_pe.data_ptr(), pair_rank.data_ptr(), back_counts.data_ptr(),
                                          self.n_pes, weights.data_ptr(), tokens, topk, self.hidden,
                                          _REDUCE_DTYPES[y.dtype], stream_handle(None, buffer._device))
         finally:

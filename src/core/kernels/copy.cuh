@@ -5,14 +5,23 @@
 
 namespace pydatacopy::kernels {
 
+// One vector load; through the read-only (non-coherent) cache when the source is not written by
+// anyone while the kernel runs (a user's send buffer), never for staging or receive regions that
+// a peer fills during the kernel.
+template <typename Vector, bool kReadOnlySource>
+__device__ __forceinline__ Vector load_vector(const Vector* address) {
+  if constexpr (kReadOnlySource && sizeof(Vector) > 1) return __ldg(address);
+  else return *address;
+}
+
 // Copies `bytes` with `threads` cooperating threads (this one is `thread`), in the widest vector
 // both pointers allow: 16 bytes when dst and src share their alignment modulo 16 (equal offsets
 // into 256-byte-aligned buffers, the usual case), else 8, 4 or 1. The unaligned head and the tail
-// go byte by byte; the body keeps kUnroll vectors in flight per thread (dst and src never
-// overlap: a copy goes between two buffers, never within one).
-template <typename Vector, int kUnroll>
-__device__ __forceinline__ void copy_vectors(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
-                                             int64_t bytes, int thread, int threads) {
+// go byte by byte; the body keeps kUnroll vectors in flight per thread. No __restrict__: with it
+// nvcc may read any source through the non-coherent cache (kReadOnlySource says where that holds).
+template <typename Vector, int kUnroll, bool kReadOnlySource>
+__device__ __forceinline__ void copy_vectors(uint8_t* dst, const uint8_t* src, int64_t bytes, int thread,
+                                             int threads) {
   constexpr int64_t kWidth = sizeof(Vector);
   const int64_t head = static_cast<int64_t>(
       (kWidth - (reinterpret_cast<uintptr_t>(dst) & (kWidth - 1))) & (kWidth - 1));
@@ -28,24 +37,25 @@ __device__ __forceinline__ void copy_vectors(uint8_t* __restrict__ dst, const ui
   for (; i + static_cast<int64_t>(threads) * (kUnroll - 1) < vectors; i += threads * kUnroll) {
     Vector v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = src_v[i + static_cast<int64_t>(threads) * u];
+    for (int u = 0; u < kUnroll; ++u)
+      v[u] = load_vector<Vector, kReadOnlySource>(src_v + i + static_cast<int64_t>(threads) * u);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) dst_v[i + static_cast<int64_t>(threads) * u] = v[u];
   }
-  for (; i < vectors; i += threads) dst_v[i] = src_v[i];
+  for (; i < vectors; i += threads) dst_v[i] = load_vector<Vector, kReadOnlySource>(src_v + i);
   for (int64_t b = vectors * kWidth + thread; b < bytes; b += threads) dst[b] = src[b];
 }
 
 // kUnroll: vectors in flight per thread (4 for page-sized pieces; 8 where a block streams through
-// megabytes, as zero-copy does).
-template <int kUnroll = 4>
+// megabytes, as zero-copy does). kReadOnlySource: see load_vector.
+template <int kUnroll = 4, bool kReadOnlySource = false>
 __device__ __forceinline__ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t bytes,
                                            int thread, int threads) {
   const uintptr_t misalignment = reinterpret_cast<uintptr_t>(dst) ^ reinterpret_cast<uintptr_t>(src);
-  if ((misalignment & 15) == 0) copy_vectors<int4, kUnroll>(dst, src, bytes, thread, threads);
-  else if ((misalignment & 7) == 0) copy_vectors<uint64_t, kUnroll>(dst, src, bytes, thread, threads);
-  else if ((misalignment & 3) == 0) copy_vectors<uint32_t, kUnroll>(dst, src, bytes, thread, threads);
-  else copy_vectors<uint8_t, kUnroll>(dst, src, bytes, thread, threads);
+  if ((misalignment & 15) == 0) copy_vectors<int4, kUnroll, kReadOnlySource>(dst, src, bytes, thread, threads);
+  else if ((misalignment & 7) == 0) copy_vectors<uint64_t, kUnroll, kReadOnlySource>(dst, src, bytes, thread, threads);
+  else if ((misalignment & 3) == 0) copy_vectors<uint32_t, kUnroll, kReadOnlySource>(dst, src, bytes, thread, threads);
+  else copy_vectors<uint8_t, kUnroll, kReadOnlySource>(dst, src, bytes, thread, threads);
 }
 
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int64_t bytes, int lane) {

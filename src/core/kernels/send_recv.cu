@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "../device_status.cuh"
 #include "api.cuh"
@@ -601,16 +604,25 @@ int usable_sms(int device, int pes_sharing_gpu) {
   int whole = reported;
   if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
     const double percent = std::atof(text);
-    if (percent > 0 && percent < 100) whole = static_cast<int>(std::lround(reported * 100.0 / percent));
+    if (percent > 0 && percent < 100) whole = static_cast<int>(reported * 100.0 / percent);  // never rounded up
   }
   return std::max(1, std::min(usable, sms_per_sharing_pe(whole, pes_sharing_gpu)));
 }
 }  // namespace
 
 int all_to_all_blocks(int pes_sharing_gpu) {
+  // Asked at every exchange: the answer (a driver query and the environment) is kept per device
+  // and PE count for the process's life, as the send/recv engine keeps its own from init.
   int device = 0;
   PDC_CHECK_CUDA(cudaGetDevice(&device));
-  return usable_sms(device, pes_sharing_gpu);
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> known;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device, pes_sharing_gpu);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  const int blocks = usable_sms(device, pes_sharing_gpu);
+  known.emplace(key, blocks);
+  return blocks;
 }
 
 int chunk_batch_blocks_per_sm() {

@@ -117,7 +117,7 @@ __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, in
   const int64_t begin = min(a.bytes, slice * per), end = min(a.bytes, begin + per);
   const int64_t visit = max(kVisitBytes, (end - begin + units - 1) / units);
   const int64_t from = min(end, begin + i * visit), to = min(end, from + visit);
-  if (from < to) copy_bytes<8>(target + from, a.src + from, to - from, threadIdx.x, blockDim.x);
+  if (from < to) copy_bytes<8, true>(target + from, a.src + from, to - from, threadIdx.x, blockDim.x);
   const int64_t next = to >= end ? units : i + 1;
   __syncthreads();
   if (threadIdx.x == 0) {
