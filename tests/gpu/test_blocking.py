@@ -11,16 +11,15 @@ returned at once for torch's default stream, so stream_idle() read False on PE 0
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import threading
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import pydatacopy
+from pe_outcome import Outcome
 from pydatacopy import _C
 
 LATE_S = 1.0            # how late PE 1 is
@@ -28,27 +27,7 @@ STREAMS = ["default", "side", "raw", "per_thread"]
 PER_THREAD_STREAM = 2   # cudaStreamPerThread
 
 
-class _Failures:
-    """This PE's failures, gathered on every PE at the end (never raised alone: the peer would
-    wait in the next collective for a PE that left)."""
-
-    def __init__(self, world) -> None:
-        self.world_size = world[1]
-        self.failures: list[str] = []
-
-    @contextlib.contextmanager
-    def check(self, what: str):
-        try:
-            yield
-        except Exception as error:  # AssertionError, pydatacopy.Error and anything else
-            self.failures.append(f"{what}: {type(error).__name__}: {error}")
-
-    def agree(self, step: str) -> None:
-        every = [None] * self.world_size
-        dist.all_gather_object(every, self.failures)
-        bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
-        if bad:
-            pytest.fail(f"by {step}: " + "; ".join(bad), pytrace=False)
+_Failures = Outcome  # tests/gpu/pe_outcome.py (check and agree)
 
 
 def _stream(kind: str):

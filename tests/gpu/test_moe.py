@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
+from pe_outcome import fail_on_every_pe
 
 pytestmark = pytest.mark.any_pes
 
@@ -36,13 +37,9 @@ def in_step(world):
     yield
     torch.cuda.synchronize()
     pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
-    every: list = [None] * world[1]
-    dist.all_gather_object(every, list(_FAILURES))
+    failures = list(_FAILURES)
     _FAILURES.clear()
-    bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
-    if bad:
-        pytest.fail("; ".join(bad[:12]) + (f"; and {len(bad) - 12} more" if len(bad) > 12 else ""),
-                    pytrace=False)
+    fail_on_every_pe(world[1], failures, "", most=12)
     pydatacopy.check_errors()
 
 

@@ -6,7 +6,6 @@ Every data check compares bytes against fresh data generated for that round."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 import time
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
+from pe_outcome import Outcome
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -35,45 +35,7 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"{int(differ.to(torch.uint8).argmax())}")
 
 
-class _Outcome:
-    """This PE's failures, kept instead of raised so that every PE goes through the same
-    collective steps (barriers, setup_send_recv, the fixture's teardown) whatever happened on it:
-    a PE that raised alone would enter a collective the other PE never reaches, and both would
-    time out, poisoning the rest of the process. agree() gathers every PE's failures and fails
-    every PE together."""
-
-    def __init__(self, world) -> None:
-        self.world_size = world[1]
-        self.failures: list[str] = []
-
-    @contextlib.contextmanager
-    def check(self, what: str):
-        try:
-            yield
-        except Exception as error:  # AssertionError, pydatacopy.Error and anything else
-            self.failures.append(f"{what}: {type(error).__name__}: {error}")
-
-    @contextlib.contextmanager
-    def expect_error(self, what: str, pattern: str):
-        """Like pytest.raises(pydatacopy.Error, match=pattern), but recorded, not raised."""
-        try:
-            yield
-        except pydatacopy.Error as error:
-            if not re.search(pattern, str(error)):
-                self.failures.append(f"{what}: raised {error!r}, which does not match {pattern!r}")
-        except Exception as error:
-            self.failures.append(f"{what}: raised {type(error).__name__}: {error}, not "
-                                 f"pydatacopy.Error matching {pattern!r}")
-        else:
-            self.failures.append(f"{what}: did not raise (expected {pattern!r})")
-
-    def agree(self, step: str) -> None:
-        """Collective (also a barrier): fail on every PE if any PE failed so far."""
-        every = [None] * self.world_size
-        dist.all_gather_object(every, self.failures)
-        bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
-        if bad:
-            pytest.fail(f"by {step}: " + "; ".join(bad), pytrace=False)
+_Outcome = Outcome  # tests/gpu/pe_outcome.py
 
 
 def _refusal(specific: str, other_bytes: int, this_bytes: int) -> str:

@@ -8,15 +8,15 @@ that no PE leaves the other alone in a collective."""
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import ctypes
-import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import pydatacopy
+from pe_outcome import Outcome
 from pydatacopy import _send_recv
 from pydatacopy._torch_utils import tensor_from_address
 
@@ -39,40 +39,8 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"{int(differ.to(torch.uint8).argmax())}")
 
 
-class _Outcome:
-    """This PE's failures, kept instead of raised; agree() fails every PE together."""
-
-    def __init__(self, world) -> None:
-        self.world_size = world[1]
-        self.failures: list[str] = []
-
-    @contextlib.contextmanager
-    def check(self, what: str):
-        try:
-            yield
-        except Exception as error:
-            self.failures.append(f"{what}: {type(error).__name__}: {error}")
-
-    @contextlib.contextmanager
-    def expect_error(self, what: str, pattern: str):
-        try:
-            yield
-        except pydatacopy.TimeoutError as error:
-            self.failures.append(f"{what}: timed out instead of a prompt size-mismatch Error: {error}")
-        except pydatacopy.Error as error:
-            if not re.search(pattern, str(error)):
-                self.failures.append(f"{what}: raised {error!r}, which does not match {pattern!r}")
-        except Exception as error:
-            self.failures.append(f"{what}: raised {type(error).__name__}: {error}")
-        else:
-            self.failures.append(f"{what}: did not raise (expected {pattern!r})")
-
-    def agree(self, step: str) -> None:
-        every = [None] * self.world_size
-        dist.all_gather_object(every, self.failures)
-        bad = [f"PE {pe}: {failure}" for pe, failures in enumerate(every) for failure in failures]
-        if bad:
-            pytest.fail(f"by {step}: " + "; ".join(bad), pytrace=False)
+# tests/gpu/pe_outcome.py; a mismatch that comes as a TimeoutError fails.
+_Outcome = functools.partial(Outcome, timeout_is_failure=True)
 
 
 def _load_store() -> bool:
