@@ -165,8 +165,8 @@ class RefusalPoll {
     std::swap(a.stream_, b.stream_);
     std::swap(a.words_, b.words_);
   }
-  // Host-blocking on this copy only: the `words` at `device_words`, in host memory.
-  const uint64_t* read(const uint64_t* device_words);
+  // Host-blocking on this copy only: `words` (at most the buffer's) at `device_words`, in host memory.
+  const uint64_t* read(const uint64_t* device_words, std::size_t words);
 
  private:
   uint64_t* host_ = nullptr;
@@ -261,7 +261,7 @@ class SendRecvEngine {
   // zero-copy] (counted on the device: synchronise first), and the host's bookkeeping:
   // [map requests, acknowledged, refused by the sender, not exportable, stale dropped, evicted,
   // handles opened here, closed here].
-  std::vector<uint64_t> zero_copy_counters() const;
+  std::vector<uint64_t> zero_copy_counters();
 
  private:
   void require_ready(const char* what, int pe) const;       // the call's own arguments
@@ -301,6 +301,8 @@ class SendRecvEngine {
   RefusalPoll refusal_poll_;     // check_refusals(): the refusal words, read from the host
   bool sends_launched_ = false;   // no send, no refusal to look for
   uint64_t* messages_ = nullptr;   // device [2][n_pes]: next message ordinal of each channel
+  uint64_t* zc_resolved_ = nullptr;  // device [n_pes][kRendezvousRing][2]: zero-copy targets per send channel
+  uint64_t* zc_counts_ = nullptr;    // device [kZeroCopyCounters]: ops finished, by mode (test hook)
   std::size_t zero_copy_min_bytes_ = 0;
   std::unique_ptr<ZeroCopyState> zero_copy_;
 };

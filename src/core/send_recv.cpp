@@ -193,7 +193,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   ChannelOrder order(2 * pes);  // local, before anything collective can need undoing
   // check_refusals(): a pinned copy of the refusal words and a stream of its own, also local and
   // made before anything collective (a failure here leaves no peer waiting).
-  RefusalPoll poll(3 * static_cast<std::size_t>(pes));
+  RefusalPoll poll(std::max<std::size_t>(3 * static_cast<std::size_t>(pes), kernels::kZeroCopyCounters));
   // Both sides of a message must cut it into the same slices: every PE must ask for the same
   // `blocks`, and all take the smallest grid cap (PEs with different SM shares, e.g. other MPS
   // percentages, would otherwise cut messages differently: false size mismatches or stalls).
@@ -231,8 +231,12 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   // failed in it; per send channel, the sequence that last filled each page of each slot. On the
   // device, so that graph replays advance them.
   const std::size_t pages_per_peer = static_cast<std::size_t>(num_chunks) * (chunk_bytes / page_bytes_);
+  // Then per send channel the ring of zero-copy targets its slice-0 block resolved, and the
+  // test hook's counters of finished ops by mode.
   const std::size_t counter_bytes = 2 * pes * (2 * sizeof(uint64_t) + 2 * sizeof(unsigned int)) +
-                                    pes * pages_per_peer * sizeof(uint64_t) + 2 * pes * sizeof(uint64_t);
+                                    pes * pages_per_peer * sizeof(uint64_t) + 2 * pes * sizeof(uint64_t) +
+                                    (pes * 2 * kernels::kRendezvousRing + kernels::kZeroCopyCounters) *
+                                        sizeof(uint64_t);
   void* counters = nullptr;
   PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
   if (cudaError_t e = cudaMemset(counters, 0, counter_bytes); e != cudaSuccess) {
@@ -256,7 +260,9 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   progress_ = sequences_ + 2 * pes;
   filled_ = progress_ + 2 * pes;
   messages_ = filled_ + pes * pages_per_peer;
-  done_ = reinterpret_cast<unsigned int*>(messages_ + 2 * pes);
+  zc_resolved_ = messages_ + 2 * pes;
+  zc_counts_ = zc_resolved_ + static_cast<std::size_t>(pes) * 2 * kernels::kRendezvousRing;
+  done_ = reinterpret_cast<unsigned int*>(zc_counts_ + kernels::kZeroCopyCounters);
   failed_ = done_ + 2 * pes;
   resident_blocks_ = std::max(1, grid_cap);
   chunk_bytes_ = chunk_bytes;
@@ -272,8 +278,7 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   // live entry at each replay), and a mailbox per load/store peer. A mailbox that cannot be
   // made only keeps that peer's messages staged.
   auto state = std::make_unique<ZeroCopyState>(&order_, pes);
-  const std::size_t table_words = static_cast<std::size_t>(pes) * zero_copy::kTableEntries +
-                                  kernels::kZeroCopyCounters;
+  const std::size_t table_words = static_cast<std::size_t>(pes) * zero_copy::kTableEntries;
   PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&state->table_host), table_words * sizeof(uint64_t),
                                cudaHostAllocMapped));
   std::memset(state->table_host, 0, table_words * sizeof(uint64_t));
@@ -348,10 +353,10 @@ void SendRecvEngine::service_zero_copy() {
   }
 }
 
-std::vector<uint64_t> SendRecvEngine::zero_copy_counters() const {
+std::vector<uint64_t> SendRecvEngine::zero_copy_counters() {
   PDC_REQUIRE(initialized(), "zero_copy_counters: the send/recv engine is not set up");
-  const volatile uint64_t* device_counts =
-      zero_copy_->table_host + static_cast<std::size_t>(n_pes_) * zero_copy::kTableEntries;
+  // In device memory (a host-mapped atomic at the end of every launch cost a PCIe round trip).
+  const uint64_t* device_counts = refusal_poll_.read(zc_counts_, kernels::kZeroCopyCounters);
   std::vector<uint64_t> out;
   for (int i = 0; i < kernels::kZeroCopyCounters; ++i) out.push_back(static_cast<uint64_t>(device_counts[i]));
   zero_copy::Exporter::Stats e;
@@ -390,6 +395,8 @@ void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
   swap(refusal_poll_, other.refusal_poll_);
   swap(sends_launched_, other.sends_launched_);
   swap(messages_, other.messages_);
+  swap(zc_resolved_, other.zc_resolved_);
+  swap(zc_counts_, other.zc_counts_);
   swap(zero_copy_min_bytes_, other.zero_copy_min_bytes_);
   swap(zero_copy_, other.zero_copy_);
   // The backend asks the engine's own channel events.
@@ -412,7 +419,7 @@ void SendRecvEngine::cleanup() {
   std::unique_ptr<ZeroCopyState> zero_copy = std::move(zero_copy_);
   symmetric_free(base);  // synchronises the device first: no kernel still uses the counters
   if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
-  sequences_ = progress_ = filled_ = messages_ = nullptr;
+  sequences_ = progress_ = filled_ = messages_ = zc_resolved_ = zc_counts_ = nullptr;
   done_ = failed_ = nullptr;
   if (zero_copy != nullptr) {
     // No kernel runs any more (symmetric_free synchronised the device, or a peer died and
@@ -449,9 +456,10 @@ RefusalPoll& RefusalPoll::operator=(RefusalPoll&& other) noexcept {
   return *this;
 }
 
-const uint64_t* RefusalPoll::read(const uint64_t* device_words) {
+const uint64_t* RefusalPoll::read(const uint64_t* device_words, std::size_t words) {
+  PDC_REQUIRE(words <= words_, "RefusalPoll::read: " << words << " words asked of a buffer of " << words_);
   RelaxedCaptureMode relaxed;  // a capture running in global mode on another stream stays valid
-  PDC_CHECK_CUDA(cudaMemcpyAsync(host_, device_words, words_ * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_));
+  PDC_CHECK_CUDA(cudaMemcpyAsync(host_, device_words, words * sizeof(uint64_t), cudaMemcpyDeviceToHost, stream_));
   PDC_CHECK_CUDA(cudaStreamSynchronize(stream_));
   return host_;
 }
@@ -459,7 +467,7 @@ const uint64_t* RefusalPoll::read(const uint64_t* device_words) {
 void SendRecvEngine::check_refusals() {
   if (base_ == nullptr || !sends_launched_) return;
   // [send words][recv words][refused sizes], each n_pes long (the symmetric layout).
-  const uint64_t* words = refusal_poll_.read(broken(true, 0));
+  const uint64_t* words = refusal_poll_.read(broken(true, 0), 3 * static_cast<std::size_t>(n_pes_));
   for (int peer = 0; peer < n_pes_; ++peer) {
     const uint64_t word = words[peer], sender_bytes = words[2 * n_pes_ + peer];
     if (word == 0 || send_refusal_recorded(peer)) continue;  // none, or a device record will tell
@@ -567,8 +575,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   // raise active_blocks), so both sides count the same; at most one per resident block, so that
   // a block streams one contiguous part instead of visiting two in turn.
   a.zc_slices = std::min(a.active_blocks, std::max(1, resident_blocks_));
-  a.zc_counters = reinterpret_cast<unsigned long long*>(
-      zero_copy_->table_device + static_cast<std::size_t>(n_pes_) * zero_copy::kTableEntries);
+  a.zc_counters = reinterpret_cast<unsigned long long*>(zc_counts_);
   const bool load_store = load_store_peer(peer);
   if (send) {
     a.src = static_cast<const uint8_t*>(buffer);
@@ -588,6 +595,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.peer_zc_done = static_cast<uint64_t*>(peer_address(zero_copy_done(me), peer));
       a.peer_recv_broken = static_cast<uint64_t*>(peer_address(broken(false, me), peer));
       a.zc_table = zero_copy_->table_device + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
+      a.zc_resolved = zc_resolved_ + static_cast<std::size_t>(peer) * 2 * kernels::kRendezvousRing;
       a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
     }
   } else {

@@ -164,7 +164,8 @@ struct ChunkStreamArgs {
   uint64_t* peer_zc_done;    // send: the receiver's words for this PE (nvshmem_ptr)
   uint64_t* peer_recv_broken;  // send: the receiver's refusal word for this channel (nvshmem_ptr)
   const volatile uint64_t* zc_table;  // send: [kTableEntries] the receiver's allocations, mapped here
-  unsigned long long* zc_counters;    // host-mapped [kZeroCopyCounters]
+  uint64_t* zc_resolved;     // send, device [kRendezvousRing][2]: {message + 1, base} read from zc_table
+  unsigned long long* zc_counters;    // device [kZeroCopyCounters] (the test hook's)
 };
 
 // Several sends and recvs in one launch (passed by value: 16 ops stay far under the 32 KiB

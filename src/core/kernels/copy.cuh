@@ -66,4 +66,15 @@ __device__ __forceinline__ void store_release_sys(uint64_t* address, uint64_t va
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
+// Between blocks of one launch (device memory only this GPU's kernels touch).
+__device__ __forceinline__ void store_release_gpu(uint64_t* address, uint64_t value) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ uint64_t load_acquire_gpu(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
 }  // namespace pydatacopy::kernels

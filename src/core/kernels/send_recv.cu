@@ -346,7 +346,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           __shared__ int taken;
           if (threadIdx.x == 0) {
             uint8_t* into = nullptr;
-            taken = take_descriptor(a, message[i], first[i], &into);
+            taken = take_descriptor(a, message[i], first[i], slice == 0, &into);
             if (taken > 0) mode[i] = taken, target[i] = into;
             if (taken < 0) next[i][j] = chunk_count(a), gave_up[i] = true;
             if (taken != 0) {
@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       const bool zero_copy = mode[i] == zero_copy_detail::kModeZeroCopy;
       const int counter = batch.is_send[i] ? (zero_copy ? kSendZeroCopy : kSendStaged)
                                            : (zero_copy ? kRecvZeroCopy : kRecvStaged);
-      atomicAdd(a.zc_counters + counter, 1ull);  // device scope: host-mapped memory (see record_error)
+      atomicAdd(a.zc_counters + counter, 1ull);
     }
   }
   for (int i = 0; i < batch.count; ++i)

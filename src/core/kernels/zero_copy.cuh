@@ -74,10 +74,18 @@ __device__ __forceinline__ bool zero_copy_begin(const ChunkStreamArgs& a, int sl
   return !failed;
 }
 
-// Thread 0, send side. Returns 0 while the descriptor of `message` is not there, else the mode
-// (kModeStaged / kModeZeroCopy, with *target set), or -1 after refusing the channel.
+// Thread 0, send side. Returns 0 while the descriptor of `message` (or, for a block other than
+// the resolver's, the resolved target) is not there, else the mode (kModeStaged / kModeZeroCopy,
+// with *target set), or -1 after the channel was refused (by this block, or by the resolver).
+//
+// The receiver's allocation is looked up in the sender's table once per message, by the block
+// of slice 0 (`resolver`), which publishes the base it read in the channel's resolved ring: the
+// table is host-mapped (the host changes it at any time, see send_recv.cpp), and 66 blocks each
+// reading it over PCIe cost ~1 us apiece, one after another, on an H200 (a zero-copy message
+// spent 45-80 us in its kernels beyond the copy until 2026-12-02). All blocks thus write through
+// the same mapping, or all give up.
 __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
-                                               uint8_t** target) {
+                                               bool resolver, uint8_t** target) {
   RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
   if (detail::load_acquire_sys(&d->message) != message + 1) return 0;
   const volatile RendezvousDescriptor* v = d;
@@ -89,10 +97,20 @@ __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_
     return -1;
   }
   if (mode != kPostedZeroCopy) return zero_copy_detail::kModeStaged;
-  const uint64_t base = index >= 0 && index < kZeroCopyTableEntries ? a.zc_table[index] : 0;
-  if (base == 0) {  // unmapped since the receiver posted it: never write through a guess
-    refuse_from_send(a, detail::WaitOp::kZeroCopyMapping, bytes);
-    return -1;
+  uint64_t* resolved = a.zc_resolved + 2 * (message % kRendezvousRing);  // {message + 1, base}
+  uint64_t base = 0;
+  if (resolver) {
+    base = index >= 0 && index < kZeroCopyTableEntries ? a.zc_table[index] : 0;
+    *reinterpret_cast<volatile uint64_t*>(resolved + 1) = base;
+    store_release_gpu(resolved, message + 1);
+    if (base == 0) {  // unmapped since the receiver posted it: never write through a guess
+      refuse_from_send(a, detail::WaitOp::kZeroCopyMapping, bytes);
+      return -1;
+    }
+  } else {
+    if (load_acquire_gpu(resolved) != message + 1) return 0;
+    base = *reinterpret_cast<volatile uint64_t*>(resolved + 1);
+    if (base == 0) return -1;  // the resolver refused the channel (and recorded it)
   }
   *target = reinterpret_cast<uint8_t*>(base) + offset;
   return zero_copy_detail::kModeZeroCopy;
