@@ -710,7 +710,12 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     launch.is_send[launch.count] = op.send;
     kernels::ChunkStreamArgs& a = launch.ops[launch.count++];
     a = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
-    if (!op.send) decide_recv_mode(a, op.buffer, op.bytes, op.peer, capturing != 0, timeout_seconds);
+    if (!op.send) {
+      decide_recv_mode(a, op.buffer, op.bytes, op.peer, capturing != 0, timeout_seconds);
+      // A zero-copy recv waits on one block (send_recv.cu: zero_copy_recv_visit); its zc_slices,
+      // set above from the size, still counts the sender's slices.
+      if (a.zero_copy) a.active_blocks = 1;
+    }
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }

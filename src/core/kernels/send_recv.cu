@@ -18,6 +18,7 @@ namespace pydatacopy::kernels {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr uint64_t kDescriptorSpinNs = 4000;  // a send's look for its rendezvous descriptor, per visit
 // kMaxSlicesPerBlock (api.cuh): the grid is cut to what can be resident at once, so a message's
 // slices never wait for blocks that start only when others end.
 
@@ -270,6 +271,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ uint8_t* target[kCapacity];
   __shared__ bool posted[kCapacity];
   __shared__ bool gave_up[kCapacity];
+  __shared__ uint64_t zc_landed[kCapacity];  // a zero-copy recv's progress at its last look
   if (threadIdx.x == 0) {
     const uint64_t now = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
@@ -282,6 +284,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                      : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
       target[i] = nullptr;
       posted[i] = !a.post_descriptor;
+      zc_landed[i] = 0;
       // A refused channel moves nothing until setup_send_recv() rebuilds it.
       const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
       gave_up[i] = broken != 0;
@@ -289,8 +292,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       for (int j = 0; j < kMaxSlicesPerBlock; ++j) {
         const int slice = block + j * grid;
         header_ok[i][j] = 0;
-        // A zero-copy recv's slices past the copy's own have nothing to wait for.
-        const bool idle = mode[i] == zero_copy_detail::kModeZeroCopy && slice >= a.zc_slices && slice != 0;
+        // A zero-copy recv waits in its slice 0 alone (for every sender slice).
+        const bool idle = mode[i] == zero_copy_detail::kModeZeroCopy && slice != 0;
         next[i][j] = broken == 0 && slice < a.active_blocks && !idle ? 0 : chunk_count(a);
       }
     }
@@ -346,7 +349,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           __shared__ int taken;
           if (threadIdx.x == 0) {
             uint8_t* into = nullptr;
-            taken = take_descriptor(a, message[i], first[i], slice == 0, &into);
+            // A short spin before the loop's next round (whose barriers and checks made the
+            // descriptor wait ~3 us longer than its store takes to be seen, measured 2026-12-02);
+            // bounded, so that the block's other ops still move.
+            const uint64_t spin_until = detail::globaltimer_ns() + kDescriptorSpinNs;
+            do {
+              taken = take_descriptor(a, message[i], first[i], slice == 0, &into);
+            } while (taken == 0 && detail::globaltimer_ns() < spin_until);
             if (taken > 0) mode[i] = taken, target[i] = into;
             if (taken < 0) next[i][j] = chunk_count(a), gave_up[i] = true;
             if (taken != 0) {
@@ -409,55 +418,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             __syncthreads();
             continue;
           }
-          // A zero-copy recv waits for its slice's done word. It gives up only when the sender's
-          // slice cancelled or never started while the channel failed (seen after a full fence:
-          // zero_copy_begin), when the sender sent this message staged (another size), or at
-          // the watchdog: never while the sender may still write into the buffer.
-          __shared__ int state;  // 1: progress, 2: gave up
-          if (threadIdx.x == 0) {
-            state = 0;
-            Landed l{true, false, true, chunk_count(a)};
-            if (slice < a.zc_slices) l = zero_copy_landed(a, slice, message[i]);
-            const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
-            if (l.final || (!l.cancelled && l.chunks > chunk)) {
-              next[i][j] = l.chunks;
-              state = 1;
-            } else if (l.cancelled) {
-              refuse(a, broken != 0 ? detail::WaitOp::kChunkArrival : detail::WaitOp::kChannelRefused,
-                     broken != 0 ? broken - 1 : static_cast<uint64_t>(a.bytes));
-              state = 2;
-            } else if (slice == 0 && !l.started && staged_instead(a, first[i])) {
-              state = 2;  // refused at both ends; the sender writes nothing zero-copy for it
-            } else if (!l.started && (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)) {
-              // A refusal: this PE tells the sender itself (its refusal word; the same answer
-              // again if the sender found it), then looks again after a full fence. Either the
-              // sender's slice sees the word before it starts (zero_copy_begin: it cancels), or
-              // this look sees that it started. (Failed without a refusal is a timeout: the peer
-              // is taken for dead.)
-              if (broken != 0) store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
-              __threadfence_system();
-              if (!zero_copy_landed(a, slice, message[i]).started) {
-                if (broken != 0) refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
-                else atomicExch(a.failed, 1u);
-                state = 2;
-              }
-            } else {
-              const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
-              const uint64_t now = detail::globaltimer_ns();
-              if (now > last && now - last > a.timeout_ns) {
-                detail::record_timeout(a.status, detail::WaitOp::kZeroCopyDone, a.peer, a.my_pe,
-                                       zero_copy_detail::done_word(message[i], zero_copy_detail::kFinal),
-                                       detail::load_acquire_sys(a.zc_done + slice));
-                atomicExch(a.failed, 1u);
-                state = 2;
-              }
-            }
-            if (state == 1) {
-              const uint64_t now = detail::globaltimer_ns();
-              since[i] = now;
-              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
-            }
-            if (state == 2) next[i][j] = chunk_count(a), gave_up[i] = true;
+          // A zero-copy recv: its slice 0 watches every sender slice's done word (the recv's
+          // other slices are idle from the start), see zero_copy_recv_visit.
+          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i]);
+          if (threadIdx.x == 0 && seen != kZeroCopyWaiting) {
+            next[i][j] = chunk_count(a);
+            if (seen == kZeroCopyGaveUp) gave_up[i] = true;
           }
           __syncthreads();
           continue;

@@ -180,3 +180,94 @@ __device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_
   refuse_from_recv(a, h->message_bytes);
   return true;
 }
+
+// All threads of the block that drives a zero-copy recv's slice 0: one look at the done word of
+// every sender slice (thread t reads slices t, t + blockDim.x, ...). The recv's other slices are
+// idle: one block waits for the whole message, so the receiver's launch is one block, which finds
+// an SM at once on a GPU whose SMs the sender's blocks hold (PEs sharing a GPU under MPS: with a
+// block per slice, the receiver's last blocks started only after the sender's kernel ended,
+// measured 2026-12-02). Returns kZeroCopyWaiting, kZeroCopyDone (every slice final) or
+// kZeroCopyGaveUp. It gives up only once no sender slice may still write into the buffer: every
+// slice final, cancelled, or not started while the channel failed (seen after a full fence:
+// zero_copy_begin), or the sender sent the message staged (another size); or at the watchdog.
+// `since` and `landed` (the sum of the slices' progress at the last look) are the op's, in shared
+// memory, changed by thread 0 only.
+constexpr int kZeroCopyWaiting = 0, kZeroCopyDone = 1, kZeroCopyGaveUp = 2;
+__device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
+                                                    uint64_t& since, uint64_t& landed) {
+  constexpr unsigned kUnfinished = 1, kCancelled = 2, kInProgress = 4, kSliceZeroUnstarted = 8;
+  __shared__ unsigned flags;
+  __shared__ unsigned long long sum;
+  __shared__ int verdict;
+  if (threadIdx.x == 0) flags = 0, sum = 0, verdict = kZeroCopyWaiting;
+  __syncthreads();
+  unsigned mine = 0;
+  unsigned long long progress = 0;
+  for (int s = static_cast<int>(threadIdx.x); s < a.zc_slices; s += static_cast<int>(blockDim.x)) {
+    const Landed l = zero_copy_landed(a, s, message);
+    progress += static_cast<unsigned long long>(l.chunks) + (l.final ? 1 : 0);
+    if (l.final) continue;
+    mine |= kUnfinished | (l.cancelled ? kCancelled : l.started ? kInProgress : 0u);
+    if (s == 0 && !l.started) mine |= kSliceZeroUnstarted;
+  }
+  if (mine != 0) atomicOr(&flags, mine);
+  if (progress != 0) atomicAdd(&sum, progress);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned seen = flags;
+    const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+    const bool failed = *reinterpret_cast<volatile unsigned int*>(a.failed) != 0;
+    if (!(seen & kUnfinished)) {
+      verdict = kZeroCopyDone;
+    } else {
+      // A slice the sender cancelled: it gave the message up (the channel is refused).
+      if ((seen & kCancelled) && !failed)
+        refuse(a, broken != 0 ? detail::WaitOp::kChunkArrival : detail::WaitOp::kChannelRefused,
+               broken != 0 ? broken - 1 : static_cast<uint64_t>(a.bytes));
+      if (!(seen & kInProgress)) {
+        // Every unfinished slice is cancelled or not started.
+        if ((seen & kSliceZeroUnstarted) && staged_instead(a, first)) {
+          verdict = kZeroCopyGaveUp;  // refused at both ends; the sender writes nothing zero-copy for it
+        } else if (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) {
+          // A refusal: this PE tells the sender itself (its refusal word; the same answer again if
+          // the sender found it), then looks again after a full fence. Either each sender slice
+          // sees the word before it starts (zero_copy_begin: it cancels), or this look sees that
+          // it started. (Failed without a refusal is a timeout: the peer is taken for dead.)
+          if (broken != 0) store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
+          __threadfence_system();
+          bool writing = false;
+          for (int s = 0; s < a.zc_slices && !writing; ++s) {
+            const Landed l = zero_copy_landed(a, s, message);
+            writing = l.started && !l.final && !l.cancelled;
+          }
+          if (!writing) {
+            if (broken != 0) refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
+            else atomicExch(a.failed, 1u);
+            verdict = kZeroCopyGaveUp;
+          }
+        }
+      }
+    }
+    const uint64_t now = detail::globaltimer_ns();
+    if (sum != landed) {
+      landed = sum;
+      since = now;
+      atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+    } else if (verdict == kZeroCopyWaiting) {
+      const uint64_t last = max(since, *reinterpret_cast<volatile uint64_t*>(a.progress));
+      if (now > last && now - last > a.timeout_ns) {
+        int short_slice = 0;
+        while (short_slice + 1 < a.zc_slices && zero_copy_landed(a, short_slice, message).final) ++short_slice;
+        detail::record_timeout(a.status, detail::WaitOp::kZeroCopyDone, a.peer, a.my_pe,
+                               zero_copy_detail::done_word(message, zero_copy_detail::kFinal),
+                               detail::load_acquire_sys(a.zc_done + short_slice));
+        atomicExch(a.failed, 1u);
+        verdict = kZeroCopyGaveUp;
+      }
+    }
+  }
+  __syncthreads();
+  const int result = verdict;
+  __syncthreads();  // every thread has read it before the next visit's thread 0 writes it
+  return result;
+}
