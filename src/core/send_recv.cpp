@@ -748,7 +748,7 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     const unsigned long long capture = capturing;
     for (int i = 0; i < launch.count; ++i)
       order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
-    kernels::launch_chunk_batch(launch, stream);
+    kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
     for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
     for (int i = 0; i < launch.count; ++i)
       order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);

@@ -186,7 +186,12 @@ struct ChunkBatch {
 int chunk_batch_resident_blocks(int pes_sharing_gpu);
 // Blocks of the send/recv kernel one SM holds at once (the smaller of its two batch sizes).
 int chunk_batch_blocks_per_sm();
-void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream);
+// `programmatic`: launch_kernel's (launch.cuh); callers pass programmatic_launch_enabled() for an
+// eager launch, false while capturing.
+void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic);
+// Launches may be programmatic (launch.cuh): compute capability 9.0 or later on the current device,
+// and PYDATACOPY_PROGRAMMATIC_LAUNCH is not 0 (read once per process).
+bool programmatic_launch_enabled();
 
 }  // namespace pydatacopy::kernels
 

@@ -7,11 +7,13 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "../device_status.cuh"
 #include "api.cuh"
 #include "copy.cuh"
+#include "launch.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {
@@ -252,6 +254,8 @@ struct SizedBatch {
 
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
+  wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
+  allow_next_grid();         // the grid is never larger than what is resident at once
   const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // Per op: the channel's sequence number of the message's first chunk (the device counter,
   // advanced by the previous launch on the channel, plus the chunks of earlier ops of this batch
@@ -504,17 +508,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
 }  // namespace
 
 template <int kCapacity>
-void launch_sized(const ChunkBatch& batch, int blocks, cudaStream_t stream) {
+cudaError_t launch_sized(const ChunkBatch& batch, int blocks, cudaStream_t stream, bool programmatic) {
   SizedBatch<kCapacity> sized{};
   for (int i = 0; i < batch.count; ++i) {
     sized.ops[i] = batch.ops[i];
     sized.is_send[i] = batch.is_send[i];
   }
   sized.count = batch.count;
-  chunk_batch_kernel<kCapacity><<<blocks, kThreads, 0, stream>>>(sized);
+  return launch_kernel(chunk_batch_kernel<kCapacity>, dim3(blocks), dim3(kThreads), 0, stream, programmatic, sized);
 }
 
-void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
+void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic) {
   int slices = 0;  // block b drives slices b, b + grid, ... of every op
   for (int i = 0; i < batch.count; ++i) slices = max(slices, batch.ops[i].active_blocks);
   if (slices == 0) return;
@@ -523,10 +527,28 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream) {
   const int least = (slices + kMaxSlicesPerBlock - 1) / kMaxSlicesPerBlock;
   const int blocks = max(least, min(slices, max(1, batch.max_grid)));
   if (batch.count <= 2)
-    launch_sized<2>(batch, blocks, stream);
+    PDC_CHECK_CUDA(launch_sized<2>(batch, blocks, stream, programmatic));
   else
-    launch_sized<kMaxBatchOps>(batch, blocks, stream);
-  PDC_CHECK_CUDA(cudaGetLastError());
+    PDC_CHECK_CUDA(launch_sized<kMaxBatchOps>(batch, blocks, stream, programmatic));
+}
+
+bool programmatic_launch_enabled() {
+  static const bool wanted = [] {
+    const char* text = std::getenv("PYDATACOPY_PROGRAMMATIC_LAUNCH");
+    return text == nullptr || std::string(text) != "0";
+  }();
+  if (!wanted) return false;
+  // Per device: 0 not asked yet, 1 no (before sm_90), 2 yes.
+  static int known[64] = {0};
+  int device = 0;
+  PDC_CHECK_CUDA(cudaGetDevice(&device));
+  if (device < 0 || device >= 64) return false;
+  if (known[device] == 0) {
+    int major = 0;
+    PDC_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    known[device] = major >= 9 ? 2 : 1;
+  }
+  return known[device] == 2;
 }
 
 namespace {
