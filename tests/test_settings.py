@@ -61,3 +61,14 @@ def test_zero_copy_threshold_is_checked_before_init(text, ok):
     else is refused with the variable's name before NVSHMEM starts."""
     problems = dict(_settings.pydatacopy_problems({"PYDATACOPY_ZERO_COPY_MIN_BYTES": text}))
     assert ("PYDATACOPY_ZERO_COPY_MIN_BYTES" in problems) == (not ok), problems
+
+
+# ---- PYDATACOPY_PROGRAMMATIC_LAUNCH -----------------------------------------------------------
+
+@pytest.mark.parametrize("text, ok", [("0", True), ("1", True), ("", True), ("false", False),
+                                      ("yes", False), (" 0", False)])
+def test_programmatic_launch_switch_is_checked_before_init(text, ok):
+    """PYDATACOPY_PROGRAMMATIC_LAUNCH: 0 or 1 only. The core reads anything but 0 as on, so a
+    'false' would keep it on: refused with the variable's name before NVSHMEM starts."""
+    problems = dict(_settings.pydatacopy_problems({"PYDATACOPY_PROGRAMMATIC_LAUNCH": text}))
+    assert ("PYDATACOPY_PROGRAMMATIC_LAUNCH" in problems) == (not ok), problems

@@ -400,6 +400,9 @@ def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[s
         ("PYDATACOPY_ZERO_COPY_MIN_BYTES", lambda t: parse_int(
             t, "PYDATACOPY_ZERO_COPY_MIN_BYTES", 0, 2**63 - 1, 1 << 20,
             "the smallest send/recv message that moves zero-copy between load/store peers, 0: off")),
+        ("PYDATACOPY_PROGRAMMATIC_LAUNCH", lambda t: parse_switch(
+            t, "PYDATACOPY_PROGRAMMATIC_LAUNCH",
+            "send/recv kernels start while the previous kernel on the stream ends, sm_90+, the default")),
         # Not ours, but init() sums it over the ranks of a GPU (see _runtime._shared_gpu_verdict).
         ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
          lambda t: mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t})),
