@@ -21,8 +21,9 @@ __device__ __forceinline__ void wait_for_previous_grid() {
 }
 
 // The next kernel on the stream may be set up now (it still waits for this whole grid's end before
-// it touches memory). Called once every block of this grid is resident, so that a dependent's
-// blocks never take an SM one of ours still needs.
+// it touches memory). Its blocks then hold SMs while they wait: call it only once this block
+// waits on nothing outside the grid (a kernel that still waits on a peer would keep those SMs
+// from whatever the peer waits for: another stream of this PE, a PE sharing the GPU).
 __device__ __forceinline__ void allow_next_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

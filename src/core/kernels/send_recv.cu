@@ -255,7 +255,6 @@ struct SizedBatch {
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
-  allow_next_grid();         // the grid is never larger than what is resident at once
   const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // Per op: the channel's sequence number of the message's first chunk (the device counter,
   // advanced by the previous launch on the channel, plus the chunks of earlier ops of this batch
@@ -356,7 +355,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             // A short spin before the loop's next round (whose barriers and checks made the
             // descriptor wait ~3 us longer than its store takes to be seen, measured 2026-12-02);
             // bounded, so that the block's other ops still move.
-            const uint64_t spin_until = detail::globaltimer_ns() + kDescriptorSpinNs;
+            // Not while this block still has a recv's descriptor to post (block 0, e.g. the recv
+            // of a sendrecv, after its send): the peer's send waits for that descriptor, so a
+            // spin here would only delay both sides.
+            // (Slice 0, which posts, is always block 0's.)
+            bool may_spin = true;
+            for (int e = 0; e < batch.count && block == 0; ++e) may_spin = may_spin && posted[e];
+            const uint64_t spin_until = detail::globaltimer_ns() + (may_spin ? kDescriptorSpinNs : 0);
             do {
               taken = take_descriptor(a, message[i], first[i], slice == 0, &into);
             } while (taken == 0 && detail::globaltimer_ns() < spin_until);
@@ -488,6 +493,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       }
     }
   }
+  // The next kernel on the stream may be set up only now: its blocks sit on SMs (in
+  // wait_for_previous_grid) from the moment every block of ours has said so, and while ours
+  // still wait on a peer those SMs may be the ones another kernel of this PE (another stream's
+  // send that the peer waits for) or a PE sharing the GPU needs: a deadlock until the timeout.
+  // Past the loop nothing waits on a peer any more.
+  allow_next_grid();
   // The test hook's counters (block 0 holds every op's first slice): ops finished, by mode.
   if (block == 0 && threadIdx.x == 0) {
     for (int i = 0; i < batch.count; ++i) {
