@@ -3,6 +3,7 @@
 #include <nvshmemx.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -549,17 +550,19 @@ bool programmatic_launch_enabled() {
     return text == nullptr || std::string(text) != "0";
   }();
   if (!wanted) return false;
-  // Per device: 0 not asked yet, 1 no (before sm_90), 2 yes.
-  static int known[64] = {0};
+  // Per device: 0 not asked yet, 1 no (before sm_90), 2 yes (threads may ask at once: atomics).
+  static std::atomic<int> known[64] = {};
   int device = 0;
   PDC_CHECK_CUDA(cudaGetDevice(&device));
   if (device < 0 || device >= 64) return false;
-  if (known[device] == 0) {
+  int answer = known[device].load(std::memory_order_relaxed);
+  if (answer == 0) {
     int major = 0;
     PDC_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    known[device] = major >= 9 ? 2 : 1;
+    answer = major >= 9 ? 2 : 1;
+    known[device].store(answer, std::memory_order_relaxed);
   }
-  return known[device] == 2;
+  return answer == 2;
 }
 
 namespace {
