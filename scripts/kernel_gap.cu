@@ -1,6 +1,7 @@
 // The gap between back-to-back kernels on one stream (last block's end -> next kernel's first block start), by
 // %globaltimer, plain / programmatic (PDL) / graph-replayed. Build and run on the GPU machine:
 //   nvcc -arch=sm_90 -O2 -o /tmp/kernel_gap scripts/kernel_gap.cu && /tmp/kernel_gap
+//   /tmp/kernel_gap shapes   (128 registers per thread; a system fence and release store before the end)
 #include <cuda_runtime.h>
 #include <cstdio>
 #include <cstdint>
@@ -30,9 +31,39 @@ __global__ void __launch_bounds__(512) stamp(unsigned long long* out, int i, Big
   if (threadIdx.x == 0) atomicMax(out + 2 * i + 1, now_ns() + (x & 0));
 }
 
+// 128 registers (as chunk_batch_kernel): 28 vectors live at once, loaded only when `go` (never).
+__global__ void __launch_bounds__(512) heavy(unsigned long long* out, int i, const int4* src, int4* dst, int go) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (threadIdx.x == 0) atomicMin(out + 2 * i, now_ns());
+  if (i == 0) { const uint64_t t0 = now_ns(); while (now_ns() - t0 < 5000000) {} }
+  if (go) {
+    int4 v[28];
+#pragma unroll
+    for (int u = 0; u < 28; ++u) v[u] = src[threadIdx.x + 512 * u];
+#pragma unroll
+    for (int u = 0; u < 28; ++u) dst[threadIdx.x + 512 * u] = v[u];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) atomicMax(out + 2 * i + 1, now_ns());
+}
+
+// A system-scope fence and release store before the end (as a send/recv block's last steps).
+__global__ void __launch_bounds__(512) fenced(unsigned long long* out, int i, unsigned long long* flag) {
+  if (threadIdx.x == 0) atomicMin(out + 2 * i, now_ns());
+  if (i == 0) { const uint64_t t0 = now_ns(); while (now_ns() - t0 < 5000000) {} }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flag), "l"((unsigned long long)i) : "memory");
+    atomicMax(out + 2 * i + 1, now_ns());
+  }
+}
+
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
 
-int run(const char* name, int blocks, int threads, bool pdl, bool graph, int n = 200) {
+int run(const char* name, int blocks, int threads, bool pdl, bool graph, int kind = 0, int n = 200) {
+  static void* scratch = nullptr;
+  if (!scratch) CK(cudaMalloc(&scratch, 1 << 24));
   unsigned long long* out;
   CK(cudaMalloc(&out, 2 * n * sizeof(unsigned long long)));
   std::vector<unsigned long long> init(2 * n);
@@ -55,7 +86,9 @@ int run(const char* name, int blocks, int threads, bool pdl, bool graph, int n =
     attr[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = attr;
     cfg.numAttrs = pdl ? 1 : 0;
-    if (pdl) CK(cudaLaunchKernelEx(&cfg, stamp<true>, out, i, big));
+    if (kind == 1) CK(cudaLaunchKernelEx(&cfg, heavy, out, i, (const int4*)scratch, (int4*)scratch, 0));
+    else if (kind == 2) CK(cudaLaunchKernelEx(&cfg, fenced, out, i, (unsigned long long*)scratch));
+    else if (pdl) CK(cudaLaunchKernelEx(&cfg, stamp<true>, out, i, big));
     else CK(cudaLaunchKernelEx(&cfg, stamp<false>, out, i, big));
   }
   if (graph) {
@@ -83,7 +116,16 @@ int run(const char* name, int blocks, int threads, bool pdl, bool graph, int n =
   return 0;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  if (argc > 1) {  // the shapes of chunk_batch_kernel
+    run("heavy (128 regs)", 1, 512, false, false, 1);
+    run("heavy (128 regs)", 66, 512, false, false, 1);
+    run("heavy (128 regs) pdl", 66, 512, true, false, 1);
+    run("fenced (fence.sys + st.release.sys)", 1, 512, false, false, 2);
+    run("fenced (fence.sys + st.release.sys)", 66, 512, false, false, 2);
+    run("plain", 1, 32, false, false);
+    return 0;
+  }
   run("plain", 1, 32, false, false);
   run("plain", 66, 512, false, false);
   run("pdl", 1, 32, true, false);
