@@ -74,11 +74,14 @@
 //   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
 //   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
 //   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous), checks
-//   its bytes, then either writes straight into mapped_base[j] + offset (SM stores: slice s of
+//   its bytes, then either writes straight into mapped_base[j] + offset (mapped_base[j] read from
+//   the host-mapped table once per message, by the block of slice 0, which publishes it to the
+//   launch's other blocks in a device ring per channel; SM stores: slice s of
 //   zc_slices = min(active blocks, resident blocks) copies the s-th contiguous part of the
 //   message; each slice then stores (ordinal + 1) << 24 | visits done into its done word at the
 //   receiver, all ones in the low bits at the end, after a system fence) or runs the staged
-//   protocol. A zero-copy recv waits for its slices' done words (a watchdog on their progress).
+//   protocol. A zero-copy recv waits on one block (its slice 0), which reads every sender slice's
+//   done word (a watchdog on their progress).
 //   Either mode consumes the message's chunk sequence numbers, so the channel stays in step
 //   whatever the mode, in eager calls and graph replays alike.
 // - Sizes that differ: the descriptor carries the receiver's bytes, so both sides learn of a
@@ -145,12 +148,12 @@ struct ChunkStreamArgs;
 struct SlotHeader;
 struct RendezvousDescriptor;
 }
-struct ZeroCopyState;  // send_recv.cpp: the mailboxes, mapping tables and counters
+struct ZeroCopyState;  // send_recv.cpp: the mailboxes and mapping tables
 
 
-// Reads a few device words from the host (SendRecvEngine::check_refusals): a pinned buffer and
-// a non-blocking stream of its own, so the copy never waits behind the caller's streams. Local;
-// move-only.
+// Reads a few device words from the host (SendRecvEngine::check_refusals, and the test hook's
+// counters in zero_copy_counters): a pinned buffer and a non-blocking stream of its own, so the
+// copy never waits behind the caller's streams. Local; move-only.
 class RefusalPoll {
  public:
   RefusalPoll() = default;

@@ -123,7 +123,7 @@ struct ZeroCopyState final : zero_copy::Backend {
 
   const ChannelOrder* order_;
   int n_pes_;
-  uint64_t* table_host = nullptr;    // cudaHostAlloc'd, mapped: [n_pes][kTableEntries] then counters
+  uint64_t* table_host = nullptr;    // cudaHostAlloc'd, mapped: [n_pes][kTableEntries]
   uint64_t* table_device = nullptr;  // the same memory as the kernels see it
   std::vector<std::unique_ptr<zero_copy::Exporter>> exporters;  // per sending peer
   std::vector<std::unique_ptr<zero_copy::Importer>> importers;  // per receiving peer

@@ -4,7 +4,8 @@
 // Per op the kernel keeps a mode in shared memory: a recv knows its own (the host decided it:
 // zero-copy at (index, offset), else staged); a send that awaits a descriptor learns it from the
 // receiver's descriptor, read by each block when it first visits one of the op's slices (every
-// block reads the same descriptor, so all take the same mode, and no block waits for another).
+// block reads the same descriptor, so all take the same mode; for a zero-copy one the blocks then
+// wait for slice 0's block to look the receiver's allocation up, take_descriptor).
 #pragma once
 
 namespace zero_copy_detail {
@@ -150,8 +151,8 @@ __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, in
   return next;
 }
 
-// Thread 0, recv side of a zero-copy op: what the sender's slice `slice` has said of the
-// message so far.
+// Recv side of a zero-copy op (any thread of the waiting block): what the sender's slice `slice`
+// has said of the message so far.
 struct Landed {
   bool started, cancelled, final;
   int64_t chunks;  // written so far (chunk_count once final)
