@@ -190,7 +190,8 @@ int chunk_batch_blocks_per_sm();
 // eager launch, false while capturing.
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic);
 // Launches may be programmatic (launch.cuh): compute capability 9.0 or later on the current device,
-// and PYDATACOPY_PROGRAMMATIC_LAUNCH is not 0 (read once per process).
+// the kernels built for sm_90+ (their PTX), and PYDATACOPY_PROGRAMMATIC_LAUNCH neither empty nor 0 (read
+// once per process).
 bool programmatic_launch_enabled();
 
 }  // namespace pydatacopy::kernels

@@ -543,16 +543,19 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool progr
   // slices' peers back until a block ahead of it ends), and no more slices than a block holds.
   const int least = (slices + kMaxSlicesPerBlock - 1) / kMaxSlicesPerBlock;
   const int blocks = max(least, min(slices, max(1, batch.max_grid)));
-  if (batch.count <= 2)
-    PDC_CHECK_CUDA(launch_sized<2>(batch, blocks, stream, programmatic));
-  else
-    PDC_CHECK_CUDA(launch_sized<kMaxBatchOps>(batch, blocks, stream, programmatic));
+  const cudaError_t launched = batch.count <= 2 ? launch_sized<2>(batch, blocks, stream, programmatic)
+                                                : launch_sized<kMaxBatchOps>(batch, blocks, stream, programmatic);
+  // A failed cudaLaunchKernelEx also leaves the thread's last error set: cleared, or torch's next
+  // launch check would report it as its own.
+  if (launched != cudaSuccess) cudaGetLastError();
+  PDC_CHECK_CUDA(launched);
 }
 
 bool programmatic_launch_enabled() {
   static const bool wanted = [] {
+    // Unset: on. Empty or 0: off, as _settings.parse_switch reads every switch.
     const char* text = std::getenv("PYDATACOPY_PROGRAMMATIC_LAUNCH");
-    return text == nullptr || std::string(text) != "0";
+    return text == nullptr || (std::string(text) != "" && std::string(text) != "0");
   }();
   if (!wanted) return false;
   // Per device: 0 not asked yet, 1 no (before sm_90), 2 yes (threads may ask at once: atomics).
@@ -564,7 +567,14 @@ bool programmatic_launch_enabled() {
   if (answer == 0) {
     int major = 0;
     PDC_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    answer = major >= 9 ? 2 : 1;
+    // The kernels' griddepcontrol instructions exist only in code compiled for sm_90+: a build
+    // without such a target (CUDAARCHS=80) runs on an H100 from compute_80 PTX, with no
+    // wait_for_previous_grid, and a programmatic launch would then read before its predecessor
+    // (a user's kernel that triggers early) has finished.
+    cudaFuncAttributes small{}, large{};
+    PDC_CHECK_CUDA(cudaFuncGetAttributes(&small, chunk_batch_kernel<2>));
+    PDC_CHECK_CUDA(cudaFuncGetAttributes(&large, chunk_batch_kernel<kMaxBatchOps>));
+    answer = major >= 9 && small.ptxVersion >= 90 && large.ptxVersion >= 90 ? 2 : 1;
     known[device].store(answer, std::memory_order_relaxed);
   }
   return answer == 2;
