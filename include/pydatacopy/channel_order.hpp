@@ -11,8 +11,9 @@
 // order already puts this launch after it (the wait cost 0.3-1.2 us of host time per channel,
 // measured on an H200 under MPS, 2026-12-02). The id, not the handle: ids are unique for the
 // process's life, so a new stream that reuses a destroyed one's handle is not taken for it; the
-// legacy default stream has one id, and each thread's per-thread default stream its own. A launch
-// whose id is not given (the other engines) waits as before, and leaves the next one waiting.
+// legacy default stream (handle 0, torch's default stream) has one id. The per-thread default
+// stream (cudaStreamPerThread: one handle, a stream per thread) is given no id, and neither is a
+// launch of the other engines: such a launch waits as before, and leaves the next one waiting.
 //
 // CUDA graph capture: an event recorded inside a capture cannot be waited on outside it, nor
 // one recorded outside a capture from inside it. So each channel keeps two slots: the eager one
@@ -72,7 +73,8 @@ class ChannelOrder {
   ChannelOrder& operator=(const ChannelOrder&) = delete;
 
   // cudaStreamGetId of `stream` when `capture` (its capture_id()) is 0, else none (not asked
-  // while capturing). Ask it before anything a failure would have to undo.
+  // while capturing); none for the per-thread default stream. Ask it before anything a failure
+  // would have to undo.
   static StreamId eager_stream_id(cudaStream_t stream, unsigned long long capture);
 
   int channels() const { return static_cast<int>(channels_.size()); }

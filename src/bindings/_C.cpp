@@ -270,7 +270,7 @@ PyObject* one_way_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
     return nullptr;
   return without_gil([&] {
     std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-    if (Send)
+    if constexpr (Send)
       engine->send(as_pointer<const void>(address), bytes, peer, as_stream(stream), timeout);
     else
       engine->recv(as_pointer<void>(address), bytes, peer, as_stream(stream), timeout);

@@ -50,6 +50,12 @@ const ChannelOrder::Channel& ChannelOrder::at(int channel) const {
 
 StreamId ChannelOrder::eager_stream_id(cudaStream_t stream, unsigned long long capture) {
   if (capture != 0) return std::nullopt;  // refused on a capturing stream, and not needed there
+  // The per-thread default stream: one handle, a stream per thread. Its ids are per thread too,
+  // but its launches (rare: torch makes none) are left to the event rather than rely on that.
+  if (stream == cudaStreamPerThread) return std::nullopt;
+#ifdef CUDA_API_PER_THREAD_DEFAULT_STREAM
+  if (stream == nullptr) return std::nullopt;  // handle 0 is the per-thread stream in such a build
+#endif
   unsigned long long id = 0;
   PDC_CHECK_CUDA(cudaStreamGetId(stream, &id));
   return id;

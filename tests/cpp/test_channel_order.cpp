@@ -61,9 +61,11 @@ void test_captures_keep_their_own_slot() {
   check(slots.before_launch(6, kUnknown) == Wait::kCaptured, "the newer capture's own record");
 }
 
-void test_without_a_gpu_the_id_is_an_error_and_captures_ask_nothing() {
+void test_without_a_gpu_the_id_is_an_error_captures_and_per_thread_streams_ask_nothing() {
   check(!pydatacopy::ChannelOrder::eager_stream_id(nullptr, 4).has_value(),
         "capturing: no id asked, none given");
+  check(!pydatacopy::ChannelOrder::eager_stream_id(cudaStreamPerThread, 0).has_value(),
+        "the per-thread default stream (a stream per thread behind one handle): no id, always ordered");
   pydatacopy_test::check_throws([] { pydatacopy::ChannelOrder::eager_stream_id(nullptr, 0); },
                                 "cudaStreamGetId", "no GPU: pydatacopy::Error naming the call");
   pydatacopy::ChannelOrder none(0);  // no channel, no event: nothing asked of CUDA
@@ -77,7 +79,7 @@ int main() {
   test_same_stream_skips_another_waits();
   test_a_record_without_id_leaves_the_next_launch_waiting();
   test_captures_keep_their_own_slot();
-  test_without_a_gpu_the_id_is_an_error_and_captures_ask_nothing();
+  test_without_a_gpu_the_id_is_an_error_captures_and_per_thread_streams_ask_nothing();
   std::printf("test_channel_order: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
   return pydatacopy_test::failed != 0;
 }

@@ -248,7 +248,7 @@ def _send_two(case: str, messages: list[torch.Tensor], peer: int) -> list[_UserS
         new = _UserStream()
         pydatacopy.send(messages[1], peer, stream=new.handle)
         return [new]
-    elif case == "per_thread_streams":  # one handle, a stream per thread
+    elif case == "per_thread_streams":  # one handle, a stream per thread (always ordered by the event)
         device = torch.cuda.current_device()
         errors: list[BaseException] = []
         first_issued, second_issued = threading.Event(), threading.Event()
