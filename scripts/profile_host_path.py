@@ -11,7 +11,11 @@ cudaMemcpyAsync are measured on the GPU by the bench's host rows (python -m pyda
 --ops host). Each figure: the best of 7 repetitions of N calls, in ns per call.
 
 It also times put_many's list form per row (reading the tensors through the native pass) and
-the whole of put_many(1024 rows) up to the core.
+the whole of put_many(1024 rows) up to the core, and send/sendrecv's Python side: their fast path
+against the checked one (every call's before 2026-12-02), no-op Python functions standing in for
+both the engine's methods and the fast entries (_C.send_fast, _C.sendrecv_fast), so that the two
+figures differ by the Python layer alone (pybind11's dispatch of the methods against the
+METH_FASTCALL entries: about 0.1 us more, as put's, measured above).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import timeit
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _torch_utils, _transfer
+from pydatacopy import _C, _send_recv, _torch_utils, _transfer
 
 
 class _FakeCore:
@@ -39,6 +43,13 @@ class _FakeCore:
     default_timeout_seconds = staticmethod(lambda: 60.0)
     put_fast = staticmethod(_C._host_path_probe)
     get_fast = staticmethod(_C._host_path_probe)
+    send_fast = recv_fast = sendrecv_fast = staticmethod(lambda *args: None)
+
+
+class _NoOpEngine:
+    """The send/recv engine's methods as no-ops, as cheap as the fast entries' stand-ins."""
+
+    send = recv = sendrecv = staticmethod(lambda *args: None)
 
 
 def _ns(statement: str, names: dict, calls: int) -> float:
@@ -51,8 +62,9 @@ def main() -> None:
     args = parser.parse_args()
     calls = args.calls
 
-    _transfer._C = _torch_utils._C = _FakeCore()
-    _transfer._raw_stream = lambda device: 0
+    _transfer._C = _torch_utils._C = _send_recv._C = _FakeCore()
+    _transfer._raw_stream = _send_recv._raw_stream = lambda device: 0
+    _send_recv._engine = _NoOpEngine()
     _torch_utils.current_raw_stream = lambda device: 0
     _torch_utils.bind()  # what init() leaves: device -1, 2 PEs, the timeout read
     dst = torch.zeros(4096, dtype=torch.uint8)
@@ -91,6 +103,12 @@ def main() -> None:
          "_C.default_timeout_seconds()"),
         ("  timeout_seconds(None) now (read once at init)", "_torch_utils.timeout_seconds(None)"),
         ("  _keep_alive(None, dst, src)", "_transfer._keep_alive(None, dst, src)"),
+        ("send/recv's Python side (no-ops for the engine and the fast entries)", None),
+        ("  pydatacopy.send(src, 1): the fast path", "pydatacopy.send(src, 1)"),
+        ("  pydatacopy.send(src, 1, timeout=60.0): the checked path", "pydatacopy.send(src, 1, timeout=60.0)"),
+        ("  pydatacopy.sendrecv(src, 1, dst, 1): the fast path", "pydatacopy.sendrecv(src, 1, dst, 1)"),
+        ("  pydatacopy.sendrecv(src, 1, dst, 1, timeout=60.0): the checked path",
+         "pydatacopy.sendrecv(src, 1, dst, 1, timeout=60.0)"),
     ]
     print(f"{'ns per call':>12}  what")
     for label, statement in rows:

@@ -29,6 +29,10 @@ class FakeCore:
 
     put_fast = put = _record("put")  # the fast path's entry and the checked path's
     get_fast = get = _record("get")
+    # send/recv/sendrecv's fast entries: the engine first, then what its method takes.
+    send_fast = _record("send_fast")
+    recv_fast = _record("recv_fast")
+    sendrecv_fast = _record("sendrecv_fast")
     put_signal = _record("put_signal")
     signal_set = _record("signal_set")
     signal_wait = _record("signal_wait")
@@ -39,10 +43,12 @@ class FakeCore:
     def is_initialized(self):
         return self.initialized
 
+    device = -1  # what get_device() gives the CPU tensors standing in for CUDA ones
+
     def cuda_device(self):
         if not self.initialized:
             raise _C.Error("cuda_device() needs NVSHMEM")
-        return -1
+        return self.device
 
     def n_pes(self):
         return 2
@@ -61,14 +67,16 @@ class FakeCore:
 def core(monkeypatch):
     fake = FakeCore()
     monkeypatch.setattr(_transfer, "_C", fake)
+    monkeypatch.setattr(_send_recv, "_C", fake)
     monkeypatch.setattr(_transfer, "_raw_stream", lambda device: 0x5EED)
+    monkeypatch.setattr(_send_recv, "_raw_stream", lambda device: 0x5EED)
     monkeypatch.setattr(_torch_utils, "current_raw_stream", lambda device: 0x5EED)
     monkeypatch.setattr(_torch_utils, "_C", fake)
     # A CPU build of torch has no streams to record: what would be kept alive is recorded instead.
     for module in (_transfer, _send_recv):
         monkeypatch.setattr(module, "_keep_alive",
                             lambda stream, *tensors: fake.calls.append(("keep_alive", stream, len(tensors))))
-    for module in (_transfer, _torch_utils):
+    for module in (_transfer, _send_recv, _torch_utils):
         monkeypatch.setattr(module, "_device", None)
         monkeypatch.setattr(module, "_n_pes", 0)
     monkeypatch.setattr(_torch_utils, "default_timeout", None)
@@ -193,6 +201,9 @@ class FakeEngine:
     def recv(self, *args):
         self.calls.append(("recv", *args))
 
+    def sendrecv(self, *args):
+        self.calls.append(("sendrecv", *args))
+
     def batch(self, ops, stream, timeout):
         self.calls.append(("batch", ops, stream, timeout))
 
@@ -219,3 +230,143 @@ def test_path_choice():
     assert _C.resolve_path(2, True, 1 << 30) == "sm"
     with pytest.raises(pydatacopy.Error, match="directly reachable"):
         _C.resolve_path(1, False, 4096)
+
+
+# ---- send, recv and sendrecv outside group(): the same fast path ------------------------------
+
+@pytest.fixture
+def engine(core, monkeypatch):
+    """A bound PE 0 of 2 with a send/recv engine that records what reaches it."""
+    fake = FakeEngine(core.calls)
+    monkeypatch.setattr(_send_recv, "_engine", fake)
+    _torch_utils.bind()
+    return fake
+
+
+def test_send_recv_fast_path_hands_the_core_what_the_checked_path_did(core, engine):
+    a, b = _u8(100), _u8(7)
+    # Fast: no timeout given. Checked: the same calls with the default timeout given (60 s).
+    for timeout in (None, 60.0):
+        pydatacopy.send(a, 1, timeout=timeout)
+        pydatacopy.recv(b, 0, stream=0x77, timeout=timeout)
+        pydatacopy.sendrecv(a, 1, b, 0, timeout=timeout)
+        pydatacopy.sendrecv(a, 1, b, 0, stream=0x78, timeout=timeout)
+    fast, checked = core.calls[:6], core.calls[6:]
+    assert fast == [
+        ("send_fast", engine, a.data_ptr(), 100, 1, 0x5EED, 60.0),
+        ("recv_fast", engine, b.data_ptr(), 7, 0, 0x77, 60.0),
+        ("keep_alive", 0x77, 1),  # on a stream given explicitly, as before
+        ("sendrecv_fast", engine, a.data_ptr(), 100, 1, b.data_ptr(), 7, 0, 0x5EED, 60.0),
+        ("sendrecv_fast", engine, a.data_ptr(), 100, 1, b.data_ptr(), 7, 0, 0x78, 60.0),
+        ("keep_alive", 0x78, 2),
+    ], fast
+    # The checked path's engine methods got the same arguments (and kept nothing alive either
+    # on torch's current stream: keep_alive(None, ...) returns at once).
+    assert [c for c in checked if c[:2] != ("keep_alive", None)] == [
+        ("send", a.data_ptr(), 100, 1, 0x5EED, 60.0),
+        ("recv", b.data_ptr(), 7, 0, 0x77, 60.0),
+        ("keep_alive", 0x77, 1),
+        ("sendrecv", a.data_ptr(), 100, 1, b.data_ptr(), 7, 0, 0x5EED, 60.0),
+        ("sendrecv", a.data_ptr(), 100, 1, b.data_ptr(), 7, 0, 0x78, 60.0),
+        ("keep_alive", 0x78, 2),
+    ], checked
+
+
+def test_inside_a_group_send_and_recv_join_the_batch_and_sendrecv_is_refused(core, engine):
+    a, b = _u8(16), _u8(16)
+    with pydatacopy.group():
+        pydatacopy.send(a, 1)
+        pydatacopy.recv(b, 1)
+        with pytest.raises(pydatacopy.Error, match="sendrecv\\(\\) runs its pair itself"):
+            pydatacopy.sendrecv(a, 1, b, 1)
+    assert core.calls == [("batch", [(True, a.data_ptr(), 16, 1), (False, b.data_ptr(), 16, 1)], 0x5EED, 60.0)]
+
+
+_SEND_RECV_REFUSED = [
+    (lambda t: pydatacopy.send(t, True), "dst_pe must be an int, got bool"),
+    (lambda t: pydatacopy.send(t, 1.0), "dst_pe must be an int, got float"),
+    (lambda t: pydatacopy.send(t, 2**31), "dst_pe must be at most 2147483647"),
+    (lambda t: pydatacopy.send("t", 1), "tensor must be a torch.Tensor, got str"),
+    (lambda t: pydatacopy.send(t.view(8, 8).t(), 1), "tensor must be contiguous"),
+    (lambda t: pydatacopy.send(t, 1, timeout=0), "timeout must be a positive number of seconds"),
+    (lambda t: pydatacopy.send(t, 1, stream="side"), "stream must be a torch.cuda.Stream"),
+    (lambda t: pydatacopy.recv(t, "0"), "src_pe must be an int, got str"),
+    (lambda t: pydatacopy.recv(t.view(8, 8).t(), 0), "tensor must be contiguous"),
+    (lambda t: pydatacopy.recv(None, 0), "tensor must be a torch.Tensor, got NoneType"),
+    (lambda t: pydatacopy.recv(t, 0, timeout=float("nan")), "timeout must be a positive number"),
+    (lambda t: pydatacopy.sendrecv(t, 1, t, None), "src_pe must be an int, got NoneType"),
+    (lambda t: pydatacopy.sendrecv(t, False, t, 0), "dst_pe must be an int, got bool"),
+    (lambda t: pydatacopy.sendrecv(t, 1, "x", 0), "recv_tensor must be a torch.Tensor, got str"),
+    (lambda t: pydatacopy.sendrecv(t.view(8, 8).t(), 1, t, 0), "send_tensor must be contiguous"),
+    (lambda t: pydatacopy.sendrecv(t, 1, t.view(8, 8).t(), 0), "recv_tensor must be contiguous"),
+    (lambda t: pydatacopy.sendrecv(t, 1, t, 0, timeout=-1), "timeout must be a positive number"),
+    (lambda t: pydatacopy.sendrecv(t, 1, t, 0, stream=1.5), "stream must be a torch.cuda.Stream"),
+]
+
+
+@pytest.mark.parametrize("call, words", _SEND_RECV_REFUSED)
+def test_send_recv_anything_unexpected_takes_the_checked_path(core, engine, call, words):
+    with pytest.raises(pydatacopy.Error, match=words):
+        call(_u8(64))
+    assert core.calls == [], "a refused call reached the core"
+
+
+def test_send_recv_tensors_off_the_device_are_refused_as_before(core, engine):
+    core.device = 0  # the process runs on cuda:0; the CPU tensors are not there
+    _torch_utils.bind()
+    for call, name in ((lambda t: pydatacopy.send(t, 1), "tensor"), (lambda t: pydatacopy.recv(t, 1), "tensor"),
+                       (lambda t: pydatacopy.sendrecv(t, 1, t, 1), "send_tensor")):
+        with pytest.raises(pydatacopy.Error, match=f"{name} is on cpu; pydatacopy moves CUDA tensors"):
+            call(_u8(8))
+    assert core.calls == []
+
+
+def test_send_recv_pe_out_of_range_is_the_cores_to_refuse(core, engine):
+    # As before: the checked path checks only that the PE fits a C int; the core names the range.
+    t = _u8(8)
+    pydatacopy.send(t, 7)
+    pydatacopy.recv(t, -1)
+    pydatacopy.sendrecv(t, 1, t, 2)
+    assert [(c[0], c[3]) for c in core.calls if c[0] != "keep_alive"] == [("send", 7), ("recv", -1), ("sendrecv", 1)]
+    assert core.calls[-2][6] == 2, core.calls
+
+
+def test_send_recv_without_staging_or_after_finalize(core, engine, monkeypatch):
+    monkeypatch.setattr(_send_recv, "_engine", None)
+    with pytest.raises(pydatacopy.Error, match="send/recv staging is not set up"):
+        pydatacopy.send(_u8(8), 1)
+    monkeypatch.setattr(_send_recv, "_engine", engine)
+    core.initialized = False
+    _torch_utils.unbind()  # what finalize() does
+    assert _send_recv._device is None
+    for call in (lambda: pydatacopy.send(_u8(8), 1), lambda: pydatacopy.recv(_u8(8), 1),
+                 lambda: pydatacopy.sendrecv(_u8(8), 1, _u8(8), 1)):
+        with pytest.raises(pydatacopy.Error, match="needs NVSHMEM: call pydatacopy.init"):
+            call()
+    assert core.calls == []
+
+
+def test_the_send_recv_fast_entry_points_check_their_arguments():
+    engine = _C.SendRecvEngine()  # not initialised: the core refuses it as the methods do
+    with pytest.raises(TypeError, match="takes 6 positional arguments"):
+        _C.send_fast(engine, 0, 16, 0, 0)
+    with pytest.raises(TypeError, match="takes 9 positional arguments"):
+        _C.sendrecv_fast(engine, 0, 16, 0, 0, 16, 0, 0)
+    with pytest.raises(TypeError, match="must be a SendRecvEngine, got NoneType"):
+        _C.recv_fast(None, 0, 16, 0, 0, 1.0)
+    with pytest.raises(TypeError, match="must be a SendRecvEngine, got object"):
+        _C.sendrecv_fast(object(), 0, 16, 0, 0, 16, 0, 0, 1.0)
+    with pytest.raises(OverflowError):
+        _C.recv_fast(engine, 0, 16, 2**40, 0, 1.0)
+    with pytest.raises(OverflowError):
+        _C.send_fast(engine, -1, 16, 0, 0, 1.0)
+    with pytest.raises(TypeError):
+        _C.send_fast(engine, 0, 16, 0, 0, "1.0")
+    for fast, method, args in ((_C.send_fast, engine.send, (0, 16, 0, 0, 1.0)),
+                               (_C.recv_fast, engine.recv, (0, 16, 0, 0, 1.0)),
+                               (_C.sendrecv_fast, engine.sendrecv, (0, 16, 0, 0, 16, 0, 0, 1.0))):
+        with pytest.raises(pydatacopy.Error) as by_method:
+            method(*args)
+        with pytest.raises(pydatacopy.Error) as by_fast:
+            fast(engine, *args)
+        assert "call pydatacopy.init" in str(by_fast.value) and str(by_fast.value) == str(by_method.value)

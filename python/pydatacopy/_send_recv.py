@@ -13,19 +13,33 @@ from typing import Iterator
 
 import torch
 
-from . import _C, _ops, _settings
+from . import _C, _ops, _settings, _torch_utils
 from ._limits import INT32_MAX
 from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
 from ._torch_utils import check_int, check_tensor as _check_tensor, keep_alive as _keep_alive
 from ._torch_utils import nbytes as _nbytes, require_init as _require_init, resolve_stream as _stream
-from ._torch_utils import timeout_seconds
+from ._torch_utils import stream_handle, timeout_seconds
 
 Error = _C.Error
+Tensor = torch.Tensor
 
 _PE_MAX = INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
 
+# The fast paths of send, recv and sendrecv read these as globals of this module, as
+# _transfer.py's do: _torch_utils.bind() and unbind() keep them equal to its own.
+_device: int | None = None  # this process's CUDA device while initialised, else None
+_n_pes = 0  # PEs while initialised, else 0 (every PE is then out of the fast path's range)
+_torch_utils.keeps_bound_facts(__name__)
+_raw_stream = _torch_utils.current_raw_stream  # torch's current cudaStream_t on a device
+
 _engine: "_C.SendRecvEngine | None" = None
-_state = threading.local()
+class _ThreadState(threading.local):
+    # The open group()'s calls in this thread, else None. A class default: reading an attribute
+    # that a thread never set would raise and catch AttributeError (0.45 us a call, measured).
+    pending: dict | None = None
+
+
+_state = _ThreadState()
 _SETUP = "pydatacopy.setup_send_recv"  # the call a config's errors name: the one that makes it
 
 
@@ -127,7 +141,7 @@ def _require_engine(what: str) -> "_C.SendRecvEngine":
 
 
 def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seconds: float) -> None:
-    pending = getattr(_state, "pending", None)
+    pending = _state.pending
     if pending is None:
         # The engine's send/recv are a batch of one; their scalar arguments cross for a fraction
         # of a list of tuples' conversion (0.6 us against 2 us where measured).
@@ -164,7 +178,7 @@ def group(*, stream=None) -> Iterator[None]:
     use sendrecv there."""
     if _dynamo_compiling() or _dispatch_modes():
         _ops.refuse_group()
-    if getattr(_state, "pending", None) is not None:
+    if _state.pending is not None:
         raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
                     "group() block")
     _state.pending = {"stream": stream, "handle": None, "explicit": stream is not None, "ops": [],
@@ -187,9 +201,23 @@ def group(*, stream=None) -> Iterator[None]:
 def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Send a contiguous CUDA tensor of any dtype and size to `dst_pe`, which calls recv() with a
     tensor of the same number of bytes. Stream-ordered; no symmetric memory needed on either side.
-    To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv)."""
+    To send and receive at once, issue both inside ``with pydatacopy.group():`` (or sendrecv).
+
+    Host cost (outside group(), default timeout): as put's, each tensor fact read once and one
+    crossing into the core; anything else takes the checked path, with its errors."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
         return _ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
+    engine, device = _engine, _device
+    if (engine is not None and timeout is None and type(dst_pe) is int and 0 <= dst_pe < _n_pes
+            and isinstance(tensor, Tensor) and tensor.get_device() == device and tensor.is_contiguous()
+            and _state.pending is None):
+        _C.send_fast(engine, tensor.data_ptr(), tensor.nbytes, dst_pe,
+                     _raw_stream(device) if stream is None else stream_handle(stream, device),
+                     _torch_utils.default_timeout)
+        if stream is not None:
+            _keep_alive(stream, tensor)
+        return
+    # The checked path: whatever the fast one did not take, with the error that says what to do.
     engine = _require_engine("send")
     check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
@@ -197,9 +225,20 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
 
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
-    """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count)."""
+    """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count).
+    Host cost as send's."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
         return _ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
+    engine, device = _engine, _device
+    if (engine is not None and timeout is None and type(src_pe) is int and 0 <= src_pe < _n_pes
+            and isinstance(tensor, Tensor) and tensor.get_device() == device and tensor.is_contiguous()
+            and _state.pending is None):
+        _C.recv_fast(engine, tensor.data_ptr(), tensor.nbytes, src_pe,
+                     _raw_stream(device) if stream is None else stream_handle(stream, device),
+                     _torch_utils.default_timeout)
+        if stream is not None:
+            _keep_alive(stream, tensor)
+        return
     engine = _require_engine("recv")
     check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
     _check_tensor(tensor, "tensor")
@@ -208,12 +247,26 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
              stream=None, timeout: float | None = None) -> None:
-    """send() and recv() at the same time, in one kernel launch."""
+    """send() and recv() at the same time, in one kernel launch. Host cost as send's."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
         return _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
                              timeout=timeout)
+    engine, device, n_pes = _engine, _device, _n_pes
+    if (engine is not None and timeout is None and type(dst_pe) is int and 0 <= dst_pe < n_pes
+            and type(src_pe) is int and 0 <= src_pe < n_pes
+            and isinstance(send_tensor, Tensor) and isinstance(recv_tensor, Tensor)
+            and send_tensor.get_device() == device and recv_tensor.get_device() == device
+            and send_tensor.is_contiguous() and recv_tensor.is_contiguous()
+            and _state.pending is None):
+        _C.sendrecv_fast(engine, send_tensor.data_ptr(), send_tensor.nbytes, dst_pe,
+                         recv_tensor.data_ptr(), recv_tensor.nbytes, src_pe,
+                         _raw_stream(device) if stream is None else stream_handle(stream, device),
+                         _torch_utils.default_timeout)
+        if stream is not None:
+            _keep_alive(stream, send_tensor, recv_tensor)
+        return
     engine = _require_engine("sendrecv")
-    if getattr(_state, "pending", None) is not None:
+    if _state.pending is not None:
         raise Error("pydatacopy.sendrecv() runs its pair itself: call it outside group(), or use "
                     "send() and recv() inside the group")
     check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the ranges, with the same words

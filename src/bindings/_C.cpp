@@ -179,24 +179,19 @@ bool int_argument(PyObject* value, int& out) {
   return true;
 }
 
-using TransferCall = void (*)(std::uintptr_t, std::uintptr_t, std::size_t, int, cudaStream_t, Path);
+bool double_argument(PyObject* value, double& out) {
+  out = PyFloat_AsDouble(value);
+  return !(out == -1.0 && PyErr_Occurred());
+}
 
-template <TransferCall Call>
-PyObject* transfer_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
-  if (count != 6) {
-    PyErr_SetString(PyExc_TypeError, "takes 6 positional arguments: dst, src, bytes, pe, stream, path");
-    return nullptr;
-  }
-  unsigned long long dst = 0, src = 0, bytes = 0, stream = 0;
-  int pe = 0, path = 0;
-  if (!unsigned_argument(args[0], dst) || !unsigned_argument(args[1], src) ||
-      !unsigned_argument(args[2], bytes) || !int_argument(args[3], pe) ||
-      !unsigned_argument(args[4], stream) || !int_argument(args[5], path))
-    return nullptr;
+// `work()` without the GIL (a first-use registration or a launch can block): None, or nullptr
+// with its exception set as pybind11's translator would (pydatacopy.TimeoutError, Error).
+template <typename Work>
+PyObject* without_gil(Work&& work) {
   std::exception_ptr failure;
-  Py_BEGIN_ALLOW_THREADS  // a first-use registration (RMA path) can block
+  Py_BEGIN_ALLOW_THREADS
   try {
-    Call(dst, src, bytes, pe, as_stream(stream), as_path(path));
+    work();
   } catch (...) {
     failure = std::current_exception();
   }
@@ -216,6 +211,23 @@ PyObject* transfer_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) 
   Py_RETURN_NONE;
 }
 
+using TransferCall = void (*)(std::uintptr_t, std::uintptr_t, std::size_t, int, cudaStream_t, Path);
+
+template <TransferCall Call>
+PyObject* transfer_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != 6) {
+    PyErr_SetString(PyExc_TypeError, "takes 6 positional arguments: dst, src, bytes, pe, stream, path");
+    return nullptr;
+  }
+  unsigned long long dst = 0, src = 0, bytes = 0, stream = 0;
+  int pe = 0, path = 0;
+  if (!unsigned_argument(args[0], dst) || !unsigned_argument(args[1], src) ||
+      !unsigned_argument(args[2], bytes) || !int_argument(args[3], pe) ||
+      !unsigned_argument(args[4], stream) || !int_argument(args[5], path))
+    return nullptr;
+  return without_gil([&] { Call(dst, src, bytes, pe, as_stream(stream), as_path(path)); });
+}
+
 void put_call(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
   put(as_pointer<void>(dst), as_pointer<const void>(src), bytes, pe, stream, path);
 }
@@ -225,6 +237,70 @@ void get_call(std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, int pe,
 // The profile's probe: the same crossing, no work.
 void probe_call(std::uintptr_t, std::uintptr_t, std::size_t, int, cudaStream_t, Path) {}
 
+// ---- send, recv and sendrecv from the hot path (outside group()) ----
+//
+// As put_fast: the engine's pybind11 methods with their five or eight arguments go through
+// pybind11's dispatch; these take the engine (a SendRecvEngine) first, then the method's
+// arguments positionally, and hold the engine's lock as the methods do.
+bool engine_argument(PyObject* value, SendRecvEngine*& out) {
+  out = nullptr;
+  try {
+    out = py::handle(value).cast<SendRecvEngine*>();  // None casts to nullptr
+  } catch (const py::cast_error&) {
+  }
+  if (out == nullptr)
+    PyErr_Format(PyExc_TypeError, "the first argument must be a SendRecvEngine, got %s", Py_TYPE(value)->tp_name);
+  return out != nullptr;
+}
+
+// send_fast / recv_fast(engine, address, bytes, peer, stream, timeout)
+template <bool Send>
+PyObject* one_way_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != 6) {
+    PyErr_SetString(PyExc_TypeError, "takes 6 positional arguments: engine, address, bytes, peer, stream, timeout");
+    return nullptr;
+  }
+  SendRecvEngine* engine = nullptr;
+  unsigned long long address = 0, bytes = 0, stream = 0;
+  int peer = 0;
+  double timeout = 0;
+  if (!engine_argument(args[0], engine) || !unsigned_argument(args[1], address) ||
+      !unsigned_argument(args[2], bytes) || !int_argument(args[3], peer) ||
+      !unsigned_argument(args[4], stream) || !double_argument(args[5], timeout))
+    return nullptr;
+  return without_gil([&] {
+    std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+    if constexpr (Send)
+      engine->send(as_pointer<const void>(address), bytes, peer, as_stream(stream), timeout);
+    else
+      engine->recv(as_pointer<void>(address), bytes, peer, as_stream(stream), timeout);
+  });
+}
+
+// sendrecv_fast(engine, src, send_bytes, dst_pe, dst, recv_bytes, src_pe, stream, timeout)
+PyObject* sendrecv_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
+  if (count != 9) {
+    PyErr_SetString(PyExc_TypeError, "takes 9 positional arguments: engine, src, send_bytes, dst_pe, "
+                                     "dst, recv_bytes, src_pe, stream, timeout");
+    return nullptr;
+  }
+  SendRecvEngine* engine = nullptr;
+  unsigned long long src = 0, send_bytes = 0, dst = 0, recv_bytes = 0, stream = 0;
+  int dst_pe = 0, src_pe = 0;
+  double timeout = 0;
+  if (!engine_argument(args[0], engine) || !unsigned_argument(args[1], src) ||
+      !unsigned_argument(args[2], send_bytes) || !int_argument(args[3], dst_pe) ||
+      !unsigned_argument(args[4], dst) || !unsigned_argument(args[5], recv_bytes) ||
+      !int_argument(args[6], src_pe) || !unsigned_argument(args[7], stream) ||
+      !double_argument(args[8], timeout))
+    return nullptr;
+  return without_gil([&] {
+    std::lock_guard<std::mutex> lock(g_send_recv_mutex);
+    engine->sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst), recv_bytes,
+                     src_pe, as_stream(stream), timeout);
+  });
+}
+
 PyMethodDef g_fast_calls[] = {
     {"put_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&transfer_fastcall<put_call>)),
      METH_FASTCALL, "put_fast(dst, src, bytes, pe, stream, path): put, positional only (the hot path)"},
@@ -232,6 +308,13 @@ PyMethodDef g_fast_calls[] = {
      METH_FASTCALL, "get_fast(dst, src, bytes, pe, stream, path): get, positional only (the hot path)"},
     {"_host_path_probe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&transfer_fastcall<probe_call>)),
      METH_FASTCALL, "put_fast's crossing, arguments and GIL release, with no work (profiles)"},
+    {"send_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&one_way_fastcall<true>)),
+     METH_FASTCALL, "send_fast(engine, src, bytes, dst_pe, stream, timeout): engine.send, positional only (the hot path)"},
+    {"recv_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&one_way_fastcall<false>)),
+     METH_FASTCALL, "recv_fast(engine, dst, bytes, src_pe, stream, timeout): engine.recv, positional only (the hot path)"},
+    {"sendrecv_fast", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&sendrecv_fastcall)),
+     METH_FASTCALL, "sendrecv_fast(engine, src, send_bytes, dst_pe, dst, recv_bytes, src_pe, stream, timeout): "
+                    "engine.sendrecv, positional only (the hot path)"},
 };
 
 }  // namespace

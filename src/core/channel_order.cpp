@@ -48,32 +48,46 @@ const ChannelOrder::Channel& ChannelOrder::at(int channel) const {
   return channels_[static_cast<std::size_t>(channel)];
 }
 
-void ChannelOrder::order_after_last(int channel, cudaStream_t stream,
-                                    unsigned long long capture) const {
+StreamId ChannelOrder::eager_stream_id(cudaStream_t stream, unsigned long long capture) {
+  if (capture != 0) return std::nullopt;  // refused on a capturing stream, and not needed there
+  // The per-thread default stream: one handle, a stream per thread. Its ids are per thread too,
+  // but its launches (rare: torch makes none) are left to the event rather than rely on that.
+  if (stream == cudaStreamPerThread) return std::nullopt;
+#ifdef CUDA_API_PER_THREAD_DEFAULT_STREAM
+  if (stream == nullptr) return std::nullopt;  // handle 0 is the per-thread stream in such a build
+#endif
+  unsigned long long id = 0;
+  PDC_CHECK_CUDA(cudaStreamGetId(stream, &id));
+  return id;
+}
+
+void ChannelOrder::order_after_last(int channel, cudaStream_t stream, unsigned long long capture,
+                                    StreamId stream_id) const {
   const Channel& c = at(channel);
-  if (capture == 0) {
-    if (c.eager_recorded) PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.eager, 0));
-  } else if (c.capture != 0 && c.capture == capture) {
-    PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.captured, 0));
+  switch (c.slots.before_launch(capture, stream_id)) {
+    case ChannelSlots::Wait::kEager:
+      PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.eager, 0));
+      break;
+    case ChannelSlots::Wait::kCaptured:
+      PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, c.captured, 0));
+      break;
+    case ChannelSlots::Wait::kNone:
+      break;
   }
 }
 
-void ChannelOrder::record(int channel, cudaStream_t stream, unsigned long long capture) {
+void ChannelOrder::record(int channel, cudaStream_t stream, unsigned long long capture,
+                          StreamId stream_id) {
   Channel& c = const_cast<Channel&>(at(channel));
   // A record inside a capture goes to the capture's own slot: the eager slot keeps the last
-  // eager launch, which the next eager launch (on any stream) must still wait for.
-  if (capture == 0) {
-    PDC_CHECK_CUDA(cudaEventRecord(c.eager, stream));
-    c.eager_recorded = true;
-  } else {
-    PDC_CHECK_CUDA(cudaEventRecord(c.captured, stream));
-    c.capture = capture;
-  }
+  // eager launch, which the next eager launch (on any other stream) must still wait for.
+  PDC_CHECK_CUDA(cudaEventRecord(capture == 0 ? c.eager : c.captured, stream));
+  c.slots.recorded(capture, stream_id);
 }
 
 bool ChannelOrder::idle(int channel) const {
   const Channel& c = at(channel);
-  if (!c.eager_recorded) return true;
+  if (!c.slots.eager_recorded) return true;
   const cudaError_t status = cudaEventQuery(c.eager);
   if (status == cudaSuccess) return true;
   if (status != cudaErrorNotReady) PDC_CHECK_CUDA(status);

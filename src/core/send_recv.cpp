@@ -690,6 +690,9 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     zero_copy_->exporters[ops[i].peer]->begin_call();
   }
   const unsigned long long capturing = capture_id(stream);
+  // Asked before the ops are prepared (a failure leaves no op half done): the launch skips the
+  // channel order's wait where the channel's last launch was on this very stream.
+  const StreamId stream_id = ChannelOrder::eager_stream_id(stream, capturing);
   for (const Operation& op : ops) {
     try {  // a timed-out peer: its ops are left out
       check_peer_timeouts(op.peer, op.send ? "send" : "recv");
@@ -743,15 +746,16 @@ void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t strea
     }
   }
   // Launches on one channel must not overlap: this one waits for the channel's last launch,
-  // on whatever stream that was (see ChannelOrder for captures).
+  // on whatever other stream that was (see ChannelOrder for the same stream and for captures).
   if (launch.count > 0) {
     const unsigned long long capture = capturing;
     for (int i = 0; i < launch.count; ++i)
-      order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
+      order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture,
+                              stream_id);
     kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
     for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
     for (int i = 0; i < launch.count; ++i)
-      order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture);
+      order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture, stream_id);
   }
   if (refused) std::rethrow_exception(refused);
 }

@@ -2,13 +2,16 @@
 
 group() launches on the stream its calls were made on; all calls of a group must come to one
 stream. The engines keep no stream of the caller's: after a user's stream is destroyed, later
-calls on the same channel from other streams work. Two PEs; every data check compares bytes
-against fresh data for that round, with the destination cleared first.
+calls on the same channel from other streams work. One channel's launches stay in call order
+whatever streams they come on (the engine's event wait, skipped only on the stream of the
+channel's last launch, by cudaStreamGetId). Two PEs; every data check compares bytes against
+fresh data for that round, with the destination cleared first.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import pytest
 import torch
@@ -60,12 +63,20 @@ class _UserStream:
         self.handle = handle.value
         self.torch = torch.cuda.ExternalStream(self.handle)
 
-    def destroy(self) -> None:
+    def destroy(self, wait: bool = True) -> None:
         # cudaStreamDestroy returns at once and lets the queued work finish on its own: wait for
-        # it here, so that what the caller reads next is the work's result.
-        self.torch.synchronize()
+        # it here (unless told not to), so that what the caller reads next is the work's result.
+        if wait:
+            self.torch.synchronize()
         code = self._cudart.cudaStreamDestroy(ctypes.c_void_p(self.handle))
         assert code == 0, f"cudaStreamDestroy returned {code}"
+
+
+def _stream_wait(handle: int, event: torch.cuda.Event) -> None:
+    """cudaStreamWaitEvent on a raw handle (a destroyed stream's successor, a per-thread stream)."""
+    code = _cudart().cudaStreamWaitEvent(ctypes.c_void_p(handle), ctypes.c_void_p(event.cuda_event),
+                                         ctypes.c_uint(0))
+    assert code == 0, f"cudaStreamWaitEvent returned {code}"
 
 
 # ---- group(): the stream where the calls are made ---------------------------------------------
@@ -191,6 +202,122 @@ def test_send_recv_after_the_last_stream_of_the_channel_was_destroyed(world, pee
         torch.cuda.synchronize()
         pydatacopy.free(send)
         pydatacopy.free(received)
+
+
+# ---- one channel's launches on several streams: in call order, whatever the streams ---------
+# The engine skips the channel order's event wait when a launch comes on the stream (by
+# cudaStreamGetId) of the channel's last one. Each case sends two messages on one channel: the
+# first on a stream held back behind a delay, the second issued at once on the case's stream. Had
+# the second launch not waited for the first, it would run first and take the channel's first
+# sequence (counted on the device): the receiver, whose two recvs run in order on one stream,
+# would find the messages swapped. Staged sizes: such a send completes without its receiver.
+
+_DELAY_CYCLES = 20_000_000  # ~10 ms on the GPU: the first launch is still queued when the second comes
+_PER_THREAD = 2  # cudaStreamPerThread: each thread's own default stream
+
+
+def _send_two(case: str, messages: list[torch.Tensor], peer: int) -> list[_UserStream]:
+    """messages[0], held back on a first stream, then messages[1] on the case's second stream;
+    returns the user streams to destroy once the device is synchronised."""
+    delay = torch.cuda.Stream()
+    with torch.cuda.stream(delay):
+        torch.cuda._sleep(_DELAY_CYCLES)
+    delayed = torch.cuda.Event()
+    delayed.record(delay)
+
+    def first(handle: int) -> None:
+        _stream_wait(handle, delayed)
+        pydatacopy.send(messages[0], peer, stream=handle)
+
+    if case == "same_stream":  # the skipped wait: stream order alone keeps them in order
+        side = torch.cuda.Stream()
+        first(side.cuda_stream)
+        pydatacopy.send(messages[1], peer, stream=side)
+    elif case == "two_streams":
+        side, other = torch.cuda.Stream(), torch.cuda.Stream()
+        first(side.cuda_stream)
+        pydatacopy.send(messages[1], peer, stream=other)
+    elif case == "then_default_stream":  # torch's streams do not block the legacy default stream
+        side = torch.cuda.Stream()
+        first(side.cuda_stream)
+        pydatacopy.send(messages[1], peer)  # torch's current stream: the default stream, handle 0
+    elif case == "destroyed_then_new":  # the new stream may take the destroyed one's handle
+        user = _UserStream()
+        first(user.handle)
+        user.destroy(wait=False)  # its queued wait and send still run, later
+        new = _UserStream()
+        pydatacopy.send(messages[1], peer, stream=new.handle)
+        return [new]
+    elif case == "per_thread_streams":  # one handle, a stream per thread (always ordered by the event)
+        device = torch.cuda.current_device()
+        errors: list[BaseException] = []
+        first_issued, second_issued = threading.Event(), threading.Event()
+
+        def thread_a() -> None:  # alive until the second send is issued: its stream lives on
+            try:
+                torch.cuda.set_device(device)
+                first(_PER_THREAD)
+            except BaseException as error:  # noqa: BLE001 (raised in the main thread below)
+                errors.append(error)
+            finally:
+                first_issued.set()
+            second_issued.wait(60)
+
+        def thread_b() -> None:
+            first_issued.wait(60)
+            try:
+                torch.cuda.set_device(device)
+                pydatacopy.send(messages[1], peer, stream=_PER_THREAD)
+            except BaseException as error:  # noqa: BLE001
+                errors.append(error)
+            finally:
+                second_issued.set()
+
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+    else:
+        raise AssertionError(f"unknown case {case}")
+    return []
+
+
+@pytest.mark.parametrize("nbytes", [4096, MiB + 3], ids=["4K", "1M+3"])
+@pytest.mark.parametrize("case", ["same_stream", "two_streams", "then_default_stream", "destroyed_then_new",
+                                  "per_thread_streams"])
+def test_one_channel_on_several_streams_stays_in_call_order(world, peer, case, nbytes):
+    rank = world[0]
+    # Symmetric: a tensor on a destroyed or per-thread stream is not given to record_stream.
+    messages = [pydatacopy.empty(nbytes, torch.uint8) for _ in range(2)]
+    received = [pydatacopy.empty(nbytes, torch.uint8) for _ in range(2)]
+    streams: list[_UserStream] = []
+    try:
+        for sender in (0, 1):
+            tags = [40 + 2 * sender, 41 + 2 * sender]
+            for message, tag in zip(messages, tags):
+                message.copy_(_bytes(rank, tag, nbytes))
+            for buffer in received:
+                buffer.zero_()
+            torch.cuda.synchronize()  # every stream below starts after the fills
+            if rank == sender:
+                streams += _send_two(case, messages, peer)
+            else:
+                for buffer in received:
+                    pydatacopy.recv(buffer, peer)
+            torch.cuda.synchronize()
+            if rank != sender:
+                for i, (buffer, tag) in enumerate(zip(received, tags)):
+                    _assert_bytes(buffer, _bytes(peer, tag, nbytes), f"{case}: message {i} from PE {peer}")
+            pydatacopy.check_errors()
+    finally:
+        torch.cuda.synchronize()
+        for stream in streams:
+            stream.destroy()
+        for tensor in messages + received:
+            pydatacopy.free(tensor)
 
 
 def test_token_exchange_after_its_streams_were_destroyed(world, peer):
