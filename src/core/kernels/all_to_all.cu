@@ -557,6 +557,19 @@ __global__ void __launch_bounds__(kLayoutThreads)
   // id and experts_per_pe (<= num_experts) are non-negative int32 values, and the quotient is
   // the 64-bit one.
   const int32_t per_pe = static_cast<int32_t>(experts_per_pe);
+  // A thread with one token of at most kPairBatch pairs (up to 1024 tokens of topk <= 8: decode)
+  // keeps its pairs' PEs in registers: passes 1 and 2 (2 x (n_pes + 1) reads of them) then wait
+  // for no memory. Others read back their pass-0 writes, kPairBatch at a time.
+  const bool pes_in_registers = last - first == 1 && topk <= kPairBatch;
+  int32_t token_pes[kPairBatch];
+  // The PEs of pairs (t, k0 ..< k0 + kPairBatch) of this thread's tokens (-1 past topk).
+  auto load_pes = [&](int64_t t, int k0, int32_t (&pe)[kPairBatch]) {
+#pragma unroll
+    for (int u = 0; u < kPairBatch; ++u) {
+      if (pes_in_registers) pe[u] = u < topk ? token_pes[u] : -1;  // (k0 is 0)
+      else pe[u] = k0 + u < topk ? static_cast<int32_t>(pair_pe[t * topk + k0 + u]) : -1;
+    }
+  };
   for (int64_t t = first; t < last; ++t) {
     for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
       int64_t id[kPairBatch];
@@ -568,7 +581,9 @@ __global__ void __launch_bounds__(kLayoutThreads)
         const int k = k0 + u;
         if (k >= topk) break;
         const bool valid = id[u] >= 0 && id[u] < num_experts;
-        pair_pe[t * topk + k] = valid ? static_cast<int32_t>(id[u]) / per_pe : n_pes;
+        const int32_t pe = valid ? static_cast<int32_t>(id[u]) / per_pe : n_pes;
+        token_pes[u] = pe;  // (read only when k0 is 0 and topk <= kPairBatch)
+        pair_pe[t * topk + k] = pe;
         meta[t * (topk + 1) + k] = valid ? static_cast<int32_t>(id[u]) : -1;
       }
     }
@@ -580,8 +595,10 @@ __global__ void __launch_bounds__(kLayoutThreads)
     for (int64_t t = first; t < last; ++t) {
       uint64_t pairs = 0;
       for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
+        int32_t pe[kPairBatch];
+        load_pes(t, k0, pe);
 #pragma unroll
-        for (int u = 0; u < kPairBatch; ++u) pairs += k0 + u < topk && pair_pe[t * topk + k0 + u] == d;
+        for (int u = 0; u < kPairBatch; ++u) pairs += pe[u] == d;  // (-1 is never a destination)
       }
       packed += pairs + ((pairs > 0 && d < n_pes) ? (uint64_t{1} << 32) : 0);
     }
@@ -620,9 +637,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
     for (int64_t t = first; t < last; ++t) {
       int64_t pairs = 0;
       for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
-        int64_t pe[kPairBatch];
-#pragma unroll
-        for (int u = 0; u < kPairBatch; ++u) pe[u] = k0 + u < topk ? pair_pe[t * topk + k0 + u] : -1;
+        int32_t pe[kPairBatch];
+        load_pes(t, k0, pe);
 #pragma unroll
         for (int u = 0; u < kPairBatch; ++u) {
           if (pe[u] != d) continue;  // (also every u past topk: -1 is never a destination)
