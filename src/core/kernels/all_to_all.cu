@@ -765,6 +765,10 @@ __global__ void __launch_bounds__(kLayoutThreads)
   int32_t valid_at = valid_base[warp];
   for (int64_t batch = begin; batch < end; batch += 32) {
     const int64_t p = batch + lane;
+    // The row's token, loaded beside the pair's expert id and before the stores below (which
+    // the compiler may not move a load past): one memory round trip per batch, not two. Any
+    // p < end is a pair of a row < rows, in recv_meta, whether the row is in use or not.
+    const int32_t token = p < end ? recv_meta[(static_cast<int32_t>(p) / topk) * static_cast<int64_t>(topk + 1) + topk] : -1;
     const int bin = bin_of(p);
     const unsigned same = __match_any_sync(0xffffffffu, bin);
     const bool valid = bin >= 0 && bin != none;
@@ -775,7 +779,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
       row_of[position] = row;
       expert_of_row[position] = bin;
       source_pe[position] = valid ? source_of_row(source_start, n_pes, row) : -1;
-      source_token[position] = valid ? recv_meta[row * (topk + 1) + topk] : -1;
+      source_token[position] = valid ? token : -1;
       if (valid) combine_index[valid_at + __popc(valid_lanes & below)] = position;
       if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
     }
