@@ -12,7 +12,8 @@
 //   [n_pes sources][capacity rows x max_row_bytes]: PE s writes its rows for PE d into d's region
 //   of set for source s (slot = s). capacity (rows per source) and max_row_bytes are fixed at
 //   init; a call's fields' row widths must sum to at most max_row_bytes.
-// - Send kernel: prefix sum of send_counts on the device; a source's rows for d are rows
+// - Send kernel: prefix sum of send_counts on the device (a block-wide scan, one thread per
+//   PE; the receive kernel's offsets likewise); a source's rows for d are rows
 //   [offset_d, offset_d + count_d) of each field, or, with a gather index, the rows named by
 //   index[offset_d ..]. Before writing into d's region of the set it waits (watchdog) until d
 //   has consumed the set's previous round (d's credit). Then rows: direct stores through

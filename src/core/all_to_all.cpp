@@ -183,6 +183,8 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
   int64_t widths[AllToAllLayout::kMaxFields] = {};
   int64_t total_width = 0;
   const int64_t send_rows = fields[0].send_rows;
+  // (The send kernel's offsets saturate at the send rows: a row count, never negative.)
+  PDC_REQUIRE(send_rows >= 0, "all_to_all: send tensors must have at least 0 rows, got " << send_rows);
   for (int f = 0; f < count; ++f) {
     const AllToAllField& field = fields[f];
     PDC_REQUIRE(field.row_bytes > 0, "all_to_all: field " << f << " has rows of " << field.row_bytes

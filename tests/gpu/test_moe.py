@@ -209,6 +209,60 @@ def test_capacity_overflow_is_refused_on_the_pair_and_the_next_call_is_right(wor
     _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets, "the call after")
 
 
+def test_the_lowest_refused_destination_is_the_one_reported(world, buffer, path):
+    """PE 0 asks send_counts[0] = -1 (a count refusal) and send_counts[1] = CAPACITY + 1 (a
+    capacity refusal), 3 rows to every other PE. The send kernel checks the destinations side by
+    side; it must still record PE 0's count refusal (the lowest destination, as a loop in order
+    recorded first), deliver the other pairs at the saturated offsets, and report PE 1's side
+    (capacity) on PE 1 only. Then a normal call is exact."""
+    rank, n, _ = world
+    width = 3
+    counts = torch.full((n,), 3, dtype=torch.int64)
+    if rank == 0:
+        counts[0] = -1
+        counts[1] = CAPACITY + 1
+    generator = torch.Generator().manual_seed(91 + rank)
+    send = _rows(int(counts.clamp(min=0).sum()), width, torch.bfloat16, generator)
+    recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer,
+                                                              timeout=TIMEOUT_S)
+    torch.cuda.synchronize()
+    every_send, every_counts = zip(*_gather((send, counts)))
+    delivered = [c.clone() for c in every_counts]
+    delivered[0][0] = 0
+    delivered[0][1] = 0
+    expected = []
+    for s in range(n):  # the rows each source really sent: a negative count takes no rows
+        kept, start = [], 0
+        for d in range(n):
+            asked = int(every_counts[s][d])
+            if delivered[s][d] == asked:
+                kept.append(every_send[s][start:start + asked])
+            start += max(asked, 0)
+        expected.append(torch.cat(kept, 0))
+    _check_exchange(rank, expected, delivered, recv, recv_counts, recv_offsets, "with two refused pairs")
+    try:
+        pydatacopy.check_errors()
+        if rank in (0, 1):
+            _FAILURES.append(f"PE {rank}: check_errors() did not report the refusal")
+    except pydatacopy.TimeoutError as error:
+        _FAILURES.append(f"PE {rank}: a refusal reported as a timeout: {error}")
+    except pydatacopy.Error as error:
+        text = str(error)
+        if rank == 0 and "send_counts[0] = -1" not in text:
+            _FAILURES.append(f"PE 0: expected send_counts[0]'s refusal (the lowest destination), got: {text}")
+        elif rank == 1 and "capacity" not in text:
+            _FAILURES.append(f"PE 1: expected the capacity refusal from PE 0, got: {text}")
+        elif rank > 1:
+            _FAILURES.append(f"PE {rank}: unexpected error: {text}")
+    dist.barrier()
+    counts = torch.full((n,), CAPACITY, dtype=torch.int64)
+    send = _rows(n * CAPACITY, width, torch.bfloat16, generator)
+    recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer,
+                                                              timeout=TIMEOUT_S)
+    every_send, every_counts = zip(*_gather((send, counts)))
+    _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets, "the call after")
+
+
 def test_all_to_all_v_graph_replays_take_fresh_counts(world, buffer, path):
     """One call captured on a side stream, replayed 100 times with fresh counts and rows written
     into the captured inputs; an eager call every tenth replay (the buffer's rounds stay in step)."""

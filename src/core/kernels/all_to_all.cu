@@ -70,6 +70,59 @@ __device__ __forceinline__ int find_slot(const int64_t* prefix, int n, int64_t p
   return lo;
 }
 
+// Exclusive scan over the block, one value per thread in thread order, with `op` (associative,
+// `identity` neutral); *total gets the block's whole. Every thread of the block calls it (it
+// synchronises the block); blockDim.x a multiple of 32. The prologues' prefix sums: one thread
+// running one over the PEs or bins was a chain of dependent loads and divisions (~0.2 us a step).
+template <typename T, typename Op>
+__device__ __forceinline__ T block_exclusive_scan(T value, T identity, Op op, T* total) {
+  __shared__ T warp_inclusive[32];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  T inclusive = value;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const T other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+    if (lane >= offset) inclusive = op(other, inclusive);
+  }
+  if (lane == 31) warp_inclusive[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    T sum = lane < warps ? warp_inclusive[lane] : identity;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+      const T other = __shfl_up_sync(0xffffffffu, sum, offset);
+      if (lane >= offset) sum = op(other, sum);
+    }
+    if (lane < warps) warp_inclusive[lane] = sum;  // now inclusive over warps 0..lane
+  }
+  __syncthreads();
+  T exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+  if (lane == 0) exclusive = identity;
+  if (warp > 0) exclusive = op(warp_inclusive[warp - 1], exclusive);
+  *total = warp_inclusive[warps - 1];
+  __syncthreads();  // every thread has read warp_inclusive before a next call writes it
+  return exclusive;
+}
+
+struct AddInt64 {
+  __device__ __forceinline__ int64_t operator()(int64_t x, int64_t y) const { return x + y; }
+};
+struct AddInt32 {
+  __device__ __forceinline__ int32_t operator()(int32_t x, int32_t y) const { return x + y; }
+};
+
+// ceil(rows / per_piece) for 0 <= rows <= AllToAllLayout::kMaxCapacity (2^31 - 1) and
+// per_piece >= 1, in 32-bit arithmetic: per_piece is capped at 2^31 - 1 (rows <= the cap, so
+// the answer is the same: 1 for rows > 0, else 0), and rows + per_piece - 1 <= 2^32 - 3 fits
+// an unsigned 32-bit word. (A 64-bit division is a long software routine on the GPU.)
+__device__ __forceinline__ int64_t pieces_of(int64_t rows, int64_t per_piece) {
+  const uint32_t r = static_cast<uint32_t>(rows);
+  const uint32_t p = static_cast<uint32_t>(min(per_piece, AllToAllLayout::kMaxCapacity));
+  return static_cast<int64_t>((r + p - 1u) / p);
+}
+
 __device__ __forceinline__ void refuse(const AllToAllArgs& a, detail::WaitOp op, int peer,
                                        int64_t asked, int64_t limit) {
   detail::record_error(&a.status->all_to_all, detail::kBadInput, op, peer, a.my_pe,
@@ -95,11 +148,13 @@ __device__ __forceinline__ void after_every_block(unsigned int* done, Last last)
 }
 
 __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAllArgs a) {
+  __shared__ int64_t asked_of[kMaxPes];    // send_counts, read once
   __shared__ int64_t first_row[kMaxPes];   // send row (or index entry) of each destination's first
   __shared__ int64_t rows_to[kMaxPes];     // rows sent to each destination (0 when refused)
   __shared__ int64_t pieces[kMaxPes + 1];  // prefix, in send order: position i is PE my_pe + i
   __shared__ uint64_t round_value;
   __shared__ int failed;
+  __shared__ int first_refused;            // the lowest refused destination (n: none)
   __shared__ int64_t per_piece_shared;
   const int n = a.n_pes;
   const int lane = threadIdx.x % 32;
@@ -107,39 +162,69 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
     // This use of the set: one more than the device count, which the last block moves on.
     round_value = *reinterpret_cast<volatile uint64_t*>(a.uses) + 1;
     failed = 0;
-    const int64_t limit = a.send_index != nullptr ? a.index_rows : a.send_rows;
-    int64_t offset = 0;
-    for (int d = 0; d < n; ++d) {
-      const int64_t asked = a.send_counts[d];
-      first_row[d] = offset;
-      int64_t rows = asked;
-      if (asked < 0 || asked > limit - offset) {
-        if (blockIdx.x == 0) refuse(a, detail::WaitOp::kAllToAllCount, d, asked, limit);
-        rows = 0;
-      } else if (asked > a.capacity) {
-        if (blockIdx.x == 0) refuse(a, detail::WaitOp::kAllToAllCapacity, d, asked, a.capacity);
-        rows = 0;
-      }
-      rows_to[d] = rows;
-      // Saturated: counts past the rows never wrap the offset (later destinations are refused).
-      if (asked > 0) offset = asked > limit - offset ? limit : offset + asked;
-    }
-    // Rows per piece: at least kPieceBytes' worth, and enough that the rows make about two
-    // pieces per warp of the grid: each piece ends with a system-scope fence and an atomic at
-    // the destination, which per row (rows of several KiB) cost as much as the row's copy.
-    int64_t rows_all = 0;
-    for (int d = 0; d < n; ++d) rows_all += rows_to[d];
-    const int64_t target = 2 * static_cast<int64_t>(gridDim.x) * kWarps;
-    const int64_t spread = (rows_all + target - 1) / target;
-    const int64_t by_bytes = rows_per_piece(a.row_bytes_total);
-    const int64_t per_piece = spread > by_bytes ? spread : by_bytes;
-    per_piece_shared = per_piece;
-    pieces[0] = 0;
-    for (int i = 0; i < n; ++i) {
-      const int d = (a.my_pe + i) % n;
-      pieces[i + 1] = pieces[i] + (rows_to[d] + per_piece - 1) / per_piece;
-    }
+    first_refused = n;
   }
+  // One thread per destination (n <= kMaxPes = 2 x kThreads: at most two passes), the offsets
+  // by a block-wide scan. An offset saturates at `limit` (counts past the rows never wrap it;
+  // later destinations are refused): with every term clamped to [0, limit] (limit >= 0: a row
+  // count), x + y capped at limit is associative, and gives the sequential loop's offsets.
+  const int64_t limit = a.send_index != nullptr ? a.index_rows : a.send_rows;
+  const auto saturated_add = [limit](int64_t x, int64_t y) { return x > limit - y ? limit : x + y; };
+  int64_t offset_before = 0;  // of this pass's first destination
+  int64_t rows_before = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int d = base + threadIdx.x;
+    const int64_t asked = d < n ? a.send_counts[d] : 0;
+    const int64_t term = asked > 0 ? (asked < limit ? asked : limit) : 0;
+    int64_t pass_offsets;
+    const int64_t offset =
+        saturated_add(offset_before, block_exclusive_scan(term, int64_t{0}, saturated_add, &pass_offsets));
+    offset_before = saturated_add(offset_before, pass_offsets);
+    int64_t rows = 0;
+    if (d < n) {
+      asked_of[d] = asked;
+      first_row[d] = offset;
+      const bool refused = asked < 0 || asked > limit - offset || asked > a.capacity;
+      if (refused) atomicMin(&first_refused, d);
+      rows = refused ? 0 : asked;
+      rows_to[d] = rows;
+    }
+    int64_t pass_rows;  // rows <= capacity < 2^31, n <= 2^10: no overflow
+    block_exclusive_scan(rows, int64_t{0}, AddInt64{}, &pass_rows);
+    rows_before += pass_rows;
+  }
+  // (The scans synchronised the block: first_refused and the shared arrays are complete; thread
+  // 0 set first_refused before the first scan's barrier, every atomicMin comes after it.)
+  // Refusals: the lowest refused destination's, as the one-thread loop recorded first (the
+  // record keeps the first one).
+  if (blockIdx.x == 0 && threadIdx.x == 0 && first_refused < n) {
+    const int d = first_refused;
+    const int64_t asked = asked_of[d];
+    if (asked < 0 || asked > limit - first_row[d]) refuse(a, detail::WaitOp::kAllToAllCount, d, asked, limit);
+    else refuse(a, detail::WaitOp::kAllToAllCapacity, d, asked, a.capacity);
+  }
+  // Rows per piece: at least kPieceBytes' worth, and enough that the rows make about two
+  // pieces per warp of the grid: each piece ends with a system-scope fence and an atomic at
+  // the destination, which per row (rows of several KiB) cost as much as the row's copy.
+  // (Every thread computes it, side by side; the main loop reads it back from shared memory,
+  // as before: with the value kept in a register it spilled more, measured with -Xptxas=-v.)
+  const int64_t rows_all = rows_before;
+  const int64_t target = 2 * static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t spread = (rows_all + target - 1) / target;
+  const int64_t by_bytes = rows_per_piece(a.row_bytes_total);
+  const int64_t piece_size = spread > by_bytes ? spread : by_bytes;
+  if (threadIdx.x == 0) per_piece_shared = piece_size;
+  // Pieces in send order (position i: destination my_pe + i), one thread per position.
+  int64_t pieces_before = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const int64_t count = i < n ? pieces_of(rows_to[(a.my_pe + i) % n], piece_size) : 0;
+    int64_t pass_pieces;
+    const int64_t before = block_exclusive_scan(count, int64_t{0}, AddInt64{}, &pass_pieces);
+    if (i < n) pieces[i] = pieces_before + before;
+    pieces_before += pass_pieces;
+  }
+  if (threadIdx.x == 0) pieces[n] = pieces_before;
   __syncthreads();
   const int64_t per_piece = per_piece_shared;
   const uint64_t round = round_value;
@@ -154,7 +239,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
         failed = 1;
         continue;
       }
-      const int64_t asked = a.send_counts[d];
+      const int64_t asked = asked_of[d];
       const bool refused = rows_to[d] != asked;
       const uint64_t meta = AllToAllLayout::pack_meta(asked, a.row_bytes_total, a.fields, refused);
       uint8_t* peer = a.direct ? a.peer_bases[d] : nullptr;
@@ -303,16 +388,24 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
     rows_from[s] = rows;
     expected[s] = a.consumed[s] + units;
   }
+  // Offsets and pieces by block-wide scans, one thread per source (n <= 2 x kThreads: at most
+  // two passes; rows <= capacity < 2^31, n <= 2^10: no overflow).
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t offset = 0;
-    pieces[0] = 0;
-    for (int s = 0; s < n; ++s) {
-      offset_of[s] = offset;
-      offset += rows_from[s];
-      pieces[s + 1] = pieces[s] + (rows_from[s] + per_piece - 1) / per_piece;
+  int64_t offset_before = 0, pieces_before = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int s = base + threadIdx.x;
+    const int64_t rows = s < n ? rows_from[s] : 0;
+    int64_t pass_rows, pass_pieces;
+    const int64_t offset = block_exclusive_scan(rows, int64_t{0}, AddInt64{}, &pass_rows);
+    const int64_t before = block_exclusive_scan(pieces_of(rows, per_piece), int64_t{0}, AddInt64{}, &pass_pieces);
+    if (s < n) {
+      offset_of[s] = offset_before + offset;
+      pieces[s] = pieces_before + before;
     }
+    offset_before += pass_rows;
+    pieces_before += pass_pieces;
   }
+  if (threadIdx.x == 0) pieces[n] = pieces_before;
   __syncthreads();
   if (blockIdx.x == 0) {
     for (int s = threadIdx.x; s < n; s += blockDim.x) {
@@ -407,15 +500,38 @@ __global__ void __launch_bounds__(256)
 
 constexpr int kLayoutThreads = 1024;
 constexpr int kLayoutWarps = kLayoutThreads / 32;
+static_assert(kMoeLayoutMaxBins <= kLayoutThreads, "moe_receive_layout scans the bins one per thread");
+static_assert(kLayoutWarps <= 32 && kMoeLayoutMaxPes <= 64, "the layouts scan warps in one warp, PEs in two passes of one");
+
+// Pairs whose loads a thread issues together before it uses (and stores after) any of them:
+// a loop that loads, then stores through a pointer that may alias the next load, waits out one
+// memory latency per pair (topk of them per token, once more per destination in pass 2).
+constexpr int kPairBatch = 8;
 
 // Inclusive scan over a warp (every lane calls it).
-__device__ __forceinline__ uint64_t warp_inclusive_scan(uint64_t value, int lane) {
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T value, int lane) {
 #pragma unroll
   for (int offset = 1; offset < 32; offset *= 2) {
-    const uint64_t other = __shfl_up_sync(0xffffffffu, value, offset);
+    const T other = __shfl_up_sync(0xffffffffu, value, offset);
     if (lane >= offset) value += other;
   }
   return value;
+}
+
+// Per-warp counts (counts[w][c], w < warps <= 32, c < columns) into exclusive bases over warps,
+// each column's total into totals[c]: warp w scans columns w, w + 32, ..., one lane per warp
+// (one thread walking a column's 32 warps was 32 dependent shared-memory steps).
+template <typename T, int kColumns>
+__device__ __forceinline__ void exclusive_over_warps(T (*counts)[kColumns], int warps, int columns,
+                                                     T* totals) {
+  const int lane = threadIdx.x % 32;
+  for (int c = threadIdx.x / 32; c < columns; c += blockDim.x / 32) {
+    const T count = lane < warps ? counts[lane][c] : T{0};
+    const T inclusive = warp_inclusive_scan(count, lane);
+    if (lane < warps) counts[lane][c] = inclusive - count;
+    if (lane == 31) totals[c] = inclusive;
+  }
 }
 
 // The sender's side (dispatch_plan in _moe.py is the reference): thread i owns tokens
@@ -436,13 +552,40 @@ __global__ void __launch_bounds__(kLayoutThreads)
   const int64_t per_thread = (tokens + blockDim.x - 1) / blockDim.x;
   const int64_t first = static_cast<int64_t>(threadIdx.x) * per_thread;
   const int64_t last = min(tokens, first + per_thread);
-  // Pass 0: each pair's PE (n_pes: no expert) and the meta rows sent along.
+  // Pass 0: each pair's PE (n_pes: no expert) and the meta rows sent along. The division in
+  // 32 bits: a valid id is in [0, num_experts) and num_experts < 2^31 (checked on the host), so
+  // id and experts_per_pe (<= num_experts) are non-negative int32 values, and the quotient is
+  // the 64-bit one.
+  const int32_t per_pe = static_cast<int32_t>(experts_per_pe);
+  // A thread with one token of at most kPairBatch pairs (up to 1024 tokens of topk <= 8: decode)
+  // keeps its pairs' PEs in registers: passes 1 and 2 (2 x (n_pes + 1) reads of them) then wait
+  // for no memory. Others read back their pass-0 writes, kPairBatch at a time.
+  const bool pes_in_registers = last - first == 1 && topk <= kPairBatch;
+  int32_t token_pes[kPairBatch];
+  // The PEs of pairs (t, k0 ..< k0 + kPairBatch) of this thread's tokens (-1 past topk).
+  auto load_pes = [&](int64_t t, int k0, int32_t (&pe)[kPairBatch]) {
+#pragma unroll
+    for (int u = 0; u < kPairBatch; ++u) {
+      if (pes_in_registers) pe[u] = u < topk ? token_pes[u] : -1;  // (k0 is 0)
+      else pe[u] = k0 + u < topk ? static_cast<int32_t>(pair_pe[t * topk + k0 + u]) : -1;
+    }
+  };
   for (int64_t t = first; t < last; ++t) {
-    for (int k = 0; k < topk; ++k) {
-      const int64_t id = static_cast<int64_t>(ids[t * topk + k]);
-      const bool valid = id >= 0 && id < num_experts;
-      pair_pe[t * topk + k] = valid ? id / experts_per_pe : n_pes;
-      meta[t * (topk + 1) + k] = valid ? static_cast<int32_t>(id) : -1;
+    for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
+      int64_t id[kPairBatch];
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u)
+        id[u] = k0 + u < topk ? static_cast<int64_t>(ids[t * topk + k0 + u]) : -1;
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u) {
+        const int k = k0 + u;
+        if (k >= topk) break;
+        const bool valid = id[u] >= 0 && id[u] < num_experts;
+        const int32_t pe = valid ? static_cast<int32_t>(id[u]) / per_pe : n_pes;
+        token_pes[u] = pe;  // (read only when k0 is 0 and topk <= kPairBatch)
+        pair_pe[t * topk + k] = pe;
+        meta[t * (topk + 1) + k] = valid ? static_cast<int32_t>(id[u]) : -1;
+      }
     }
     meta[t * (topk + 1) + topk] = static_cast<int32_t>(t);
   }
@@ -451,7 +594,12 @@ __global__ void __launch_bounds__(kLayoutThreads)
     uint64_t packed = 0;
     for (int64_t t = first; t < last; ++t) {
       uint64_t pairs = 0;
-      for (int k = 0; k < topk; ++k) pairs += pair_pe[t * topk + k] == d;
+      for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
+        int32_t pe[kPairBatch];
+        load_pes(t, k0, pe);
+#pragma unroll
+        for (int u = 0; u < kPairBatch; ++u) pairs += pe[u] == d;  // (-1 is never a destination)
+      }
       packed += pairs + ((pairs > 0 && d < n_pes) ? (uint64_t{1} << 32) : 0);
     }
     return packed;
@@ -462,26 +610,22 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (lane == 31) warp_base[warp][d] = inclusive;
   }
   __syncthreads();
-  if (threadIdx.x <= n_pes) {  // column d: totals into exclusive bases (one thread per column)
-    const int d = threadIdx.x;
-    uint64_t running = 0;
-    for (int w = 0; w < warps; ++w) {
-      const uint64_t total = warp_base[w][d];
-      warp_base[w][d] = running;
-      running += total;
-    }
-    dest_start[d] = static_cast<int64_t>(running >> 32);  // tokens for d, for now
-  }
+  __shared__ uint64_t dest_total[kMoeLayoutMaxPes + 1];  // packed, over the whole block
+  exclusive_over_warps(warp_base, warps, n_pes + 1, dest_total);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t offset = 0;
-    for (int d = 0; d < n_pes; ++d) {
-      const int64_t count = dest_start[d];
-      send_counts[d] = count;
-      dest_start[d] = offset;
-      offset += count;
+  if (warp == 0) {  // tokens for each destination, and their start: a scan over <= 64 of them
+    int64_t carry = 0;
+    for (int base = 0; base < n_pes; base += 32) {
+      const int d = base + lane;
+      const int64_t count = d < n_pes ? static_cast<int64_t>(dest_total[d] >> 32) : 0;
+      const int64_t inclusive = warp_inclusive_scan(count, lane);
+      if (d < n_pes) {
+        send_counts[d] = count;
+        dest_start[d] = carry + inclusive - count;
+      }
+      carry += __shfl_sync(0xffffffffu, inclusive, 31);
     }
-    dest_start[n_pes] = offset;  // rows sent in all
+    if (lane == 0) dest_start[n_pes] = carry;  // rows sent in all
   }
   __syncthreads();
   // Pass 2: positions. Tokens in order within a destination; pairs in (token, k) order.
@@ -492,10 +636,15 @@ __global__ void __launch_bounds__(kLayoutThreads)
     int64_t pair_at = static_cast<int64_t>(before & 0xffffffffull);
     for (int64_t t = first; t < last; ++t) {
       int64_t pairs = 0;
-      for (int k = 0; k < topk; ++k) {
-        if (pair_pe[t * topk + k] != d) continue;
-        pair_rank[t * topk + k] = pair_at + pairs;
-        ++pairs;
+      for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
+        int32_t pe[kPairBatch];
+        load_pes(t, k0, pe);
+#pragma unroll
+        for (int u = 0; u < kPairBatch; ++u) {
+          if (pe[u] != d) continue;  // (also every u past topk: -1 is never a destination)
+          pair_rank[t * topk + k0 + u] = pair_at + pairs;
+          ++pairs;
+        }
       }
       if (pairs > 0 && d < n_pes) send_index[dest_start[d] + token_at++] = t;
       pair_at += pairs;
@@ -544,14 +693,17 @@ __global__ void __launch_bounds__(kLayoutThreads)
   for (int i = threadIdx.x; i < kLayoutWarps * kMoeLayoutMaxBins; i += blockDim.x)
     (&hist[0][0])[i] = 0;
   for (int s = threadIdx.x; s < n_pes; s += blockDim.x) back_counts[s] = 0;
-  if (threadIdx.x == 0) {
-    int64_t offset = 0;
-    for (int s = 0; s < n_pes; ++s) {
-      source_start[s] = offset;
-      const int64_t count = recv_counts[s];
-      offset += count > 0 ? count : 0;
+  if (warp == 0) {  // each source's first row: a scan over <= 64 counts, one lane each
+    int64_t carry = 0;
+    for (int base = 0; base < n_pes; base += 32) {
+      const int s = base + lane;
+      const int64_t count = s < n_pes ? recv_counts[s] : 0;
+      const int64_t used = count > 0 ? count : 0;
+      const int64_t inclusive = warp_inclusive_scan(used, lane);
+      if (s < n_pes) source_start[s] = carry + inclusive - used;
+      carry += __shfl_sync(0xffffffffu, inclusive, 31);
     }
-    source_start[n_pes] = offset < rows ? offset : rows;  // rows in use
+    if (lane == 0) source_start[n_pes] = carry < rows ? carry : rows;  // rows in use
   }
   __syncthreads();
   const int64_t rows_in_use = source_start[n_pes];
@@ -583,42 +735,40 @@ __global__ void __launch_bounds__(kLayoutThreads)
   }
   if (lane == 0) valid_base[warp] = valid_here;
   __syncthreads();
-  if (threadIdx.x < bins) {  // column b: exclusive over warps; its total into bin_start for now
-    const int b = threadIdx.x;
-    int32_t running = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int32_t count = hist[w][b];
-      hist[w][b] = running;
-      running += count;
-    }
-    bin_start[b] = running;
-  }
+  // Each bin's count, exclusive over warps (its total into bin_start for now), then the bins'
+  // starts by a block-wide scan (bins <= kMoeLayoutMaxBins <= kLayoutThreads: one thread each),
+  // the warps' valid pairs by a warp scan: no thread walks bins or warps one after another.
+  exclusive_over_warps(hist, warps, bins, bin_start);
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t offset = 0;
-    for (int b = 0; b < bins; ++b) {
-      const int32_t count = bin_start[b];
+  {
+    const int b = threadIdx.x;
+    const int32_t count = b < bins ? bin_start[b] : 0;
+    int32_t all;
+    const int32_t offset = block_exclusive_scan(count, int32_t{0}, AddInt32{}, &all);  // synchronises
+    if (b < bins) {
       if (b < none) {
         expert_counts[b] = count;
         expert_offsets[b] = offset;
       }
       bin_start[b] = offset;
-      offset += count;
+      if (b == none) num_rows[0] = offset;
     }
-    num_rows[0] = bin_start[none];
-    int32_t valid = 0;
-    for (int w = 0; w < warps; ++w) {
-      const int32_t count = valid_base[w];
-      valid_base[w] = valid;
-      valid += count;
-    }
-    for (int s = 0; s < n_pes; ++s) combine_counts[s] = back_counts[s];
   }
+  if (warp == 0) {
+    const int32_t count = lane < warps ? valid_base[lane] : 0;
+    const int32_t inclusive = warp_inclusive_scan(count, lane);
+    if (lane < warps) valid_base[lane] = inclusive - count;
+  }
+  for (int s = threadIdx.x; s < n_pes; s += blockDim.x) combine_counts[s] = back_counts[s];
   __syncthreads();
   // Pass 2: the positions.
   int32_t valid_at = valid_base[warp];
   for (int64_t batch = begin; batch < end; batch += 32) {
     const int64_t p = batch + lane;
+    // The row's token, loaded beside the pair's expert id and before the stores below (which
+    // the compiler may not move a load past): one memory round trip per batch, not two. Any
+    // p < end is a pair of a row < rows, in recv_meta, whether the row is in use or not.
+    const int32_t token = p < end ? recv_meta[(static_cast<int32_t>(p) / topk) * static_cast<int64_t>(topk + 1) + topk] : -1;
     const int bin = bin_of(p);
     const unsigned same = __match_any_sync(0xffffffffu, bin);
     const bool valid = bin >= 0 && bin != none;
@@ -629,7 +779,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
       row_of[position] = row;
       expert_of_row[position] = bin;
       source_pe[position] = valid ? source_of_row(source_start, n_pes, row) : -1;
-      source_token[position] = valid ? recv_meta[row * (topk + 1) + topk] : -1;
+      source_token[position] = valid ? token : -1;
       if (valid) combine_index[valid_at + __popc(valid_lanes & below)] = position;
       if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
     }
@@ -684,9 +834,15 @@ __global__ void __launch_bounds__(256)
                                const int64_t* recv_offsets, const int64_t* recv_counts, int n_sources,
                                const int64_t* positions, int topk, int64_t rows, int64_t row_bytes) {
   __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
-  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) start[s] = recv_offsets[s];
+  __shared__ int64_t counts[AllToAllLayout::kMaxPes];
+  // Both read once, side by side (a row's count read from global memory after its source was
+  // found was one more dependent memory round trip per row).
+  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) {
+    start[s] = recv_offsets[s];
+    counts[s] = recv_counts[s];
+  }
   __syncthreads();
-  const int64_t received = recv_offsets[n_sources - 1] + recv_counts[n_sources - 1];
+  const int64_t received = start[n_sources - 1] + counts[n_sources - 1];
   const int64_t used = min(received, rows);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -696,7 +852,7 @@ __global__ void __launch_bounds__(256)
        row += warps) {
     const int s = find_slot(start, n_sources, row);
     const int64_t at = row - start[s];
-    if (at < 0 || at >= recv_counts[s]) continue;
+    if (at < 0 || at >= counts[s]) continue;
     const int4* src = reinterpret_cast<const int4*>(region + s * stride + at * row_bytes);
     const int64_t* row_positions = positions + row * topk;
     for (int k0 = 0; k0 < topk; k0 += 32) {
