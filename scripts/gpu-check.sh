@@ -16,7 +16,8 @@
 # SKIP="step ..." leaves steps out; SANITIZE=0 leaves out the compute-sanitizer runs; SWEEP=1 adds
 # the send/recv sweep; HOSTILE=1 runs the real-conditions groups one by one on one GPU too (by
 # default there only after a failed suite: the same tests run inside the suites). MPS=0: no MPS
-# (time-sliced, slow). Logs are packed into $OUT/logs.tgz; the summary table is printed last.
+# (time-sliced, slow). BEFORE=DIR: an earlier revision's tree, benched in the same call (below).
+# Logs are packed into $OUT/logs.tgz; the summary table is printed last.
 set -uo pipefail
 QUICK=${QUICK:-0}
 PART=${PART:-all}
@@ -92,6 +93,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
   local name=$1; shift
   local start=$SECONDS
   local group=$name; [[ "$name" == sanitizer-* ]] && group=sanitizers  # ONLY=sanitizers: all of them
+  [[ "$name" == *-before ]] && group=${name%-before}  # ONLY=bench: bench-before too (BEFORE=...)
   if [[ " ${SKIP:-} " == *" $name "* ]] || { [ -n "${ONLY:-}" ] && [ "$name" != build ] && \
        [[ " $ONLY " != *" $name "* ]] && [[ " $ONLY " != *" $group "* ]]; }; then
     SUMMARY+=("$(printf '%-28s %-8s' "$name" SKIPPED)"); RESULT[$name]=SKIPPED; : > "$OUT/$name.log"; return 0
@@ -157,6 +159,30 @@ SUITE="-m pytest tests/gpu -q -p no:cacheprovider -rs"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
+# BEFORE=DIR (a source tree of an earlier revision: `git archive REV | tar x -C DIR`): built into
+# a directory of its own while the tests run, then its bench and bench-moe run right after this
+# tree's, same call, same GPU (steps bench-before, bench-moe-before; BENCH_BEFORE_ARGS when its
+# bench knows other ops; BEFORE_MOE=DIR: another tree for bench-moe-before), and
+# scripts/bench_compare.py prints the two side by side.
+BEFORE_MOE=${BEFORE_MOE:-${BEFORE:-}}
+declare -A BEFORE_PID
+build_before() {  # build_before NAME DIR: DIR built into /tmp/pydatacopy-NAME in the background
+  rm -rf "/tmp/pydatacopy-$1"
+  ( nice -n 19 $PY -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/pydatacopy-$1" "$2" \
+      > "$OUT/build-$1.log" 2>&1; echo $? > "$OUT/build-$1.rc" ) &
+  BEFORE_PID[$1]=$!
+}
+[ -n "${BEFORE:-}" ] && build_before before "$BEFORE"
+[ -n "$BEFORE_MOE" ] && [ "$BEFORE_MOE" != "${BEFORE:-}" ] && build_before before-moe "$BEFORE_MOE"
+before_site() {  # before_site NAME: SITE= the built tree's directory, or fails (and says so)
+  SITE=
+  [ -n "${BEFORE_PID[$1]:-}" ] || return 1
+  wait "${BEFORE_PID[$1]}" 2>/dev/null  # (this shell's child: not from a $(...) subshell)
+  if [ "$(cat "$OUT/build-$1.rc" 2>/dev/null)" != 0 ]; then
+    NOTES+=("the earlier tree for $1 did not build (build-$1.log in logs.tgz)"); return 1
+  fi
+  SITE=/tmp/pydatacopy-$1
+}
 # The CPU tests set their own environment: not the one-GPU settings of this script.
 has "$STEPS" cpu-tests && step cpu-tests env -u PYDATACOPY_RANKS_PER_GPU -u CUDA_MPS_ACTIVE_THREAD_PERCENTAGE \
   $PY -m pytest tests/test_runtime.py tests/test_network.py tests/test_doctor.py tests/test_double_buffer_cpu.py \
@@ -266,6 +292,11 @@ if has "$STEPS" bench; then
     DEFAULT_BENCH="-b 4K -e 1G -f 4 -d all"
   fi
   step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-$DEFAULT_BENCH}
+  if before_site before; then
+    step bench-before env PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 300 torchrun --nproc_per_node=2 \
+      -m pydatacopy.bench --json "$OUT/bench-before.json" ${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-$DEFAULT_BENCH}}
+    $PY scripts/bench_compare.py "$OUT/bench-before.json" "$OUT/bench.json" > "$OUT/bench-compare.md" 2>&1
+  fi
 fi
 # MoE dispatch/combine with N_PES PEs (4: the issue's target shape; N_PES=8 for eight).
 if has "$STEPS" bench-moe; then
@@ -273,6 +304,13 @@ if has "$STEPS" bench-moe; then
   # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
   step bench-moe env $(pes "$N_PES") NVSHMEM_SYMMETRIC_SIZE=${MOE_SYMMETRIC_SIZE:-6G} timeout 300 \
     torchrun --nproc_per_node="$N_PES" -m pydatacopy.bench.moe --json "$OUT/bench-moe.json" ${BENCH_MOE_ARGS:-}
+  moe_before=before; [ "$BEFORE_MOE" != "${BEFORE:-}" ] && moe_before=before-moe
+  if before_site $moe_before; then
+    step bench-moe-before env $(pes "$N_PES") NVSHMEM_SYMMETRIC_SIZE=${MOE_SYMMETRIC_SIZE:-6G} \
+      PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
+      torchrun --nproc_per_node="$N_PES" -m pydatacopy.bench.moe --json "$OUT/bench-moe-before.json" ${BENCH_MOE_ARGS:-}
+    $PY scripts/bench_compare.py "$OUT/bench-moe-before.json" "$OUT/bench-moe.json" > "$OUT/bench-moe-compare.md" 2>&1
+  fi
   shared_mps stop
 fi
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
@@ -299,6 +337,9 @@ grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 [ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
 [ -s "$OUT/bench-moe.log" ] && sed -n '/^op /,$p' "$OUT/bench-moe.log"
+for compare in bench-compare bench-moe-compare; do
+  [ -s "$OUT/$compare.md" ] && { echo "--- $compare (BEFORE=${BEFORE:-} BEFORE_MOE=$BEFORE_MOE)"; cat "$OUT/$compare.md"; }
+done
 grep -h "^kill-moe" "$OUT/kill-moe.log" 2>/dev/null | tail -n 4
 for f in control server; do  # MPS's own logs, for a client it refused
   [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
