@@ -169,7 +169,11 @@ declare -A BEFORE_PID
 build_before() {  # build_before NAME DIR: DIR built into /tmp/pydatacopy-NAME in the background
   rm -rf "/tmp/pydatacopy-$1"
   ( nice -n 19 $PY -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/pydatacopy-$1" "$2" \
-      > "$OUT/build-$1.log" 2>&1; echo $? > "$OUT/build-$1.rc" ) &
+      > "$OUT/build-$1.log" 2>&1 &&
+    # Its module finds NVSHMEM at $ORIGIN/../nvidia/nvshmem/lib (the installed layout): the same
+    # nvidia packages as this tree's, beside it.
+    ln -sfn "$($PY -c 'import os, nvidia.nvshmem as n; print(os.path.dirname(list(n.__path__)[0]))')" \
+      "/tmp/pydatacopy-$1/nvidia" >> "$OUT/build-$1.log" 2>&1; echo $? > "$OUT/build-$1.rc" ) &
   BEFORE_PID[$1]=$!
 }
 [ -n "${BEFORE:-}" ] && build_before before "$BEFORE"
