@@ -295,8 +295,10 @@ if has "$STEPS" bench; then
   else
     DEFAULT_BENCH="-b 4K -e 1G -f 4 -d all"
   fi
+  # The earlier tree's build (BEFORE=) done first: not compiling beside this tree's bench.
+  before_site before; have_before=$?
   step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-$DEFAULT_BENCH}
-  if before_site before; then
+  if [ "$have_before" = 0 ]; then
     step bench-before env PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 300 torchrun --nproc_per_node=2 \
       -m pydatacopy.bench --json "$OUT/bench-before.json" ${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-$DEFAULT_BENCH}}
     $PY scripts/bench_compare.py "$OUT/bench-before.json" "$OUT/bench.json" > "$OUT/bench-compare.md" 2>&1
@@ -305,13 +307,15 @@ fi
 # MoE dispatch/combine with N_PES PEs (4: the target shape; N_PES=8 for eight).
 if has "$STEPS" bench-moe; then
   shared_mps start
+  moe_before=before; [ "$BEFORE_MOE" != "${BEFORE:-}" ] && moe_before=before-moe
+  before_site $moe_before; have_before=$?  # (its build done before this tree's bench-moe)
+  moe_site=$SITE
   # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
   step bench-moe env $(pes "$N_PES") NVSHMEM_SYMMETRIC_SIZE=${MOE_SYMMETRIC_SIZE:-6G} timeout 300 \
     torchrun --nproc_per_node="$N_PES" -m pydatacopy.bench.moe --json "$OUT/bench-moe.json" ${BENCH_MOE_ARGS:-}
-  moe_before=before; [ "$BEFORE_MOE" != "${BEFORE:-}" ] && moe_before=before-moe
-  if before_site $moe_before; then
+  if [ "$have_before" = 0 ]; then
     step bench-moe-before env $(pes "$N_PES") NVSHMEM_SYMMETRIC_SIZE=${MOE_SYMMETRIC_SIZE:-6G} \
-      PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
+      PYTHONPATH="$moe_site${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
       torchrun --nproc_per_node="$N_PES" -m pydatacopy.bench.moe --json "$OUT/bench-moe-before.json" ${BENCH_MOE_ARGS:-}
     $PY scripts/bench_compare.py "$OUT/bench-moe-before.json" "$OUT/bench-moe.json" > "$OUT/bench-moe-compare.md" 2>&1
   fi

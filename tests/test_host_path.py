@@ -370,3 +370,35 @@ def test_the_send_recv_fast_entry_points_check_their_arguments():
         with pytest.raises(pydatacopy.Error) as by_fast:
             fast(engine, *args)
         assert "call pydatacopy.init" in str(by_fast.value) and str(by_fast.value) == str(by_method.value)
+
+
+def test_tensors_on_a_given_stream_are_kept_alive_also_when_the_core_raises_after_its_launch(
+        core, engine, monkeypatch):
+    """The engine launches a batch's healthy ops, then reports a refused one (a timed-out peer, a
+    byte-count mismatch): the tensors of a call on a stream given explicitly must stay allocated
+    until that stream is done, raise or not (else the caching allocator could hand a buffer the
+    kernel still writes to the next allocation)."""
+    def launch_then_refuse(name):
+        def call(*args):
+            core.calls.append((name,) + args[:1])
+            raise _C.Error(f"{name}: refused after the launch")
+        return call
+
+    for name in ("send_fast", "recv_fast", "sendrecv_fast"):
+        monkeypatch.setattr(core, name, launch_then_refuse(name))
+    for name in ("send", "recv", "sendrecv", "batch"):
+        monkeypatch.setattr(engine, name, launch_then_refuse(name))
+    a, b = _u8(100), _u8(7)
+    for timeout in (None, 60.0):  # the fast path, then the checked one
+        for call in (lambda: pydatacopy.send(a, 1, stream=0x77, timeout=timeout),
+                     lambda: pydatacopy.recv(b, 0, stream=0x77, timeout=timeout),
+                     lambda: pydatacopy.sendrecv(a, 1, b, 0, stream=0x78, timeout=timeout)):
+            with pytest.raises(_C.Error, match="refused after the launch"):
+                call()
+    with pytest.raises(_C.Error, match="refused after the launch"):
+        with pydatacopy.group(stream=0x79):
+            pydatacopy.send(a, 1)
+            pydatacopy.recv(b, 0)
+    kept = [c for c in core.calls if c[0] == "keep_alive"]
+    assert kept == [("keep_alive", 0x77, 1), ("keep_alive", 0x77, 1), ("keep_alive", 0x78, 2)] * 2 + [
+        ("keep_alive", 0x79, 2)], core.calls

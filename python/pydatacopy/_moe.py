@@ -831,6 +831,9 @@ def receive_layout(recv_meta: torch.Tensor, recv_counts: torch.Tensor, my_pe: in
     ``pydatacopy::moe_receive_layout``); on the CPU, or past the kernel's limits,
     ``receive_layout_reference``."""
     n_pes = recv_counts.shape[0]
+    if recv_meta.dim() != 2 or recv_meta.shape[1] != topk + 1:
+        raise Error(f"pydatacopy receive_layout: recv_meta must be [rows, topk + 1] = [rows, {topk + 1}], "
+                    f"got {tuple(recv_meta.shape)}")
     if (recv_meta.is_cuda and recv_meta.dtype == torch.int32 and n_pes >= 1 and 0 <= my_pe < n_pes
             and _layout_kernels_fit(n_pes, experts_per_pe, recv_meta.shape[0] * topk + 1)):
         if _traced():
@@ -843,6 +846,9 @@ def receive_layout(recv_meta: torch.Tensor, recv_counts: torch.Tensor, my_pe: in
 def _receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, stream, positions=None):
     """The kernel; ``positions`` (int64 [rows * topk], or None): also each pair's recv_x row (-1
     for a pair with no local expert), for scatter_region_rows."""
+    if recv_meta.dim() != 2 or recv_meta.shape[1] != topk + 1:  # the kernel reads topk + 1 per row
+        raise Error(f"pydatacopy receive_layout: recv_meta must be [rows, topk + 1] = [rows, {topk + 1}], "
+                    f"got {tuple(recv_meta.shape)}")
     rows = recv_meta.shape[0]
     n_pes = recv_counts.shape[0]
     pairs = rows * topk

@@ -145,9 +145,11 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
     if pending is None:
         # The engine's send/recv are a batch of one; their scalar arguments cross for a fraction
         # of a list of tuples' conversion (0.6 us against 2 us where measured).
-        (engine.send if is_send else engine.recv)(tensor.data_ptr(), tensor.nbytes, peer, _stream(stream),
-                                                  seconds)
-        _keep_alive(stream, tensor)
+        handle = _stream(stream)
+        try:
+            (engine.send if is_send else engine.recv)(tensor.data_ptr(), tensor.nbytes, peer, handle, seconds)
+        finally:  # also when it raised: the core may have launched before refusing (a batch's others)
+            _keep_alive(stream, tensor)
         return
     # The stream is resolved here, where the call is made (torch.cuda.stream() inside the group
     # counts), not at the group's exit: that is where the caller ordered the tensor's producers.
@@ -191,11 +193,15 @@ def group(*, stream=None) -> Iterator[None]:
     if not pending["ops"]:
         return
     handle = pending["handle"]
-    _require_engine("group").batch(pending["ops"], handle, pending["timeout"])
-    # The launch may be on a stream that is no longer torch's current one (the calls were made
-    # under torch.cuda.stream(s)): keep the tensors allocated until that stream is done with them.
-    if pending["explicit"] or handle != _stream(None):
-        _keep_alive(handle, *pending["tensors"])
+    try:
+        _require_engine("group").batch(pending["ops"], handle, pending["timeout"])
+    finally:
+        # The launch may be on a stream that is no longer torch's current one (the calls were made
+        # under torch.cuda.stream(s)): keep the tensors allocated until that stream is done with
+        # them; also when batch() raised, as it launches the healthy ops before it reports a
+        # refused one.
+        if pending["explicit"] or handle != _stream(None):
+            _keep_alive(handle, *pending["tensors"])
 
 
 def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | None = None) -> None:
@@ -207,15 +213,16 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
     crossing into the core; anything else takes the checked path, with its errors."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
         return _ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
-    engine, device = _engine, _device
-    if (engine is not None and timeout is None and type(dst_pe) is int and 0 <= dst_pe < _n_pes
-            and isinstance(tensor, Tensor) and tensor.get_device() == device and tensor.is_contiguous()
-            and _state.pending is None):
-        _C.send_fast(engine, tensor.data_ptr(), tensor.nbytes, dst_pe,
-                     _raw_stream(device) if stream is None else stream_handle(stream, device),
-                     _torch_utils.default_timeout)
-        if stream is not None:
-            _keep_alive(stream, tensor)
+    engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
+    if (engine is not None and timeout is None and seconds is not None and type(dst_pe) is int
+            and 0 <= dst_pe < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
+            and tensor.is_contiguous() and _state.pending is None):
+        handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
+        try:
+            _C.send_fast(engine, tensor.data_ptr(), tensor.nbytes, dst_pe, handle, seconds)
+        finally:  # also when it raised after its launch (a timed-out peer, a byte-count mismatch)
+            if stream is not None:
+                _keep_alive(stream, tensor)
         return
     # The checked path: whatever the fast one did not take, with the error that says what to do.
     engine = _require_engine("send")
@@ -229,15 +236,16 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
     Host cost as send's."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
         return _ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
-    engine, device = _engine, _device
-    if (engine is not None and timeout is None and type(src_pe) is int and 0 <= src_pe < _n_pes
-            and isinstance(tensor, Tensor) and tensor.get_device() == device and tensor.is_contiguous()
-            and _state.pending is None):
-        _C.recv_fast(engine, tensor.data_ptr(), tensor.nbytes, src_pe,
-                     _raw_stream(device) if stream is None else stream_handle(stream, device),
-                     _torch_utils.default_timeout)
-        if stream is not None:
-            _keep_alive(stream, tensor)
+    engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
+    if (engine is not None and timeout is None and seconds is not None and type(src_pe) is int
+            and 0 <= src_pe < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
+            and tensor.is_contiguous() and _state.pending is None):
+        handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
+        try:
+            _C.recv_fast(engine, tensor.data_ptr(), tensor.nbytes, src_pe, handle, seconds)
+        finally:  # also when it raised after its launch (a timed-out peer, a byte-count mismatch)
+            if stream is not None:
+                _keep_alive(stream, tensor)
         return
     engine = _require_engine("recv")
     check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
@@ -251,19 +259,20 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
         return _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
                              timeout=timeout)
-    engine, device, n_pes = _engine, _device, _n_pes
-    if (engine is not None and timeout is None and type(dst_pe) is int and 0 <= dst_pe < n_pes
+    engine, device, n_pes, seconds = _engine, _device, _n_pes, _torch_utils.default_timeout
+    if (engine is not None and timeout is None and seconds is not None and type(dst_pe) is int and 0 <= dst_pe < n_pes
             and type(src_pe) is int and 0 <= src_pe < n_pes
             and isinstance(send_tensor, Tensor) and isinstance(recv_tensor, Tensor)
             and send_tensor.get_device() == device and recv_tensor.get_device() == device
             and send_tensor.is_contiguous() and recv_tensor.is_contiguous()
             and _state.pending is None):
-        _C.sendrecv_fast(engine, send_tensor.data_ptr(), send_tensor.nbytes, dst_pe,
-                         recv_tensor.data_ptr(), recv_tensor.nbytes, src_pe,
-                         _raw_stream(device) if stream is None else stream_handle(stream, device),
-                         _torch_utils.default_timeout)
-        if stream is not None:
-            _keep_alive(stream, send_tensor, recv_tensor)
+        handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
+        try:
+            _C.sendrecv_fast(engine, send_tensor.data_ptr(), send_tensor.nbytes, dst_pe,
+                             recv_tensor.data_ptr(), recv_tensor.nbytes, src_pe, handle, seconds)
+        finally:  # also when it raised after its launch (one direction refused, the other launched)
+            if stream is not None:
+                _keep_alive(stream, send_tensor, recv_tensor)
         return
     engine = _require_engine("sendrecv")
     if _state.pending is not None:
@@ -273,6 +282,10 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
     check_int("src_pe", src_pe, None, _PE_MAX)
     _check_tensor(send_tensor, "send_tensor")
     _check_tensor(recv_tensor, "recv_tensor")
-    engine.sendrecv(send_tensor.data_ptr(), _nbytes(send_tensor), dst_pe, recv_tensor.data_ptr(),
-                    _nbytes(recv_tensor), src_pe, _stream(stream), timeout_seconds(timeout))
-    _keep_alive(stream, send_tensor, recv_tensor)
+    send_bytes, recv_bytes = _nbytes(send_tensor), _nbytes(recv_tensor)
+    handle, seconds = _stream(stream), timeout_seconds(timeout)
+    try:
+        engine.sendrecv(send_tensor.data_ptr(), send_bytes, dst_pe, recv_tensor.data_ptr(), recv_bytes,
+                        src_pe, handle, seconds)
+    finally:
+        _keep_alive(stream, send_tensor, recv_tensor)

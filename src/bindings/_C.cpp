@@ -205,6 +205,8 @@ PyObject* without_gil(Work&& work) {
       PyErr_SetString(g_error, e.what());
     } catch (const std::exception& e) {
       PyErr_SetString(PyExc_RuntimeError, e.what());
+    } catch (...) {  // never std::terminate out of a METH_FASTCALL entry
+      PyErr_SetString(g_error, "pydatacopy: an unknown C++ exception in the core");
     }
     return nullptr;
   }

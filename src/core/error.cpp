@@ -6,6 +6,10 @@ namespace pydatacopy::detail {
 
 [[noreturn]] void throw_cuda_error(const char* file, int line, const char* call, int code) {
   const auto status = static_cast<cudaError_t>(code);
+  // A failed runtime call also leaves the thread's last error set: cleared, so that the caller's
+  // next check (torch's after its own launch) does not report this one as its own. (A sticky
+  // error stays: the context is lost either way.)
+  cudaGetLastError();
   std::ostringstream text;
   text << call << " failed: " << cudaGetErrorName(status) << " (" << cudaGetErrorString(status)
        << ")";

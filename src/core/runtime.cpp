@@ -447,6 +447,11 @@ unsigned long long capture_id(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   unsigned long long id = 0;
   PDC_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &status, &id));
+  // A capture already invalidated (by an unsupported call on this or another stream) would fail
+  // this call's own stream queries with a less telling error.
+  PDC_REQUIRE(status != cudaStreamCaptureStatusInvalidated,
+              "the stream's CUDA graph capture was already invalidated by an earlier call that "
+              "cannot be captured; end the capture (it will report the error) and capture again");
   return status == cudaStreamCaptureStatusActive ? id + 1 : 0;  // ids may start at 0
 }
 

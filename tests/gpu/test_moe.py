@@ -542,18 +542,20 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [8, 7168, 24, 13])
-def test_combine_reduce_kernels_match_the_reference_bit_for_bit(world, dtype, hidden):
+@pytest.mark.parametrize("topk", [1, 3, 8, 9, 17])
+def test_combine_reduce_kernels_match_the_reference_bit_for_bit(world, dtype, hidden, topk):
     """The 16-byte-vector reduction (hidden x element a multiple of 16) and the scalar one (13):
-    bit for bit the float32, k-order arithmetic, slots < 0 and past the rows skipped."""
+    bit for bit the float32, k-order arithmetic, slots < 0 and past the rows skipped. topk below,
+    at and past the vector kernel's batch of 8 rows (a partial batch, two and three batches)."""
     from pydatacopy import _moe
-    generator = torch.Generator().manual_seed(hidden)
-    tokens, topk, row_count = 37, 8, 50
+    generator = torch.Generator().manual_seed(hidden * 31 + topk)
+    tokens, row_count = 37, 50
     rows = torch.randn(row_count, hidden, generator=generator).to(dtype)
     slots = torch.randint(-2, row_count + 3, (tokens, topk), generator=generator)
     weights = torch.rand(tokens, topk, generator=generator)
     want = _moe._combine_reduce_reference(rows, slots, weights)
     got = _moe.combine_reduce(rows.cuda(), slots.cuda(), weights.cuda())
-    _same_bytes(got, want, f"combine_reduce {dtype} hidden {hidden}")
+    _same_bytes(got, want, f"combine_reduce {dtype} hidden {hidden} topk {topk}")
 
 
 BIG_TOKENS, BIG_HIDDEN, BIG_TOPK = 1500, 256, 8
