@@ -520,9 +520,10 @@ static_assert(kLayoutWarps <= 32 && kMoeLayoutMaxPes <= 64, "the layouts scan wa
 constexpr int kPairBatch = 8;
 
 // Batches of 32 pairs a warp of moe_receive_layout loads together (one memory round trip for
-// them all) before it uses any: decode's (up to 8192 pairs: 1024 rows of topk 8) are one such
-// round a warp, and pass 2 then places its pairs from what pass 1 kept in registers.
-constexpr int kReceiveBatches = 8;
+// them all) before it uses any: decode's (up to 6144 pairs: 768 rows of topk 8, e.g. 4 PEs of
+// 128 tokens send at most 512) are one such round a warp, and pass 2 then places its pairs from
+// what pass 1 kept in registers. (8 batches spilled registers under the 64 of 1024 threads.)
+constexpr int kReceiveBatches = 6;
 constexpr int kReceiveRoundPairs = 32 * kReceiveBatches;
 
 // Inclusive scan over a warp (every lane calls it).
@@ -794,33 +795,56 @@ __global__ void __launch_bounds__(kLayoutThreads)
   const int bins = static_cast<int>(experts_per_pe) + 1;
   const int none = bins - 1;
   const int64_t pairs = rows * topk;  // < 2^31 (checked by the caller)
-  const int64_t first_expert = static_cast<int64_t>(my_pe) * experts_per_pe;
+  // (< kMaxPes x kMaxBins: 32 bits; a pair's local expert is (uint32_t)(id - first_expert).)
+  const uint32_t first_expert = static_cast<uint32_t>(my_pe) * static_cast<uint32_t>(experts_per_pe);
   const int64_t stretch = ((pairs + warps - 1) / warps + 31) / 32 * 32;
   const int64_t begin = warp * stretch;
   const int64_t end = min(pairs, begin + stretch);
   const bool one_round = stretch <= kReceiveRoundPairs;  // (the same for every warp)
   const unsigned below = (1u << lane) - 1u;
-  // A round's pairs (round + 32 j + lane): expert id and the row's token, every load issued
-  // before any is used (-1 past the stretch). Any p < end is a pair of a row < rows, in
-  // recv_meta, whether the row is in use or not; its id is at row * (topk + 1) + k = p + row.
+  // A round's pairs are p = round + 32 j + lane (j < kReceiveBatches), present while
+  // 32 j + lane < end - round. Pair p is (row, k), row * topk + k = p: the first batch's by one
+  // division, each next one by adds (32 warps issue all their instructions on 4 schedulers,
+  // and a division a pair was ~20 of them). Unsigned: past the stretch they may pass 2^31.
+  const uint32_t rows_a_batch = 32u / static_cast<uint32_t>(topk);
+  const uint32_t ks_a_batch = 32u % static_cast<uint32_t>(topk);
+  struct PairAt {
+    uint32_t row, k;
+  };
+  auto first_pair = [&](int64_t round) {
+    const uint32_t p = static_cast<uint32_t>(round) + lane;
+    const uint32_t row = p / static_cast<uint32_t>(topk);
+    return PairAt{row, p - row * static_cast<uint32_t>(topk)};
+  };
+  auto next_batch = [&](PairAt& at) {
+    at.row += rows_a_batch;
+    at.k += ks_a_batch;
+    if (at.k >= static_cast<uint32_t>(topk)) {
+      at.k -= topk;
+      ++at.row;
+    }
+  };
+  // A round's expert ids and their rows' tokens, every load issued before any is used (-1 for
+  // no pair). A present pair is one of a row < rows, in recv_meta, whether in use or not.
   int32_t expert_id[kReceiveBatches];
   int32_t token[kReceiveBatches];
   auto load_round = [&](int64_t round) {
+    const int64_t left = end - round;
+    PairAt at = first_pair(round);
 #pragma unroll
     for (int j = 0; j < kReceiveBatches; ++j) {
-      const int64_t p = round + 32 * j + lane;
       expert_id[j] = -1;
       token[j] = -1;
-      if (p < end) {
-        const int32_t row = static_cast<int32_t>(p) / topk;  // (32-bit division: pairs < 2^31)
-        expert_id[j] = recv_meta[p + row];
-        token[j] = recv_meta[static_cast<int64_t>(row) * (topk + 1) + topk];
+      if (32 * j + lane < left) {
+        const int64_t row_start = static_cast<int64_t>(at.row) * (topk + 1);
+        expert_id[j] = recv_meta[row_start + at.k];
+        token[j] = recv_meta[row_start + topk];
       }
+      next_batch(at);
     }
   };
   if (begin < end) load_round(begin);  // in flight across the prologue and its barrier
-  for (int i = threadIdx.x; i < kLayoutWarps * kMoeLayoutMaxBins; i += blockDim.x)
-    (&hist[0][0])[i] = 0;
+  for (int b = lane; b < bins; b += 32) hist[warp][b] = 0;  // (columns past bins: never read)
   for (int s = threadIdx.x; s < n_pes; s += blockDim.x) back_counts[s] = 0;
   if (warp == 0) {  // each source's first row: a scan over <= 64 counts, one lane each
     int64_t carry = 0;
@@ -835,19 +859,18 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (lane == 0) source_start[n_pes] = carry < rows ? carry : rows;  // rows in use
   }
   __syncthreads();
-  const int64_t rows_in_use = source_start[n_pes];
-  // Pair p's bin (-1: past the stretch, a lane with nothing) and its row's source (n_pes: not
-  // a row in use).
-  auto classify = [&](int64_t p, int32_t id, int& bin, int& source) {
+  const uint32_t rows_in_use = static_cast<uint32_t>(source_start[n_pes]);  // (<= rows < 2^31)
+  // A pair's bin (-1: not present, a lane with nothing) and its row's source (n_pes: not a row
+  // in use).
+  auto classify = [&](bool present, PairAt at, int32_t id, int& bin, int& source) {
     bin = -1;
     source = n_pes;
-    if (p >= end) return;
+    if (!present) return;
     bin = none;
-    const int32_t row = static_cast<int32_t>(p) / topk;
-    if (row >= rows_in_use) return;
-    source = source_of_row(source_start, n_pes, row);
-    const int64_t local = static_cast<int64_t>(id) - first_expert;
-    if (local >= 0 && local < experts_per_pe) bin = static_cast<int>(local);
+    if (at.row >= rows_in_use) return;
+    source = source_of_row(source_start, n_pes, at.row);
+    const uint32_t local = static_cast<uint32_t>(id) - first_expert;
+    if (local < static_cast<uint32_t>(experts_per_pe)) bin = static_cast<int>(local);
   };
   // A batch's pair's offset among this warp's pairs of its bin so far (hist[warp], which the
   // batch's lowest lane of each bin then moves on), and which lanes hold a valid pair.
@@ -873,25 +896,37 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (count > 0) atomicAdd(&back_counts[source], count);
   };
   // Pass 1: per-warp counts of each bin, of valid pairs, and of valid pairs per source. With
-  // one round, each pair's bin and source (state) and its offsets within the warp (where: in
-  // its bin | among valid pairs << 16, both < kReceiveRoundPairs) stay for pass 2.
+  // one round, each pair's state stays for pass 2 in one word: bin + 1 (9 bits: <= 257),
+  // source (7 bits: <= 64), offset in its bin and among valid pairs within the warp (8 bits
+  // each: a round is kReceiveRoundPairs <= 256 pairs).
+  static_assert(kMoeLayoutMaxBins < 512 && kMoeLayoutMaxPes < 128 && kReceiveRoundPairs <= 256,
+                "a pair's state: 9 + 7 + 8 + 8 bits");
   uint32_t state[kReceiveBatches] = {};
-  uint32_t where[kReceiveBatches] = {};
   int32_t valid_here = 0;
-  for (int64_t round = begin; round < end; round += kReceiveRoundPairs) {
-    if (round != begin) load_round(round);
+  // One round's batches (loaded), each pair's state returned.
+  auto count_round = [&](int64_t round, auto&& keep) {
+    const int64_t left = end - round;
+    PairAt at = first_pair(round);
 #pragma unroll
-    for (int j = 0; j < kReceiveBatches; ++j) {
-      if (round + 32 * j >= end) break;  // (the same for the whole warp)
+    for (int j = 0; j < kReceiveBatches; ++j, next_batch(at)) {
+      if (32 * j >= left) break;  // (the same for the whole warp)
       int bin, source;
-      classify(round + 32 * j + lane, expert_id[j], bin, source);
+      classify(32 * j + lane < left, at, expert_id[j], bin, source);
       unsigned valid_lanes;
       const int32_t offset = rank_batch(bin, valid_lanes);
       count_sources(source, valid_lanes);
-      state[j] = static_cast<uint32_t>(bin + 1) | static_cast<uint32_t>(source) << 16;
-      where[j] = static_cast<uint32_t>(offset) |
-                 static_cast<uint32_t>(valid_here + __popc(valid_lanes & below)) << 16;
+      keep(j, static_cast<uint32_t>(bin + 1) | static_cast<uint32_t>(source) << 9 |
+                  (static_cast<uint32_t>(offset) & 0xffu) << 16 |
+                  static_cast<uint32_t>(valid_here + __popc(valid_lanes & below)) << 24);
       valid_here += __popc(valid_lanes);
+    }
+  };
+  if (one_round) {
+    if (begin < end) count_round(begin, [&](int j, uint32_t pair_state) { state[j] = pair_state; });
+  } else {  // (no state kept: registers for the loads)
+    for (int64_t round = begin; round < end; round += kReceiveRoundPairs) {
+      if (round != begin) load_round(round);
+      count_round(round, [](int, uint32_t) {});
     }
   }
   if (lane == 0) valid_base[warp] = valid_here;
@@ -937,9 +972,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
   // combine_index past the valid pairs (and its spare last entry): never read; zeros.
   for (int64_t i = bin_start[none] + threadIdx.x; i <= pairs; i += blockDim.x) combine_index[i] = 0;
   // Pass 2: the positions. One pair's outputs:
-  auto place = [&](int64_t p, int bin, int source, int32_t token_of_row, int64_t position,
-                   int64_t valid_index) {
-    const int64_t row = static_cast<int32_t>(p) / topk;
+  auto place = [&](int64_t p, int64_t row, int bin, int source, int32_t token_of_row,
+                   int64_t position, int64_t valid_index) {
     const bool valid = bin != none;
     row_of[position] = row;
     expert_of_row[position] = bin;
@@ -950,30 +984,34 @@ __global__ void __launch_bounds__(kLayoutThreads)
   };
   if (one_round) {
     const int32_t warp_valid = valid_base[warp];
+    const int64_t left = end - begin;
+    PairAt at = first_pair(begin);
 #pragma unroll
-    for (int j = 0; j < kReceiveBatches; ++j) {
-      if (begin + 32 * j >= end) break;
-      const int bin = static_cast<int>(state[j] & 0xffffu) - 1;
+    for (int j = 0; j < kReceiveBatches; ++j, next_batch(at)) {
+      if (32 * j >= left) break;
+      const int bin = static_cast<int>(state[j] & 0x1ffu) - 1;
       if (bin < 0) continue;
-      const int64_t position = static_cast<int64_t>(bin_start[bin]) + hist[warp][bin] + (where[j] & 0xffffu);
-      place(begin + 32 * j + lane, bin, static_cast<int>(state[j] >> 16), token[j], position,
-            warp_valid + static_cast<int32_t>(where[j] >> 16));
+      const int64_t position =
+          static_cast<int64_t>(bin_start[bin]) + hist[warp][bin] + ((state[j] >> 16) & 0xffu);
+      place(begin + 32 * j + lane, at.row, bin, static_cast<int>((state[j] >> 9) & 0x7fu), token[j],
+            position, warp_valid + static_cast<int32_t>(state[j] >> 24));
     }
   } else {  // load and rank once more, round by round (hist[warp] now starts at the warp's base)
     int32_t valid_at = valid_base[warp];
     for (int64_t round = begin; round < end; round += kReceiveRoundPairs) {
       load_round(round);
+      const int64_t left = end - round;
+      PairAt at = first_pair(round);
 #pragma unroll
-      for (int j = 0; j < kReceiveBatches; ++j) {
-        if (round + 32 * j >= end) break;
-        const int64_t p = round + 32 * j + lane;
+      for (int j = 0; j < kReceiveBatches; ++j, next_batch(at)) {
+        if (32 * j >= left) break;
         int bin, source;
-        classify(p, expert_id[j], bin, source);
+        classify(32 * j + lane < left, at, expert_id[j], bin, source);
         unsigned valid_lanes;
         const int32_t offset = rank_batch(bin, valid_lanes);
         if (bin >= 0)
-          place(p, bin, source, token[j], static_cast<int64_t>(bin_start[bin]) + offset,
-                valid_at + __popc(valid_lanes & below));
+          place(round + 32 * j + lane, at.row, bin, source, token[j],
+                static_cast<int64_t>(bin_start[bin]) + offset, valid_at + __popc(valid_lanes & below));
         valid_at += __popc(valid_lanes);
       }
     }
