@@ -1,5 +1,7 @@
 // The all-to-all-v's two kernels (protocol: include/pydatacopy/all_to_all.hpp) and MoE combine's
 // weighted reduction.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvshmem.h>
@@ -558,9 +560,11 @@ __device__ __forceinline__ void exclusive_over_warps(T (*counts)[kColumns], int 
 // 64-bit scan does both.
 //
 // Decode (tokens <= kLayoutThreads, topk <= kPairBatch) takes a path of its own: thread t owns
-// token t, and its critical path is one memory round trip (the ids), one 64-bit warp scan per
-// 4 destinations (16-bit fields), two block barriers, and stores. The general path: thread i
-// owns tokens [i * per_thread, + per_thread) and reads its pairs' PEs back from pair_pe.
+// token t (the launcher gives it a block of that many lanes, not 1024 of which most would only
+// take issue slots from the others in every scan and barrier), and its critical path is one
+// memory round trip (the ids), one 64-bit warp scan per 4 destinations (16-bit fields), two
+// block barriers, and stores. The general path: thread i owns tokens [i * per_thread,
+// + per_thread) and reads its pairs' PEs back from pair_pe.
 template <typename Id>
 __global__ void __launch_bounds__(kLayoutThreads)
     moe_dispatch_layout_kernel(const Id* ids, int64_t tokens, int topk, int64_t num_experts,
@@ -571,13 +575,13 @@ __global__ void __launch_bounds__(kLayoutThreads)
   __shared__ uint64_t dest_total[kMoeLayoutMaxPes + 1];  // packed, over the whole block
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  constexpr int warps = kLayoutWarps;  // (the launcher's block)
+  const int warps = blockDim.x / 32;  // (<= kLayoutWarps; decode's block has one lane a token)
   // The division in 32 bits: a valid id is in [0, num_experts) and num_experts < 2^31 (checked
   // on the host), so id and experts_per_pe (<= num_experts) are non-negative int32 values, and
   // the quotient is the 64-bit one.
   const int32_t per_pe = static_cast<int32_t>(experts_per_pe);
   const int64_t index_rows = static_cast<int64_t>(n_pes) * tokens + 1;
-  if (tokens <= kLayoutThreads && topk <= kPairBatch) {  // (the same for the whole block)
+  if (tokens <= blockDim.x && topk <= kPairBatch) {  // (the same for the whole block)
     const int t = threadIdx.x;
     const bool has_token = t < tokens;
     int32_t pe[kPairBatch];  // the PE of pair (t, u) (n_pes: no expert; -1: no pair)
@@ -1251,12 +1255,17 @@ void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t to
                                 int64_t* send_index, int32_t* meta, int64_t* pair_pe,
                                 int64_t* pair_rank, cudaStream_t stream) {
   const int64_t per_pe = num_experts / n_pes;
+  // One lane a token (whole warps, at least one) where the kernel's one-token-per-thread path
+  // takes them all; else the whole block.
+  const int threads = tokens <= kLayoutThreads && topk <= kPairBatch
+                          ? static_cast<int>(std::max<int64_t>(32, (tokens + 31) / 32 * 32))
+                          : kLayoutThreads;
   if (ids_int32) {
-    moe_dispatch_layout_kernel<int32_t><<<1, kLayoutThreads, 0, stream>>>(
+    moe_dispatch_layout_kernel<int32_t><<<1, threads, 0, stream>>>(
         static_cast<const int32_t*>(topk_idx), tokens, topk, num_experts, per_pe, n_pes, send_counts,
         send_index, meta, pair_pe, pair_rank);
   } else {
-    moe_dispatch_layout_kernel<int64_t><<<1, kLayoutThreads, 0, stream>>>(
+    moe_dispatch_layout_kernel<int64_t><<<1, threads, 0, stream>>>(
         static_cast<const int64_t*>(topk_idx), tokens, topk, num_experts, per_pe, n_pes, send_counts,
         send_index, meta, pair_pe, pair_rank);
   }
