@@ -654,16 +654,18 @@ __global__ void __launch_bounds__(kLayoutThreads)
 #pragma unroll
     for (int u = 0; u < kPairBatch; ++u) {
       const int d = pe[u];
+      // (Every lane shuffles, whether its pair exists or not: full masks, no divergence.)
       const int32_t start_of_low = __shfl_sync(0xffffffffu, start_low, d & 31);
       const int32_t start_of_high = __shfl_sync(0xffffffffu, start_high, d & 31);
-      if (d < 0) continue;
-      int same_before = 0;  // pairs of this token before u with the same destination
+      if (d >= 0) {
+        int same_before = 0;  // pairs of this token before u with the same destination
 #pragma unroll
-      for (int v = 0; v < u; ++v) same_before += pe[v] == d;
-      const uint64_t base = warp_base[warp][d];
-      pair_rank[t * topk + u] = static_cast<int64_t>(base & 0xffffffffull) + (before[u] & 0x1ffu) + same_before;
-      if (same_before == 0 && d < n_pes)
-        send_index[(d < 32 ? start_of_low : start_of_high) + static_cast<int64_t>(base >> 32) + (before[u] >> 9)] = t;
+        for (int v = 0; v < u; ++v) same_before += pe[v] == d;
+        const uint64_t base = warp_base[warp][d];
+        pair_rank[t * topk + u] = static_cast<int64_t>(base & 0xffffffffull) + (before[u] & 0x1ffu) + same_before;
+        if (same_before == 0 && d < n_pes)
+          send_index[(d < 32 ? start_of_low : start_of_high) + static_cast<int64_t>(base >> 32) + (before[u] >> 9)] = t;
+      }
     }
     return;
   }
