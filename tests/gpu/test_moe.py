@@ -481,7 +481,9 @@ def _random_ids(tokens, topk, num_experts, generator, dtype):
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tokens,topk,num_experts,n_pes", [
     (0, 4, 8, 2), (1, 1, 3, 3), (5, 8, 256, 4), (128, 8, 256, 8), (1023, 3, 12, 4),
-    (1025, 8, 256, 4), (4100, 8, 256, 8), (300, 9, 64, 64), (77, 2, 2, 1)])
+    (1025, 8, 256, 4), (4100, 8, 256, 8), (300, 9, 64, 64), (77, 2, 2, 1),
+    # the one-token-per-thread path: decode, and PEs past 32 (two lanes' starts, 17 scans of 4)
+    (128, 8, 256, 4), (1024, 8, 256, 64), (1000, 8, 320, 40)])
 def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens, topk, num_experts, n_pes):
     """The one-block layout kernel (PEs not tied to this job's: it is local) vs dispatch_plan's
     torch code: counts, rows sent (in order), meta, each pair's PE and rank."""
@@ -504,7 +506,10 @@ def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens
 
 @pytest.mark.parametrize("rows,topk,experts_per_pe,n_pes", [
     (0, 4, 3, 2), (7, 1, 1, 1), (96, 8, 64, 4), (512, 8, 32, 8), (16384, 8, 64, 4),
-    (3000, 5, 256, 3), (200, 8, 2, 64)])
+    (3000, 5, 256, 3), (200, 8, 2, 64),
+    # decode (one round of batches a warp, kept in registers), the most pairs one round holds
+    # (6 batches of 32 a warp), and one row more (two rounds: loaded and ranked once more)
+    (460, 8, 64, 4), (768, 8, 64, 4), (769, 8, 64, 4)])
 def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, experts_per_pe, n_pes):
     """The receiver's layout kernel vs receive_layout's torch code, for every PE of a made-up
     job: received meta with ids of every PE, -1 and repeats, counts that do not fill the rows."""

@@ -1,5 +1,7 @@
 // The all-to-all-v's two kernels (protocol: include/pydatacopy/all_to_all.hpp) and MoE combine's
 // weighted reduction.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvshmem.h>
@@ -519,6 +521,13 @@ static_assert(kLayoutWarps <= 32 && kMoeLayoutMaxPes <= 64, "the layouts scan wa
 // memory latency per pair (topk of them per token, once more per destination in pass 2).
 constexpr int kPairBatch = 8;
 
+// Batches of 32 pairs a warp of moe_receive_layout loads together (one memory round trip for
+// them all) before it uses any: decode's (up to 6144 pairs: 768 rows of topk 8, e.g. 4 PEs of
+// 128 tokens send at most 512) are one such round a warp, and pass 2 then places its pairs from
+// what pass 1 kept in registers. (8 batches spilled registers under the 64 of 1024 threads.)
+constexpr int kReceiveBatches = 6;
+constexpr int kReceiveRoundPairs = 32 * kReceiveBatches;
+
 // Inclusive scan over a warp (every lane calls it).
 template <typename T>
 __device__ __forceinline__ T warp_inclusive_scan(T value, int lane) {
@@ -545,10 +554,17 @@ __device__ __forceinline__ void exclusive_over_warps(T (*counts)[kColumns], int 
   }
 }
 
-// The sender's side (dispatch_plan in _moe.py is the reference): thread i owns tokens
-// [i * per_thread, + per_thread). For each destination d (and d == n_pes: "no expert"), a
-// thread's count is packed as (tokens it sends to d) << 32 | (pairs it has with d): both fit
-// 32 bits (tokens x topk <= 2^31 - 1, checked by the caller), so one 64-bit scan does both.
+// The sender's side (dispatch_plan in _moe.py is the reference). For each destination d (and
+// d == n_pes: "no expert"), a thread's count is packed as (tokens it sends to d) << 32 | (pairs
+// it has with d): both fit 32 bits (tokens x topk <= 2^31 - 1, checked by the caller), so one
+// 64-bit scan does both.
+//
+// Decode (tokens <= kLayoutThreads, topk <= kPairBatch) takes a path of its own: thread t owns
+// token t (the launcher gives it a block of that many lanes, not 1024 of which most would only
+// take issue slots from the others in every scan and barrier), and its critical path is one
+// memory round trip (the ids), one 64-bit warp scan per 4 destinations (16-bit fields), two
+// block barriers, and stores. The general path: thread i owns tokens [i * per_thread,
+// + per_thread) and reads its pairs' PEs back from pair_pe.
 template <typename Id>
 __global__ void __launch_bounds__(kLayoutThreads)
     moe_dispatch_layout_kernel(const Id* ids, int64_t tokens, int topk, int64_t num_experts,
@@ -556,31 +572,108 @@ __global__ void __launch_bounds__(kLayoutThreads)
                                int64_t* send_index, int32_t* meta, int64_t* pair_pe,
                                int64_t* pair_rank) {
   __shared__ uint64_t warp_base[kLayoutWarps][kMoeLayoutMaxPes + 1];  // exclusive, per destination
-  __shared__ int64_t dest_start[kMoeLayoutMaxPes + 1];  // first send_index entry of each PE
+  __shared__ uint64_t dest_total[kMoeLayoutMaxPes + 1];  // packed, over the whole block
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int warps = blockDim.x / 32;
+  const int warps = blockDim.x / 32;  // (<= kLayoutWarps; decode's block has one lane a token)
+  // The division in 32 bits: a valid id is in [0, num_experts) and num_experts < 2^31 (checked
+  // on the host), so id and experts_per_pe (<= num_experts) are non-negative int32 values, and
+  // the quotient is the 64-bit one.
+  const int32_t per_pe = static_cast<int32_t>(experts_per_pe);
+  const int64_t index_rows = static_cast<int64_t>(n_pes) * tokens + 1;
+  if (tokens <= blockDim.x && topk <= kPairBatch) {  // (the same for the whole block)
+    const int t = threadIdx.x;
+    const bool has_token = t < tokens;
+    int32_t pe[kPairBatch];  // the PE of pair (t, u) (n_pes: no expert; -1: no pair)
+    {
+      int64_t id[kPairBatch];
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u)
+        id[u] = has_token && u < topk ? static_cast<int64_t>(ids[t * topk + u]) : -1;
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u) {
+        pe[u] = -1;
+        if (!has_token || u >= topk) continue;
+        const bool valid = id[u] >= 0 && id[u] < num_experts;
+        pe[u] = valid ? static_cast<int32_t>(id[u]) / per_pe : n_pes;
+        pair_pe[t * topk + u] = pe[u];
+        meta[t * (topk + 1) + u] = valid ? static_cast<int32_t>(id[u]) : -1;
+      }
+      if (has_token) meta[t * (topk + 1) + topk] = t;
+    }
+    // Per warp, destinations 4 at a time: 16-bit fields of (token sent) << 9 | pairs, which a
+    // warp's sums keep apart (<= 32 << 9 | 32 x 8 < 2^16). The exclusive field of each pair's
+    // destination (tokens and pairs to it from the lanes before) stays in a register.
+    uint32_t before[kPairBatch] = {};
+    for (int d0 = 0; d0 <= n_pes; d0 += 4) {
+      uint64_t fields = 0;
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u) {
+        const int slot = pe[u] - d0;
+        if (slot >= 0 && slot < 4) fields += uint64_t{1} << (16 * slot);
+      }
+#pragma unroll
+      for (int slot = 0; slot < 4; ++slot)
+        if (d0 + slot < n_pes && ((fields >> (16 * slot)) & 0xffffu) != 0) fields += uint64_t{1} << (16 * slot + 9);
+      const uint64_t inclusive = warp_inclusive_scan(fields, lane);
+      const uint64_t exclusive = inclusive - fields;
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u) {
+        const int slot = pe[u] - d0;
+        if (slot >= 0 && slot < 4) before[u] = static_cast<uint32_t>(exclusive >> (16 * slot)) & 0xffffu;
+      }
+      if (lane == 31) {
+#pragma unroll
+        for (int slot = 0; slot < 4; ++slot) {
+          if (d0 + slot > n_pes) break;
+          const uint32_t field = static_cast<uint32_t>(inclusive >> (16 * slot)) & 0xffffu;
+          warp_base[warp][d0 + slot] = static_cast<uint64_t>(field >> 9) << 32 | (field & 0x1ffu);
+        }
+      }
+    }
+    __syncthreads();
+    exclusive_over_warps(warp_base, warps, n_pes + 1, dest_total);
+    __syncthreads();
+    // Every warp scans the destinations' token counts itself (lane l: destinations l, l + 32):
+    // no third barrier behind one warp doing it.
+    const int32_t count_low = lane < n_pes ? static_cast<int32_t>(dest_total[lane] >> 32) : 0;
+    const int32_t count_high = lane + 32 < n_pes ? static_cast<int32_t>(dest_total[lane + 32] >> 32) : 0;
+    const int32_t inclusive_low = warp_inclusive_scan(count_low, lane);
+    const int32_t inclusive_high = warp_inclusive_scan(count_high, lane);
+    const int32_t total_low = __shfl_sync(0xffffffffu, inclusive_low, 31);
+    const int32_t start_low = inclusive_low - count_low;
+    const int32_t start_high = total_low + inclusive_high - count_high;
+    const int32_t rows_sent = total_low + __shfl_sync(0xffffffffu, inclusive_high, 31);
+    if (warp == 0) {
+      if (lane < n_pes) send_counts[lane] = count_low;
+      if (lane + 32 < n_pes) send_counts[lane + 32] = count_high;
+    }
+    // Entries past the rows sent (and the spare last one) are never read; zeros, to be definite.
+    for (int64_t i = rows_sent + threadIdx.x; i < index_rows; i += blockDim.x) send_index[i] = 0;
+    // Positions. Tokens in order within a destination; pairs in (token, k) order.
+#pragma unroll
+    for (int u = 0; u < kPairBatch; ++u) {
+      const int d = pe[u];
+      // (Every lane shuffles, whether its pair exists or not: full masks, no divergence.)
+      const int32_t start_of_low = __shfl_sync(0xffffffffu, start_low, d & 31);
+      const int32_t start_of_high = __shfl_sync(0xffffffffu, start_high, d & 31);
+      if (d >= 0) {
+        int same_before = 0;  // pairs of this token before u with the same destination
+#pragma unroll
+        for (int v = 0; v < u; ++v) same_before += pe[v] == d;
+        const uint64_t base = warp_base[warp][d];
+        pair_rank[t * topk + u] = static_cast<int64_t>(base & 0xffffffffull) + (before[u] & 0x1ffu) + same_before;
+        if (same_before == 0 && d < n_pes)
+          send_index[(d < 32 ? start_of_low : start_of_high) + static_cast<int64_t>(base >> 32) + (before[u] >> 9)] = t;
+      }
+    }
+    return;
+  }
+  __shared__ int64_t dest_start[kMoeLayoutMaxPes + 1];  // first send_index entry of each PE
   const int64_t per_thread = (tokens + blockDim.x - 1) / blockDim.x;
   const int64_t first = static_cast<int64_t>(threadIdx.x) * per_thread;
   const int64_t last = min(tokens, first + per_thread);
-  // Pass 0: each pair's PE (n_pes: no expert) and the meta rows sent along. The division in
-  // 32 bits: a valid id is in [0, num_experts) and num_experts < 2^31 (checked on the host), so
-  // id and experts_per_pe (<= num_experts) are non-negative int32 values, and the quotient is
-  // the 64-bit one.
-  const int32_t per_pe = static_cast<int32_t>(experts_per_pe);
-  // A thread with one token of at most kPairBatch pairs (up to 1024 tokens of topk <= 8: decode)
-  // keeps its pairs' PEs in registers: passes 1 and 2 (2 x (n_pes + 1) reads of them) then wait
-  // for no memory. Others read back their pass-0 writes, kPairBatch at a time.
-  const bool pes_in_registers = last - first == 1 && topk <= kPairBatch;
-  int32_t token_pes[kPairBatch];
-  // The PEs of pairs (t, k0 ..< k0 + kPairBatch) of this thread's tokens (-1 past topk).
-  auto load_pes = [&](int64_t t, int k0, int32_t (&pe)[kPairBatch]) {
-#pragma unroll
-    for (int u = 0; u < kPairBatch; ++u) {
-      if (pes_in_registers) pe[u] = u < topk ? token_pes[u] : -1;  // (k0 is 0)
-      else pe[u] = k0 + u < topk ? static_cast<int32_t>(pair_pe[t * topk + k0 + u]) : -1;
-    }
-  };
+  // Pass 0: each pair's PE (n_pes: no expert) and the meta rows sent along.
   for (int64_t t = first; t < last; ++t) {
     for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
       int64_t id[kPairBatch];
@@ -593,14 +686,20 @@ __global__ void __launch_bounds__(kLayoutThreads)
         if (k >= topk) break;
         const bool valid = id[u] >= 0 && id[u] < num_experts;
         const int32_t pe = valid ? static_cast<int32_t>(id[u]) / per_pe : n_pes;
-        token_pes[u] = pe;  // (read only when k0 is 0 and topk <= kPairBatch)
         pair_pe[t * topk + k] = pe;
         meta[t * (topk + 1) + k] = valid ? static_cast<int32_t>(id[u]) : -1;
       }
     }
     meta[t * (topk + 1) + topk] = static_cast<int32_t>(t);
   }
-  // This thread's packed count for destination d (it reads back its own pass-0 writes).
+  // The PEs of pairs (t, k0 ..< k0 + kPairBatch) of this thread's tokens (-1 past topk): its
+  // own pass-0 writes, kPairBatch loads issued together.
+  auto load_pes = [&](int64_t t, int k0, int32_t (&pe)[kPairBatch]) {
+#pragma unroll
+    for (int u = 0; u < kPairBatch; ++u)
+      pe[u] = k0 + u < topk ? static_cast<int32_t>(pair_pe[t * topk + k0 + u]) : -1;
+  };
+  // This thread's packed count for destination d.
   auto count_for = [&](int d) {
     uint64_t packed = 0;
     for (int64_t t = first; t < last; ++t) {
@@ -621,7 +720,6 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (lane == 31) warp_base[warp][d] = inclusive;
   }
   __syncthreads();
-  __shared__ uint64_t dest_total[kMoeLayoutMaxPes + 1];  // packed, over the whole block
   exclusive_over_warps(warp_base, warps, n_pes + 1, dest_total);
   __syncthreads();
   if (warp == 0) {  // tokens for each destination, and their start: a scan over <= 64 of them
@@ -639,6 +737,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (lane == 0) dest_start[n_pes] = carry;  // rows sent in all
   }
   __syncthreads();
+  // Entries past the rows sent (and the spare last one) are never read; zeros, to be definite.
+  for (int64_t i = dest_start[n_pes] + threadIdx.x; i < index_rows; i += blockDim.x) send_index[i] = 0;
   // Pass 2: positions. Tokens in order within a destination; pairs in (token, k) order.
   for (int d = 0; d <= n_pes; ++d) {
     const uint64_t mine = count_for(d);
@@ -661,9 +761,6 @@ __global__ void __launch_bounds__(kLayoutThreads)
       pair_at += pairs;
     }
   }
-  // Entries past the rows sent (and the spare last one) are never read; zeros, to be definite.
-  const int64_t index_rows = static_cast<int64_t>(n_pes) * tokens + 1;
-  for (int64_t i = dest_start[n_pes] + threadIdx.x; i < index_rows; i += blockDim.x) send_index[i] = 0;
 }
 
 // Binary search: the source s with start[s] <= row < start[s + 1] (start nondecreasing, n >= 1).
@@ -682,6 +779,10 @@ __device__ __forceinline__ int source_of_row(const int64_t* start, int n, int64_
 // in use), and the pairs of a local expert in (row, k) order once more for combine. Warp w owns
 // pairs [w * stretch, + stretch), 32 at a time; __match_any_sync ranks a batch's lanes of one
 // bin in lane order, and warp-private histograms (exclusive over warps after pass 1) place them.
+//
+// Critical path (decode: <= kReceiveRoundPairs pairs a warp, one round): one memory round trip
+// (every pair's id and token and the receive counts, loaded together up front), four block
+// barriers; pass 2 places the pairs from what pass 1 kept in registers and only stores.
 __global__ void __launch_bounds__(kLayoutThreads)
     moe_receive_layout_kernel(const int32_t* recv_meta, int64_t rows, int topk,
                               const int64_t* recv_counts, int n_pes, int my_pe,
@@ -696,13 +797,60 @@ __global__ void __launch_bounds__(kLayoutThreads)
   __shared__ int32_t back_counts[kMoeLayoutMaxPes];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int warps = blockDim.x / 32;
+  constexpr int warps = kLayoutWarps;  // (the launcher's block: divisions by it are shifts)
   const int bins = static_cast<int>(experts_per_pe) + 1;
   const int none = bins - 1;
   const int64_t pairs = rows * topk;  // < 2^31 (checked by the caller)
-  const int64_t first_expert = static_cast<int64_t>(my_pe) * experts_per_pe;
-  for (int i = threadIdx.x; i < kLayoutWarps * kMoeLayoutMaxBins; i += blockDim.x)
-    (&hist[0][0])[i] = 0;
+  // (< kMaxPes x kMaxBins: 32 bits; a pair's local expert is (uint32_t)(id - first_expert).)
+  const uint32_t first_expert = static_cast<uint32_t>(my_pe) * static_cast<uint32_t>(experts_per_pe);
+  const int64_t stretch = ((pairs + warps - 1) / warps + 31) / 32 * 32;
+  const int64_t begin = warp * stretch;
+  const int64_t end = min(pairs, begin + stretch);
+  const bool one_round = stretch <= kReceiveRoundPairs;  // (the same for every warp)
+  const unsigned below = (1u << lane) - 1u;
+  // A round's pairs are p = round + 32 j + lane (j < kReceiveBatches), present while
+  // 32 j + lane < end - round. Pair p is (row, k), row * topk + k = p: the first batch's by one
+  // division, each next one by adds (32 warps issue all their instructions on 4 schedulers,
+  // and a division a pair was ~20 of them). Unsigned: past the stretch they may pass 2^31.
+  const uint32_t rows_a_batch = 32u / static_cast<uint32_t>(topk);
+  const uint32_t ks_a_batch = 32u % static_cast<uint32_t>(topk);
+  struct PairAt {
+    uint32_t row, k;
+  };
+  auto first_pair = [&](int64_t round) {
+    const uint32_t p = static_cast<uint32_t>(round) + lane;
+    const uint32_t row = p / static_cast<uint32_t>(topk);
+    return PairAt{row, p - row * static_cast<uint32_t>(topk)};
+  };
+  auto next_batch = [&](PairAt& at) {
+    at.row += rows_a_batch;
+    at.k += ks_a_batch;
+    if (at.k >= static_cast<uint32_t>(topk)) {
+      at.k -= topk;
+      ++at.row;
+    }
+  };
+  // A round's expert ids and their rows' tokens, every load issued before any is used (-1 for
+  // no pair). A present pair is one of a row < rows, in recv_meta, whether in use or not.
+  int32_t expert_id[kReceiveBatches];
+  int32_t token[kReceiveBatches];
+  auto load_round = [&](int64_t round) {
+    const int64_t left = end - round;
+    PairAt at = first_pair(round);
+#pragma unroll
+    for (int j = 0; j < kReceiveBatches; ++j) {
+      expert_id[j] = -1;
+      token[j] = -1;
+      if (32 * j + lane < left) {
+        const int64_t row_start = static_cast<int64_t>(at.row) * (topk + 1);
+        expert_id[j] = recv_meta[row_start + at.k];
+        token[j] = recv_meta[row_start + topk];
+      }
+      next_batch(at);
+    }
+  };
+  if (begin < end) load_round(begin);  // in flight across the prologue and its barrier
+  for (int b = lane; b < bins; b += 32) hist[warp][b] = 0;  // (columns past bins: never read)
   for (int s = threadIdx.x; s < n_pes; s += blockDim.x) back_counts[s] = 0;
   if (warp == 0) {  // each source's first row: a scan over <= 64 counts, one lane each
     int64_t carry = 0;
@@ -717,90 +865,163 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (lane == 0) source_start[n_pes] = carry < rows ? carry : rows;  // rows in use
   }
   __syncthreads();
-  const int64_t rows_in_use = source_start[n_pes];
-  const int64_t stretch = ((pairs + warps - 1) / warps + 31) / 32 * 32;
-  const int64_t begin = warp * stretch;
-  const int64_t end = min(pairs, begin + stretch);
-  // A pair's bin (-1: past the stretch, a lane with nothing).
-  // (32-bit division: pairs < 2^31.)
-  auto bin_of = [&](int64_t p) -> int {
-    if (p >= end) return -1;
-    const int64_t row = static_cast<int32_t>(p) / topk;
-    if (row >= rows_in_use) return none;
-    const int k = static_cast<int32_t>(p) - static_cast<int32_t>(row) * topk;
-    const int64_t local = static_cast<int64_t>(recv_meta[row * (topk + 1) + k]) - first_expert;
-    return local >= 0 && local < experts_per_pe ? static_cast<int>(local) : none;
+  const uint32_t rows_in_use = static_cast<uint32_t>(source_start[n_pes]);  // (<= rows < 2^31)
+  // A pair's bin (-1: not present, a lane with nothing) and its row's source (n_pes: not a row
+  // in use).
+  auto classify = [&](bool present, PairAt at, int32_t id, int& bin, int& source) {
+    bin = -1;
+    source = n_pes;
+    if (!present) return;
+    bin = none;
+    if (at.row >= rows_in_use) return;
+    source = source_of_row(source_start, n_pes, at.row);
+    const uint32_t local = static_cast<uint32_t>(id) - first_expert;
+    if (local < static_cast<uint32_t>(experts_per_pe)) bin = static_cast<int>(local);
   };
-  const unsigned below = (1u << lane) - 1u;
-  // Pass 1: per-warp counts of each bin, of valid pairs, and of valid pairs per source.
-  int32_t valid_here = 0;
-  for (int64_t batch = begin; batch < end; batch += 32) {
-    const int64_t p = batch + lane;
-    const int bin = bin_of(p);
+  // A batch's pair's offset among this warp's pairs of its bin so far (hist[warp], which the
+  // batch's lowest lane of each bin then moves on), and which lanes hold a valid pair.
+  auto rank_batch = [&](int bin, unsigned& valid_lanes) -> int32_t {
     const unsigned same = __match_any_sync(0xffffffffu, bin);
-    if (bin >= 0 && (same & below) == 0) hist[warp][bin] += __popc(same);
-    const bool valid = bin >= 0 && bin != none;
-    valid_here += __popc(__ballot_sync(0xffffffffu, valid));
-    if (valid) atomicAdd(&back_counts[source_of_row(source_start, n_pes, static_cast<int32_t>(p) / topk)], 1);
-    __syncwarp();
+    valid_lanes = __ballot_sync(0xffffffffu, bin >= 0 && bin != none);
+    const int32_t before = bin >= 0 ? hist[warp][bin] : 0;
+    __syncwarp();  // every lane has read hist before the leaders move it on
+    if (bin >= 0 && (same & below) == 0) hist[warp][bin] = before + __popc(same);
+    __syncwarp();  // the next batch reads the moved counts
+    return before + __popc(same & below);
+  };
+  // Valid pairs per source: lanes of one source are a run (rows ascend with the lane), and the
+  // first lane of each run adds the run's valid pairs: one shared atomic a run, not one a pair.
+  auto count_sources = [&](int source, unsigned valid_lanes) {
+    const int previous = __shfl_up_sync(0xffffffffu, source, 1);
+    const bool starts_run = lane == 0 || previous != source;
+    const unsigned run_starts = __ballot_sync(0xffffffffu, starts_run);
+    if (!starts_run || source >= n_pes) return;
+    const unsigned later = run_starts & ~below & ~(1u << lane);
+    const unsigned run = (later != 0 ? (later & (0u - later)) - 1u : 0xffffffffu) & ~below;
+    const int count = __popc(valid_lanes & run);
+    if (count > 0) atomicAdd(&back_counts[source], count);
+  };
+  // Pass 1: per-warp counts of each bin, of valid pairs, and of valid pairs per source. With
+  // one round, each pair's state stays for pass 2 in one word: bin + 1 (9 bits: <= 257),
+  // source (7 bits: <= 64), offset in its bin and among valid pairs within the warp (8 bits
+  // each: a round is kReceiveRoundPairs <= 256 pairs).
+  static_assert(kMoeLayoutMaxBins < 512 && kMoeLayoutMaxPes < 128 && kReceiveRoundPairs <= 256,
+                "a pair's state: 9 + 7 + 8 + 8 bits");
+  uint32_t state[kReceiveBatches] = {};
+  int32_t valid_here = 0;
+  // One round's batches (loaded), each pair's state returned.
+  auto count_round = [&](int64_t round, auto&& keep) {
+    const int64_t left = end - round;
+    PairAt at = first_pair(round);
+#pragma unroll
+    for (int j = 0; j < kReceiveBatches; ++j, next_batch(at)) {
+      if (32 * j >= left) break;  // (the same for the whole warp)
+      int bin, source;
+      classify(32 * j + lane < left, at, expert_id[j], bin, source);
+      unsigned valid_lanes;
+      const int32_t offset = rank_batch(bin, valid_lanes);
+      count_sources(source, valid_lanes);
+      keep(j, static_cast<uint32_t>(bin + 1) | static_cast<uint32_t>(source) << 9 |
+                  (static_cast<uint32_t>(offset) & 0xffu) << 16 |
+                  static_cast<uint32_t>(valid_here + __popc(valid_lanes & below)) << 24);
+      valid_here += __popc(valid_lanes);
+    }
+  };
+  if (one_round) {
+    if (begin < end) count_round(begin, [&](int j, uint32_t pair_state) { state[j] = pair_state; });
+  } else {  // (no state kept: registers for the loads)
+    for (int64_t round = begin; round < end; round += kReceiveRoundPairs) {
+      if (round != begin) load_round(round);
+      count_round(round, [](int, uint32_t) {});
+    }
   }
   if (lane == 0) valid_base[warp] = valid_here;
   __syncthreads();
-  // Each bin's count, exclusive over warps (its total into bin_start for now), then the bins'
-  // starts by a block-wide scan (bins <= kMoeLayoutMaxBins <= kLayoutThreads: one thread each),
-  // the warps' valid pairs by a warp scan: no thread walks bins or warps one after another.
+  // Each bin's count exclusive over warps (its total into bin_start for now), the warps' valid
+  // pairs exclusive (the last warp, which has the fewest bins), the counts per source.
   exclusive_over_warps(hist, warps, bins, bin_start);
-  __syncthreads();
-  {
-    const int b = threadIdx.x;
-    const int32_t count = b < bins ? bin_start[b] : 0;
-    int32_t all;
-    const int32_t offset = block_exclusive_scan(count, int32_t{0}, AddInt32{}, &all);  // synchronises
-    if (b < bins) {
-      if (b < none) {
-        expert_counts[b] = count;
-        expert_offsets[b] = offset;
-      }
-      bin_start[b] = offset;
-      if (b == none) num_rows[0] = offset;
-    }
-  }
-  if (warp == 0) {
-    const int32_t count = lane < warps ? valid_base[lane] : 0;
+  if (warp == warps - 1) {
+    const int32_t count = valid_base[lane];
     const int32_t inclusive = warp_inclusive_scan(count, lane);
-    if (lane < warps) valid_base[lane] = inclusive - count;
+    valid_base[lane] = inclusive - count;
   }
   for (int s = threadIdx.x; s < n_pes; s += blockDim.x) combine_counts[s] = back_counts[s];
   __syncthreads();
-  // Pass 2: the positions.
-  int32_t valid_at = valid_base[warp];
-  for (int64_t batch = begin; batch < end; batch += 32) {
-    const int64_t p = batch + lane;
-    // The row's token, loaded beside the pair's expert id and before the stores below (which
-    // the compiler may not move a load past): one memory round trip per batch, not two. Any
-    // p < end is a pair of a row < rows, in recv_meta, whether the row is in use or not.
-    const int32_t token = p < end ? recv_meta[(static_cast<int32_t>(p) / topk) * static_cast<int64_t>(topk + 1) + topk] : -1;
-    const int bin = bin_of(p);
-    const unsigned same = __match_any_sync(0xffffffffu, bin);
-    const bool valid = bin >= 0 && bin != none;
-    const unsigned valid_lanes = __ballot_sync(0xffffffffu, valid);
-    if (bin >= 0) {
-      const int64_t row = static_cast<int32_t>(p) / topk;
-      const int64_t position = bin_start[bin] + hist[warp][bin] + __popc(same & below);
-      row_of[position] = row;
-      expert_of_row[position] = bin;
-      source_pe[position] = valid ? source_of_row(source_start, n_pes, row) : -1;
-      source_token[position] = valid ? token : -1;
-      if (valid) combine_index[valid_at + __popc(valid_lanes & below)] = position;
-      if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
+  if (warp == 0) {  // the bins' starts: lane l scans bins [l * per_lane, + per_lane), <= 9 of them
+    constexpr int kMaxPerLane = (kMoeLayoutMaxBins + 31) / 32;
+    const int per_lane = (bins + 31) / 32;
+    const int first_bin = lane * per_lane;
+    int32_t count[kMaxPerLane];
+    int32_t sum = 0;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int b = first_bin + i;
+      count[i] = i < per_lane && b < bins ? bin_start[b] : 0;
+      sum += count[i];
     }
-    __syncwarp();  // every lane has read hist before the leaders move it on
-    if (bin >= 0 && (same & below) == 0) hist[warp][bin] += __popc(same);
-    valid_at += __popc(valid_lanes);
-    __syncwarp();
+    int32_t offset = warp_inclusive_scan(sum, lane) - sum;
+#pragma unroll
+    for (int i = 0; i < kMaxPerLane; ++i) {
+      const int b = first_bin + i;
+      if (i >= per_lane || b >= bins) break;
+      bin_start[b] = offset;
+      if (b < none) {
+        expert_counts[b] = count[i];
+        expert_offsets[b] = offset;
+      } else {
+        num_rows[0] = offset;
+      }
+      offset += count[i];
+    }
   }
+  __syncthreads();
   // combine_index past the valid pairs (and its spare last entry): never read; zeros.
   for (int64_t i = bin_start[none] + threadIdx.x; i <= pairs; i += blockDim.x) combine_index[i] = 0;
+  // Pass 2: the positions. One pair's outputs:
+  auto place = [&](int64_t p, int64_t row, int bin, int source, int32_t token_of_row,
+                   int64_t position, int64_t valid_index) {
+    const bool valid = bin != none;
+    row_of[position] = row;
+    expert_of_row[position] = bin;
+    source_pe[position] = valid ? source : -1;
+    source_token[position] = valid ? token_of_row : -1;
+    if (valid) combine_index[valid_index] = position;
+    if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
+  };
+  if (one_round) {
+    const int32_t warp_valid = valid_base[warp];
+    const int64_t left = end - begin;
+    PairAt at = first_pair(begin);
+#pragma unroll
+    for (int j = 0; j < kReceiveBatches; ++j, next_batch(at)) {
+      if (32 * j >= left) break;
+      const int bin = static_cast<int>(state[j] & 0x1ffu) - 1;
+      if (bin < 0) continue;
+      const int64_t position =
+          static_cast<int64_t>(bin_start[bin]) + hist[warp][bin] + ((state[j] >> 16) & 0xffu);
+      place(begin + 32 * j + lane, at.row, bin, static_cast<int>((state[j] >> 9) & 0x7fu), token[j],
+            position, warp_valid + static_cast<int32_t>(state[j] >> 24));
+    }
+  } else {  // load and rank once more, round by round (hist[warp] now starts at the warp's base)
+    int32_t valid_at = valid_base[warp];
+    for (int64_t round = begin; round < end; round += kReceiveRoundPairs) {
+      load_round(round);
+      const int64_t left = end - round;
+      PairAt at = first_pair(round);
+#pragma unroll
+      for (int j = 0; j < kReceiveBatches; ++j, next_batch(at)) {
+        if (32 * j >= left) break;
+        int bin, source;
+        classify(32 * j + lane < left, at, expert_id[j], bin, source);
+        unsigned valid_lanes;
+        const int32_t offset = rank_batch(bin, valid_lanes);
+        if (bin >= 0)
+          place(round + 32 * j + lane, at.row, bin, source, token[j],
+                static_cast<int64_t>(bin_start[bin]) + offset, valid_at + __popc(valid_lanes & below));
+        valid_at += __popc(valid_lanes);
+      }
+    }
+  }
 }
 
 // A deferred call's credits (AllToAll::release), after the kernels that read its regions.
@@ -1036,12 +1257,17 @@ void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t to
                                 int64_t* send_index, int32_t* meta, int64_t* pair_pe,
                                 int64_t* pair_rank, cudaStream_t stream) {
   const int64_t per_pe = num_experts / n_pes;
+  // One lane a token (whole warps, at least one) where the kernel's one-token-per-thread path
+  // takes them all; else the whole block.
+  const int threads = tokens <= kLayoutThreads && topk <= kPairBatch
+                          ? static_cast<int>(std::max<int64_t>(32, (tokens + 31) / 32 * 32))
+                          : kLayoutThreads;
   if (ids_int32) {
-    moe_dispatch_layout_kernel<int32_t><<<1, kLayoutThreads, 0, stream>>>(
+    moe_dispatch_layout_kernel<int32_t><<<1, threads, 0, stream>>>(
         static_cast<const int32_t*>(topk_idx), tokens, topk, num_experts, per_pe, n_pes, send_counts,
         send_index, meta, pair_pe, pair_rank);
   } else {
-    moe_dispatch_layout_kernel<int64_t><<<1, kLayoutThreads, 0, stream>>>(
+    moe_dispatch_layout_kernel<int64_t><<<1, threads, 0, stream>>>(
         static_cast<const int64_t*>(topk_idx), tokens, topk, num_experts, per_pe, n_pes, send_counts,
         send_index, meta, pair_pe, pair_rank);
   }
