@@ -233,8 +233,9 @@ constexpr int64_t kMoeLayoutMaxPairs = (int64_t{1} << 31) - 1;  // tokens x topk
 // each pair, n_pes for none), pair_rank [tokens, topk] (rank among this PE's pairs with that PE
 // in (token, k) order).
 // Above moe_dispatch_layout_scratch_bytes(...) > 0 (large inputs) with a scratch of that many
-// bytes (device memory, stream-ordered like the outputs; its contents need not survive the
-// call), several blocks do it; without one, the one-block kernel (the same outputs, slower).
+// bytes (device memory, 4-byte aligned, stream-ordered like the outputs; its contents need not
+// survive the call), several blocks do it; without one, the one-block kernel (the same outputs,
+// slower).
 void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
                          int64_t num_experts, int n_pes, int64_t* send_counts, int64_t* send_index,
                          int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream,

@@ -354,6 +354,13 @@ void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const in
                                      dtype, stream);
 }
 
+namespace {
+// A multi-block layout's scratch: there, 4-byte aligned (int32 counts), large enough.
+bool scratch_fits(const void* scratch, int64_t scratch_bytes, int64_t needed) {
+  return scratch != nullptr && (reinterpret_cast<uintptr_t>(scratch) & 3) == 0 && scratch_bytes >= needed;
+}
+}  // namespace
+
 void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
                          int64_t num_experts, int n_pes, int64_t* send_counts, int64_t* send_index,
                          int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream,
@@ -374,7 +381,7 @@ void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int
                                    pair_rank != nullptr)),
               "moe_dispatch_layout: every tensor must be on the GPU");
   const int64_t large = kernels::moe_dispatch_layout_scratch_bytes(tokens, static_cast<int>(topk), n_pes);
-  if (large > 0 && scratch != nullptr && scratch_bytes >= large) {
+  if (large > 0 && scratch_fits(scratch, scratch_bytes, large)) {
     kernels::launch_moe_dispatch_layout_large(topk_idx, id_bytes == 4, tokens, static_cast<int>(topk),
                                               num_experts, n_pes, send_counts, send_index, meta, pair_pe,
                                               pair_rank, scratch, stream);
@@ -411,7 +418,7 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                                  source_pe != nullptr && source_token != nullptr)),
               "moe_receive_layout: every tensor must be on the GPU");
   const int64_t large = kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);
-  if (large > 0 && scratch != nullptr && scratch_bytes >= large) {
+  if (large > 0 && scratch_fits(scratch, scratch_bytes, large)) {
     kernels::launch_moe_receive_layout_large(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
                                              experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
                                              expert_of_row, source_pe, source_token, combine_index,
