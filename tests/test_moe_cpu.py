@@ -244,6 +244,32 @@ def test_opcheck_dispatch_layout():
         assert torch.equal(g, w)
 
 
+def test_layout_scratch_is_asked_for_large_inputs_only_and_stays_small():
+    """Past 8192 pairs the multi-block layouts take a scratch (the counts of units of at least 32
+    tokens or 256 pairs, at most 65536 counts, and the bins' starts); none below, none for sizes
+    the layouts refuse (their errors say why)."""
+    from pydatacopy import _C
+    def bytes_of(words):  # int32 words, in 16-byte multiples
+        return (words * 4 + 15) // 16 * 16
+
+    most = bytes_of((1 << 16) + 257 + 64)
+    assert _C.moe_dispatch_layout_scratch_bytes(1024, 8, 4) == 0
+    assert _C.moe_dispatch_layout_scratch_bytes(8192, 1, 4) == 0
+    assert _C.moe_receive_layout_scratch_bytes(1024, 8, 64) == 0
+    assert _C.moe_dispatch_layout_scratch_bytes(0, 8, 4) == 0
+    # 4096 tokens, top-8, 4 PEs: 128 units of 32 tokens, 9 counts each, 9 offsets, the rows sent.
+    assert _C.moe_dispatch_layout_scratch_bytes(4096, 8, 4) == bytes_of(128 * 9 + 9 + 1)
+    # 16384 rows, top-8, 64 experts per PE: 512 units of 256 pairs, 65 bins, 64 sources' partials.
+    assert _C.moe_receive_layout_scratch_bytes(16384, 8, 64) == bytes_of(512 * 65 + 65 + 64)
+    for tokens, topk, n_pes in [(1025, 8, 1), (140000, 8, 8), (20000, 4, 64), (1 << 27, 8, 64)]:
+        assert 0 < _C.moe_dispatch_layout_scratch_bytes(tokens, topk, n_pes) <= most
+    for rows, topk, experts_per_pe in [(1025, 8, 1), (20000, 8, 256), ((1 << 31) // 9 - 1, 9, 256)]:
+        assert 0 < _C.moe_receive_layout_scratch_bytes(rows, topk, experts_per_pe) <= most
+    assert _C.moe_dispatch_layout_scratch_bytes(1 << 29, 8, 4) == 0  # past 2^31 pairs: refused
+    assert _C.moe_dispatch_layout_scratch_bytes(4096, 8, 65) == 0  # past 64 PEs: refused
+    assert _C.moe_receive_layout_scratch_bytes(16384, 8, 257) == 0
+
+
 def test_opcheck_receive_layout():
     meta = torch.tensor([[0, 5, 11], [3, -1, 12], [7, 2, 13], [1, 1, 14]], dtype=torch.int32)
     args = (meta, torch.tensor([2, 1]), 0, 4, 2, None)

@@ -232,9 +232,15 @@ constexpr int64_t kMoeLayoutMaxPairs = (int64_t{1} << 31) - 1;  // tokens x topk
 // meta [tokens, topk + 1] int32 (ids, -1 for none; the token), pair_pe [tokens, topk] (PE of
 // each pair, n_pes for none), pair_rank [tokens, topk] (rank among this PE's pairs with that PE
 // in (token, k) order).
+// Above moe_dispatch_layout_scratch_bytes(...) > 0 (large inputs) with a scratch of that many
+// bytes (device memory, 4-byte aligned, stream-ordered like the outputs; its contents need not
+// survive the call), several blocks do it; without one, the one-block kernel (the same outputs,
+// slower).
 void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
                          int64_t num_experts, int n_pes, int64_t* send_counts, int64_t* send_index,
-                         int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream);
+                         int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream,
+                         void* scratch = nullptr, int64_t scratch_bytes = 0);
+int64_t moe_dispatch_layout_scratch_bytes(int64_t tokens, int64_t topk, int n_pes);
 
 // Receiver: recv_meta [rows, topk + 1] int32 as received (rows grouped by source, recv_counts
 // [n_pes] of each) -> the pairs (row, k) whose expert is local, grouped by local expert then in
@@ -249,7 +255,10 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                         int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
                         int64_t* num_rows, int64_t* expert_of_row, int64_t* source_pe,
                         int64_t* source_token, int64_t* combine_index, int64_t* combine_counts,
-                        int64_t* pair_position, cudaStream_t stream);
+                        int64_t* pair_position, cudaStream_t stream, void* scratch = nullptr,
+                        int64_t scratch_bytes = 0);
+// Scratch bytes for moe_receive_layout's multi-block path (0: small, one block does it).
+int64_t moe_receive_layout_scratch_bytes(int64_t rows, int64_t topk, int64_t experts_per_pe);
 
 // MoE dispatch's grouping by expert straight from the receive region, each received row read
 // once: received row j (numbered as in gather_region_rows; j < sum(recv_counts) and < rows) is

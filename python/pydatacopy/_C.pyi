@@ -86,14 +86,23 @@ def gather_rows(out: int, src: int, index: int, count: int, rows: int, src_rows:
 
 def moe_dispatch_layout(topk_idx: int, id_bytes: int, tokens: int, topk: int, num_experts: int,
                         n_pes: int, send_counts: int, send_index: int, meta: int, pair_pe: int,
-                        pair_rank: int, stream: int) -> None:
-    """MoE dispatch's sender layout in one kernel (all_to_all.hpp)."""
+                        pair_rank: int, stream: int, scratch: int = 0, scratch_bytes: int = 0) -> None:
+    """MoE dispatch's sender layout (all_to_all.hpp): one kernel, or three over many blocks for
+    large inputs given a scratch of moe_dispatch_layout_scratch_bytes."""
+
+def moe_dispatch_layout_scratch_bytes(tokens: int, topk: int, n_pes: int) -> int:
+    """Scratch bytes of moe_dispatch_layout's multi-block path; 0: small, one block does it."""
 
 def moe_receive_layout(recv_meta: int, rows: int, topk: int, recv_counts: int, n_pes: int, my_pe: int,
                        experts_per_pe: int, row_of: int, expert_counts: int, expert_offsets: int,
                        num_rows: int, expert_of_row: int, source_pe: int, source_token: int,
-                       combine_index: int, combine_counts: int, pair_position: int, stream: int) -> None:
-    """MoE dispatch's receiver layout in one kernel (all_to_all.hpp)."""
+                       combine_index: int, combine_counts: int, pair_position: int, stream: int,
+                       scratch: int = 0, scratch_bytes: int = 0) -> None:
+    """MoE dispatch's receiver layout (all_to_all.hpp): one kernel, or three over many blocks
+    for large inputs given a scratch of moe_receive_layout_scratch_bytes."""
+
+def moe_receive_layout_scratch_bytes(rows: int, topk: int, experts_per_pe: int) -> int:
+    """Scratch bytes of moe_receive_layout's multi-block path; 0: small, one block does it."""
 
 def gather_region_rows(out: int, region: int, stride: int, recv_offsets: int, recv_counts: int,
                        n_sources: int, index: int, count: int, rows: int, row_bytes: int,

@@ -666,36 +666,47 @@ PYBIND11_MODULE(_C, m) {
   m.def("moe_dispatch_layout",
         [](std::uintptr_t topk_idx, int id_bytes, int64_t tokens, int64_t topk, int64_t num_experts, int n_pes,
            std::uintptr_t send_counts, std::uintptr_t send_index, std::uintptr_t meta, std::uintptr_t pair_pe,
-           std::uintptr_t pair_rank, std::uintptr_t stream) {
+           std::uintptr_t pair_rank, std::uintptr_t stream, std::uintptr_t scratch, int64_t scratch_bytes) {
           moe_dispatch_layout(as_pointer<const void>(topk_idx), id_bytes, tokens, topk, num_experts, n_pes,
                               as_pointer<int64_t>(send_counts), as_pointer<int64_t>(send_index),
                               as_pointer<int32_t>(meta), as_pointer<int64_t>(pair_pe),
-                              as_pointer<int64_t>(pair_rank), as_stream(stream));
+                              as_pointer<int64_t>(pair_rank), as_stream(stream), as_pointer<void>(scratch),
+                              scratch_bytes);
         },
         py::arg("topk_idx"), py::arg("id_bytes"), py::arg("tokens"), py::arg("topk"), py::arg("num_experts"),
         py::arg("n_pes"), py::arg("send_counts"), py::arg("send_index"), py::arg("meta"), py::arg("pair_pe"),
-        py::arg("pair_rank"), py::arg("stream"), release_gil(),
-        "MoE dispatch's sender layout in one kernel (all_to_all.hpp); addresses as ints");
+        py::arg("pair_rank"), py::arg("stream"), py::arg("scratch") = 0, py::arg("scratch_bytes") = 0,
+        release_gil(),
+        "MoE dispatch's sender layout (all_to_all.hpp); addresses as ints; a scratch of "
+        "moe_dispatch_layout_scratch_bytes for large inputs' multi-block path");
+  m.def("moe_dispatch_layout_scratch_bytes", &moe_dispatch_layout_scratch_bytes, py::arg("tokens"),
+        py::arg("topk"), py::arg("n_pes"), "scratch bytes of moe_dispatch_layout's multi-block path (0: none)");
   m.def("moe_receive_layout",
         [](std::uintptr_t recv_meta, int64_t rows, int64_t topk, std::uintptr_t recv_counts, int n_pes, int my_pe,
            int64_t experts_per_pe, std::uintptr_t row_of, std::uintptr_t expert_counts,
            std::uintptr_t expert_offsets, std::uintptr_t num_rows, std::uintptr_t expert_of_row,
            std::uintptr_t source_pe, std::uintptr_t source_token, std::uintptr_t combine_index,
-           std::uintptr_t combine_counts, std::uintptr_t pair_position, std::uintptr_t stream) {
+           std::uintptr_t combine_counts, std::uintptr_t pair_position, std::uintptr_t stream,
+           std::uintptr_t scratch, int64_t scratch_bytes) {
           moe_receive_layout(as_pointer<const int32_t>(recv_meta), rows, topk, as_pointer<const int64_t>(recv_counts),
                              n_pes, my_pe, experts_per_pe, as_pointer<int64_t>(row_of),
                              as_pointer<int64_t>(expert_counts), as_pointer<int64_t>(expert_offsets),
                              as_pointer<int64_t>(num_rows), as_pointer<int64_t>(expert_of_row),
                              as_pointer<int64_t>(source_pe), as_pointer<int64_t>(source_token),
                              as_pointer<int64_t>(combine_index), as_pointer<int64_t>(combine_counts),
-                             as_pointer<int64_t>(pair_position), as_stream(stream));
+                             as_pointer<int64_t>(pair_position), as_stream(stream), as_pointer<void>(scratch),
+                             scratch_bytes);
         },
         py::arg("recv_meta"), py::arg("rows"), py::arg("topk"), py::arg("recv_counts"), py::arg("n_pes"),
         py::arg("my_pe"), py::arg("experts_per_pe"), py::arg("row_of"), py::arg("expert_counts"),
         py::arg("expert_offsets"), py::arg("num_rows"), py::arg("expert_of_row"), py::arg("source_pe"),
         py::arg("source_token"), py::arg("combine_index"), py::arg("combine_counts"), py::arg("pair_position"),
-        py::arg("stream"),
-        release_gil(), "MoE dispatch's receiver layout in one kernel (all_to_all.hpp); addresses as ints");
+        py::arg("stream"), py::arg("scratch") = 0, py::arg("scratch_bytes") = 0,
+        release_gil(),
+        "MoE dispatch's receiver layout (all_to_all.hpp); addresses as ints; a scratch of "
+        "moe_receive_layout_scratch_bytes for large inputs' multi-block path");
+  m.def("moe_receive_layout_scratch_bytes", &moe_receive_layout_scratch_bytes, py::arg("rows"), py::arg("topk"),
+        py::arg("experts_per_pe"), "scratch bytes of moe_receive_layout's multi-block path (0: none)");
   m.def("gather_region_rows",
         [](std::uintptr_t out, std::uintptr_t region, int64_t stride, std::uintptr_t recv_offsets,
            std::uintptr_t recv_counts, int n_sources, std::uintptr_t index, std::uintptr_t count, int64_t rows,

@@ -354,9 +354,17 @@ void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const in
                                      dtype, stream);
 }
 
+namespace {
+// A multi-block layout's scratch: there, 4-byte aligned (int32 counts), large enough.
+bool scratch_fits(const void* scratch, int64_t scratch_bytes, int64_t needed) {
+  return scratch != nullptr && (reinterpret_cast<uintptr_t>(scratch) & 3) == 0 && scratch_bytes >= needed;
+}
+}  // namespace
+
 void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
                          int64_t num_experts, int n_pes, int64_t* send_counts, int64_t* send_index,
-                         int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream) {
+                         int32_t* meta, int64_t* pair_pe, int64_t* pair_rank, cudaStream_t stream,
+                         void* scratch, int64_t scratch_bytes) {
   static_assert(kMoeLayoutMaxPes == kernels::kMoeLayoutMaxPes, "one limit");
   PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes,
               "moe_dispatch_layout: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes);
@@ -372,8 +380,22 @@ void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int
                   (tokens == 0 || (topk_idx != nullptr && meta != nullptr && pair_pe != nullptr &&
                                    pair_rank != nullptr)),
               "moe_dispatch_layout: every tensor must be on the GPU");
+  const int64_t large = kernels::moe_dispatch_layout_scratch_bytes(tokens, static_cast<int>(topk), n_pes);
+  if (large > 0 && scratch_fits(scratch, scratch_bytes, large)) {
+    kernels::launch_moe_dispatch_layout_large(topk_idx, id_bytes == 4, tokens, static_cast<int>(topk),
+                                              num_experts, n_pes, send_counts, send_index, meta, pair_pe,
+                                              pair_rank, scratch, stream);
+    return;
+  }
   kernels::launch_moe_dispatch_layout(topk_idx, id_bytes == 4, tokens, static_cast<int>(topk), num_experts,
                                       n_pes, send_counts, send_index, meta, pair_pe, pair_rank, stream);
+}
+
+int64_t moe_dispatch_layout_scratch_bytes(int64_t tokens, int64_t topk, int n_pes) {
+  // (Sizes the layout refuses need none: moe_dispatch_layout says why.)
+  if (n_pes < 1 || n_pes > kMoeLayoutMaxPes || tokens < 0 || topk < 1 || tokens > kMoeLayoutMaxPairs / topk)
+    return 0;
+  return kernels::moe_dispatch_layout_scratch_bytes(tokens, static_cast<int>(topk), n_pes);
 }
 
 void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
@@ -381,7 +403,7 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                         int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
                         int64_t* num_rows, int64_t* expert_of_row, int64_t* source_pe,
                         int64_t* source_token, int64_t* combine_index, int64_t* combine_counts,
-                        int64_t* pair_position, cudaStream_t stream) {
+                        int64_t* pair_position, cudaStream_t stream, void* scratch, int64_t scratch_bytes) {
   static_assert(kMoeLayoutMaxExpertsPerPe + 1 == kernels::kMoeLayoutMaxBins, "one limit");
   PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes && my_pe >= 0 && my_pe < n_pes,
               "moe_receive_layout: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes << " (PE " << my_pe << ")");
@@ -395,10 +417,26 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                   (rows == 0 || (recv_meta != nullptr && row_of != nullptr && expert_of_row != nullptr &&
                                  source_pe != nullptr && source_token != nullptr)),
               "moe_receive_layout: every tensor must be on the GPU");
+  const int64_t large = kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);
+  if (large > 0 && scratch_fits(scratch, scratch_bytes, large)) {
+    kernels::launch_moe_receive_layout_large(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
+                                             experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
+                                             expert_of_row, source_pe, source_token, combine_index,
+                                             combine_counts, pair_position, scratch, stream);
+    return;
+  }
   kernels::launch_moe_receive_layout(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
                                      experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
                                      expert_of_row, source_pe, source_token, combine_index,
                                      combine_counts, pair_position, stream);
+}
+
+int64_t moe_receive_layout_scratch_bytes(int64_t rows, int64_t topk, int64_t experts_per_pe) {
+  // (Sizes the layout refuses need none: moe_receive_layout says why.)
+  if (rows < 0 || topk < 1 || rows > (kMoeLayoutMaxPairs - 1) / topk || experts_per_pe < 1 ||
+      experts_per_pe > kMoeLayoutMaxExpertsPerPe)
+    return 0;
+  return kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);
 }
 
 void scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,

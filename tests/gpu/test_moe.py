@@ -478,15 +478,22 @@ def _random_ids(tokens, topk, num_experts, generator, dtype):
     return ids.to(dtype)
 
 
+# Past tokens x topk = 8192 (kMoeLayoutLargePairs, kernels/api.cuh) the multi-block kernels
+# (moe_layout_large.cu) run: 1025x8 just past it; 8192x8 the prefill shape; 140000x8 and 20000x4
+# on 64 PEs have more units than the scan takes at one warp of 32 tokens each (units of 64).
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("tokens,topk,num_experts,n_pes", [
     (0, 4, 8, 2), (1, 1, 3, 3), (5, 8, 256, 4), (128, 8, 256, 8), (1023, 3, 12, 4),
     (1025, 8, 256, 4), (4100, 8, 256, 8), (300, 9, 64, 64), (77, 2, 2, 1),
     # the one-token-per-thread path: decode, and PEs past 32 (two lanes' starts, 17 scans of 4)
-    (128, 8, 256, 4), (1024, 8, 256, 64), (1000, 8, 320, 40)])
+    (128, 8, 256, 4), (1024, 8, 256, 64), (1000, 8, 320, 40),
+    # the multi-block kernels
+    (8192, 8, 256, 4), (8192, 8, 256, 8), (20000, 1, 16, 2), (3000, 9, 64, 64), (10000, 3, 7, 1),
+    (20000, 4, 256, 64), (140000, 8, 256, 8)])
 def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens, topk, num_experts, n_pes):
-    """The one-block layout kernel (PEs not tied to this job's: it is local) vs dispatch_plan's
-    torch code: counts, rows sent (in order), meta, each pair's PE and rank."""
+    """The layout kernels (one block, or several past 8192 pairs; PEs not tied to this job's: it
+    is local) vs dispatch_plan's torch code: counts, rows sent (in order, zeros past them), meta,
+    each pair's PE and rank."""
     from pydatacopy import _moe
     generator = torch.Generator().manual_seed(tokens * 31 + topk * 7 + n_pes)
     ids = _random_ids(tokens, topk, num_experts, generator, dtype)
@@ -497,6 +504,8 @@ def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens
     sent = int(want.send_counts.sum())
     _same_bytes(got.send_counts, want.send_counts, f"{what}: send_counts")
     _same_bytes(got.send_index[:sent], want.send_index[:sent], f"{what}: send_index")
+    if not bool((got.send_index[sent:] == 0).all()):
+        _FAILURES.append(f"{what}: send_index past the rows sent is not zeros")
     _same_bytes(got.meta, want.meta, f"{what}: meta")
     _same_bytes(got.pair_pe, want.pair_pe, f"{what}: pair_pe")
     _same_bytes(got.pair_rank, want.pair_rank, f"{what}: pair_rank")
@@ -504,23 +513,44 @@ def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens
         _FAILURES.append(f"{what}: send_index shape {tuple(got.send_index.shape)}")
 
 
-@pytest.mark.parametrize("rows,topk,experts_per_pe,n_pes", [
-    (0, 4, 3, 2), (7, 1, 1, 1), (96, 8, 64, 4), (512, 8, 32, 8), (16384, 8, 64, 4),
-    (3000, 5, 256, 3), (200, 8, 2, 64),
-    # decode (one round of batches a warp, kept in registers), the most pairs one round holds
-    # (6 batches of 32 a warp), and one row more (two rounds: loaded and ranked once more)
-    (460, 8, 64, 4), (768, 8, 64, 4), (769, 8, 64, 4)])
-def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, experts_per_pe, n_pes):
-    """The receiver's layout kernel vs receive_layout's torch code, for every PE of a made-up
-    job: received meta with ids of every PE, -1 and repeats, counts that do not fill the rows."""
+def _received_counts(rows, n_pes, fill, generator):
+    """Rows received from each source: "part" about 90% of the rows, "full" all of them, "empty"
+    none (a large capacity, nothing received), "holes" every other source (the first too) none."""
+    share = torch.rand(n_pes, generator=generator)
+    counts = (share / share.sum() * rows * (1.0 if fill == "full" else 0.9)).to(torch.int64)
+    if fill == "full":
+        counts[-1] += rows - counts.sum()
+    elif fill == "empty":
+        counts.zero_()
+    elif fill == "holes":
+        counts[::2] = 0
+    return counts
+
+
+# Past rows x topk = 8192 the multi-block kernels (moe_layout_large.cu): 16384x8 and 20000x8 the
+# prefill shapes (about 14,700 rows received of 16384 on 4 PEs); 20000x8 with 257 bins and
+# 100000x8 more units than the scan takes at 256 pairs each; 64 sources; topk 9; empty sources.
+@pytest.mark.parametrize("rows,topk,experts_per_pe,n_pes,fill", [
+    (0, 4, 3, 2, "part"), (7, 1, 1, 1, "part"), (96, 8, 64, 4, "part"), (512, 8, 32, 8, "part"),
+    (16384, 8, 64, 4, "part"), (3000, 5, 256, 3, "part"), (200, 8, 2, 64, "part"),
+    (1025, 8, 64, 4, "full"), (20000, 8, 64, 4, "part"), (20000, 8, 64, 4, "empty"),
+    (20000, 8, 64, 8, "full"), (20000, 8, 256, 1, "part"), (5000, 9, 8, 8, "holes"),
+    (3000, 4, 4, 64, "part"), (3000, 4, 4, 64, "holes"), (100000, 8, 16, 8, "part"),
+    (700, 8, 64, 4, "holes"),
+    # the one-block kernel: decode (one round of batches a warp, kept in registers), the most
+    # pairs one round holds (6 batches of 32 a warp), and one row more (two rounds)
+    (460, 8, 64, 4, "part"), (768, 8, 64, 4, "full"), (769, 8, 64, 4, "full")])
+def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, experts_per_pe, n_pes, fill):
+    """The receiver's layout kernels (one block, or several past 8192 pairs) vs receive_layout's
+    torch code, for every PE of a made-up job: received meta with ids of every PE, -1 and
+    repeats, counts that do not fill the rows (or do, or are all zero, or some zero)."""
     from pydatacopy import _moe
     generator = torch.Generator().manual_seed(rows + topk * 13 + n_pes)
     experts = experts_per_pe * n_pes
     ids = torch.randint(-1, experts, (rows, topk), generator=generator)
     tokens = torch.randint(0, 1 << 20, (rows, 1), generator=generator)
     meta = torch.cat([ids, tokens], 1).to(torch.int32)
-    share = torch.rand(n_pes, generator=generator)
-    counts = (share / share.sum() * rows * 0.9).to(torch.int64) if rows else torch.zeros(n_pes, dtype=torch.int64)
+    counts = _received_counts(rows, n_pes, fill, generator) if rows else torch.zeros(n_pes, dtype=torch.int64)
     for my_pe in sorted({0, n_pes // 2, n_pes - 1}):
         want = _moe.receive_layout_reference(meta, counts, my_pe, experts_per_pe, topk)
         got = _moe.receive_layout(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk)
@@ -531,6 +561,8 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
                      "source_pe", "source_token", "combine_counts"):
             _same_bytes(getattr(got, name), getattr(want, name), f"{what}: {name}")
         _same_bytes(got.combine_index[:used], want.combine_index[:used], f"{what}: combine_index")
+        if not bool((got.combine_index[used:] == 0).all()):
+            _FAILURES.append(f"{what}: combine_index past the local pairs is not zeros")
         # The pairs' positions (scatter_region_rows's input): each local pair's recv_x row, in
         # (row, k) order the combine_index entries; -1 for every other pair.
         positions = torch.full((rows * topk,), 7, dtype=torch.int64, device="cuda")

@@ -202,6 +202,7 @@ void launch_signal_wait(const uint64_t* signal, uint64_t value, int my_pe, uint6
 void preload_send_recv_kernels();
 void preload_token_kernels();
 void preload_all_to_all_kernels();
+void preload_moe_layout_large_kernels();
 
 void preload_kernels() {
   cudaFuncAttributes attributes;
@@ -216,6 +217,7 @@ void preload_kernels() {
   preload_send_recv_kernels();
   preload_token_kernels();
   preload_all_to_all_kernels();
+  preload_moe_layout_large_kernels();
 }
 
 }  // namespace pydatacopy::kernels
