@@ -776,12 +776,12 @@ def _dispatch_layout_eager(topk_idx, num_experts, n_pes, stream):
         pair_rank = torch.empty((tokens, topk), dtype=torch.int64, device=device)
         # Large inputs: the multi-block kernels' counts (none for small ones). Held until the
         # launches are queued; freed after, stream-ordered like the outputs.
-        scratch = torch.empty(_C.moe_dispatch_layout_scratch_bytes(tokens, topk, n_pes), dtype=torch.uint8,
-                              device=device)
+        scratch_bytes = _C.moe_dispatch_layout_scratch_bytes(tokens, topk, n_pes)
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device) if scratch_bytes else None
     _C.moe_dispatch_layout(topk_idx.data_ptr(), topk_idx.element_size(), tokens, topk, num_experts, n_pes,
                            send_counts.data_ptr(), send_index.data_ptr(), meta.data_ptr(),
                            pair_pe.data_ptr(), pair_rank.data_ptr(), stream_handle(stream, topk_idx.get_device()),
-                           scratch.data_ptr(), scratch.numel())
+                           0 if scratch is None else scratch.data_ptr(), scratch_bytes)
     return send_counts, send_index, meta, pair_pe, pair_rank
 
 
@@ -871,12 +871,13 @@ def _receive_layout_eager(recv_meta, recv_counts, my_pe, experts_per_pe, topk, s
                             expert_offsets=longs(experts_per_pe), num_rows=longs(),
                             expert_of_row=longs(pairs), source_pe=longs(pairs), source_token=longs(pairs),
                             combine_index=longs(pairs + 1), combine_counts=longs(n_pes))
-        scratch = torch.empty(_C.moe_receive_layout_scratch_bytes(rows, topk, experts_per_pe), dtype=torch.uint8,
-                              device=device)  # (as in _dispatch_layout_eager)
+        scratch_bytes = _C.moe_receive_layout_scratch_bytes(rows, topk, experts_per_pe)  # (as in _dispatch_layout_eager)
+        scratch = torch.empty(scratch_bytes, dtype=torch.uint8, device=device) if scratch_bytes else None
     _C.moe_receive_layout(recv_meta.data_ptr(), rows, topk, recv_counts.data_ptr(), n_pes, my_pe,
                           experts_per_pe, *(t.data_ptr() for t in out),
                           0 if positions is None else positions.data_ptr(),
-                          stream_handle(stream, recv_meta.get_device()), scratch.data_ptr(), scratch.numel())
+                          stream_handle(stream, recv_meta.get_device()),
+                          0 if scratch is None else scratch.data_ptr(), scratch_bytes)
     return tuple(out)
 
 

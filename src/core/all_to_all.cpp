@@ -356,9 +356,19 @@ void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const in
 
 namespace {
 // A multi-block layout's scratch: there, 4-byte aligned (int32 counts), large enough.
-bool scratch_fits(const void* scratch, int64_t scratch_bytes, int64_t needed) {
-  return scratch != nullptr && (reinterpret_cast<uintptr_t>(scratch) & 3) == 0 && scratch_bytes >= needed;
+// None given (C++ callers, small inputs): the one-block kernel. One given that does not fit is the
+// caller's bug, said here, not hidden behind the slow kernel.
+bool scratch_fits(const void* scratch, int64_t scratch_bytes, int64_t needed, const char* what) {
+  if (scratch == nullptr) return false;
+  PDC_REQUIRE((reinterpret_cast<uintptr_t>(scratch) & 3) == 0 && scratch_bytes >= needed,
+              what << ": the scratch given (" << scratch_bytes << " bytes at " << scratch
+                   << ") must be 4-byte aligned and hold " << needed
+                   << " bytes (the *_scratch_bytes function of the same sizes says how many)");
+  return true;
 }
+// topk bounded where the kernels' loops over a token's k (int counters stepping by a batch)
+// cannot wrap: far above any router's.
+constexpr int64_t kMoeLayoutMaxTopk = int64_t{1} << 16;
 }  // namespace
 
 void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int64_t topk,
@@ -375,13 +385,15 @@ void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int
   PDC_REQUIRE(tokens >= 0 && topk >= 1 && tokens <= kMoeLayoutMaxPairs / topk,
               "moe_dispatch_layout: tokens x topk = " << tokens << " x " << topk
                                                       << " must be below 2^31");
+  PDC_REQUIRE(topk <= kMoeLayoutMaxTopk,
+              "moe_dispatch_layout: topk " << topk << " is above the " << kMoeLayoutMaxTopk << " supported");
   // (Tensors of no elements may have no address: zero tokens leaves only the counts and index.)
   PDC_REQUIRE(send_counts != nullptr && send_index != nullptr &&
                   (tokens == 0 || (topk_idx != nullptr && meta != nullptr && pair_pe != nullptr &&
                                    pair_rank != nullptr)),
               "moe_dispatch_layout: every tensor must be on the GPU");
   const int64_t large = kernels::moe_dispatch_layout_scratch_bytes(tokens, static_cast<int>(topk), n_pes);
-  if (large > 0 && scratch_fits(scratch, scratch_bytes, large)) {
+  if (large > 0 && scratch_fits(scratch, scratch_bytes, large, "moe_dispatch_layout")) {
     kernels::launch_moe_dispatch_layout_large(topk_idx, id_bytes == 4, tokens, static_cast<int>(topk),
                                               num_experts, n_pes, send_counts, send_index, meta, pair_pe,
                                               pair_rank, scratch, stream);
@@ -393,7 +405,8 @@ void moe_dispatch_layout(const void* topk_idx, int id_bytes, int64_t tokens, int
 
 int64_t moe_dispatch_layout_scratch_bytes(int64_t tokens, int64_t topk, int n_pes) {
   // (Sizes the layout refuses need none: moe_dispatch_layout says why.)
-  if (n_pes < 1 || n_pes > kMoeLayoutMaxPes || tokens < 0 || topk < 1 || tokens > kMoeLayoutMaxPairs / topk)
+  if (n_pes < 1 || n_pes > kMoeLayoutMaxPes || tokens < 0 || topk < 1 || topk > kMoeLayoutMaxTopk ||
+      tokens > kMoeLayoutMaxPairs / topk)
     return 0;
   return kernels::moe_dispatch_layout_scratch_bytes(tokens, static_cast<int>(topk), n_pes);
 }
@@ -412,13 +425,15 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                                           << experts_per_pe);
   PDC_REQUIRE(rows >= 0 && topk >= 1 && rows <= (kMoeLayoutMaxPairs - 1) / topk,
               "moe_receive_layout: rows x topk = " << rows << " x " << topk << " must be below 2^31 - 1");
+  PDC_REQUIRE(topk <= kMoeLayoutMaxTopk,
+              "moe_receive_layout: topk " << topk << " is above the " << kMoeLayoutMaxTopk << " supported");
   PDC_REQUIRE(recv_counts != nullptr && expert_counts != nullptr && expert_offsets != nullptr &&
                   num_rows != nullptr && combine_index != nullptr && combine_counts != nullptr &&
                   (rows == 0 || (recv_meta != nullptr && row_of != nullptr && expert_of_row != nullptr &&
                                  source_pe != nullptr && source_token != nullptr)),
               "moe_receive_layout: every tensor must be on the GPU");
   const int64_t large = kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);
-  if (large > 0 && scratch_fits(scratch, scratch_bytes, large)) {
+  if (large > 0 && scratch_fits(scratch, scratch_bytes, large, "moe_receive_layout")) {
     kernels::launch_moe_receive_layout_large(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
                                              experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
                                              expert_of_row, source_pe, source_token, combine_index,
@@ -433,7 +448,7 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
 
 int64_t moe_receive_layout_scratch_bytes(int64_t rows, int64_t topk, int64_t experts_per_pe) {
   // (Sizes the layout refuses need none: moe_receive_layout says why.)
-  if (rows < 0 || topk < 1 || rows > (kMoeLayoutMaxPairs - 1) / topk || experts_per_pe < 1 ||
+  if (rows < 0 || topk < 1 || topk > kMoeLayoutMaxTopk || rows > (kMoeLayoutMaxPairs - 1) / topk || experts_per_pe < 1 ||
       experts_per_pe > kMoeLayoutMaxExpertsPerPe)
     return 0;
   return kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);

@@ -487,9 +487,11 @@ def _random_ids(tokens, topk, num_experts, generator, dtype):
     (1025, 8, 256, 4), (4100, 8, 256, 8), (300, 9, 64, 64), (77, 2, 2, 1),
     # the one-token-per-thread path: decode, and PEs past 32 (two lanes' starts, 17 scans of 4)
     (128, 8, 256, 4), (1024, 8, 256, 64), (1000, 8, 320, 40),
-    # the multi-block kernels
+    # the one-block kernel's general path: several tokens a thread, up to 8192 pairs
+    (8192, 1, 16, 2), (4096, 2, 64, 8), (1500, 5, 64, 8),
+    # the multi-block kernels (topk 5000: a batch covers less than one token)
     (8192, 8, 256, 4), (8192, 8, 256, 8), (20000, 1, 16, 2), (3000, 9, 64, 64), (10000, 3, 7, 1),
-    (20000, 4, 256, 64), (140000, 8, 256, 8)])
+    (20000, 4, 256, 64), (140000, 8, 256, 8), (2, 5000, 16, 4)])
 def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens, topk, num_experts, n_pes):
     """The layout kernels (one block, or several past 8192 pairs; PEs not tied to this job's: it
     is local) vs dispatch_plan's torch code: counts, rows sent (in order, zeros past them), meta,
@@ -539,7 +541,9 @@ def _received_counts(rows, n_pes, fill, generator):
     (700, 8, 64, 4, "holes"),
     # the one-block kernel: decode (one round of batches a warp, kept in registers), the most
     # pairs one round holds (6 batches of 32 a warp), and one row more (two rounds)
-    (460, 8, 64, 4, "part"), (768, 8, 64, 4, "full"), (769, 8, 64, 4, "full")])
+    (460, 8, 64, 4, "part"), (768, 8, 64, 4, "full"), (769, 8, 64, 4, "full"),
+    # the one-block kernel with topk past a batch's 32 pairs and at 32; the multi-block ones with 33
+    (100, 40, 8, 4, "part"), (200, 32, 8, 4, "part"), (300, 33, 4, 4, "part")])
 def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, experts_per_pe, n_pes, fill):
     """The receiver's layout kernels (one block, or several past 8192 pairs) vs receive_layout's
     torch code, for every PE of a made-up job: received meta with ids of every PE, -1 and
@@ -575,6 +579,58 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
         _same_bytes(positions[valid], want.combine_index[:used], f"{what}: positions of the local pairs")
         if not bool((positions[~valid] == -1).all()):
             _FAILURES.append(f"{what}: a pair with no local expert has a position")
+
+
+def test_layout_kernels_without_scratch_take_the_one_block_path_past_8192_pairs(world):
+    """C++ callers give no scratch: the one-block kernels then serve any size; 20000 x 8 pairs
+    (the multi-block path's size) against the references. A scratch too small is refused."""
+    from pydatacopy import _moe
+    generator = torch.Generator().manual_seed(2024)
+    tokens, topk, num_experts, n_pes = 20000, 8, 256, 4
+    ids = _random_ids(tokens, topk, num_experts, generator, torch.int64).cuda()
+    want = _moe.dispatch_plan_reference(ids.cpu(), num_experts, n_pes)
+    out = [torch.empty(n_pes, dtype=torch.int64, device="cuda"),
+           torch.empty(n_pes * tokens + 1, dtype=torch.int64, device="cuda"),
+           torch.empty((tokens, topk + 1), dtype=torch.int32, device="cuda"),
+           torch.empty((tokens, topk), dtype=torch.int64, device="cuda"),
+           torch.empty((tokens, topk), dtype=torch.int64, device="cuda")]
+    stream = torch.cuda.current_stream().cuda_stream
+    _C = pydatacopy._C
+    _C.moe_dispatch_layout(ids.data_ptr(), 8, tokens, topk, num_experts, n_pes, *(t.data_ptr() for t in out),
+                           stream, 0, 0)
+    torch.cuda.synchronize()
+    sent = int(want.send_counts.sum())
+    what = "dispatch layout 20000x8 without scratch"
+    for got, expected, name in ((out[0], want.send_counts, "send_counts"), (out[1][:sent], want.send_index[:sent], "send_index"),
+                                (out[2], want.meta, "meta"), (out[3], want.pair_pe, "pair_pe"), (out[4], want.pair_rank, "pair_rank")):
+        _same_bytes(got, expected, f"{what}: {name}")
+    needed = _C.moe_dispatch_layout_scratch_bytes(tokens, topk, n_pes)
+    small = torch.empty(max(needed - 4, 4), dtype=torch.uint8, device="cuda")
+    with pytest.raises(pydatacopy.Error, match="scratch given"):
+        _C.moe_dispatch_layout(ids.data_ptr(), 8, tokens, topk, num_experts, n_pes, *(t.data_ptr() for t in out),
+                               stream, small.data_ptr(), small.numel())
+    # The receiver's side, 20000 rows x 8, most of them received, no scratch.
+    rows, experts_per_pe = 20000, 64
+    rids = torch.randint(-1, experts_per_pe * n_pes, (rows, topk), generator=generator)
+    meta = torch.cat([rids, torch.randint(0, 1 << 20, (rows, 1), generator=generator)], 1).to(torch.int32)
+    counts = _received_counts(rows, n_pes, "part", generator)
+    want = _moe.receive_layout_reference(meta, counts, 1, experts_per_pe, topk)
+    pairs = rows * topk
+    longs = lambda *shape: torch.empty(shape, dtype=torch.int64, device="cuda")  # noqa: E731
+    got = _moe.ReceiveLayout(row_of=longs(pairs), expert_counts=longs(experts_per_pe),
+                             expert_offsets=longs(experts_per_pe), num_rows=longs(), expert_of_row=longs(pairs),
+                             source_pe=longs(pairs), source_token=longs(pairs), combine_index=longs(pairs + 1),
+                             combine_counts=longs(n_pes))
+    meta_gpu, counts_gpu = meta.cuda(), counts.cuda()
+    _C.moe_receive_layout(meta_gpu.data_ptr(), rows, topk, counts_gpu.data_ptr(), n_pes, 1, experts_per_pe,
+                          *(t.data_ptr() for t in got), 0, stream, 0, 0)
+    torch.cuda.synchronize()
+    used = int(want.num_rows)
+    what = "receive layout 20000x8 without scratch"
+    for name in ("row_of", "expert_counts", "expert_offsets", "num_rows", "expert_of_row", "source_pe",
+                 "source_token", "combine_counts"):
+        _same_bytes(getattr(got, name), getattr(want, name), f"{what}: {name}")
+    _same_bytes(got.combine_index[:used], want.combine_index[:used], f"{what}: combine_index")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
