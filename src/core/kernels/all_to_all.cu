@@ -10,6 +10,7 @@
 #include "../device_status.cuh"
 #include "api.cuh"
 #include "copy.cuh"
+#include "search.cuh"
 #include "pydatacopy/all_to_all.hpp"
 #include "pydatacopy/error.hpp"
 
@@ -72,16 +73,6 @@ __device__ __forceinline__ void row_copy(uint8_t* dst, const uint8_t* src, int64
   for (int64_t b = vectors * 16 + lane; b < bytes; b += 32) dst[b] = src[b];
 }
 
-// The position i in [0, n) with prefix[i] <= piece < prefix[i + 1] (prefix nondecreasing).
-__device__ __forceinline__ int find_slot(const int64_t* prefix, int n, int64_t piece) {
-  int lo = 0, hi = n;  // prefix[lo] <= piece < prefix[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (prefix[mid] <= piece) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
 
 // Exclusive scan over the block, one value per thread in thread order, with `op` (associative,
 // `identity` neutral); *total gets the block's whole. Every thread of the block calls it (it
@@ -121,9 +112,6 @@ __device__ __forceinline__ T block_exclusive_scan(T value, T identity, Op op, T*
 
 struct AddInt64 {
   __device__ __forceinline__ int64_t operator()(int64_t x, int64_t y) const { return x + y; }
-};
-struct AddInt32 {
-  __device__ __forceinline__ int32_t operator()(int32_t x, int32_t y) const { return x + y; }
 };
 
 // ceil(rows / per_piece) for 0 <= rows <= AllToAllLayout::kMaxCapacity (2^31 - 1) and
@@ -763,17 +751,6 @@ __global__ void __launch_bounds__(kLayoutThreads)
   }
 }
 
-// Binary search: the source s with start[s] <= row < start[s + 1] (start nondecreasing, n >= 1).
-__device__ __forceinline__ int source_of_row(const int64_t* start, int n, int64_t row) {
-  int lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (start[mid] <= row) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
 // The receiver's side (receive_layout in _moe.py is the reference): pairs (received row, k),
 // rows*topk of them, sorted stably by local expert (bin experts_per_pe: none here, or a row not
 // in use), and the pairs of a local expert in (row, k) order once more for combine. Warp w owns
@@ -874,7 +851,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (!present) return;
     bin = none;
     if (at.row >= rows_in_use) return;
-    source = source_of_row(source_start, n_pes, at.row);
+    source = find_slot(source_start, n_pes, at.row);
     const uint32_t local = static_cast<uint32_t>(id) - first_expert;
     if (local < static_cast<uint32_t>(experts_per_pe)) bin = static_cast<int>(local);
   };

@@ -16,6 +16,7 @@
 #include <algorithm>
 
 #include "api.cuh"
+#include "search.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {
@@ -273,17 +274,6 @@ __device__ __forceinline__ void source_starts(const int64_t* recv_counts, int n_
   rows_in_use = carry < rows ? carry : rows;
 }
 
-// Binary search, as the one-block kernel's source_of_row: the last s < n with start[s] <= row.
-__device__ __forceinline__ int source_at(const int64_t* start, int n, int64_t row) {
-  int lo = 0, hi = n;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (start[mid] <= row) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
-
 // Step 1: counts per bin, and the partials of the sources' first pairs in this unit.
 __global__ void __launch_bounds__(kUnitThreads)
     receive_count_kernel(const int32_t* recv_meta, int64_t rows, int topk, const int64_t* recv_counts,
@@ -459,7 +449,7 @@ __global__ void __launch_bounds__(kUnitThreads)
         const int64_t position = run[bin] + __popc(same & below);
         row_of[position] = row;
         expert_of_row[position] = bin;
-        source_pe[position] = valid ? source_at(start, n_pes, row) : -1;
+        source_pe[position] = valid ? find_slot(start, n_pes, row) : -1;
         source_token[position] = valid ? token[j] : -1;
         if (valid) combine_index[valid_at + __popc(valid_lanes & below)] = position;
         if (pair_position != nullptr) pair_position[p] = valid ? position : -1;
