@@ -50,7 +50,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "pydatacopy/channel_order.hpp"
+#include "pydatacopy/detail/channel_order.hpp"
 
 #ifdef __CUDACC__
 #define PDC_ALL_TO_ALL_HOST_DEVICE __host__ __device__

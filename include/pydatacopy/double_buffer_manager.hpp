@@ -26,7 +26,7 @@
 
 #include <cstdint>
 
-#include "pydatacopy/channel_order.hpp"
+#include "pydatacopy/detail/channel_order.hpp"
 
 namespace pydatacopy {
 

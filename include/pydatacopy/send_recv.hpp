@@ -140,7 +140,7 @@
 
 #include "pydatacopy/error.hpp"
 
-#include "pydatacopy/channel_order.hpp"
+#include "pydatacopy/detail/channel_order.hpp"
 
 namespace pydatacopy {
 namespace kernels {

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "check.hpp"
-#include "pydatacopy/channel_order.hpp"
+#include "pydatacopy/detail/channel_order.hpp"
 
 namespace {
 

@@ -12,7 +12,7 @@
 
 #include "check.hpp"
 #include "pydatacopy/error.hpp"
-#include "pydatacopy/registration_cache.hpp"
+#include "registration/registration_cache.hpp"
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include <unistd.h>
 
 #include "check.hpp"
-#include "pydatacopy/zero_copy.hpp"
+#include "send_recv/zero_copy.hpp"
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "../device_status.cuh"
+#include "common/device_status.cuh"
 
 namespace pydatacopy {
 struct TransferDescriptor;  // transfer.hpp

@@ -19,14 +19,14 @@
 #include <utility>
 #include <vector>
 
-#include "cuda_calls.hpp"
-#include "device_status.cuh"
+#include "common/cuda_calls.hpp"
+#include "common/device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/symmetric.hpp"
-#include "pydatacopy/zero_copy.hpp"
+#include "send_recv/zero_copy.hpp"
 
 namespace pydatacopy {
 namespace {

@@ -45,7 +45,7 @@
 #include <string>
 #include <vector>
 
-#include "pydatacopy/registration_cache.hpp"  // Allocation
+#include "registration/registration_cache.hpp"  // Allocation
 
 namespace pydatacopy::zero_copy {
 

@@ -1,9 +1,9 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "../device_status.cuh"
-#include "api.cuh"
-#include "copy.cuh"
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
+#include "kernels/copy.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
 

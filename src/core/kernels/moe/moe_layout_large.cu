@@ -15,8 +15,8 @@
 // follow from the host-known sizes only (graph capture).
 #include <algorithm>
 
-#include "api.cuh"
-#include "search.cuh"
+#include "kernels/api.cuh"
+#include "kernels/moe/search.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {

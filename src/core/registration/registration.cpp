@@ -1,5 +1,5 @@
 #include "pydatacopy/registration.hpp"
-#include "pydatacopy/registration_cache.hpp"
+#include "registration/registration_cache.hpp"
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -12,7 +12,7 @@
 #include <mutex>
 #include <string>
 
-#include "cuda_calls.hpp"
+#include "common/cuda_calls.hpp"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"

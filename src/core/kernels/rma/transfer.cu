@@ -3,9 +3,9 @@
 
 #include <algorithm>
 
-#include "../device_status.cuh"
-#include "api.cuh"
-#include "copy.cuh"
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
+#include "kernels/copy.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/prepared_put_many.hpp"
 #include "pydatacopy/symmetric.hpp"

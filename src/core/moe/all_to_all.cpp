@@ -8,7 +8,7 @@
 #include <climits>
 #include <utility>
 
-#include "device_status.cuh"
+#include "common/device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"

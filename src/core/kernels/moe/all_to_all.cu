@@ -7,10 +7,10 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "../device_status.cuh"
-#include "api.cuh"
-#include "copy.cuh"
-#include "search.cuh"
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
+#include "kernels/copy.cuh"
+#include "kernels/moe/search.cuh"
 #include "pydatacopy/all_to_all.hpp"
 #include "pydatacopy/error.hpp"
 

@@ -1,8 +1,8 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
-#include "../device_status.cuh"
-#include "api.cuh"
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {

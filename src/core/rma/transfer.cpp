@@ -5,7 +5,7 @@
 #include <nvshmemx.h>
 
 
-#include "device_status.cuh"
+#include "common/device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"

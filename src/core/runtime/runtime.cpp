@@ -17,7 +17,7 @@
 
 #include <unistd.h>
 
-#include "device_status.cuh"
+#include "common/device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"

@@ -1,4 +1,4 @@
-#include "pydatacopy/registration_cache.hpp"
+#include "registration/registration_cache.hpp"
 
 #include <algorithm>
 #include <iterator>

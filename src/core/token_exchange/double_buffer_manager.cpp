@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "device_status.cuh"
+#include "common/device_status.cuh"
 #include "kernels/api.cuh"
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"

@@ -1,7 +1,7 @@
 // Test support, not part of the data path: a kernel that holds most of the GPU's SMs, so that the
 // tests can check that pydatacopy's kernels make progress on the few that are left.
-#include "../device_status.cuh"
-#include "api.cuh"
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {

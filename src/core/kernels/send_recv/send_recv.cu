@@ -11,10 +11,10 @@
 #include <string>
 #include <utility>
 
-#include "../device_status.cuh"
-#include "api.cuh"
-#include "copy.cuh"
-#include "launch.cuh"
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
+#include "kernels/copy.cuh"
+#include "kernels/launch.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {
@@ -226,7 +226,7 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   }
 }
 
-#include "zero_copy.cuh"
+#include "kernels/send_recv/zero_copy.cuh"
 
 // Once the block is done with a slice (or gave up): the last slice of the op's channel in this
 // launch moves the channel's counters on and clears its failure flag. Every block read the

@@ -1,4 +1,4 @@
-#include "pydatacopy/channel_order.hpp"
+#include "pydatacopy/detail/channel_order.hpp"
 
 #include <utility>
 

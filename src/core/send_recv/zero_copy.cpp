@@ -1,4 +1,4 @@
-#include "pydatacopy/zero_copy.hpp"
+#include "send_recv/zero_copy.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
