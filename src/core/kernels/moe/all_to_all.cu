@@ -10,7 +10,7 @@
 #include "common/device_status.cuh"
 #include "kernels/api.cuh"
 #include "kernels/copy.cuh"
-#include "kernels/moe/search.cuh"
+#include "kernels/moe/warp_search.cuh"
 #include "pydatacopy/all_to_all.hpp"
 #include "pydatacopy/error.hpp"
 
@@ -456,23 +456,28 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
   });
 }
 
+// The reduction's element types to and from float32 (round to nearest even).
 template <typename T>
-__device__ __forceinline__ float to_float(T value);
+struct FloatCast;
 template <>
-__device__ __forceinline__ float to_float<float>(float value) { return value; }
+struct FloatCast<float> {
+  static __device__ __forceinline__ float to(float value) { return value; }
+  static __device__ __forceinline__ float from(float value) { return value; }
+};
 template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 value) { return __bfloat162float(value); }
+struct FloatCast<__nv_bfloat16> {
+  static __device__ __forceinline__ float to(__nv_bfloat16 value) { return __bfloat162float(value); }
+  static __device__ __forceinline__ __nv_bfloat16 from(float value) { return __float2bfloat16_rn(value); }
+};
 template <>
-__device__ __forceinline__ float to_float<__half>(__half value) { return __half2float(value); }
-
+struct FloatCast<__half> {
+  static __device__ __forceinline__ float to(__half value) { return __half2float(value); }
+  static __device__ __forceinline__ __half from(float value) { return __float2half_rn(value); }
+};
 template <typename T>
-__device__ __forceinline__ T from_float(float value);
-template <>
-__device__ __forceinline__ float from_float<float>(float value) { return value; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float value) { return __float2bfloat16_rn(value); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float value) { return __float2half_rn(value); }
+__device__ __forceinline__ float to_float(T value) { return FloatCast<T>::to(value); }
+template <typename T>
+__device__ __forceinline__ T from_float(float value) { return FloatCast<T>::from(value); }
 
 // out[i] = src[index[i]] for i < min(*count, rows): one warp per row; rows past the count are
 // left as they are (the count is read on the device, so a captured launch follows it).
@@ -515,17 +520,6 @@ constexpr int kPairBatch = 8;
 // what pass 1 kept in registers. (8 batches spilled registers under the 64 of 1024 threads.)
 constexpr int kReceiveBatches = 6;
 constexpr int kReceiveRoundPairs = 32 * kReceiveBatches;
-
-// Inclusive scan over a warp (every lane calls it).
-template <typename T>
-__device__ __forceinline__ T warp_inclusive_scan(T value, int lane) {
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const T other = __shfl_up_sync(0xffffffffu, value, offset);
-    if (lane >= offset) value += other;
-  }
-  return value;
-}
 
 // Per-warp counts (counts[w][c], w < warps <= 32, c < columns) into exclusive bases over warps,
 // each column's total into totals[c]: warp w scans columns w, w + 32, ..., one lane per warp
@@ -1011,6 +1005,18 @@ __global__ void all_to_all_release_kernel(uint64_t* pending, uint64_t* credits, 
   }
 }
 
+// Each source's first received row and its count into shared memory, side by side (a row's
+// count read from global memory after its source was found was one more dependent memory round
+// trip per row); the whole block calls it.
+__device__ __forceinline__ void load_sources(int64_t* start, int64_t* counts, const int64_t* recv_offsets,
+                                             const int64_t* recv_counts, int n_sources) {
+  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) {
+    start[s] = recv_offsets[s];
+    counts[s] = recv_counts[s];
+  }
+  __syncthreads();
+}
+
 // gather_rows from the receive regions: received row j is source s's row j - offsets[s].
 __global__ void __launch_bounds__(256)
     gather_region_rows_kernel(uint8_t* out, const uint8_t* region, int64_t stride,
@@ -1018,11 +1024,7 @@ __global__ void __launch_bounds__(256)
                               const int64_t* index, const int64_t* count, int64_t rows, int64_t row_bytes) {
   __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
   __shared__ int64_t counts[AllToAllLayout::kMaxPes];
-  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) {
-    start[s] = recv_offsets[s];
-    counts[s] = recv_counts[s];
-  }
-  __syncthreads();
+  load_sources(start, counts, recv_offsets, recv_counts, n_sources);
   const int64_t used = min(*count, rows);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -1044,13 +1046,7 @@ __global__ void __launch_bounds__(256)
                                const int64_t* positions, int topk, int64_t rows, int64_t row_bytes) {
   __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
   __shared__ int64_t counts[AllToAllLayout::kMaxPes];
-  // Both read once, side by side (a row's count read from global memory after its source was
-  // found was one more dependent memory round trip per row).
-  for (int s = threadIdx.x; s < n_sources; s += blockDim.x) {
-    start[s] = recv_offsets[s];
-    counts[s] = recv_counts[s];
-  }
-  __syncthreads();
+  load_sources(start, counts, recv_offsets, recv_counts, n_sources);
   const int64_t received = start[n_sources - 1] + counts[n_sources - 1];
   const int64_t used = min(received, rows);
   const int lane = threadIdx.x % 32;

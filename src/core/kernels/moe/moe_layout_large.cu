@@ -16,7 +16,7 @@
 #include <algorithm>
 
 #include "kernels/api.cuh"
-#include "kernels/moe/search.cuh"
+#include "kernels/moe/warp_search.cuh"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {
@@ -30,17 +30,6 @@ constexpr int kBatches = 8;
 // Units x columns at most: step 2 (one block) reads and writes each entry once.
 constexpr int64_t kMaxScanEntries = int64_t{1} << 16;
 constexpr int kDispatchMaxColumns = 2 * kMoeLayoutMaxPes + 1;
-
-// Inclusive scan over a warp (every lane calls it).
-template <typename T>
-__device__ __forceinline__ T inclusive_over_lanes(T value, int lane) {
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const T other = __shfl_up_sync(0xffffffffu, value, offset);
-    if (lane >= offset) value += other;
-  }
-  return value;
-}
 
 // counts [units][columns] (int32) into exclusive prefixes over units, in place; each column's
 // total into totals[column] (shared). Warp w scans columns w, w + warps, ...; lane l takes units
@@ -59,7 +48,7 @@ __device__ void scan_columns(int32_t* counts, int64_t units, int columns, int32_
 #pragma unroll
       for (int j = 0; j < kBatches; ++j) {
         const int64_t u = u0 + 32 * j + lane;
-        const int32_t inclusive = inclusive_over_lanes(value[j], lane);
+        const int32_t inclusive = warp_inclusive_scan(value[j], lane);
         if (u < units) counts[u * columns + c] = carry + inclusive - value[j];
         carry += __shfl_sync(0xffffffffu, inclusive, 31);
       }
@@ -79,6 +68,29 @@ __device__ void scan_columns(int32_t* counts, int64_t units, int columns, int32_
 // in the one-block kernel: a valid id and per_pe are non-negative int32 values.
 __device__ __forceinline__ int pe_of(int64_t id, int64_t num_experts, int32_t per_pe, int n_pes) {
   return id >= 0 && id < num_experts ? static_cast<int32_t>(id) / per_pe : n_pes;
+}
+
+// visit(p, pe, id) for every pair p of tokens [t0, t1), 32 x kBatches pairs at a time (their
+// ids loaded together), on every lane of the warp: lanes past the last pair see p >= p1 and
+// pe = -1, so the warp-wide intrinsics in visit stay converged.
+template <typename Id, typename Visit>
+__device__ __forceinline__ void for_each_pair(const Id* ids, int64_t t0, int64_t t1, int topk, int64_t num_experts,
+                                              int32_t per_pe, int n_pes, int lane, Visit&& visit) {
+  const int64_t p1 = t1 * topk;
+  for (int64_t g = t0 * topk; g < p1; g += 32 * kBatches) {
+    int64_t id[kBatches];
+#pragma unroll
+    for (int j = 0; j < kBatches; ++j) {
+      const int64_t p = g + 32 * j + lane;
+      id[j] = p < p1 ? static_cast<int64_t>(ids[p]) : -1;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatches; ++j) {
+      if (g + 32 * j >= p1) break;  // (the same for every lane)
+      const int64_t p = g + 32 * j + lane;
+      visit(p, p < p1 ? pe_of(id[j], num_experts, per_pe, n_pes) : -1, id[j]);
+    }
+  }
 }
 
 // The PEs token t sends to, as bits (n_pes <= 64), its topk ids loaded kBatches at a time.
@@ -121,30 +133,17 @@ __global__ void __launch_bounds__(kUnitThreads)
   const unsigned below = (1u << lane) - 1u;
   const int64_t t0 = unit * unit_tokens;
   const int64_t t1 = min(tokens, t0 + unit_tokens);
-  const int64_t p1 = t1 * topk;
-  for (int64_t g = t0 * topk; g < p1; g += 32 * kBatches) {
-    int64_t id[kBatches];
-#pragma unroll
-    for (int j = 0; j < kBatches; ++j) {
-      const int64_t p = g + 32 * j + lane;
-      id[j] = p < p1 ? static_cast<int64_t>(ids[p]) : -1;
+  for_each_pair(ids, t0, t1, topk, num_experts, per_pe, n_pes, lane, [&](int64_t p, int pe, int64_t id) {
+    if (pe >= 0) {
+      pair_pe[p] = pe;
+      const int32_t t = static_cast<int32_t>(p) / topk;  // (p < 2^31)
+      const int k = static_cast<int32_t>(p) - t * topk;
+      meta[static_cast<int64_t>(t) * (topk + 1) + k] = pe < n_pes ? static_cast<int32_t>(id) : -1;
     }
-#pragma unroll
-    for (int j = 0; j < kBatches; ++j) {
-      if (g + 32 * j >= p1) break;  // (the same for every lane)
-      const int64_t p = g + 32 * j + lane;
-      const int pe = p < p1 ? pe_of(id[j], num_experts, per_pe, n_pes) : -1;
-      if (p < p1) {
-        pair_pe[p] = pe;
-        const int32_t t = static_cast<int32_t>(p) / topk;  // (p < 2^31)
-        const int k = static_cast<int32_t>(p) - t * topk;
-        meta[static_cast<int64_t>(t) * (topk + 1) + k] = pe < n_pes ? static_cast<int32_t>(id[j]) : -1;
-      }
-      const unsigned same = __match_any_sync(0xffffffffu, pe);
-      if (pe >= 0 && (same & below) == 0) hist[pe] += __popc(same);
-      __syncwarp();  // the next batch's leaders see these counts
-    }
-  }
+    const unsigned same = __match_any_sync(0xffffffffu, pe);
+    if (pe >= 0 && (same & below) == 0) hist[pe] += __popc(same);
+    __syncwarp();  // the next batch's leaders see these counts
+  });
   // Tokens for PE lane and lane + 32, counted by that lane.
   int32_t tokens_low = 0, tokens_high = 0;
   for (int64_t b = t0; b < t1; b += 32) {
@@ -177,7 +176,7 @@ __global__ void __launch_bounds__(kScanThreads)
     for (int base = 0; base < n_pes; base += 32) {
       const int d = base + lane;
       const int32_t count = d < n_pes ? totals[n_pes + 1 + d] : 0;
-      const int32_t inclusive = inclusive_over_lanes(count, lane);
+      const int32_t inclusive = warp_inclusive_scan(count, lane);
       if (d < n_pes) {
         send_counts[d] = count;
         offsets[n_pes + 1 + d] = carry + inclusive - count;
@@ -216,26 +215,13 @@ __global__ void __launch_bounds__(kUnitThreads)
   const unsigned below = (1u << lane) - 1u;
   const int64_t t0 = unit * unit_tokens;
   const int64_t t1 = min(tokens, t0 + unit_tokens);
-  const int64_t p1 = t1 * topk;
-  for (int64_t g = t0 * topk; g < p1; g += 32 * kBatches) {
-    int64_t id[kBatches];
-#pragma unroll
-    for (int j = 0; j < kBatches; ++j) {
-      const int64_t p = g + 32 * j + lane;
-      id[j] = p < p1 ? static_cast<int64_t>(ids[p]) : -1;
-    }
-#pragma unroll
-    for (int j = 0; j < kBatches; ++j) {
-      if (g + 32 * j >= p1) break;  // (the same for every lane)
-      const int64_t p = g + 32 * j + lane;
-      const int pe = p < p1 ? pe_of(id[j], num_experts, per_pe, n_pes) : -1;
-      const unsigned same = __match_any_sync(0xffffffffu, pe);
-      if (pe >= 0) pair_rank[p] = run[pe] + __popc(same & below);
-      __syncwarp();  // every lane has read run before the leaders move it on
-      if (pe >= 0 && (same & below) == 0) run[pe] += __popc(same);
-      __syncwarp();
-    }
-  }
+  for_each_pair(ids, t0, t1, topk, num_experts, per_pe, n_pes, lane, [&](int64_t p, int pe, int64_t) {
+    const unsigned same = __match_any_sync(0xffffffffu, pe);
+    if (pe >= 0) pair_rank[p] = run[pe] + __popc(same & below);
+    __syncwarp();  // every lane has read run before the leaders move it on
+    if (pe >= 0 && (same & below) == 0) run[pe] += __popc(same);
+    __syncwarp();
+  });
   for (int64_t b = t0; b < t1; b += 32) {
     const int64_t t = b + lane;
     const uint64_t hit = t < t1 ? token_pes(ids, t, topk, num_experts, per_pe, n_pes) : 0;
@@ -267,7 +253,7 @@ __device__ __forceinline__ void source_starts(const int64_t* recv_counts, int n_
     const int s = 32 * half + lane;
     const int64_t count = s < n_pes ? recv_counts[s] : 0;
     const int64_t used = count > 0 ? count : 0;
-    const int64_t inclusive = inclusive_over_lanes(used, lane);
+    const int64_t inclusive = warp_inclusive_scan(used, lane);
     (half == 0 ? start_low : start_high) = carry + inclusive - used;
     carry += __shfl_sync(0xffffffffu, inclusive, 31);
   }
@@ -349,7 +335,7 @@ __global__ void __launch_bounds__(kScanThreads)
   for (int base = 0; base < bins; base += 32) {
     const int b = base + lane;
     const int32_t count = b < bins ? totals[b] : 0;
-    const int32_t inclusive = inclusive_over_lanes(count, lane);
+    const int32_t inclusive = warp_inclusive_scan(count, lane);
     const int32_t offset = carry + inclusive - count;
     if (b < none) {
       expert_counts[b] = count;

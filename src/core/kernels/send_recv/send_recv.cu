@@ -90,6 +90,21 @@ __device__ __forceinline__ void refuse(const ChunkStreamArgs& a, detail::WaitOp 
 }
 
 // Chunk i of a send, on the slice's pages of its slot (whose credits are in).
+// The channel's progress clock (a watchdog on progress, see send_recv.hpp), thread 0's only:
+// moved() stamps this op and the channel now; channel_stalled() says the channel moved nothing (by any
+// block) for the timeout. The last progress is read before the clock: another block may have
+// moved the channel just now, and a stamp later than the reading must not wrap the difference.
+__device__ __forceinline__ void moved(const ChunkStreamArgs& a, uint64_t& since) {
+  const uint64_t now = detail::globaltimer_ns();
+  since = now;
+  atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+}
+__device__ __forceinline__ bool channel_stalled(const ChunkStreamArgs& a, uint64_t since) {
+  const uint64_t last = max(since, *reinterpret_cast<volatile uint64_t*>(a.progress));
+  const uint64_t now = detail::globaltimer_ns();
+  return now > last && now - last > a.timeout_ns;
+}
+
 __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
   const int64_t slot = static_cast<int64_t>(k % a.num_slots);
   const int64_t signals = slot * a.pages;
@@ -374,9 +389,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             if (taken > 0) mode[i] = taken, target[i] = into;
             if (taken < 0) next[i][j] = chunks[i], gave_up[i] = true;
             if (taken != 0) {
-              const uint64_t now = detail::globaltimer_ns();
-              since[i] = now;
-              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+              moved(a, since[i]);
             }
           }
           __syncthreads();
@@ -392,17 +405,11 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               __syncthreads();
               continue;
             }
-            bool over = false;
-            if (threadIdx.x == 0) {
-              const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
-              const uint64_t now = detail::globaltimer_ns();
-              over = now > last && now - last > a.timeout_ns;
-              if (over) {
-                const RendezvousDescriptor* d = a.ring + message[i] % kRendezvousRing;
-                detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message[i] + 1,
-                                       detail::load_acquire_sys(&d->message));
-                atomicExch(a.failed, 1u);
-              }
+            if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
+              const RendezvousDescriptor* d = a.ring + message[i] % kRendezvousRing;
+              detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message[i] + 1,
+                                     detail::load_acquire_sys(&d->message));
+              atomicExch(a.failed, 1u);
             }
             __syncthreads();
             continue;
@@ -426,9 +433,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                 slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i]) : chunks[i];
             if (threadIdx.x == 0) {
               next[i][j] = done_to;
-              const uint64_t now = detail::globaltimer_ns();
-              since[i] = now;
-              atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+              moved(a, since[i]);
             }
             __syncthreads();
             continue;
@@ -466,17 +471,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             __syncthreads();
             continue;
           }
-          // A watchdog on progress: the channel's last chunk moved (by any block) or this
-          // block's own last progress, whichever is later. One clock reading for the whole
-          // block (thread 0's): threads that disagreed would break the block's barriers.
-          // The last progress is read before the clock: another block may have moved the
-          // channel just now, and a stamp later than our reading must not wrap the difference.
-          bool over = false;
-          if (threadIdx.x == 0) {
-            const uint64_t last = max(since[i], *reinterpret_cast<volatile uint64_t*>(a.progress));
-            const uint64_t now = detail::globaltimer_ns();
-            over = now > last && now - last > a.timeout_ns;
-          }
+          // The watchdog, on one clock reading for the whole block (thread 0's): threads that
+          // disagreed would break the block's barriers.
+          const bool over = threadIdx.x == 0 && channel_stalled(a, since[i]);
           const bool stalled = __syncthreads_or(over);
           if (stalled && report_timeout(a, send, slice, chunk, k)) {
             if (threadIdx.x == 0) atomicExch(a.failed, 1u), gave_up[i] = true;  // the host refuses this peer from now on
@@ -491,9 +488,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (threadIdx.x == 0) {
           next[i][j] = chunk + 1;
           header_ok[i][j] = 0;
-          const uint64_t now = detail::globaltimer_ns();
-          since[i] = now;
-          atomicMax(reinterpret_cast<unsigned long long*>(a.progress), static_cast<unsigned long long>(now));
+          moved(a, since[i]);
         }
         __syncthreads();
       }

@@ -1,4 +1,4 @@
-// Device-side search shared by the all-to-all and MoE layout kernels.
+// Device-side search and warp scan shared by the all-to-all and MoE layout kernels.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,17 @@ __device__ __forceinline__ int find_slot(const int64_t* prefix, int n, int64_t v
     else hi = mid;
   }
   return lo;
+}
+
+// Inclusive scan over a warp (every lane calls it).
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T value, int lane) {
+#pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const T other = __shfl_up_sync(0xffffffffu, value, offset);
+    if (lane >= offset) value += other;
+  }
+  return value;
 }
 
 }  // namespace pydatacopy::kernels
