@@ -479,20 +479,29 @@ __device__ __forceinline__ float to_float(T value) { return FloatCast<T>::to(val
 template <typename T>
 __device__ __forceinline__ T from_float(float value) { return FloatCast<T>::from(value); }
 
-// out[i] = src[index[i]] for i < min(*count, rows): one warp per row; rows past the count are
-// left as they are (the count is read on the device, so a captured launch follows it).
-__global__ void __launch_bounds__(256)
-    gather_rows_kernel(uint8_t* out, const uint8_t* src, const int64_t* index, const int64_t* count,
-                       int64_t rows, int64_t src_rows, int64_t row_bytes) {
+// out[i] = the row locate(index[i]) points at, for i < min(*count, rows), one warp per row; a
+// row whose locate() is nullptr, and rows past the count, are left as they are (the count is
+// read on the device, so a captured launch follows it).
+template <typename Locate>
+__device__ __forceinline__ void gather_by_warps(uint8_t* out, const int64_t* index, const int64_t* count,
+                                                int64_t rows, int64_t row_bytes, Locate&& locate) {
   const int64_t used = min(*count, rows);
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < used;
        row += warps) {
-    const int64_t from = index[row];
-    if (from < 0 || from >= src_rows) continue;  // not a row of src: left as it is
-    row_copy(out + row * row_bytes, src + from * row_bytes, row_bytes, lane);
+    const uint8_t* from = locate(index[row]);
+    if (from != nullptr) row_copy(out + row * row_bytes, from, row_bytes, lane);
   }
+}
+
+// out[i] = src[index[i]] (an index outside src: left as it is).
+__global__ void __launch_bounds__(256)
+    gather_rows_kernel(uint8_t* out, const uint8_t* src, const int64_t* index, const int64_t* count,
+                       int64_t rows, int64_t src_rows, int64_t row_bytes) {
+  gather_by_warps(out, index, count, rows, row_bytes, [&](int64_t from) -> const uint8_t* {
+    return from < 0 || from >= src_rows ? nullptr : src + from * row_bytes;
+  });
 }
 
 
@@ -1025,17 +1034,11 @@ __global__ void __launch_bounds__(256)
   __shared__ int64_t start[AllToAllLayout::kMaxPes + 1];
   __shared__ int64_t counts[AllToAllLayout::kMaxPes];
   load_sources(start, counts, recv_offsets, recv_counts, n_sources);
-  const int64_t used = min(*count, rows);
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; row < used;
-       row += warps) {
-    const int64_t from = index[row];
+  gather_by_warps(out, index, count, rows, row_bytes, [&](int64_t from) -> const uint8_t* {
     const int s = find_slot(start, n_sources, from);  // start[s] <= from (or s == 0)
     const int64_t at = from - start[s];
-    if (at < 0 || at >= counts[s]) continue;  // not a received row: left as it is
-    row_copy(out + row * row_bytes, region + s * stride + at * row_bytes, row_bytes, lane);
-  }
+    return at < 0 || at >= counts[s] ? nullptr : region + s * stride + at * row_bytes;  // (not received)
+  });
 }
 
 // Each received row read once (8 16-byte vectors per lane, 4 KiB per warp at a time) and
