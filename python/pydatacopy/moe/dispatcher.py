@@ -12,8 +12,8 @@ from .. import _C
 from .._torch_utils import check_int, stream_handle
 from .all_to_all import AllToAll
 from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
-from .layout import ReceiveLayout, _layout_kernels_fit, _receive_layout_eager, combine_slots, dispatch_plan
-from .layout import receive_layout
+from .layout import (ReceiveLayout, _layout_kernels_fit, _receive_layout_eager, combine_slots, dispatch_plan,
+                     receive_layout)
 from .rows import combine_reduce, gather_rows
 
 # MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
