@@ -26,7 +26,9 @@ import timeit
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _send_recv, _torch_utils, _transfer
+from pydatacopy import _C, _torch_utils
+from pydatacopy.send_recv import send_recv as _send_recv
+from pydatacopy.rma import transfer as _transfer
 
 
 class _FakeCore:

@@ -21,7 +21,12 @@ import pytest
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _network, _probes, _settings, _symmetric, _torch_utils, _transfer, bench, doctor
+from pydatacopy import _C, _torch_utils, bench, doctor
+from pydatacopy.runtime import network as _network
+from pydatacopy.runtime import probes as _probes
+from pydatacopy.runtime import settings as _settings
+from pydatacopy.rma import symmetric as _symmetric
+from pydatacopy.rma import transfer as _transfer
 
 UID = pydatacopy.get_unique_id()
 NO_GPU = torch.cuda.device_count() == 0

@@ -45,9 +45,9 @@ def test_doctor_tells_multicast_settings_apart():
     verdict, line = doctor.multicast_line("NCCL_NVLS_ENABLE", "0", {"NCCL_NVLS_ENABLE": "1"}, set_at_import={})
     assert verdict == "WARN" and "NVLink multicast may be on" in line
     # The package records what it set at import, and only what was unset before.
-    from pydatacopy import _runtime
+    from pydatacopy.runtime import startup as _startup
 
-    for name, value in _runtime.SET_AT_IMPORT.items():
+    for name, value in _startup.SET_AT_IMPORT.items():
         assert doctor.MULTICAST_OFF[name] == value
 
 

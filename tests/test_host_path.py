@@ -9,7 +9,9 @@ import pytest
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _send_recv, _torch_utils, _transfer
+from pydatacopy import _C, _torch_utils
+from pydatacopy.send_recv import send_recv as _send_recv
+from pydatacopy.rma import transfer as _transfer
 
 
 class FakeCore:
@@ -164,7 +166,7 @@ def test_a_pe_out_of_range_is_the_cores_to_refuse(core):
 def test_finalize_turns_the_fast_path_off(core, monkeypatch):
     _torch_utils.bind()
     core.initialized = False
-    monkeypatch.setattr(pydatacopy._runtime, "_C", core)
+    monkeypatch.setattr(pydatacopy.runtime.startup, "_C", core)
     core.finalize = lambda end_nvshmem: None
     pydatacopy.finalize()
     assert _transfer._device is None and _torch_utils.default_timeout is None

@@ -19,7 +19,9 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pydatacopy
-from pydatacopy import _moe
+from pydatacopy import moe as _moe
+from pydatacopy.moe import all_to_all as _moe_a2a
+from pydatacopy.moe import layout as _moe_layout
 
 
 # ---- a simulated world ----------------------------------------------------------------------
@@ -77,7 +79,7 @@ def _simulate(xs, topks, weights, num_experts, capacity):
     outs = []
     for s in range(n):
         (rows,), counts, offsets = back[s]
-        slots = _moe.combine_slots(plans[s].pair_pe, plans[s].pair_rank, counts, offsets, n)
+        slots = _moe_layout.combine_slots(plans[s].pair_pe, plans[s].pair_rank, counts, offsets, n)
         outs.append(_moe.combine_reduce(rows, slots, weights[s]))
     return recv_xs, layouts, outs
 
@@ -207,9 +209,9 @@ class _Loopback:
 def loopback():
     buffer = _Loopback(capacity=8)
     number = 10**6 + random.randrange(10**6)
-    _moe._buffers[number] = buffer
+    _moe_a2a._buffers[number] = buffer
     yield number, buffer
-    _moe._buffers.pop(number, None)
+    _moe_a2a._buffers.pop(number, None)
 
 
 def test_opcheck_all_to_all_v(loopback):
@@ -239,7 +241,7 @@ def test_opcheck_dispatch_layout():
     args = (topk_idx, 8, 2, None)
     torch.library.opcheck(_moe.OPS["moe_dispatch_layout"], args)
     got = _moe.OPS["moe_dispatch_layout"](*args)
-    want = _moe.dispatch_plan_reference(topk_idx, 8, 2)
+    want = _moe_layout.dispatch_plan_reference(topk_idx, 8, 2)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
@@ -275,7 +277,7 @@ def test_opcheck_receive_layout():
     args = (meta, torch.tensor([2, 1]), 0, 4, 2, None)
     torch.library.opcheck(_moe.OPS["moe_receive_layout"], args)
     got = _moe.OPS["moe_receive_layout"](*args)
-    want = _moe.receive_layout_reference(meta, torch.tensor([2, 1]), 0, 4, 2)
+    want = _moe_layout.receive_layout_reference(meta, torch.tensor([2, 1]), 0, 4, 2)
     for g, w in zip(got, want):
         assert torch.equal(g, w)
 
@@ -301,7 +303,7 @@ def test_make_fx_traces_the_op_and_runs_it(loopback):
     order = torch.zeros(1, dtype=torch.uint8)
 
     def step(send, counts):
-        recvs, got, _ = _moe._exchange_op(number, [send], counts, None, None, None, order)
+        recvs, got, _ = _moe_a2a._exchange_op(number, [send], counts, None, None, None, order)
         return recvs[0] * 2, got
 
     send, counts = torch.arange(6.0).reshape(3, 2), torch.tensor([2])
@@ -364,7 +366,7 @@ def test_torch_compile_traces_dispatch_and_combine_whole():
     numbers = (2 * 10**6 + random.randrange(10**6), 3 * 10**6 + random.randrange(10**6))
     loopbacks = (_Loopback(capacity=tokens), _Loopback(capacity=tokens * topk))  # kept alive:
     for number, loopback in zip(numbers, loopbacks):  # the registry holds them weakly
-        _moe._buffers[number] = loopback
+        _moe_a2a._buffers[number] = loopback
     try:
         moe = object.__new__(pydatacopy.MoeDispatcher)
         moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = experts, hidden, topk, tokens
@@ -390,4 +392,4 @@ def test_torch_compile_traces_dispatch_and_combine_whole():
         assert [lb.calls for lb in loopbacks] == [1, 1]  # each exchange ran once
     finally:
         for number in numbers:
-            _moe._buffers.pop(number, None)
+            _moe_a2a._buffers.pop(number, None)

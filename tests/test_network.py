@@ -13,7 +13,7 @@ import os
 import pytest
 
 import pydatacopy
-from pydatacopy import _network
+from pydatacopy.runtime import network as _network
 
 ALL_LIBRARIES = {_network.UCX_LIBRARY, _network.LIBFABRIC_LIBRARY, _network.GDRCOPY_LIBRARY}
 

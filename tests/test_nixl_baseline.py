@@ -1,4 +1,4 @@
-"""The bench's NIXL baseline (pydatacopy._nixl) without a GPU: NIXL's WRITE between two
+"""The bench's NIXL baseline (pydatacopy.bench.nixl) without a GPU: NIXL's WRITE between two
 processes in host memory, byte-exact, with fresh data each repetition; and the message when
 NIXL is missing. The GPU run (VRAM, UCX cuda_ipc) is the bench's `nixl` op."""
 
@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pydatacopy
-from pydatacopy import _nixl, bench
+from pydatacopy import bench
+from pydatacopy.bench import nixl as _nixl
 
 HAVE_NIXL = _nixl.nixl_problem() == ""
 # CI installs the [nixl] extra and sets PYDATACOPY_REQUIRE_NIXL=1: there a missing NIXL fails.

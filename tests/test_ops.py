@@ -17,7 +17,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import pydatacopy
-from pydatacopy import _ops, _send_recv, _symmetric, _torch_utils, _transfer
+from pydatacopy import _torch_utils
+from pydatacopy import ops as _ops
+from pydatacopy.send_recv import send_recv as _send_recv
+from pydatacopy.rma import symmetric as _symmetric
+from pydatacopy.rma import transfer as _transfer
 
 U64_MAX = 2**64 - 1
 
@@ -119,7 +123,7 @@ def loopback(monkeypatch):
                  "put_many", "put_blocks", "send", "recv", "sendrecv"):
         monkeypatch.setattr(_send_recv if name in ("send", "recv", "sendrecv") else _transfer, name,
                             getattr(fake, name))
-    monkeypatch.setattr(_ops, "_order", torch.zeros(1, dtype=torch.uint8))
+    monkeypatch.setattr(_ops.traced, "_order", torch.zeros(1, dtype=torch.uint8))
     torch._dynamo.reset()
     yield fake
     torch._dynamo.reset()
@@ -241,7 +245,7 @@ def test_opcheck_prepared_put_many(loopback):
 
 
 def test_compile_prepared_put_many(loopback):
-    """The traced form a PreparedPutMany.run() takes (the class hooks it in: see _ops.py)."""
+    """The traced form a PreparedPutMany.run() takes (the class hooks it in: see ops/traced.py)."""
     dsts, srcs = [torch.zeros(4), torch.zeros(3)], [torch.arange(4.0), torch.ones(3)]
     prepared = LoopbackPrepared(dsts, srcs)
     number = _ops.register_object(prepared)
@@ -374,8 +378,9 @@ def test_compile_fullgraph_matches_eager(loopback, backend, monkeypatch):
     real put cannot use (a copy is not symmetric): on the GPU only "eager" and inductor run.
     Here the loopback does not care, so the bytes and the order are checked; _C is never
     reached (tracing runs the fake kernels only)."""
-    for module in (_transfer, pydatacopy._prepared_put_many, _send_recv, _symmetric, _torch_utils,
-                   pydatacopy._runtime, pydatacopy._double_buffer):
+    for module in (_transfer, pydatacopy.rma.prepared_put_many, _send_recv, _symmetric, _torch_utils,
+                   pydatacopy.runtime.startup, pydatacopy.runtime.agreement, pydatacopy.runtime.placement,
+                   pydatacopy.runtime.unique_id, pydatacopy.token_exchange.double_buffer):
         monkeypatch.setattr(module, "_C", _Untouchable())
     expected = _step(*_inputs(), api=loopback)
     eager_calls = list(loopback.calls)
@@ -471,7 +476,7 @@ def test_compile_token_exchange(loopback):
     recv = [torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)]
     manager._send, manager._recv = send, recv
     fake = LoopbackManager(send, recv)
-    _ops._objects[manager._op_number] = fake
+    _ops.kernels._objects[manager._op_number] = fake
 
     def step(manager):
         r = manager.exchange()
@@ -485,10 +490,10 @@ def test_compile_token_exchange(loopback):
 
 def test_my_pe_and_n_pes_are_constants_when_compiled(loopback, monkeypatch):
     """`peer = (my_pe() + 1) % n_pes()` inside a compiled function: no graph break."""
-    from pydatacopy import _runtime
+    from pydatacopy.runtime import startup as _startup
 
     core = types.SimpleNamespace(is_initialized=lambda: True, my_pe=lambda: 2, n_pes=lambda: 4)
-    monkeypatch.setattr(_runtime, "_C", core)
+    monkeypatch.setattr(_startup, "_C", core)
     monkeypatch.setattr(_transfer, "_C", core)
     monkeypatch.setattr(_torch_utils, "_C", core)
     monkeypatch.setattr(_torch_utils, "bind", lambda: None)  # the host fast path's cache: not here
@@ -568,7 +573,7 @@ def test_traced_wait_refuses_a_round_number(loopback):
 
 
 def test_tracing_before_init_is_refused(loopback, monkeypatch):
-    monkeypatch.setattr(_ops, "_order", None)
+    monkeypatch.setattr(_ops.traced, "_order", None)
 
     def step(x):
         pydatacopy.quiet()

@@ -1,10 +1,10 @@
-"""The probes of this machine (the package's _probes.py): whether an MPS control daemon runs."""
+"""The probes of this machine (the package's runtime/probes.py): whether an MPS control daemon runs."""
 
 from __future__ import annotations
 
 import os
 
-from pydatacopy import _probes
+from pydatacopy.runtime import probes as _probes
 
 
 def test_mps_control_endpoint_counts_only_a_running_daemon(monkeypatch):

@@ -1,4 +1,4 @@
-"""The runtime without a GPU (the package's _runtime.py): import and the unique ID, calls before
+"""The runtime without a GPU (the package's runtime/): import and the unique ID, calls before
 init, the device rule and its refusals with several ranks on one GPU, what init() decides from the
 ranks' GPUs and MPS shares, the NCCL refusal, PYDATACOPY_FORCE_RMA read once, and the ID's
 broadcast through real gloo groups."""
@@ -14,8 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import pydatacopy
-from pydatacopy import _C, _runtime
-from pydatacopy._runtime import RankInfo
+from pydatacopy import _C
+from pydatacopy.runtime import agreement as _agreement
+from pydatacopy.runtime.agreement import RankInfo
 
 SETTINGS = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "PYDATACOPY_RANKS_PER_GPU", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
             "CUDA_MPS_PIPE_DIRECTORY", "NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
@@ -126,17 +127,17 @@ def _ranks(*specs) -> list[RankInfo]:
 
 
 def test_one_rank_per_gpu_has_nothing_to_say():
-    assert _runtime.shared_gpu_verdict(_ranks(("A", False, None), ("B", False, None))) == (None, [])
-    assert _runtime.shared_gpus(_ranks(("A", False, None), ("B", False, None), (None, False, None))) == []
+    assert _agreement.shared_gpu_verdict(_ranks(("A", False, None), ("B", False, None))) == (None, [])
+    assert _agreement.shared_gpus(_ranks(("A", False, None), ("B", False, None), (None, False, None))) == []
 
 
 def test_shared_gpus_groups_ranks_by_gpu():
     ranks = _ranks(("A", 1, 25), ("B", 1, 25), ("A", 1, 25), ("B", 1, 25), ("C", 1, None))
-    assert _runtime.shared_gpus(ranks) == [[0, 2], [1, 3]]
+    assert _agreement.shared_gpus(ranks) == [[0, 2], [1, 3]]
 
 
 def test_sharing_without_mps_warns_of_time_slicing():
-    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", False, None), ("A", False, None)))
+    refusal, notes = _agreement.shared_gpu_verdict(_ranks(("A", False, None), ("A", False, None)))
     assert refusal is None and len(notes) == 1
     assert "ranks 0, 1 share GPU A without CUDA MPS" in notes[0] and "time-sliced" in notes[0]
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50" in notes[0]
@@ -144,11 +145,11 @@ def test_sharing_without_mps_warns_of_time_slicing():
 
 @pytest.mark.parametrize("shares", [(50, 50), (25, 25, 25, 25), (30, 30), (12.5,) * 8])
 def test_shares_summing_to_at_most_100_pass(shares):
-    assert _runtime.shared_gpu_verdict(_ranks(*[("A", True, s) for s in shares])) == (None, [])
+    assert _agreement.shared_gpu_verdict(_ranks(*[("A", True, s) for s in shares])) == (None, [])
 
 
 def test_shares_past_100_are_refused_on_every_rank_alike():
-    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", True, 50), ("A", True, 60), ("B", True, 100)))
+    refusal, notes = _agreement.shared_gpu_verdict(_ranks(("A", True, 50), ("A", True, 60), ("B", True, 100)))
     assert notes == []
     assert "ranks 0, 1 share GPU A under CUDA MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE 50 + 60 = 110 > 100" in refusal
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 (100 / 2 ranks)" in refusal
@@ -156,35 +157,36 @@ def test_shares_past_100_are_refused_on_every_rank_alike():
 
 
 def test_nvshmems_own_override_turns_the_refusal_into_a_warning():
-    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", True, 100), ("A", True, 100)), True)
+    refusal, notes = _agreement.shared_gpu_verdict(_ranks(("A", True, 100), ("A", True, 100)), True)
     assert refusal is None and "own risk" in notes[0]
 
 
 def test_an_unset_share_under_mps_warns():
-    refusal, notes = _runtime.shared_gpu_verdict(_ranks(("A", True, 50), ("A", True, None)))
+    refusal, notes = _agreement.shared_gpu_verdict(_ranks(("A", True, 50), ("A", True, None)))
     assert refusal is None
     assert "rank 1 did not set CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" in notes[0]
 
 
 def test_the_gpu_identity_is_none_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _runtime._gpu_identity() is None
+    assert _agreement._gpu_identity() is None
 
 
 # ---- through a real gloo group: every rank decides alike --------------------------------------
 
 def _sharing_worker(rank: int, store_file: str, shares: list, results) -> None:
-    from pydatacopy import _probes, _runtime
+    from pydatacopy.runtime import probes as _probes
+    from pydatacopy.runtime import agreement as _agreement
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(shares))
     try:
-        _runtime._gpu_identity = lambda: "GPU-one"  # every rank on one GPU
+        _agreement._gpu_identity = lambda: "GPU-one"  # every rank on one GPU
         _probes.mps_control_pipe = lambda environ=None: "/tmp/nvidia-mps/control"
         if shares[rank] is not None:
             os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(shares[rank])
-        _, ranks = _runtime._share_unique_id_and_ranks()
+        _, ranks = _agreement._share_unique_id_and_ranks()
         try:
-            _runtime._check_shared_gpus(None, ranks, "pydatacopy.init")
+            _agreement._check_shared_gpus(None, ranks, "pydatacopy.init")
             results[rank] = ("started", [r.gpu for r in ranks])
         except pydatacopy.Error as error:
             results[rank] = (str(error), [r.gpu for r in ranks])
@@ -223,7 +225,7 @@ def _no_cuda_needed(monkeypatch) -> list:
     """torch.cuda.set_device records the device; _gpu_identity names a GPU per device."""
     chosen: list = []
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
-    monkeypatch.setattr(_runtime, "_gpu_identity", lambda: f"GPU-{chosen[-1]}")
+    monkeypatch.setattr(_agreement, "_gpu_identity", lambda: f"GPU-{chosen[-1]}")
     return chosen
 
 
@@ -249,7 +251,7 @@ def _nccl_agreement_worker(rank: int, store_file: str, per_gpu: list, results) -
     recorded, not run (with real NCCL the ranks that refused would never come)."""
     import datetime
 
-    from pydatacopy import _runtime
+    from pydatacopy.runtime import agreement as _agreement
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=len(per_gpu), timeout=datetime.timedelta(seconds=60))
@@ -259,8 +261,8 @@ def _nccl_agreement_worker(rank: int, store_file: str, per_gpu: list, results) -
         torch.cuda.is_initialized = lambda: False
         chosen: list = []
         torch.cuda.set_device = chosen.append
-        _runtime._gpu_identity = lambda: f"GPU-{chosen[-1]}"
-        _runtime._share_unique_id_and_ranks = lambda group=None: (_ for _ in ()).throw(
+        _agreement._gpu_identity = lambda: f"GPU-{chosen[-1]}"
+        _agreement._share_unique_id_and_ranks = lambda group=None: (_ for _ in ()).throw(
             RuntimeError("reached the ID's broadcast"))
         os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(len(per_gpu)),
                           PYDATACOPY_INIT_TIMEOUT_S="30")
@@ -315,7 +317,7 @@ def test_ncclss_duplicate_gpu_error_becomes_ours(gloo_posing_as_nccl, monkeypatc
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(pydatacopy.Error) as info:
-        _runtime._share_unique_id_and_ranks()
+        _agreement._share_unique_id_and_ranks()
     message = str(info.value)
     assert "share a GPU, and its backend is nccl: NCCL refuses two ranks on one GPU" in message
     assert "init_process_group('gloo')" in message and "Duplicate GPU detected" in message
@@ -327,7 +329,7 @@ def test_other_nccl_errors_pass_through(gloo_posing_as_nccl, monkeypatch):
     monkeypatch.setattr(dist, "broadcast_object_list", broadcast)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     with pytest.raises(dist.DistBackendError, match="unhandled system error"):
-        _runtime._share_unique_id_and_ranks()
+        _agreement._share_unique_id_and_ranks()
 
 
 # ---- PYDATACOPY_FORCE_RMA, read once -----------------------------------------------------------
@@ -440,12 +442,13 @@ def test_choose_device_without_gpu():
 # ---- the ID broadcast through a real two-process gloo group ----------------------------------
 
 def _hosts_worker(rank: int, store_file: str, hosts: list[str], results) -> None:
-    from pydatacopy import _network, _runtime
+    from pydatacopy.runtime import network as _network
+    from pydatacopy.runtime import agreement as _agreement
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=len(hosts))
     try:
         _network.host_identity = lambda: hosts[rank]  # this rank's node, as the test lays them out
-        unique_id, nodes = _runtime._share_unique_id()
+        unique_id, nodes = _agreement._share_unique_id()
         results[rank] = (len(unique_id), nodes)
     finally:
         dist.destroy_process_group()
@@ -461,7 +464,8 @@ def test_init_counts_the_hosts_of_its_ranks(tmp_path, hosts, nodes):
 
 
 def _preflight_worker(rank: int, store_file: str, refusing: list[int], results) -> None:
-    from pydatacopy import _network, _runtime
+    from pydatacopy.runtime import network as _network
+    from pydatacopy.runtime import agreement as _agreement
 
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=3)
     try:
@@ -470,7 +474,7 @@ def _preflight_worker(rank: int, store_file: str, refusing: list[int], results) 
                 raise pydatacopy.Error(f"no remote transport on the node of rank {rank}")
         _network.check_transport_preconditions = preflight
         try:
-            _runtime._agree_on_preflight(None, 3, 2, "pydatacopy.init")
+            _agreement._agree_on_preflight(None, 3, 2, "pydatacopy.init")
             results[rank] = "started"
         except pydatacopy.Error as error:
             results[rank] = str(error)

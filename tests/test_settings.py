@@ -1,4 +1,4 @@
-"""The settings pydatacopy reads from the environment (the package's _settings.py), checked
+"""The settings pydatacopy reads from the environment (the package's runtime/settings.py), checked
 before anything starts: PYDATACOPY_RANKS_PER_GPU, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and
 PYDATACOPY_ZERO_COPY_MIN_BYTES (the size grammar and the interfaces, against NVSHMEM itself, are
 in test_bad_inputs.py)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import pydatacopy
-from pydatacopy import _settings
+from pydatacopy.runtime import settings as _settings
 
 
 # ---- PYDATACOPY_RANKS_PER_GPU and the MPS share ----------------------------------------------

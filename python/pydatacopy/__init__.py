@@ -14,14 +14,17 @@ Start it from torch.distributed (no MPI)::
 from __future__ import annotations
 
 from . import _C
-from ._double_buffer import DoubleBufferManager
-from ._moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
-from ._prepared_put_many import PreparedPutMany, prepare_put_many
-from ._send_recv import group, recv, send, sendrecv, setup_send_recv
-from ._symmetric import empty, free, is_symmetric, peer_view
-from ._transfer import (
+from .token_exchange import DoubleBufferManager
+from .moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
+from .rma import (
+    PreparedPutMany,
     barrier,
+    empty,
+    free,
     get,
+    is_symmetric,
+    peer_view,
+    prepare_put_many,
     put,
     put_blocks,
     put_many,
@@ -30,8 +33,9 @@ from ._transfer import (
     signal_set,
     signal_wait,
 )
-from ._registration import is_registered, register, unregister
-from ._runtime import (
+from .send_recv import group, recv, send, sendrecv, setup_send_recv
+from .registration import is_registered, register, unregister
+from .runtime import (
     UNIQUE_ID_BYTES,
     check_errors,
     choose_device,

@@ -1,5 +1,6 @@
 """The limits pydatacopy holds arguments and settings to (the core's, and its own): no imports, so
-that the argument checks (_torch_utils) and the settings (_settings) both take them from here."""
+that the argument checks (_torch_utils) and the settings (runtime/settings.py) both take them from
+here."""
 
 from __future__ import annotations
 

@@ -71,7 +71,7 @@ def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
 
 
 # ---- what every call asks, read once -------------------------------------------------------
-# The hot calls (put, get, signals, put_blocks: _transfer.py) take a fast path when every argument
+# The hot calls (put, get, signals, put_blocks: rma/transfer.py) take a fast path when every argument
 # is as expected: its checks use these instead of asking the core on every call. Anything
 # unexpected (not initialised, a wrong tensor, a bad PE...) goes to the checked path, which raises
 # exactly what it always did; the core checks initialisation, the PE range and symmetry either way.

@@ -19,8 +19,10 @@ import sys
 import torch
 
 import pydatacopy
-from pydatacopy import _C, _network, _probes, _runtime, _settings
-from pydatacopy._double_buffer import check_tokens
+from pydatacopy import _C
+from pydatacopy.runtime import network as _network, probes as _probes, settings as _settings
+from pydatacopy.runtime import startup as _startup
+from pydatacopy.token_exchange.double_buffer import check_tokens
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WATCHED = ["CUDA_VISIBLE_DEVICES", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -47,7 +49,7 @@ class Report:
 
 
 def parse_size(text: str) -> int:
-    """NVSHMEM_SYMMETRIC_SIZE's value in bytes, read as NVSHMEM reads it (see pydatacopy._settings);
+    """NVSHMEM_SYMMETRIC_SIZE's value in bytes, read as NVSHMEM reads it (see pydatacopy.runtime.settings);
     raises _settings.SettingError, saying what to write, for a value NVSHMEM cannot use."""
     return _settings.parse_nvshmem_size(text)
 
@@ -80,7 +82,7 @@ def multicast_line(name: str, safe: str, environ=os.environ,
                    set_at_import: dict[str, str] | None = None) -> tuple[str, str]:
     """(verdict, line) for one of the variables that keep NVLink multicast off, telling a value
     the user set from one pydatacopy set at import."""
-    set_at_import = _runtime.SET_AT_IMPORT if set_at_import is None else set_at_import
+    set_at_import = _startup.SET_AT_IMPORT if set_at_import is None else set_at_import
     current = environ.get(name)
     if current is None:
         return "WARN", (f"{name} is unset: NVLink multicast may be on, which can take shared GPUs "

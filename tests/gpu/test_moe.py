@@ -496,10 +496,11 @@ def test_dispatch_layout_kernel_matches_the_torch_reference(world, dtype, tokens
     """The layout kernels (one block, or several past 8192 pairs; PEs not tied to this job's: it
     is local) vs dispatch_plan's torch code: counts, rows sent (in order, zeros past them), meta,
     each pair's PE and rank."""
-    from pydatacopy import _moe
+    from pydatacopy import moe as _moe
+    from pydatacopy.moe import layout as _moe_layout
     generator = torch.Generator().manual_seed(tokens * 31 + topk * 7 + n_pes)
     ids = _random_ids(tokens, topk, num_experts, generator, dtype)
-    want = _moe.dispatch_plan_reference(ids.to(torch.int64), num_experts, n_pes)
+    want = _moe_layout.dispatch_plan_reference(ids.to(torch.int64), num_experts, n_pes)
     got = _moe.dispatch_plan(ids.cuda(), num_experts, n_pes)
     torch.cuda.synchronize()
     what = f"dispatch layout {tokens}x{topk} of {num_experts} on {n_pes} PEs ({dtype})"
@@ -548,7 +549,8 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
     """The receiver's layout kernels (one block, or several past 8192 pairs) vs receive_layout's
     torch code, for every PE of a made-up job: received meta with ids of every PE, -1 and
     repeats, counts that do not fill the rows (or do, or are all zero, or some zero)."""
-    from pydatacopy import _moe
+    from pydatacopy import moe as _moe
+    from pydatacopy.moe import layout as _moe_layout
     generator = torch.Generator().manual_seed(rows + topk * 13 + n_pes)
     experts = experts_per_pe * n_pes
     ids = torch.randint(-1, experts, (rows, topk), generator=generator)
@@ -556,7 +558,7 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
     meta = torch.cat([ids, tokens], 1).to(torch.int32)
     counts = _received_counts(rows, n_pes, fill, generator) if rows else torch.zeros(n_pes, dtype=torch.int64)
     for my_pe in sorted({0, n_pes // 2, n_pes - 1}):
-        want = _moe.receive_layout_reference(meta, counts, my_pe, experts_per_pe, topk)
+        want = _moe_layout.receive_layout_reference(meta, counts, my_pe, experts_per_pe, topk)
         got = _moe.receive_layout(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk)
         torch.cuda.synchronize()
         what = f"receive layout {rows}x{topk}, {experts_per_pe} experts per PE, PE {my_pe} of {n_pes}"
@@ -570,7 +572,7 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
         # The pairs' positions (scatter_region_rows's input): each local pair's recv_x row, in
         # (row, k) order the combine_index entries; -1 for every other pair.
         positions = torch.full((rows * topk,), 7, dtype=torch.int64, device="cuda")
-        _moe._receive_layout_eager(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk, None, positions)
+        _moe_layout._receive_layout_eager(meta.cuda(), counts.cuda(), my_pe, experts_per_pe, topk, None, positions)
         torch.cuda.synchronize()
         local = ids - my_pe * experts_per_pe
         in_use = (torch.arange(rows) < int(counts.sum()))[:, None]
@@ -584,11 +586,12 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
 def test_layout_kernels_without_scratch_take_the_one_block_path_past_8192_pairs(world):
     """C++ callers give no scratch: the one-block kernels then serve any size; 20000 x 8 pairs
     (the multi-block path's size) against the references. A scratch too small is refused."""
-    from pydatacopy import _moe
+    from pydatacopy import moe as _moe
+    from pydatacopy.moe import layout as _moe_layout
     generator = torch.Generator().manual_seed(2024)
     tokens, topk, num_experts, n_pes = 20000, 8, 256, 4
     ids = _random_ids(tokens, topk, num_experts, generator, torch.int64).cuda()
-    want = _moe.dispatch_plan_reference(ids.cpu(), num_experts, n_pes)
+    want = _moe_layout.dispatch_plan_reference(ids.cpu(), num_experts, n_pes)
     out = [torch.empty(n_pes, dtype=torch.int64, device="cuda"),
            torch.empty(n_pes * tokens + 1, dtype=torch.int64, device="cuda"),
            torch.empty((tokens, topk + 1), dtype=torch.int32, device="cuda"),
@@ -614,7 +617,7 @@ def test_layout_kernels_without_scratch_take_the_one_block_path_past_8192_pairs(
     rids = torch.randint(-1, experts_per_pe * n_pes, (rows, topk), generator=generator)
     meta = torch.cat([rids, torch.randint(0, 1 << 20, (rows, 1), generator=generator)], 1).to(torch.int32)
     counts = _received_counts(rows, n_pes, "part", generator)
-    want = _moe.receive_layout_reference(meta, counts, 1, experts_per_pe, topk)
+    want = _moe_layout.receive_layout_reference(meta, counts, 1, experts_per_pe, topk)
     pairs = rows * topk
     longs = lambda *shape: torch.empty(shape, dtype=torch.int64, device="cuda")  # noqa: E731
     got = _moe.ReceiveLayout(row_of=longs(pairs), expert_counts=longs(experts_per_pe),
@@ -640,13 +643,14 @@ def test_combine_reduce_kernels_match_the_reference_bit_for_bit(world, dtype, hi
     """The 16-byte-vector reduction (hidden x element a multiple of 16) and the scalar one (13):
     bit for bit the float32, k-order arithmetic, slots < 0 and past the rows skipped. topk below,
     at and past the vector kernel's batch of 8 rows (a partial batch, two and three batches)."""
-    from pydatacopy import _moe
+    from pydatacopy import moe as _moe
+    from pydatacopy.moe import rows as _moe_rows
     generator = torch.Generator().manual_seed(hidden * 31 + topk)
     tokens, row_count = 37, 50
     rows = torch.randn(row_count, hidden, generator=generator).to(dtype)
     slots = torch.randint(-2, row_count + 3, (tokens, topk), generator=generator)
     weights = torch.rand(tokens, topk, generator=generator)
-    want = _moe._combine_reduce_reference(rows, slots, weights)
+    want = _moe_rows._combine_reduce_reference(rows, slots, weights)
     got = _moe.combine_reduce(rows.cuda(), slots.cuda(), weights.cuda())
     _same_bytes(got, want, f"combine_reduce {dtype} hidden {hidden} topk {topk}")
 

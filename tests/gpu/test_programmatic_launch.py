@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pydatacopy
-from pydatacopy import _send_recv
+from pydatacopy.send_recv import send_recv as _send_recv
 
 KiB, MiB = 1 << 10, 1 << 20
 TIMEOUT_S = 30.0  # a failure is a TimeoutError on both PEs, never a hang

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _C, _send_recv
+from pydatacopy import _C
+from pydatacopy.send_recv import send_recv as _send_recv
 
 KiB = 1 << 10
 MiB = 1 << 20

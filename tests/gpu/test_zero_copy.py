@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import pydatacopy
 from pe_outcome import Outcome
-from pydatacopy import _send_recv
+from pydatacopy.send_recv import send_recv as _send_recv
 from pydatacopy._torch_utils import tensor_from_address
 
 KiB = 1 << 10

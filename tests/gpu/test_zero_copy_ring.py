@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _send_recv
+from pydatacopy.send_recv import send_recv as _send_recv
 
 pytestmark = pytest.mark.any_pes
 

@@ -65,12 +65,12 @@ SCENARIOS = ("exit", "sigkill")
 # What a client sees when MPS tears down every client of the GPU after one of them faulted.
 MPS_CONTAINMENT_ERROR = re.compile(r"illegal (memory access|address)|cudaErrorIllegalAddress|"
                                    r"cudaErrorMps\w*|MPS (client|server)", re.IGNORECASE)
-MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # as pydatacopy._probes (not imported by the parent)
+MPS_DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # as pydatacopy.runtime.probes (not imported by the parent)
 
 
 def mps_view(environ) -> dict:
     """What decides whether a process with `environ` is an MPS client, with the rule of
-    pydatacopy._probes.mps_control_pipe: its CUDA_MPS_* variables and whether the control pipe
+    pydatacopy.runtime.probes.mps_control_pipe: its CUDA_MPS_* variables and whether the control pipe
     exists. A 'without CUDA MPS' warning with pipe=False means no daemon at that pipe, not a
     variable lost on the way (the workers inherit the parent's environment whole)."""
     directory = environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE_DIRECTORY
@@ -157,7 +157,7 @@ def _worker(rank: int, scenario: str, timeout: float, go_file: str, store: str) 
     import torch.distributed as dist
 
     import pydatacopy
-    from pydatacopy import _settings
+    from pydatacopy.runtime import settings as _settings
 
     ranks_per_gpu = int(os.environ["PYDATACOPY_RANKS_PER_GPU"])
     device = rank // ranks_per_gpu

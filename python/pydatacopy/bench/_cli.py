@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pydatacopy import _settings
+from pydatacopy.runtime import settings as _settings
 
 from . import baselines, batched, compiled, latency, put, send_recv, token_exchange
 from ._harness import Sweep, against, human, make_row

@@ -106,7 +106,7 @@ def nccl(sweep):
 def nixl(sweep) -> tuple[tuple[float, float, float], bool]:
     """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only, timed by
     the host's clock. Raises pydatacopy.Error on every rank when NIXL failed on any."""
-    from .._nixl import NixlWrite
+    from .nixl import NixlWrite
 
     with NixlWrite(sweep.src, sweep.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
         (_, host_seconds, issue_seconds), ok = sweep.measure(transfer.write, sweep.out)
@@ -118,7 +118,7 @@ def nixl(sweep) -> tuple[tuple[float, float, float], bool]:
 
 def nixl_ready() -> bool:
     """Whether NIXL can be used on every rank; says why not on rank 0."""
-    from .._nixl import nixl_problem
+    from .nixl import nixl_problem
 
     reason = nixl_problem()
     ready = agree(not reason)

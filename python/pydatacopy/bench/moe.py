@@ -90,7 +90,7 @@ def bench_shape(name: str, args) -> list[dict]:
         y = recv_x.clone()
         # Bytes this PE sends (the slower PE's count, as time_op takes the slower PE's time).
         torch.cuda.synchronize()
-        sent_tokens = int(pydatacopy._moe.dispatch_plan(ids, experts, n).send_counts.sum())
+        sent_tokens = int(pydatacopy.moe.dispatch_plan(ids, experts, n).send_counts.sum())
         sent_pairs = int((ids >= 0).sum())
         dispatch_bytes = _max_over_pes(sent_tokens * (hidden * 2 + (topk + 1) * 4))
         combine_bytes = _max_over_pes(sent_pairs * hidden * 2)
@@ -150,7 +150,7 @@ def _nccl_all_to_all(x, ids, experts, n, hidden, topk, args) -> tuple:
     PE, with its ids' bytes), split sizes known on the host beforehand (NCCL needs them there; the
     copy into send order is outside the timing). Checked: every PE receives the byte counts its
     peers said they would send."""
-    plan = pydatacopy._moe.dispatch_plan(ids, experts, n)
+    plan = pydatacopy.moe.dispatch_plan(ids, experts, n)
     row_bytes = hidden * 2 + (topk + 1) * 4
     counts = plan.send_counts.tolist()
     rows = int(sum(counts))
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl", device_id=torch.device("cuda", device))
     pydatacopy.init(device=device)
     if args.compact:
-        pydatacopy._moe.IN_REGION = False
+        pydatacopy.moe.dispatcher.IN_REGION = False
     rows: list[dict] = []
     for shape in shapes:
         rows.extend(bench_shape(shape, args))

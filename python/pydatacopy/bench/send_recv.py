@@ -9,7 +9,7 @@ import contextlib
 import sys
 
 import pydatacopy
-from pydatacopy import _send_recv
+from pydatacopy.send_recv import send_recv as _send_recv
 
 
 @contextlib.contextmanager

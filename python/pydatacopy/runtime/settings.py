@@ -1,5 +1,5 @@
 """The environment variables pydatacopy and NVSHMEM read, parsed and checked by pydatacopy first
-(the machine they are checked against is _probes').
+(the machine they are checked against is probes.py's).
 
 NVSHMEM parses its own variables when it creates a unique ID and when it starts, and a value it
 cannot parse ends the process: NVSHMEM 3.4.5 prints "Invalid size in environment variable
@@ -29,8 +29,9 @@ import re
 import socket
 from typing import Mapping
 
-from . import _C, _probes
-from ._limits import INT32_MAX, MAX_CHUNK_BYTES, MAX_SEND_BLOCKS, MAX_TIMEOUT_S, SIZE_MAX
+from .. import _C
+from .._limits import INT32_MAX, MAX_CHUNK_BYTES, MAX_SEND_BLOCKS, MAX_TIMEOUT_S, SIZE_MAX
+from . import probes as _probes
 
 Error = _C.Error
 
@@ -214,7 +215,7 @@ def local_rank(environ: Mapping[str, str] = os.environ) -> int | None:
 
 def local_world_size(environ: Mapping[str, str] = os.environ) -> int | None:
     """LOCAL_WORLD_SIZE (torchrun sets it: the number of processes on this node), or None when
-    unset or not a positive whole number (then not torchrun's, as _network reads it too)."""
+    unset or not a positive whole number (then not torchrun's, as network.py reads it too)."""
     text = environ.get("LOCAL_WORLD_SIZE", "").strip()
     return int(text) if text.isdigit() and text.isascii() and int(text) > 0 else None
 
@@ -403,7 +404,7 @@ def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[s
         ("PYDATACOPY_PROGRAMMATIC_LAUNCH", lambda t: parse_switch(
             t, "PYDATACOPY_PROGRAMMATIC_LAUNCH",
             "send/recv kernels start while the previous kernel on the stream ends, sm_90+, the default")),
-        # Not ours, but init() sums it over the ranks of a GPU (see _runtime._shared_gpu_verdict).
+        # Not ours, but init() sums it over the ranks of a GPU (see agreement.shared_gpu_verdict).
         ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
          lambda t: mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t})),
     ]

@@ -6,6 +6,7 @@ lifetime: setup_send_recv() (init() calls it), teardown_send_recv() (finalize() 
 
 from __future__ import annotations
 
+import sys
 import contextlib
 import dataclasses
 import threading
@@ -13,12 +14,13 @@ from typing import Iterator
 
 import torch
 
-from . import _C, _ops, _settings, _torch_utils
-from ._limits import INT32_MAX
-from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
-from ._torch_utils import check_int, check_tensor as _check_tensor, keep_alive as _keep_alive
-from ._torch_utils import nbytes as _nbytes, require_init as _require_init, resolve_stream as _stream
-from ._torch_utils import stream_handle, timeout_seconds
+from .. import _C, _torch_utils, ops
+from .._limits import INT32_MAX
+from ..ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
+from .._torch_utils import check_int, check_tensor as _check_tensor, keep_alive as _keep_alive
+from .._torch_utils import nbytes as _nbytes, require_init as _require_init, resolve_stream as _stream
+from .._torch_utils import stream_handle, timeout_seconds
+from ..runtime import settings as _settings
 
 Error = _C.Error
 Tensor = torch.Tensor
@@ -26,7 +28,7 @@ Tensor = torch.Tensor
 _PE_MAX = INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
 
 # The fast paths of send, recv and sendrecv read these as globals of this module, as
-# _transfer.py's do: _torch_utils.bind() and unbind() keep them equal to its own.
+# rma/transfer.py's do: _torch_utils.bind() and unbind() keep them equal to its own.
 _device: int | None = None  # this process's CUDA device while initialised, else None
 _n_pes = 0  # PEs while initialised, else 0 (every PE is then out of the fast path's range)
 _torch_utils.keeps_bound_facts(__name__)
@@ -84,7 +86,7 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     the same settings.
     """
     global _engine
-    _ops.refuse_tracing("setup_send_recv")
+    ops.refuse_tracing("setup_send_recv")
     _require_init("setup_send_recv")
     refuse_capture("setup_send_recv")
     config = SendRecvConfig.from_environment(chunk_bytes, num_chunks, blocks)
@@ -179,7 +181,7 @@ def group(*, stream=None) -> Iterator[None]:
     call; all of a group's calls must come to the same stream. Not traceable (torch.compile):
     use sendrecv there."""
     if _dynamo_compiling() or _dispatch_modes():
-        _ops.refuse_group()
+        ops.refuse_group()
     if _state.pending is not None:
         raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
                     "group() block")
@@ -211,8 +213,8 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
 
     Host cost (outside group(), default timeout): as put's, each tensor fact read once and one
     crossing into the core; anything else takes the checked path, with its errors."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
     engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
     if (engine is not None and timeout is None and seconds is not None and type(dst_pe) is int
             and 0 <= dst_pe < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
@@ -234,8 +236,8 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
     """Receive into a contiguous CUDA tensor what `src_pe` sends with send() (same byte count).
     Host cost as send's."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
     engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
     if (engine is not None and timeout is None and seconds is not None and type(src_pe) is int
             and 0 <= src_pe < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
@@ -256,8 +258,8 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
              stream=None, timeout: float | None = None) -> None:
     """send() and recv() at the same time, in one kernel launch. Host cost as send's."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream=stream,
                              timeout=timeout)
     engine, device, n_pes, seconds = _engine, _device, _n_pes, _torch_utils.default_timeout
     if (engine is not None and timeout is None and seconds is not None and type(dst_pe) is int and 0 <= dst_pe < n_pes
@@ -289,3 +291,8 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
                         src_pe, handle, seconds)
     finally:
         _keep_alive(stream, send_tensor, recv_tensor)
+
+
+# The ops' real kernels run these, read from this module when they run (so a function swapped
+# here is the one run); ops imports no feature, so the feature names itself.
+ops.implement(sys.modules[__name__], "send", "recv", "sendrecv")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from . import _C, _ops
-from ._limits import INT32_MAX
-from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
-from ._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
+from .. import _C, ops
+from .._limits import INT32_MAX
+from ..ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
+from .._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
 
 Error = _C.Error
 
@@ -68,7 +68,7 @@ class DoubleBufferManager:
         self._src_of_round: dict[int, int] = {}
         # Per buffer set: the torch stream that waited for its last round (its consumer), or None.
         self._consumer: list[torch.cuda.Stream | None] = [None, None]
-        self._op_number = _ops.register_object(self)  # how the traced calls name it
+        self._op_number = ops.register_object(self)  # how the traced calls name it
 
     # ---- the note's API -------------------------------------------------------------------
     def init(self, n_tokens: int, token_size: int) -> None:
@@ -77,7 +77,7 @@ class DoubleBufferManager:
         Needs pydatacopy.init() first; n_tokens in [1, 2^31 - 1], n_tokens x token_size at most
         1 TiB, and the symmetric heap (NVSHMEM_SYMMETRIC_SIZE) must hold four such buffers.
         """
-        _ops.refuse_tracing("DoubleBufferManager.init")
+        ops.refuse_tracing("DoubleBufferManager.init")
         check_tokens(n_tokens, token_size, "pydatacopy.DoubleBufferManager.init")
         if not _C.is_initialized():
             raise Error("pydatacopy.DoubleBufferManager.init needs NVSHMEM: call pydatacopy.init() "
@@ -87,9 +87,9 @@ class DoubleBufferManager:
         device = _C.cuda_device()
         shape = (n_tokens, token_size)
         # Static addresses for torch.compile: CUDA graphs must use the buffers in place.
-        self._send = [_ops.mark_static(tensor_from_address(self._core.send_buffer(s), shape,
+        self._send = [ops.mark_static(tensor_from_address(self._core.send_buffer(s), shape,
                                                            torch.uint8, device, self)) for s in (0, 1)]
-        self._recv = [_ops.mark_static(tensor_from_address(self._core.recv_buffer(s), shape,
+        self._recv = [ops.mark_static(tensor_from_address(self._core.recv_buffer(s), shape,
                                                            torch.uint8, device, self)) for s in (0, 1)]
         self._src_of_round.clear()
         self._consumer = [None, None]
@@ -99,7 +99,7 @@ class DoubleBufferManager:
 
         Tensors obtained from this manager must not be used afterwards.
         """
-        _ops.refuse_tracing("DoubleBufferManager.cleanup")
+        ops.refuse_tracing("DoubleBufferManager.cleanup")
         refuse_capture("DoubleBufferManager.cleanup")
         self._send, self._recv = [], []
         self._src_of_round.clear()
@@ -109,7 +109,7 @@ class DoubleBufferManager:
     def test_bandwidth(self, rank: int, world_size: int, *, stream=None) -> float:
         """One round with the default peers, blocking until this PE's tokens are delivered and
         the peer's have arrived. Returns this PE's send rate in GB/s (10^9 bytes per second)."""
-        _ops.refuse_tracing("DoubleBufferManager.test_bandwidth")
+        ops.refuse_tracing("DoubleBufferManager.test_bandwidth")
         call = "pydatacopy.DoubleBufferManager.test_bandwidth"
         check_int("rank", rank, 0, INT32_MAX, call=call)
         check_int("world_size", world_size, 1, INT32_MAX, call=call)
@@ -171,8 +171,8 @@ class DoubleBufferManager:
         round r - 2 must have been waited for. Under torch.compile it returns None (the round
         is counted when the compiled code runs): call wait() there without a round.
         """
-        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-            return _ops.exchange(self, self._op_number, self._send, self._recv, peer, dst_pe=dst_pe,
+        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+            return ops.exchange(self, self._op_number, self._send, self._recv, peer, dst_pe=dst_pe,
                                  src_pe=src_pe, stream=stream, timeout=timeout)
         self._require_init("exchange")
         dst, src = self._peers(peer, dst_pe, src_pe)
@@ -194,8 +194,8 @@ class DoubleBufferManager:
         a copy of it (the set is known only when the compiled code runs, and an op's output
         cannot alias its input), for the last exchanged round (``round_`` None).
         """
-        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-            return _ops.wait(self, self._op_number, self._recv, round_, stream=stream,
+        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+            return ops.wait(self, self._op_number, self._recv, round_, stream=stream,
                              timeout=timeout, blocking=blocking)
         self._require_init("wait")
         if round_ is None:

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .. import _C
 
 Error = _C.Error
 

@@ -7,15 +7,15 @@ from typing import Sequence
 
 import torch
 
-from . import _C, _ops, _torch_utils
-from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
-from ._torch_utils import check_pe as _check_pe, check_tensor as _check_tensor, keep_alive as _keep_alive
-from ._torch_utils import require_init as _require_init, resolve_stream as _stream, stream_handle
-from ._transfer import PATHS
+from .. import _C, _torch_utils, ops
+from ..ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
+from .._torch_utils import check_pe as _check_pe, check_tensor as _check_tensor, keep_alive as _keep_alive
+from .._torch_utils import require_init as _require_init, resolve_stream as _stream, stream_handle
+from .transfer import PATHS
 
 Error = _C.Error
 
-# run()'s fast path reads these as globals of this module, as _transfer's calls do (see there).
+# run()'s fast path reads these as globals of this module, as transfer.py's calls do (see there).
 _device: int | None = None
 _n_pes = 0
 _torch_utils.keeps_bound_facts(__name__)
@@ -61,7 +61,7 @@ class PreparedPutMany:
         self.pe, self.path, self.rows = pe, path, rows
         self._keep = keep
         self._streams: set[int] = set()
-        self._op_number = _ops.register_object(self)  # what a traced run() names it by
+        self._op_number = ops.register_object(self)  # what a traced run() names it by
 
     @classmethod
     def from_addresses(cls, dst_addrs: torch.Tensor, src_addrs: torch.Tensor, sizes: torch.Tensor,
@@ -95,8 +95,8 @@ class PreparedPutMany:
         """Every row, in one kernel launch on ``stream`` (torch's current one by default). A raw
         cudaStream_t given here must stay valid until the table is released (torch's streams
         always do): the release orders the free of the table after the work of each."""
-        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-            return _ops.put_many_prepared(self, self._op_number, *(self._keep or ((), ())), stream=stream)
+        if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+            return ops.put_many_prepared(self, self._op_number, *(self._keep or ((), ())), stream=stream)
         device = _device
         if device is None:
             _require_init("PreparedPutMany.run")

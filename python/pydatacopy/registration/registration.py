@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _C
-from ._ops import refuse_capture
-from ._torch_utils import check_tensor as _check_tensor, nbytes as _nbytes, require_init as _require_init
+from .. import _C
+from ..ops import refuse_capture
+from .._torch_utils import check_tensor as _check_tensor, nbytes as _nbytes, require_init as _require_init
 
 Error = _C.Error
 

@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from . import _C, _ops
-from ._ops import refuse_capture
-from ._torch_utils import check_int, check_pe, check_tensor, nbytes, require_init, tensor_from_address
+from .. import _C, ops
+from ..ops import refuse_capture
+from .._torch_utils import check_int, check_pe, check_tensor, nbytes, require_init, tensor_from_address
 
 Error = _C.Error
 
@@ -29,7 +29,7 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     in the same order). Free it with ``free()``, also collective; the garbage collector never
     frees it. Both wait for every PE at most PYDATACOPY_TIMEOUT_S (60 s) and then raise
     TimeoutError naming the PE that did not come."""
-    _ops.refuse_tracing("empty")
+    ops.refuse_tracing("empty")
     require_init("empty")
     refuse_capture("empty")
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -47,13 +47,13 @@ def empty(shape: int | Sequence[int], dtype: torch.dtype = torch.float32) -> tor
     address = _C.symmetric_malloc(num_bytes)
     _from_empty[address] = None
     # A static address for torch.compile (CUDA graphs must use it in place, not a copy)
-    return _ops.mark_static(tensor_from_address(address, shape, dtype, _C.cuda_device()))
+    return ops.mark_static(tensor_from_address(address, shape, dtype, _C.cuda_device()))
 
 
 def free(tensor: torch.Tensor) -> None:
     """Release a tensor made by ``empty()`` on every PE (collective, blocking). Views of it must
     not be used afterwards."""
-    _ops.refuse_tracing("free")
+    ops.refuse_tracing("free")
     require_init("free")
     refuse_capture("free")
     if not isinstance(tensor, torch.Tensor) or tensor.data_ptr() not in _from_empty:

@@ -8,8 +8,8 @@ import os
 import socket
 from typing import Callable, Mapping, NamedTuple
 
-from . import _C
-from ._settings import NCCL_TO_NVSHMEM, nvshmem_bool  # NCCL_TO_NVSHMEM: NCCL name -> NVSHMEM name
+from .. import _C
+from .settings import NCCL_TO_NVSHMEM, nvshmem_bool  # NCCL_TO_NVSHMEM: NCCL name -> NVSHMEM name
 
 Error = _C.Error
 

@@ -1,6 +1,6 @@
 """One-sided transfers (the core's transfer.cpp): put/get, signals, quiet, barrier, put_many and
-put_blocks, between symmetric tensors (_symmetric.py) and any CUDA tensor of this device;
-put_many prepared once is _prepared_put_many.py.
+put_blocks, between symmetric tensors (symmetric.py) and any CUDA tensor of this device;
+put_many prepared once is prepared_put_many.py.
 
 Everything here is stream-ordered on torch's current stream unless ``stream=`` says otherwise,
 and checks its arguments before touching the GPU.
@@ -8,17 +8,18 @@ and checks its arguments before touching the GPU.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import torch
 
-from . import _C, _ops, _torch_utils
-from ._limits import INT32_MAX
-from ._ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
-from ._torch_utils import check_int, check_pair as _check_pair, check_pe as _check_pe
-from ._torch_utils import check_tensor as _check_tensor, keep_alive as _keep_alive, nbytes as _nbytes
-from ._torch_utils import require_init as _require_init, resolve_stream as _stream, stream_handle
-from ._torch_utils import timeout_seconds
+from .. import _C, _torch_utils, ops
+from .._limits import INT32_MAX
+from ..ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
+from .._torch_utils import check_int, check_pair as _check_pair, check_pe as _check_pe
+from .._torch_utils import check_tensor as _check_tensor, keep_alive as _keep_alive, nbytes as _nbytes
+from .._torch_utils import require_init as _require_init, resolve_stream as _stream, stream_handle
+from .._torch_utils import timeout_seconds
 
 Error = _C.Error
 Tensor = torch.Tensor
@@ -69,8 +70,8 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     cross into the core once; the core looks the destination up once (symmetry and the peer's
     address, resolved when it was allocated).
     """
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.put(dst, src, pe, stream=stream, path=path)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.put(dst, src, pe, stream=stream, path=path)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and dst.get_device() == device and src.get_device() == device
@@ -94,8 +95,8 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
     """Read PE `pe`'s copy of symmetric `src` into local `dst` (stream-ordered); ``path`` as in
     ``put``."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.get(dst, src, pe, stream=stream, path=path)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.get(dst, src, pe, stream=stream, path=path)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and dst.get_device() == device and src.get_device() == device
@@ -118,8 +119,8 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
 def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tensor, value: int,
                *, stream=None) -> None:
     """``put``, then set PE `pe`'s copy of `signal` to `value` once the data is visible there."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.put_signal(dst, src, pe, signal, value, stream=stream)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.put_signal(dst, src, pe, signal, value, stream=stream)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and isinstance(signal, Tensor) and dst.get_device() == device
@@ -145,8 +146,8 @@ def put_signal(dst: torch.Tensor, src: torch.Tensor, pe: int, signal: torch.Tens
 
 def signal_set(signal: torch.Tensor, value: int, pe: int, *, stream=None) -> None:
     """Set PE `pe`'s copy of `signal` to `value` after this stream's earlier puts are visible."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.signal_set(signal, value, pe, stream=stream)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.signal_set(signal, value, pe, stream=stream)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(signal, Tensor)
             and signal.get_device() == device and signal.dtype in _SIGNAL_DTYPES
@@ -168,8 +169,8 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
 
     ``received``: under torch.compile, the tensors the peers wrote before setting the signal
     (reads of them are then kept after the wait); eager calls need none (the stream orders them)."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.signal_wait(signal, value, stream=stream, timeout=timeout, blocking=blocking,
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.signal_wait(signal, value, stream=stream, timeout=timeout, blocking=blocking,
                                 received=received)
     device = _device
     if (not blocking and timeout is None and isinstance(signal, Tensor)
@@ -192,8 +193,8 @@ def signal_wait(signal: torch.Tensor, value: int, *, stream=None, timeout: float
 
 def quiet(*, stream=None) -> None:
     """Complete this PE's puts issued on the stream: delivered at the peers when it completes."""
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.quiet(stream=stream)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.quiet(stream=stream)
     device = _device
     if device is not None:
         _C.quiet(_raw_stream(device) if stream is None else stream_handle(stream, device))
@@ -211,8 +212,8 @@ def barrier(*, stream=None, timeout: float | None = None, blocking: bool = False
     synchronises the stream), else by the next call or ``check_errors()``. ``received`` as in
     ``signal_wait``: under torch.compile, the symmetric tensors peers wrote before the barrier.
     """
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.barrier(stream=stream, timeout=timeout, blocking=blocking, received=received)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.barrier(stream=stream, timeout=timeout, blocking=blocking, received=received)
     device = _device
     if device is not None and not blocking and timeout is None:
         _C.barrier(_raw_stream(device) if stream is None else stream_handle(stream, device),
@@ -246,8 +247,8 @@ def put_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], pe: int
     symmetric lookup per row in the core. Lists that repeat are cheaper prepared once:
     ``prepare_put_many`` (no host work per row at run time).
     """
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.put_many(dsts, srcs, pe, stream=stream, path=path)
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.put_many(dsts, srcs, pe, stream=stream, path=path)
     _check_pe(pe, "put_many")
     if path not in ("auto", "sm", "rma"):
         raise Error(f"pydatacopy.put_many: path must be auto, sm or rma (one kernel moves the "
@@ -267,8 +268,8 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
     out of range is skipped and raises pydatacopy.Error at the next call or check_errors().
     Visibility as in ``put``. ``path`` as in ``put_many``.
     """
-    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (_ops.py), not _C
-        return _ops.put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, stream=stream,
+    if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
+        return ops.put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, stream=stream,
                                path=path)
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst_pool, Tensor)
@@ -320,3 +321,9 @@ def put_blocks(dst_pool: torch.Tensor, src_pool: torch.Tensor, dst_indices: torc
                   block_bytes, dst_indices.data_ptr(), src_indices.data_ptr(), dst_indices.numel(),
                   pe, _stream(stream), _path(path))
     _keep_alive(stream, src_pool, dst_indices, src_indices)
+
+
+# The ops' real kernels run these, read from this module when they run (so a function swapped
+# here is the one run); ops imports no feature, so the feature names itself.
+ops.implement(sys.modules[__name__], "put", "get", "put_signal", "signal_set", "signal_wait", "quiet",
+              "barrier", "put_many", "put_blocks")

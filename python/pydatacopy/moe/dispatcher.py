@@ -1,0 +1,239 @@
+"""MoE dispatch and combine (``MoeDispatcher``, ``MoeHandle``) on two AllToAll buffers, one per
+direction. The eager host path (rows read in the receive regions) and the traced, compacting
+path are both here."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import _C
+from .._torch_utils import check_int, stream_handle
+from .all_to_all import AllToAll
+from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
+from .layout import (ReceiveLayout, _layout_kernels_fit, _receive_layout_eager, combine_slots, dispatch_plan,
+                     receive_layout)
+from .rows import combine_reduce, gather_rows
+
+# MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
+# all-to-all's receive regions (no compaction copy); False: the compacting path that traced
+# (torch.compile) calls take. A switch for comparing the two, and a way back if needed.
+IN_REGION = True
+
+
+class MoeHandle(NamedTuple):
+    """What dispatch() leaves for combine() and for the expert computation; tensors on the GPU.
+
+    ``expert_counts`` / ``expert_offsets`` (int64 ``[experts_per_pe]``): rows of each local expert
+    in ``recv_x`` (expert ``e``'s rows at ``recv_x[expert_offsets[e] : + expert_counts[e]]``);
+    ``num_rows`` (int64, 0-dim): rows of recv_x in use (their sum); ``expert_of_row`` (int64
+    ``[rows of recv_x]``): the local expert of each row (``experts_per_pe`` past num_rows);
+    ``source_pe`` / ``source_token`` (int64 ``[rows of recv_x]``): where each row came from (-1
+    past num_rows); ``recv_counts`` (int64 ``[n_pes]``): tokens received from each PE. The rest is
+    combine's."""
+    expert_counts: torch.Tensor
+    expert_offsets: torch.Tensor
+    num_rows: torch.Tensor
+    expert_of_row: torch.Tensor
+    source_pe: torch.Tensor
+    source_token: torch.Tensor
+    recv_counts: torch.Tensor
+    combine_index: torch.Tensor   # [pairs + 1]: recv_x row of each pair, sent back in this order
+    combine_counts: torch.Tensor  # [n_pes]: rows sent back to each PE
+    pair_pe: torch.Tensor         # [tokens, topk]: the PE of each of this PE's (token, k), or n_pes
+    pair_rank: torch.Tensor       # [tokens, topk]: its position among this PE's pairs with that PE
+
+
+class MoeDispatcher:
+    """MoE dispatch and combine over ``n_pes`` PEs, ``num_experts`` split evenly (PE ``p`` holds
+    experts ``[p * E / n, (p + 1) * E / n)``).
+
+    ``dispatch(x, topk_idx)`` sends every token (a row of ``x [tokens, hidden]``) to each PE that
+    holds one of its top-k experts, once per PE however many of its experts that PE holds, and
+    returns ``recv_x`` grouped by local expert (a token with two experts here appears in both
+    groups) and a ``MoeHandle``. ``combine(y, handle, topk_weights)`` sends the expert outputs
+    ``y`` (recv_x's layout) back and returns ``out [tokens, hidden]``,
+    ``out[t] = sum_k topk_weights[t, k] * y(t, k)`` in float32, k in order, rounded to y's dtype.
+
+    Setup (collective, blocking): two AllToAll buffers, one per direction. ``max_tokens``: tokens
+    per PE and call at most (dispatch's capacity per source); the combine direction carries one
+    row per (token, expert) pair, ``max_tokens x topk`` per source. Both are symmetric memory:
+    ``symmetric_bytes``. More tokens than ``max_tokens`` is refused as a capacity overflow
+    (pydatacopy.check_errors()), never truncated.
+
+    Every call is stream-ordered on torch's current stream, reads nothing on the host, and can
+    be captured in a CUDA graph (replays take the routing written into the captured inputs).
+    """
+
+    def __init__(self, num_experts: int, hidden: int, topk: int, max_tokens: int,
+                 dtype: torch.dtype = torch.bfloat16, *, combine_dtype: torch.dtype | None = None) -> None:
+        call = "pydatacopy.MoeDispatcher"
+        _refuse_tracing("MoeDispatcher")
+        if not _C.is_initialized():
+            raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or pydatacopy.init_nvshmem()) first")
+        n = _C.n_pes()
+        check_int("num_experts", num_experts, 1, call=call)
+        check_int("hidden", hidden, 1, call=call)
+        check_int("topk", topk, 1, num_experts, call=call)
+        check_int("max_tokens", max_tokens, 1, MAX_CAPACITY // topk, call=call)
+        if num_experts % n:
+            raise Error(f"{call}: num_experts={num_experts} does not split evenly over {n} PEs; "
+                        "use a multiple of the PE count")
+        if not isinstance(dtype, torch.dtype):
+            raise Error(f"{call}: dtype must be a torch.dtype, got {dtype!r}")
+        combine_dtype = dtype if combine_dtype is None else combine_dtype
+        if combine_dtype not in _REDUCE_DTYPES:
+            raise Error(f"{call}: combine_dtype (the expert outputs') must be float32, bfloat16 or "
+                        f"float16, got {combine_dtype}")
+        self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
+        self.dtype, self.combine_dtype = dtype, combine_dtype
+        self.n_pes, self.experts_per_pe = n, num_experts // n
+        self.my_pe = _C.my_pe()
+        element = torch.empty((), dtype=dtype).element_size()
+        combine_element = torch.empty((), dtype=combine_dtype).element_size()
+        # Dispatch moves each token with its top-k expert ids and its index (int32), so that the
+        # receiver can group by expert and tell where a row came from; combine moves one output row per (token, expert) pair.
+        self._dispatch = AllToAll(max_tokens, hidden * element + (topk + 1) * 4)
+        try:
+            self._combine = AllToAll(max_tokens * topk, hidden * combine_element)
+        except BaseException:
+            self._dispatch.close()
+            raise
+
+    @property
+    def recv_rows(self) -> int:
+        """Rows of recv_x (and of the y combine takes): n_pes x max_tokens x topk."""
+        return self.n_pes * self.max_tokens * self.topk
+
+    @property
+    def symmetric_bytes(self) -> int:
+        return self._dispatch.symmetric_bytes + self._combine.symmetric_bytes
+
+    def close(self) -> None:
+        """Free both buffers on every PE (collective, blocking)."""
+        self._dispatch.close()
+        self._combine.close()
+
+    def __enter__(self) -> "MoeDispatcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int | None = None,
+                 *, timeout: float | None = None) -> tuple[torch.Tensor, MoeHandle]:
+        """Send each token to the PEs of its experts; returns ``(recv_x, handle)``.
+
+        ``x``: ``[tokens, hidden]`` of the dispatcher's dtype (bytes are moved as they are: bf16,
+        fp8, anything of that element size), ``tokens <= max_tokens``. ``topk_idx``: integer
+        ``[tokens, topk]`` on the GPU, global expert ids; a negative id means "no expert" for
+        that slot. ``recv_x``: ``[recv_rows, hidden]``, rows grouped by local expert (see
+        MoeHandle), within an expert by source PE and then by the source's token order; rows
+        past ``handle.num_rows`` are unspecified. Collective: every PE calls it, in the same order.
+        """
+        if num_experts is not None and num_experts != self.num_experts:
+            raise Error(f"pydatacopy.MoeDispatcher.dispatch: num_experts={num_experts}, but the "
+                        f"dispatcher was set up for {self.num_experts}")
+        self._check_tokens(x, topk_idx, "dispatch")
+        plan = dispatch_plan(topk_idx, self.num_experts, self.n_pes)
+        if _traced() or not IN_REGION:
+            (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
+                [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
+            layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
+            recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
+        else:
+            # The token rows stay in the receive region: the grouping by expert reads them there
+            # (one copy of the rows received, not two); the meta rows are compacted for the layout.
+            buffer = self._dispatch
+            (_, recv_meta), recv_counts, recv_offsets, call = buffer._exchange_in_region(
+                [x, plan.meta], [True, False], plan.send_counts, plan.send_index, timeout)
+            try:
+                received = recv_meta.shape[0]
+                row_bytes = _row_bytes(x)
+                stream = stream_handle(None, buffer._device)
+                region, stride = buffer._core.in_region(0), buffer._core.region_stride
+                if row_bytes % 16 == 0 and _layout_kernels_fit(self.n_pes, self.experts_per_pe,
+                                                               received * self.topk + 1):
+                    # Each received row read once and written to each of its experts' rows.
+                    positions = torch.empty(received * self.topk, dtype=torch.int64, device=x.device)
+                    layout = ReceiveLayout(*_receive_layout_eager(recv_meta, recv_counts, self.my_pe,
+                                                                  self.experts_per_pe, self.topk, None,
+                                                                  positions))
+                    rows = layout.row_of.shape[0]
+                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                    _C.scatter_region_rows(recv_x.data_ptr(), rows, region, stride, recv_offsets.data_ptr(),
+                                           recv_counts.data_ptr(), self.n_pes, positions.data_ptr(),
+                                           self.topk, received, row_bytes, stream)
+                else:
+                    layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
+                    rows = layout.row_of.shape[0]
+                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                    _C.gather_region_rows(recv_x.data_ptr(), region, stride, recv_offsets.data_ptr(),
+                                          recv_counts.data_ptr(), self.n_pes, layout.row_of.data_ptr(),
+                                          layout.num_rows.data_ptr(), rows, row_bytes, stream)
+            finally:
+                buffer._core.release(call, stream_handle(None, buffer._device))
+        handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
+                           layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
+                           layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)
+        return recv_x, handle
+
+    def combine(self, y: torch.Tensor, handle: MoeHandle, topk_weights: torch.Tensor, *,
+                timeout: float | None = None) -> torch.Tensor:
+        """Send the expert outputs back and sum them per token; returns ``[tokens, hidden]``.
+
+        ``y``: ``[recv_rows, hidden]`` (recv_x's layout; rows past handle.num_rows are not read)
+        of combine_dtype. ``topk_weights``: ``[tokens, topk]`` on the GPU (any float dtype, used
+        as float32), this PE's tokens as dispatched. Collective, like dispatch.
+        """
+        if y.dim() != 2 or y.shape[0] != self.recv_rows or y.shape[1] != self.hidden:
+            raise Error(f"pydatacopy.MoeDispatcher.combine: y must be [{self.recv_rows}, {self.hidden}] "
+                        f"(recv_x's shape), got {tuple(y.shape)}")
+        if y.dtype != self.combine_dtype:
+            raise Error(f"pydatacopy.MoeDispatcher.combine: y must be {self.combine_dtype} (combine_dtype), got {y.dtype}")
+        if tuple(topk_weights.shape) != tuple(handle.pair_pe.shape):
+            raise Error(f"pydatacopy.MoeDispatcher.combine: topk_weights must be {tuple(handle.pair_pe.shape)} "
+                        f"([tokens, topk] as dispatched), got {tuple(topk_weights.shape)}")
+        if _traced() or not IN_REGION or not topk_weights.is_cuda:
+            (back,), back_counts, back_offsets = self._combine.exchange(
+                [y], handle.combine_counts, handle.combine_index, timeout=timeout)
+            slots = combine_slots(handle.pair_pe, handle.pair_rank, back_counts, back_offsets, self.n_pes)
+            return combine_reduce(back, slots, topk_weights)
+        # The expert outputs stay in the receive region: the reduction reads each (token, k)'s
+        # row there (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
+        buffer = self._combine
+        y = y.contiguous()
+        tokens, topk = handle.pair_pe.shape
+        (_,), back_counts, _, call = buffer._exchange_in_region(
+            [y], [True], handle.combine_counts, handle.combine_index, timeout)
+        try:
+            weights = topk_weights.to(torch.float32).contiguous()
+            out = torch.empty((tokens, self.hidden), dtype=y.dtype, device=y.device)
+            # Held in locals until the launch is queued: a temporary copy freed as soon as its
+            # data_ptr() is read could hand its memory to the next one before the kernel runs.
+            pair_pe, pair_rank = handle.pair_pe.contiguous(), handle.pair_rank.contiguous()
+            _C.moe_combine_reduce_region(out.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
+                                         pair_pe.data_ptr(), pair_rank.data_ptr(), back_counts.data_ptr(),
+                                         self.n_pes, weights.data_ptr(), tokens, topk, self.hidden,
+                                         _REDUCE_DTYPES[y.dtype], stream_handle(None, buffer._device))
+        finally:
+            buffer._core.release(call, stream_handle(None, buffer._device))
+        return out
+
+    def _check_tokens(self, x, topk_idx, what) -> None:
+        call = f"pydatacopy.MoeDispatcher.{what}"
+        if not isinstance(x, torch.Tensor) or not isinstance(topk_idx, torch.Tensor):
+            raise Error(f"{call}: x and topk_idx must be tensors")
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise Error(f"{call}: x must be [tokens, {self.hidden}], got {tuple(x.shape)}")
+        if x.shape[0] > self.max_tokens:
+            raise Error(f"{call}: {x.shape[0]} tokens, more than max_tokens={self.max_tokens} set up")
+        if x.element_size() != torch.empty((), dtype=self.dtype).element_size():
+            raise Error(f"{call}: x is {x.dtype}, the dispatcher moves {self.dtype} rows; use a "
+                        "dtype of that element size")
+        if topk_idx.dim() != 2 or tuple(topk_idx.shape) != (x.shape[0], self.topk):
+            raise Error(f"{call}: topk_idx must be [tokens, topk] = [{x.shape[0]}, {self.topk}], got "
+                        f"{tuple(topk_idx.shape)}")
+        if topk_idx.dtype.is_floating_point or topk_idx.dtype == torch.bool:
+            raise Error(f"{call}: topk_idx must be an integer tensor, got {topk_idx.dtype}")
