@@ -13,41 +13,15 @@ Start it from torch.distributed (no MPI)::
 
 from __future__ import annotations
 
-from . import _C
-from .token_exchange import DoubleBufferManager
+from . import _C, moe, registration, rma, runtime, send_recv, token_exchange
+# Each feature's __all__ is its public API, exported whole here; of moe, the calls below only
+# (its layout helpers and plans stay in pydatacopy.moe).
 from .moe import AllToAll, MoeDispatcher, MoeHandle, all_to_all_v
-from .rma import (
-    PreparedPutMany,
-    barrier,
-    empty,
-    free,
-    get,
-    is_symmetric,
-    peer_view,
-    prepare_put_many,
-    put,
-    put_blocks,
-    put_many,
-    put_signal,
-    quiet,
-    signal_set,
-    signal_wait,
-)
-from .send_recv import group, recv, send, sendrecv, setup_send_recv
-from .registration import is_registered, register, unregister
-from .runtime import (
-    UNIQUE_ID_BYTES,
-    check_errors,
-    choose_device,
-    finalize,
-    get_unique_id,
-    init,
-    init_nvshmem,
-    is_initialized,
-    my_pe,
-    n_pes,
-    share_unique_id,
-)
+from .registration import *  # noqa: F403
+from .rma import *  # noqa: F403
+from .runtime import *  # noqa: F403
+from .send_recv import *  # noqa: F403
+from .token_exchange import *  # noqa: F403
 
 __version__: str = _C.__version__
 
@@ -77,46 +51,16 @@ def nvshmem_versions() -> dict[str, str]:
 
 
 __all__ = [
+    *token_exchange.__all__,
+    *rma.__all__,
+    *send_recv.__all__,
+    *registration.__all__,
+    *runtime.__all__,
     "AllToAll",
-    "DoubleBufferManager",
-    "PreparedPutMany",
     "MoeDispatcher",
     "MoeHandle",
     "all_to_all_v",
-    "barrier",
-    "empty",
-    "free",
-    "get",
-    "group",
-    "is_registered",
-    "is_symmetric",
-    "peer_view",
-    "prepare_put_many",
-    "put",
-    "put_blocks",
-    "put_many",
-    "put_signal",
-    "quiet",
-    "recv",
-    "register",
-    "send",
-    "sendrecv",
-    "setup_send_recv",
-    "signal_set",
-    "signal_wait",
-    "unregister",
     "Error",
     "TimeoutError",
-    "UNIQUE_ID_BYTES",
-    "check_errors",
-    "choose_device",
-    "finalize",
-    "get_unique_id",
-    "init",
-    "init_nvshmem",
-    "is_initialized",
-    "my_pe",
-    "n_pes",
     "nvshmem_versions",
-    "share_unique_id",
 ]

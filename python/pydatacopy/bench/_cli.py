@@ -9,13 +9,12 @@ import re
 import sys
 
 import torch
-import torch.distributed as dist
 
 import pydatacopy
 from pydatacopy.runtime import settings as _settings
 
 from . import baselines, batched, compiled, latency, put, send_recv, token_exchange
-from ._harness import Sweep, against, human, make_row
+from ._harness import Sweep, against, finish, human, make_row, start
 from ._report import report
 
 
@@ -164,12 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except _settings.SettingError as error:
         print(f"python -m pydatacopy.bench: {error}", file=sys.stderr)
         return 2
-    torch.cuda.set_device(device)
-    if per_gpu > 1:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
-    pydatacopy.init(device=device)
+    start(device, per_gpu)
     if pydatacopy.n_pes() != 2:
         print("the size sweep runs on exactly 2 PEs", file=sys.stderr)
         return 2
@@ -258,10 +252,4 @@ def main(argv: list[str] | None = None) -> int:
         report(rows, args)
         for line in skipped:
             print(f"skipped {line}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-    all_ok = all(r["ok"] for r in rows)
-    pydatacopy.finalize()
-    dist.destroy_process_group()
-    return 0 if all_ok else 1
+    return finish(rows, args.json)

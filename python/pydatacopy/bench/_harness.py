@@ -3,6 +3,7 @@ seeded data, the checked run, the row and its ratio to a baseline of the same ru
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -145,3 +146,26 @@ class Sweep:
         finally:
             pydatacopy.barrier()
             pydatacopy.free(symmetric)
+
+
+def start(device: int, per_gpu: int) -> None:
+    """This rank on `device`: torch.distributed (on gloo when ranks share a GPU: NCCL refuses
+    two ranks on one GPU), then pydatacopy."""
+    torch.cuda.set_device(device)
+    if per_gpu > 1:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    pydatacopy.init(device=device)
+
+
+def finish(rows: list[dict], json_path: str | None) -> int:
+    """PE 0 writes the rows as JSON; every PE leaves. The exit code: 0 when every row's data
+    check passed."""
+    if json_path and pydatacopy.my_pe() == 0:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    ok = all(r["ok"] for r in rows)
+    pydatacopy.finalize()
+    dist.destroy_process_group()
+    return 0 if ok else 1

@@ -23,7 +23,6 @@ summed over PEs must equal the routed (token, expert) pairs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 import pydatacopy
 
-from ._harness import against, agree, make_row, reduce_device, time_op
+from ._harness import against, agree, finish, make_row, reduce_device, start, time_op
 
 SHAPES = {  # name: (tokens per PE, hidden, topk, experts (None: 8 x n_pes))
     "ds-128": (128, 7168, 8, 256),
@@ -214,12 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._cli import _placement
 
     device, per_gpu = _placement()
-    torch.cuda.set_device(device)
-    if per_gpu > 1:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
-    pydatacopy.init(device=device)
+    start(device, per_gpu)
     if args.compact:
         pydatacopy.moe.dispatcher.IN_REGION = False
     rows: list[dict] = []
@@ -235,13 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print("MB moved: the bytes the busiest PE sends (dispatch: token rows and their expert ids; "
               "combine: one output row per (token, expert)); xbase: time over a bare copy of those "
               "bytes on this GPU, same run")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-    ok = all(r["ok"] for r in rows)
-    pydatacopy.finalize()
-    dist.destroy_process_group()
-    return 0 if ok else 1
+    return finish(rows, args.json)
 
 
 if __name__ == "__main__":

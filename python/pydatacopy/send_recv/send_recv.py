@@ -215,22 +215,7 @@ def send(tensor: torch.Tensor, dst_pe: int, *, stream=None, timeout: float | Non
     crossing into the core; anything else takes the checked path, with its errors."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
         return ops.send(tensor, dst_pe, stream=stream, timeout=timeout)
-    engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
-    if (engine is not None and timeout is None and seconds is not None and type(dst_pe) is int
-            and 0 <= dst_pe < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
-            and tensor.is_contiguous() and _state.pending is None):
-        handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
-        try:
-            _C.send_fast(engine, tensor.data_ptr(), tensor.nbytes, dst_pe, handle, seconds)
-        finally:  # also when it raised after its launch (a timed-out peer, a byte-count mismatch)
-            if stream is not None:
-                _keep_alive(stream, tensor)
-        return
-    # The checked path: whatever the fast one did not take, with the error that says what to do.
-    engine = _require_engine("send")
-    check_int("dst_pe", dst_pe, None, _PE_MAX)  # the core checks the range, with the same words
-    _check_tensor(tensor, "tensor")
-    _submit(engine, True, tensor, dst_pe, stream, timeout_seconds(timeout))
+    _one_way(True, tensor, dst_pe, stream, timeout)
 
 
 def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | None = None) -> None:
@@ -238,21 +223,28 @@ def recv(tensor: torch.Tensor, src_pe: int, *, stream=None, timeout: float | Non
     Host cost as send's."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
         return ops.recv(tensor, src_pe, stream=stream, timeout=timeout)
+    _one_way(False, tensor, src_pe, stream, timeout)
+
+
+def _one_way(is_send: bool, tensor, peer, stream, timeout) -> None:
+    """send's and recv's eager body: the fast path, else the checked one."""
     engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
-    if (engine is not None and timeout is None and seconds is not None and type(src_pe) is int
-            and 0 <= src_pe < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
+    if (engine is not None and timeout is None and seconds is not None and type(peer) is int
+            and 0 <= peer < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
             and tensor.is_contiguous() and _state.pending is None):
         handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
         try:
-            _C.recv_fast(engine, tensor.data_ptr(), tensor.nbytes, src_pe, handle, seconds)
+            (_C.send_fast if is_send else _C.recv_fast)(engine, tensor.data_ptr(), tensor.nbytes, peer,
+                                                        handle, seconds)
         finally:  # also when it raised after its launch (a timed-out peer, a byte-count mismatch)
             if stream is not None:
                 _keep_alive(stream, tensor)
         return
-    engine = _require_engine("recv")
-    check_int("src_pe", src_pe, None, _PE_MAX)  # the core checks the range, with the same words
+    # The checked path: whatever the fast one did not take, with the error that says what to do.
+    engine = _require_engine("send" if is_send else "recv")
+    check_int("dst_pe" if is_send else "src_pe", peer, None, _PE_MAX)  # the core checks the range too
     _check_tensor(tensor, "tensor")
-    _submit(engine, False, tensor, src_pe, stream, timeout_seconds(timeout))
+    _submit(engine, is_send, tensor, peer, stream, timeout_seconds(timeout))
 
 
 def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, src_pe: int, *,
