@@ -210,3 +210,8 @@ def keep_alive(stream, *tensors: torch.Tensor) -> None:
         # foreign pointers); they live until free().
         if not _C.is_symmetric(tensor.data_ptr(), 1):
             tensor.record_stream(stream)
+
+
+def core_property(name: str, doc: str) -> property:
+    """A read-only attribute passed through from the wrapped core object (``self._core``)."""
+    return property(lambda self: getattr(self._core, name), doc=doc)

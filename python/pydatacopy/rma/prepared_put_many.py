@@ -10,7 +10,8 @@ import torch
 from .. import _C, _torch_utils, ops
 from ..ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
 from .._torch_utils import check_pe as _check_pe, check_tensor as _check_tensor, keep_alive as _keep_alive
-from .._torch_utils import require_init as _require_init, resolve_stream as _stream, stream_handle
+from .._torch_utils import core_property, require_init as _require_init, resolve_stream as _stream
+from .._torch_utils import stream_handle
 from .transfer import PATHS
 
 Error = _C.Error
@@ -127,20 +128,13 @@ class PreparedPutMany:
         except Exception:  # at interpreter exit torch or CUDA may be gone: nothing left to order
             pass
 
-    @property
-    def pieces(self) -> int:
-        """Rows of the device table: empty rows left out, rows over 64 KiB cut into pieces."""
-        return self._core.pieces
+    pieces = core_property("pieces", "Rows of the device table: empty rows left out, rows over 64 "
+                                     "KiB cut into pieces.")
 
-    @property
-    def bytes(self) -> int:
-        """Bytes one run moves."""
-        return self._core.bytes
+    bytes = core_property("bytes", "Bytes one run moves.")
 
-    @property
-    def direct(self) -> bool:
-        """True when the rows are stored directly into the peer's memory (False: NVSHMEM RMA)."""
-        return self._core.direct
+    direct = core_property("direct", "True when the rows are stored directly into the peer's "
+                                     "memory (False: NVSHMEM RMA).")
 
     def __repr__(self) -> str:
         state = "released" if self._core is None or self._core.released else f"{self.bytes} bytes"

@@ -7,7 +7,8 @@ import torch
 from .. import _C, ops
 from .._limits import INT32_MAX
 from ..ops import dispatch_modes as _dispatch_modes, dynamo_compiling as _dynamo_compiling, refuse_capture
-from .._torch_utils import check_int, stream_handle, tensor_from_address, timeout_seconds
+from .._torch_utils import check_int, core_property, stream_handle, tensor_from_address
+from .._torch_utils import timeout_seconds
 
 Error = _C.Error
 
@@ -121,20 +122,14 @@ class DoubleBufferManager:
         return gbps
 
     # ---- the token exchange -----------------------------------------------------------------
-    @property
-    def n_tokens(self) -> int:
-        """Tokens per buffer, as given to init() (0 before init() and after cleanup())."""
-        return self._core.n_tokens
+    n_tokens = core_property("n_tokens", "Tokens per buffer, as given to init() (0 before init() "
+                                         "and after cleanup()).")
 
-    @property
-    def token_size(self) -> int:
-        """Bytes per token, as given to init() (0 before init() and after cleanup())."""
-        return self._core.token_size
+    token_size = core_property("token_size", "Bytes per token, as given to init() (0 before init()"
+                                             " and after cleanup()).")
 
-    @property
-    def round(self) -> int:
-        """The number of rounds exchanged so far: the next exchange() is this round."""
-        return self._core.round
+    round = core_property("round", "The number of rounds exchanged so far: the next exchange() is "
+                                   "this round.")
 
     @property
     def current_set(self) -> int:
