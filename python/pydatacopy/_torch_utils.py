@@ -63,7 +63,14 @@ def stream_handle(stream: torch.cuda.Stream | int | None, device: int) -> int:
     """The cudaStream_t of `stream`, torch's current stream on `device` when None."""
     if stream is None:
         return current_raw_stream(device)
-    if isinstance(stream, int):
+    return stream_argument(stream)
+
+
+def stream_argument(stream: torch.cuda.Stream | int | None) -> int | None:
+    """A stream argument as a raw cudaStream_t int, None left as None (the ops read torch's
+    current stream when they run, so that a capture records them on its stream): the one
+    conversion every layer uses."""
+    if stream is None or isinstance(stream, int):
         return stream
     if isinstance(stream, (torch.cuda.Stream, torch.cuda.ExternalStream)):
         return stream.cuda_stream

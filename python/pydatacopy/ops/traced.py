@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C
+from .._torch_utils import stream_argument
 from .guards import _raise_while_tracing, dynamo_compiling, mark_static, refuse_tracing
 from .kernels import _U64, _eager, public
 
@@ -41,12 +42,6 @@ def _token(what: str) -> torch.Tensor:
     return token
 
 
-def _stream(stream) -> int | None:
-    if stream is None or isinstance(stream, int):
-        return stream
-    return stream.cuda_stream  # a torch.cuda.Stream (its raw handle)
-
-
 def _signal_value(value: int) -> int:
     """uint64 -> int64 with the same bits (the schema's int is signed)."""
     return value - _U64 if value > _I64_MAX else value
@@ -64,19 +59,19 @@ _ops = torch.ops.pydatacopy
 
 
 def put(dst, src, pe, *, stream=None, path="auto") -> None:
-    _ops.put(dst, src, pe, _stream(stream), path, _token("put"))
+    _ops.put(dst, src, pe, stream_argument(stream), path, _token("put"))
 
 
 def get(dst, src, pe, *, stream=None, path="auto") -> None:
-    _ops.get(dst, src, pe, _stream(stream), path, _token("get"))
+    _ops.get(dst, src, pe, stream_argument(stream), path, _token("get"))
 
 
 def put_signal(dst, src, pe, signal, value, *, stream=None) -> None:
-    _ops.put_signal(dst, src, pe, signal, _signal_value(value), _stream(stream), _token("put_signal"))
+    _ops.put_signal(dst, src, pe, signal, _signal_value(value), stream_argument(stream), _token("put_signal"))
 
 
 def signal_set(signal, value, pe, *, stream=None) -> None:
-    _ops.signal_set(signal, _signal_value(value), pe, _stream(stream), _token("signal_set"))
+    _ops.signal_set(signal, _signal_value(value), pe, stream_argument(stream), _token("signal_set"))
 
 
 def signal_wait(signal, value, *, stream=None, timeout=None, blocking=False, received=()) -> None:
@@ -84,40 +79,40 @@ def signal_wait(signal, value, *, stream=None, timeout=None, blocking=False, rec
         refuse_tracing("signal_wait(blocking=True)")
         return _eager(public("signal_wait"), signal, value, stream=stream, timeout=timeout,
                       blocking=True)
-    _ops.signal_wait(signal, _signal_value(value), list(received), _stream(stream), _timeout(timeout),
+    _ops.signal_wait(signal, _signal_value(value), list(received), stream_argument(stream), _timeout(timeout),
                      _token("signal_wait"))
 
 
 def quiet(*, stream=None) -> None:
-    _ops.quiet(_stream(stream), _token("quiet"))
+    _ops.quiet(stream_argument(stream), _token("quiet"))
 
 
 def barrier(*, stream=None, timeout=None, blocking=False, received=()) -> None:
     if blocking:  # as in signal_wait
         refuse_tracing("barrier(blocking=True)")
         return _eager(public("barrier"), stream=stream, timeout=timeout, blocking=True)
-    _ops.barrier(list(received), _stream(stream), _timeout(timeout), _token("barrier"))
+    _ops.barrier(list(received), stream_argument(stream), _timeout(timeout), _token("barrier"))
 
 
 def put_many(dsts, srcs, pe, *, stream=None, path="auto") -> None:
-    _ops.put_many(list(dsts), list(srcs), pe, _stream(stream), path, _token("put_many"))
+    _ops.put_many(list(dsts), list(srcs), pe, stream_argument(stream), path, _token("put_many"))
 
 
 def put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, *, stream=None, path="auto") -> None:
-    _ops.put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, _stream(stream), path,
+    _ops.put_blocks(dst_pool, src_pool, dst_indices, src_indices, pe, stream_argument(stream), path,
                     _token("put_blocks"))
 
 
 def send(tensor, dst_pe, *, stream=None, timeout=None) -> None:
-    _ops.send(tensor, dst_pe, _stream(stream), _timeout(timeout), _token("send"))
+    _ops.send(tensor, dst_pe, stream_argument(stream), _timeout(timeout), _token("send"))
 
 
 def recv(tensor, src_pe, *, stream=None, timeout=None) -> None:
-    _ops.recv(tensor, src_pe, _stream(stream), _timeout(timeout), _token("recv"))
+    _ops.recv(tensor, src_pe, stream_argument(stream), _timeout(timeout), _token("recv"))
 
 
 def sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, *, stream=None, timeout=None) -> None:
-    _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, _stream(stream), _timeout(timeout),
+    _ops.sendrecv(send_tensor, dst_pe, recv_tensor, src_pe, stream_argument(stream), _timeout(timeout),
                   _token("sendrecv"))
 
 
@@ -139,7 +134,7 @@ def exchange(manager, number: int, send_buffers, recv_buffers, peer=None, *, dst
             _raise_while_tracing("pydatacopy.DoubleBufferManager.exchange: give either peer= or "
                                  "dst_pe=/src_pe=, not both")
         dst_pe = src_pe = peer
-    _ops.exchange(number, list(send_buffers), list(recv_buffers), dst_pe, src_pe, _stream(stream),
+    _ops.exchange(number, list(send_buffers), list(recv_buffers), dst_pe, src_pe, stream_argument(stream),
                   _timeout(timeout), _token("DoubleBufferManager.exchange"))
 
 
@@ -154,7 +149,7 @@ def wait(manager, number: int, recv_buffers, round_=None, *, stream=None, timeou
         _raise_while_tracing("pydatacopy.DoubleBufferManager.wait under torch.compile waits for the "
                              "last exchanged round: call wait() without a round (a round number "
                              "fixed when tracing would be wrong when the compiled code runs again)")
-    return _ops.wait(number, list(recv_buffers), _stream(stream), _timeout(timeout),
+    return _ops.wait(number, list(recv_buffers), stream_argument(stream), _timeout(timeout),
                      _token("DoubleBufferManager.wait"))
 
 
@@ -163,5 +158,5 @@ def put_many_prepared(prepared, number: int, dsts, srcs, *, stream=None) -> None
     for one made from addresses: then only the ordering tensor orders it). The class takes it
     with a number from register_object(self) kept on the object, and one branch at the top of
     run(), as put() has: ``return _ops.put_many_prepared(self, number, dsts, srcs, stream=...)``."""
-    _ops.put_many_prepared(number, list(dsts), list(srcs), _stream(stream),
+    _ops.put_many_prepared(number, list(dsts), list(srcs), stream_argument(stream),
                            _token("PreparedPutMany.run"))
