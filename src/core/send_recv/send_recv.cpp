@@ -21,6 +21,7 @@
 
 #include "common/cuda_calls.hpp"
 #include "common/device_status.cuh"
+#include "common/pointer_attributes.hpp"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
@@ -39,7 +40,6 @@ static_assert(kernels::kRendezvousRing >= kernels::kMaxBatchOps,
 static_assert(kernels::kZeroCopyTableEntries == zero_copy::kTableEntries, "one table size");
 static_assert(sizeof(kernels::RendezvousDescriptor) == 64, "a descriptor is one 64-byte line");
 
-using detail::driver_function;
 using detail::RelaxedCaptureMode;
 
 // PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off).
@@ -73,20 +73,15 @@ struct ZeroCopyState final : zero_copy::Backend {
   }
 
   Allocation query(const void* ptr) override {
-    using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
-    static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
     Allocation a;
-    void* start = nullptr;
-    unsigned int memory_type = 0;
-    int managed = 0;
-    CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                        CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                        CU_POINTER_ATTRIBUTE_IS_MANAGED};
-    void* values[] = {&start, &a.bytes, &a.buffer_id, &memory_type, &managed};
-    if (get_attributes(5, attributes, values, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) return a;
-    a.base = reinterpret_cast<std::uintptr_t>(start);
-    a.cuda_memory = memory_type == CU_MEMORYTYPE_DEVICE;  // zero-copy targets device memory only
-    a.managed = managed != 0;
+    detail::PointerAttributes p;
+    // A failed query only keeps the message staged.
+    if (!detail::try_pointer_attributes(ptr, detail::Ask::kIdentity, p)) return a;
+    a.base = p.start;
+    a.bytes = p.bytes;
+    a.buffer_id = p.buffer_id;
+    a.cuda_memory = p.device_memory();  // zero-copy targets device memory only
+    a.managed = p.managed;
     a.queried = ptr;
     return a;
   }
