@@ -20,11 +20,19 @@
 // (the Python class does this for torch's own streams). (Between calls in the same state, both
 // eager or both in one capture; a captured call and an eager one on other streams are ordered by
 // the caller.)
+//
+// Threads: exchange() and wait() (and round(), last_waited_round(), test_bandwidth()'s rounds)
+// may be called from any thread; the manager serialises them with a lock of its own (the Python
+// layer calls them without the GIL). A blocking wait() holds it only for the launch, not for
+// its host wait, so another thread's exchange() need not wait for that. init() and cleanup() are
+// collective and not serialised with the other calls: make them while no other thread uses the
+// manager.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 
 #include "pydatacopy/detail/channel_order.hpp"
 
@@ -53,8 +61,8 @@ class DoubleBufferManager {
   int64_t token_size() const { return token_size_; }
   int64_t buffer_bytes() const { return n_tokens_ * token_size_; }
   // Rounds exchanged so far; the next exchange() is round `round()` and uses set round() % 2.
-  int64_t round() const { return next_round_; }
-  int64_t last_waited_round() const { return last_waited_round_; }
+  int64_t round() const;
+  int64_t last_waited_round() const;
   uint8_t* send_buffer(int set) const;
   uint8_t* recv_buffer(int set) const;
 
@@ -75,6 +83,9 @@ class DoubleBufferManager {
   void wait(int64_t round, int src_pe, cudaStream_t stream, double timeout_seconds, bool blocking = false);
 
  private:
+  // exchange() and wait()'s stream work, under mutex_.
+  int64_t exchange_locked(int dst_pe, int src_pe, cudaStream_t stream, double timeout_seconds);
+  void wait_locked(int64_t round, int src_pe, cudaStream_t stream, double timeout_seconds);
   uint64_t* signals(int set) const;
   uint64_t* credits(int set) const;
   void require_initialized(const char* what) const;
@@ -91,6 +102,7 @@ class DoubleBufferManager {
   int64_t token_size_ = 0;
   int64_t next_round_ = 0;
   int64_t last_waited_round_ = -1;
+  mutable std::mutex mutex_;  // exchange() and wait() (see above)
 };
 
 }  // namespace pydatacopy

@@ -136,6 +136,7 @@
 #include <cstdint>
 #include <utility>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -177,44 +178,42 @@ class RefusalPoll {
   std::size_t words_ = 0;
 };
 
+// Threads: every public method may be called from any thread. The engine serialises them with
+// a lock of its own (the hot calls run without the GIL in Python, which is what kept two
+// threads out of one engine's host state before). The collective init() and cleanup() hold it
+// only to check and swap the engine's state in or out, never across their barriers (a thread
+// waiting in one must not keep another from the transfers its peers wait for), so a hot call
+// sees either the whole old state or none (it never uses freed staging). Two threads racing
+// init(): one wins, the other cleans up the engine it built (collective) and throws.
 class SendRecvEngine {
  public:
   SendRecvEngine();
   ~SendRecvEngine();  // never collective: call cleanup() on every PE
   SendRecvEngine(const SendRecvEngine&) = delete;
   SendRecvEngine& operator=(const SendRecvEngine&) = delete;
-  SendRecvEngine(SendRecvEngine&& other) noexcept;  // takes other's state; other is left empty
+  // Takes other's state (under other's lock); other is left empty. The lock is not moved.
+  SendRecvEngine(SendRecvEngine&& other) noexcept;
   SendRecvEngine& operator=(SendRecvEngine&&) = delete;
-
-  // Local, never blocks: exchanges the whole state (channels, staging, counters) with `other`.
-  // With detach(), this lets a caller that serialises hot calls with a lock swap an engine's
-  // state in or out under the lock, and run the collective init()/cleanup() outside it (a
-  // thread in a barrier must not hold the lock a peer's matching transfer needs).
-  void swap(SendRecvEngine& other) noexcept;
-  // Moves the state out (this engine is left uninitialised); the caller calls cleanup() on it.
-  SendRecvEngine detach() noexcept;
 
   // Collective and blocking. chunk_bytes is rounded up to a multiple of the 32 KiB page; a
   // message moves on up to `blocks` slices on each side (fewer for small messages), driven by at
   // most as many thread blocks as can be resident at once. Also the way back after a size
-  // mismatch (cleanup(), then init(): every channel starts afresh).
+  // mismatch (cleanup(), then init(): every channel starts afresh). Throws when the engine is
+  // initialised already, or was initialised by another thread while this one built its state.
   void init(std::size_t chunk_bytes, int num_chunks, int blocks);
   void cleanup();  // collective and blocking; harmless twice
-  bool initialized() const { return base_ != nullptr; }
-  std::size_t chunk_bytes() const { return chunk_bytes_; }
-  int num_chunks() const { return num_chunks_; }
-  int blocks() const { return blocks_; }
+  bool initialized() const;
+  std::size_t chunk_bytes() const;
+  int num_chunks() const;
+  int blocks() const;
   // Blocks of a launch at most: what can be resident at once (an MPS share, and at most 1/K of
   // a GPU with K PEs on it), the smallest over every PE (agreed at init, so that both sides of a
   // message cut it alike).
-  int max_grid() const { return resident_blocks_; }
+  int max_grid() const;
   // Slices a message of `bytes` moves on: <= blocks(), <= pages, <= kMaxSlicesPerBlock x max_grid().
-  int slices_for(std::size_t bytes) const {
-    PDC_REQUIRE(initialized(), "slices_for: the send/recv engine is not set up (call init first)");
-    return active_blocks(bytes);
-  }
+  int slices_for(std::size_t bytes) const;
   // Symmetric bytes one PE holds for staging and signals.
-  std::size_t symmetric_bytes() const { return symmetric_bytes_; }
+  std::size_t symmetric_bytes() const;
   // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).
   static std::size_t symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
                                             int blocks);
@@ -251,14 +250,19 @@ class SendRecvEngine {
   // Messages of at least this many bytes to or from a load/store peer move once (0: never).
   // PYDATACOPY_ZERO_COPY_MIN_BYTES at init (default kDefaultZeroCopyMinBytes), the same on every PE.
   static constexpr std::size_t kDefaultZeroCopyMinBytes = std::size_t{32} << 20;  // measured: docs/zero-copy.md
-  std::size_t zero_copy_min_bytes() const { return zero_copy_min_bytes_; }
+  std::size_t zero_copy_min_bytes() const;
   // Collective and blocking (every PE, the same value, between calls; the pair's messages in
   // flight keep the mode they were issued with): changes the threshold. Throws on every PE
-  // alike when the PEs disagree, changing nothing. Call it outside the engine's lock.
+  // alike when the PEs disagree, changing nothing. The agreement (a barrier) runs outside the
+  // engine's lock; only the store is under it.
+  void set_zero_copy_min_bytes(std::size_t bytes);
+  // The two halves of set_zero_copy_min_bytes: the collective vote (touches no engine), then
+  // the local store of the value agreed.
   static void agree_zero_copy_min_bytes(std::size_t bytes);
-  void set_zero_copy_min_bytes_agreed(std::size_t bytes) { zero_copy_min_bytes_ = bytes; }
-  // Serves the peers' zero-copy mapping requests and answers (never blocks): every call with a
-  // peer does it for that peer; check_errors() does it for all.
+  void set_zero_copy_min_bytes_agreed(std::size_t bytes);
+  // Serves the peers' zero-copy mapping requests and answers (never blocks; nothing to do
+  // when not initialised): every call with a peer does it for that peer; check_errors() does
+  // it for all.
   void service_zero_copy();
   // Test hook: ops finished since init, [send staged, send zero-copy, recv staged, recv
   // zero-copy] (counted on the device: synchronise first), and the host's bookkeeping:
@@ -267,6 +271,19 @@ class SendRecvEngine {
   std::vector<uint64_t> zero_copy_counters();
 
  private:
+  // The public methods take mutex_ and call these, which expect it held (or the engine seen by
+  // no other thread: the fresh state init() builds, the old state cleanup() detached).
+  void build(std::size_t chunk_bytes, int num_chunks, int blocks);  // init's collective part
+  void release();                                                   // cleanup's collective part
+  void batch_locked(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds);
+  void check_refusals_locked();
+  void service_zero_copy_locked();
+  std::vector<uint64_t> zero_copy_counters_locked();
+  // Local, never blocks: exchanges the whole state (channels, staging, counters), not the lock.
+  void swap_state(SendRecvEngine& other) noexcept;
+  // Moves the state out (this engine is left uninitialised); the caller release()s it.
+  SendRecvEngine detach() noexcept;
+
   void require_ready(const char* what, int pe) const;       // the call's own arguments
 
   int active_blocks(std::size_t bytes) const;
@@ -308,6 +325,7 @@ class SendRecvEngine {
   uint64_t* zc_counts_ = nullptr;    // device [kZeroCopyCounters]: ops finished, by mode (test hook)
   std::size_t zero_copy_min_bytes_ = 0;
   std::unique_ptr<ZeroCopyState> zero_copy_;
+  mutable std::mutex mutex_;  // the engine's lock (see the class comment); never swapped or moved
 };
 
 }  // namespace pydatacopy

@@ -1,7 +1,6 @@
 // Bindings of two-sided send/recv (send_recv.hpp), with the hot path's METH_FASTCALL entries.
 #include "bindings.hpp"
 
-#include <mutex>
 #include <tuple>
 #include <vector>
 #include "pydatacopy/send_recv.hpp"
@@ -10,19 +9,11 @@ namespace pydatacopy::bindings {
 
 namespace {
 
-// The engines' hot calls run without the GIL (a first-use registration can block behind the
-// legacy default stream); the GIL used to keep two Python threads out of one engine's host
-// state, so these locks do now. The send/recv engine's collective init/cleanup hold its lock
-// only to swap the engine's state in or out (SendRecvEngine::swap/detach), never across their
-// barriers: a thread waiting in one must not keep another from the transfers its peers wait
-// for, and a hot call sees either the whole old state or none (it never uses freed staging).
-std::mutex g_send_recv_mutex;
-
 // ---- send, recv and sendrecv from the hot path (outside group()) ----
 //
 // As put_fast: the engine's pybind11 methods with their five or eight arguments go through
 // pybind11's dispatch; these take the engine (a SendRecvEngine) first, then the method's
-// arguments positionally, and hold the engine's lock as the methods do.
+// arguments positionally (the engine takes its own lock, send_recv.hpp).
 bool engine_argument(PyObject* value, SendRecvEngine*& out) {
   out = nullptr;
   try {
@@ -50,7 +41,6 @@ PyObject* one_way_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
       !unsigned_argument(args[4], stream) || !double_argument(args[5], timeout))
     return nullptr;
   return without_gil([&] {
-    std::lock_guard<std::mutex> lock(g_send_recv_mutex);
     if constexpr (Send)
       engine->send(as_pointer<const void>(address), bytes, peer, as_stream(stream), timeout);
     else
@@ -76,7 +66,6 @@ PyObject* sendrecv_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) 
       !double_argument(args[8], timeout))
     return nullptr;
   return without_gil([&] {
-    std::lock_guard<std::mutex> lock(g_send_recv_mutex);
     engine->sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst), recv_bytes,
                      src_pe, as_stream(stream), timeout);
   });
@@ -98,32 +87,9 @@ void bind_send_recv(py::module_& m) {
   // Two-sided copies through symmetric staging.
   py::class_<SendRecvEngine>(m, "SendRecvEngine")
       .def(py::init<>())
-      .def("init", [](SendRecvEngine& self, std::size_t chunk_bytes, int num_chunks, int blocks) {
-             {
-               std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-               PDC_REQUIRE(!self.initialized(), "SendRecvEngine.init: already initialised; call cleanup() first");
-             }
-             SendRecvEngine fresh;  // built (collectively) outside the lock, then swapped in
-             fresh.init(chunk_bytes, num_chunks, blocks);
-             bool lost = false;  // another thread's init won the race
-             {
-               std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-               if (self.initialized()) lost = true;
-               else self.swap(fresh);
-             }
-             if (lost) {
-               fresh.cleanup();  // collective, like the init every PE made; outside the lock
-               PDC_REQUIRE(false, "SendRecvEngine.init: initialised by another thread meanwhile; "
-                                  "call cleanup() first");
-             }
-           }, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"), release_gil())
-      .def("cleanup", [](SendRecvEngine& self) {
-             SendRecvEngine old = [&self] {
-               std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-               return self.detach();
-             }();
-             old.cleanup();  // collective (barrier, symmetric free) outside the lock
-           }, release_gil())
+      .def("init", &SendRecvEngine::init, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"),
+           release_gil())
+      .def("cleanup", &SendRecvEngine::cleanup, release_gil())
       .def_property_readonly("initialized", &SendRecvEngine::initialized)
       .def_property_readonly("chunk_bytes", &SendRecvEngine::chunk_bytes)
       .def_property_readonly("num_chunks", &SendRecvEngine::num_chunks)
@@ -135,25 +101,19 @@ void bind_send_recv(py::module_& m) {
            "slices (per-op block slots) a message of `bytes` moves on")
       .def_static("symmetric_bytes_needed", &SendRecvEngine::symmetric_bytes_needed, py::arg("n_pes"),
                   py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"))
-      .def("check_refusals", [](SendRecvEngine& self) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-             self.check_refusals();
-           }, release_gil(),
+      .def("check_refusals", &SendRecvEngine::check_refusals, release_gil(),
            "Raise, once per channel, a size mismatch a receiver found after this PE's send completed.")
       .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,
                       std::uintptr_t stream, double timeout) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.send(as_pointer<const void>(src), bytes, dst_pe, as_stream(stream), timeout);
            }, py::arg("src"), py::arg("bytes"), py::arg("dst_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("recv", [](SendRecvEngine& self, std::uintptr_t dst, std::size_t bytes, int src_pe,
                       std::uintptr_t stream, double timeout) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.recv(as_pointer<void>(dst), bytes, src_pe, as_stream(stream), timeout);
            }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("sendrecv", [](SendRecvEngine& self, std::uintptr_t src, std::size_t send_bytes, int dst_pe,
                           std::uintptr_t dst, std::size_t recv_bytes, int src_pe, std::uintptr_t stream,
                           double timeout) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst),
                            recv_bytes, src_pe, as_stream(stream), timeout);
            }, py::arg("src"), py::arg("send_bytes"), py::arg("dst_pe"), py::arg("dst"),
@@ -163,27 +123,15 @@ void bind_send_recv(py::module_& m) {
              std::vector<SendRecvEngine::Operation> list;
              for (const auto& [send, buffer, bytes, peer] : ops)
                list.push_back({send, as_pointer<void>(buffer), bytes, peer});
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              self.batch(list, as_stream(stream), timeout);
            }, py::arg("ops"), py::arg("stream"), py::arg("timeout"), release_gil(),
            "ops: (is_send, address, bytes, peer) tuples, run in one launch")
-      .def_property_readonly("zero_copy_min_bytes", [](SendRecvEngine& self) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-             return self.zero_copy_min_bytes();
-           }, "messages of at least this many bytes between load/store peers move once (0: never)")
-      .def("set_zero_copy_min_bytes", [](SendRecvEngine& self, std::size_t bytes) {
-             // The agreement is a blocking barrier: outside the lock (a peer's transfer may need it).
-             SendRecvEngine::agree_zero_copy_min_bytes(bytes);
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-             self.set_zero_copy_min_bytes_agreed(bytes);
-           }, py::arg("bytes"), release_gil(),
+      .def_property_readonly("zero_copy_min_bytes", &SendRecvEngine::zero_copy_min_bytes,
+                             "messages of at least this many bytes between load/store peers move once (0: never)")
+      .def("set_zero_copy_min_bytes", &SendRecvEngine::set_zero_copy_min_bytes, py::arg("bytes"), release_gil(),
            "collective: every PE, the same value, between calls (bench and tests: 0 turns zero-copy off)")
-      .def("service_zero_copy", [](SendRecvEngine& self) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
-             if (self.initialized()) self.service_zero_copy();
-           }, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
+      .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
       .def("zero_copy_counters", [](SendRecvEngine& self) {
-             std::lock_guard<std::mutex> lock(g_send_recv_mutex);
              const std::vector<uint64_t> v = self.zero_copy_counters();
              static const char* names[] = {"send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy",
                                            "map_requests", "acked", "refused", "not_exportable",

@@ -1,15 +1,9 @@
 // Bindings of the design note's DoubleBufferManager (double_buffer_manager.hpp).
 #include "bindings.hpp"
 
-#include <mutex>
 #include "pydatacopy/double_buffer_manager.hpp"
-#include "pydatacopy/runtime.hpp"
 
 namespace pydatacopy::bindings {
-
-namespace {
-std::mutex g_token_exchange_mutex;
-}  // namespace
 
 void bind_token_exchange(py::module_& m) {
   // The note's DoubleBufferManager, with the stream and timeout made explicit.
@@ -37,20 +31,13 @@ void bind_token_exchange(py::module_& m) {
       .def("exchange",
            [](DoubleBufferManager& self, int dst_pe, int src_pe, std::uintptr_t stream,
               double timeout) {
-             std::lock_guard<std::mutex> lock(g_token_exchange_mutex);
              return self.exchange(dst_pe, src_pe, as_stream(stream), timeout);
            },
            py::arg("dst_pe"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("wait",
            [](DoubleBufferManager& self, int64_t round, int src_pe, std::uintptr_t stream,
               double timeout, bool blocking) {
-             if (blocking) refuse_blocking_capture(as_stream(stream), "DoubleBufferManager.wait(blocking=True)");
-             {
-               std::lock_guard<std::mutex> lock(g_token_exchange_mutex);
-               self.wait(round, src_pe, as_stream(stream), timeout);
-             }
-             // Outside the lock: another thread's exchange() need not wait for this host wait.
-             if (blocking) wait_for_stream(as_stream(stream));
+             self.wait(round, src_pe, as_stream(stream), timeout, blocking);
            },
            py::arg("round"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"),
            py::arg("blocking") = false, release_gil())

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common/cuda_calls.hpp"
+#include "common/pointer_attributes.hpp"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
@@ -46,23 +47,14 @@ using detail::RelaxedCaptureMode;
 class NvshmemBackend final : public RegistrationBackend {
  public:
   Allocation query(const void* ptr) override {
-    using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
-    static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
-    Allocation a;
-    void* start = nullptr;
-    unsigned int memory_type = 0;
-    int managed = 0;
-    CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                        CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                        CU_POINTER_ATTRIBUTE_IS_MANAGED};
-    void* values[] = {&start, &a.bytes, &a.buffer_id, &memory_type, &managed};
     // Not an error for memory CUDA does not know: the attributes stay zero.
-    const CUresult status = get_attributes(5, attributes, values, reinterpret_cast<CUdeviceptr>(ptr));
-    PDC_REQUIRE(status == CUDA_SUCCESS, "cuPointerGetAttributes failed with CUDA driver status "
-                                            << static_cast<int>(status) << " for " << ptr);
-    a.base = reinterpret_cast<std::uintptr_t>(start);
-    a.cuda_memory = memory_type == CU_MEMORYTYPE_DEVICE || memory_type == CU_MEMORYTYPE_HOST;
-    a.managed = managed != 0;
+    const detail::PointerAttributes p = detail::pointer_attributes(ptr, detail::Ask::kIdentity);
+    Allocation a;
+    a.base = p.start;
+    a.bytes = p.bytes;
+    a.buffer_id = p.buffer_id;
+    a.cuda_memory = p.device_memory() || p.host_memory();
+    a.managed = p.managed;
     a.queried = ptr;
     return a;
   }
@@ -199,23 +191,12 @@ void prepare_rma_chunk_stream(const kernels::ChunkStreamArgs& op, bool send) {
 }
 
 DeviceAllocation device_allocation(const void* ptr, int device) {
-  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
-  static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
-  void* start = nullptr;
-  std::size_t bytes = 0;
-  unsigned int memory_type = 0;
-  int ordinal = -1;
-  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                      CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
-  void* values[] = {&start, &bytes, &memory_type, &ordinal};
   // Memory CUDA does not know is no error here: its attributes stay zero.
-  const CUresult status = get_attributes(4, attributes, values, reinterpret_cast<CUdeviceptr>(ptr));
-  PDC_REQUIRE(status == CUDA_SUCCESS, "cuPointerGetAttributes failed with CUDA driver status "
-                                          << static_cast<int>(status) << " for " << ptr);
+  const detail::PointerAttributes p = detail::pointer_attributes(ptr, detail::Ask::kDevice);
   DeviceAllocation a;
-  if (memory_type != CU_MEMORYTYPE_DEVICE || ordinal != device || start == nullptr) return a;
-  a.base = reinterpret_cast<std::uintptr_t>(start);
-  a.bytes = bytes;
+  if (!p.device_memory() || p.device_ordinal != device || p.start == 0) return a;
+  a.base = p.start;
+  a.bytes = p.bytes;
   return a;
 }
 

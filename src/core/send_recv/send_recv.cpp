@@ -21,6 +21,7 @@
 
 #include "common/cuda_calls.hpp"
 #include "common/device_status.cuh"
+#include "common/pointer_attributes.hpp"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
@@ -39,7 +40,6 @@ static_assert(kernels::kRendezvousRing >= kernels::kMaxBatchOps,
 static_assert(kernels::kZeroCopyTableEntries == zero_copy::kTableEntries, "one table size");
 static_assert(sizeof(kernels::RendezvousDescriptor) == 64, "a descriptor is one 64-byte line");
 
-using detail::driver_function;
 using detail::RelaxedCaptureMode;
 
 // PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off).
@@ -73,20 +73,15 @@ struct ZeroCopyState final : zero_copy::Backend {
   }
 
   Allocation query(const void* ptr) override {
-    using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
-    static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
     Allocation a;
-    void* start = nullptr;
-    unsigned int memory_type = 0;
-    int managed = 0;
-    CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                                        CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                                        CU_POINTER_ATTRIBUTE_IS_MANAGED};
-    void* values[] = {&start, &a.bytes, &a.buffer_id, &memory_type, &managed};
-    if (get_attributes(5, attributes, values, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) return a;
-    a.base = reinterpret_cast<std::uintptr_t>(start);
-    a.cuda_memory = memory_type == CU_MEMORYTYPE_DEVICE;  // zero-copy targets device memory only
-    a.managed = managed != 0;
+    detail::PointerAttributes p;
+    // A failed query only keeps the message staged.
+    if (!detail::try_pointer_attributes(ptr, detail::Ask::kIdentity, p)) return a;
+    a.base = p.start;
+    a.bytes = p.bytes;
+    a.buffer_id = p.buffer_id;
+    a.cuda_memory = p.device_memory();  // zero-copy targets device memory only
+    a.managed = p.managed;
     a.queried = ptr;
     return a;
   }
@@ -181,9 +176,8 @@ std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_
          ring_array_bytes(n_pes) + done_array_bytes(n_pes, blocks);
 }
 
-void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
-  require_initialized("SendRecvEngine.init");
-  PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
+void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) {
+  require_initialized("SendRecvEngine.init");  // init() checked that the engine is not set up
   PDC_REQUIRE(num_chunks >= 2, "num_chunks must be at least 2 (one drains while the next fills), got "
                                    << num_chunks);
   PDC_REQUIRE(blocks >= 1 && blocks <= 1024, "blocks must be in [1, 1024], got " << blocks);
@@ -345,7 +339,7 @@ bool SendRecvEngine::load_store_peer(int peer) const {
          peer_address(base_, peer) != nullptr;
 }
 
-void SendRecvEngine::service_zero_copy() {
+void SendRecvEngine::service_zero_copy_locked() {
   if (zero_copy_ == nullptr) return;
   for (int peer = 0; peer < n_pes_; ++peer) {
     zero_copy_->importers[peer]->drain();
@@ -353,8 +347,8 @@ void SendRecvEngine::service_zero_copy() {
   }
 }
 
-std::vector<uint64_t> SendRecvEngine::zero_copy_counters() {
-  PDC_REQUIRE(initialized(), "zero_copy_counters: the send/recv engine is not set up");
+std::vector<uint64_t> SendRecvEngine::zero_copy_counters_locked() {
+  PDC_REQUIRE(base_ != nullptr, "zero_copy_counters: the send/recv engine is not set up");
   // In device memory (a host-mapped atomic at the end of every launch cost a PCIe round trip).
   const uint64_t* device_counts = refusal_poll_.read(zc_counts_, kernels::kZeroCopyCounters);
   std::vector<uint64_t> out;
@@ -373,9 +367,12 @@ std::vector<uint64_t> SendRecvEngine::zero_copy_counters() {
   return out;
 }
 
-SendRecvEngine::SendRecvEngine(SendRecvEngine&& other) noexcept { swap(other); }
+SendRecvEngine::SendRecvEngine(SendRecvEngine&& other) noexcept {
+  std::lock_guard<std::mutex> lock(other.mutex_);
+  swap_state(other);
+}
 
-void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
+void SendRecvEngine::swap_state(SendRecvEngine& other) noexcept {
   using std::swap;
   swap(base_, other.base_);
   swap(peer_bases_, other.peer_bases_);
@@ -406,11 +403,11 @@ void SendRecvEngine::swap(SendRecvEngine& other) noexcept {
 
 SendRecvEngine SendRecvEngine::detach() noexcept {
   SendRecvEngine state;
-  swap(state);
+  swap_state(state);
   return state;
 }
 
-void SendRecvEngine::cleanup() {
+void SendRecvEngine::release() {
   if (base_ == nullptr) return;
   require_initialized("SendRecvEngine.cleanup");
   // symmetric_free settles every PE (bounded barrier) first: peers may still write into staging.
@@ -464,7 +461,7 @@ const uint64_t* RefusalPoll::read(const uint64_t* device_words, std::size_t word
   return host_;
 }
 
-void SendRecvEngine::check_refusals() {
+void SendRecvEngine::check_refusals_locked() {
   if (base_ == nullptr || !sends_launched_) return;
   // [send words][recv words][refused sizes], each n_pes long (the symmetric layout).
   const uint64_t* words = refusal_poll_.read(broken(true, 0), 3 * static_cast<std::size_t>(n_pes_));
@@ -647,26 +644,8 @@ void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, st
   a.zc_offset = d.offset;
 }
 
-void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
-                          double timeout_seconds) {
-  batch({{true, const_cast<void*>(src), bytes, dst_pe}}, stream, timeout_seconds);
-}
-
-void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
-                          double timeout_seconds) {
-  batch({{false, dst, bytes, src_pe}}, stream, timeout_seconds);
-}
-
-void SendRecvEngine::sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
-                              std::size_t recv_bytes, int src_pe, cudaStream_t stream,
-                              double timeout_seconds) {
-  const std::vector<Operation> ops = {{true, const_cast<void*>(src), send_bytes, dst_pe},
-                                      {false, dst, recv_bytes, src_pe}};
-  batch(ops, stream, timeout_seconds);
-}
-
-void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t stream,
-                           double timeout_seconds) {
+void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_t stream,
+                                  double timeout_seconds) {
   PDC_REQUIRE(ops.size() <= static_cast<std::size_t>(kernels::kMaxBatchOps),
               "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
                                                << ops.size() << "; split it into several groups");

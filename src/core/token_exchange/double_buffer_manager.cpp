@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <mutex>
 #include <utility>
 
 #include "common/device_status.cuh"
@@ -132,8 +133,34 @@ int DoubleBufferManager::default_src_pe(int pe, int n_pes) {
   return n_pes % 2 == 0 ? (pe ^ 1) : (pe + n_pes - 1) % n_pes;
 }
 
-int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t stream,
-                                      double timeout_seconds) {
+int64_t DoubleBufferManager::round() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return next_round_;
+}
+
+int64_t DoubleBufferManager::last_waited_round() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return last_waited_round_;
+}
+
+int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t stream, double timeout_seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return exchange_locked(dst_pe, src_pe, stream, timeout_seconds);
+}
+
+void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream, double timeout_seconds,
+                               bool blocking) {
+  if (blocking) refuse_blocking_capture(stream, "DoubleBufferManager.wait(blocking=True)");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    wait_locked(round, src_pe, stream, timeout_seconds);
+  }
+  // Outside the lock: another thread's exchange() need not wait for this host wait.
+  if (blocking) wait_for_stream(stream);
+}
+
+int64_t DoubleBufferManager::exchange_locked(int dst_pe, int src_pe, cudaStream_t stream,
+                                             double timeout_seconds) {
   require_initialized("exchange");
   require_valid_pe(dst_pe, "DoubleBufferManager.exchange dst_pe");
   require_valid_pe(src_pe, "DoubleBufferManager.exchange src_pe");
@@ -179,12 +206,11 @@ int64_t DoubleBufferManager::exchange(int dst_pe, int src_pe, cudaStream_t strea
   return round;
 }
 
-void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
-                               double timeout_seconds, bool blocking) {
+void DoubleBufferManager::wait_locked(int64_t round, int src_pe, cudaStream_t stream,
+                                      double timeout_seconds) {
   require_initialized("wait");
   require_valid_pe(src_pe, "DoubleBufferManager.wait src_pe");
   check_timeouts();
-  if (blocking) refuse_blocking_capture(stream, "DoubleBufferManager.wait(blocking=True)");
   PDC_REQUIRE(round >= 0 && round < next_round_,
               "DoubleBufferManager.wait: round " << round << " has not been exchanged (rounds 0.."
                                                  << next_round_ - 1 << " have)");
@@ -203,7 +229,6 @@ void DoubleBufferManager::wait(int64_t round, int src_pe, cudaStream_t stream,
                              detail::device_status(), blocks, stream);
   order_.record(waited(set), stream, capture);
   last_waited_round_ = std::max(last_waited_round_, round);
-  if (blocking) wait_for_stream(stream);
 }
 
 double DoubleBufferManager::test_bandwidth(int rank, int world_size, cudaStream_t stream) {

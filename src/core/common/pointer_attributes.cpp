@@ -1,0 +1,52 @@
+#include "common/pointer_attributes.hpp"
+
+#include <cuda.h>
+
+#include "common/cuda_calls.hpp"
+#include "pydatacopy/error.hpp"
+
+namespace pydatacopy::detail {
+namespace {
+
+CUresult query(const void* ptr, Ask ask, PointerAttributes& out) {
+  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+  static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
+  void* start = nullptr;
+  int managed = 0;
+  PointerAttributes a;
+  CUpointer_attribute identity[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                    CU_POINTER_ATTRIBUTE_BUFFER_ID, CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                    CU_POINTER_ATTRIBUTE_IS_MANAGED};
+  void* identity_values[] = {&start, &a.bytes, &a.buffer_id, &a.memory_type, &managed};
+  CUpointer_attribute device[] = {CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                                  CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL};
+  void* device_values[] = {&start, &a.bytes, &a.memory_type, &a.device_ordinal};
+  const CUresult status =
+      ask == Ask::kIdentity ? get_attributes(5, identity, identity_values, reinterpret_cast<CUdeviceptr>(ptr))
+                            : get_attributes(4, device, device_values, reinterpret_cast<CUdeviceptr>(ptr));
+  if (status != CUDA_SUCCESS) return status;
+  a.start = reinterpret_cast<std::uintptr_t>(start);
+  a.managed = managed != 0;
+  out = a;
+  return status;
+}
+
+}  // namespace
+
+bool PointerAttributes::device_memory() const { return memory_type == CU_MEMORYTYPE_DEVICE; }
+bool PointerAttributes::host_memory() const { return memory_type == CU_MEMORYTYPE_HOST; }
+
+PointerAttributes pointer_attributes(const void* ptr, Ask ask) {
+  PointerAttributes a;
+  const CUresult status = query(ptr, ask, a);
+  PDC_REQUIRE(status == CUDA_SUCCESS, "cuPointerGetAttributes failed with CUDA driver status "
+                                          << static_cast<int>(status) << " for " << ptr);
+  return a;
+}
+
+bool try_pointer_attributes(const void* ptr, Ask ask, PointerAttributes& out) {
+  out = PointerAttributes();
+  return query(ptr, ask, out) == CUDA_SUCCESS;
+}
+
+}  // namespace pydatacopy::detail

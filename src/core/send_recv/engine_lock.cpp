@@ -1,0 +1,135 @@
+// SendRecvEngine's public entry points: each takes the engine's lock around the unlocked part in
+// send_recv.cpp, and the collective init() and cleanup() hold it only to check and swap the
+// state in or out, never across their barriers (send_recv.hpp: the class comment).
+#include "pydatacopy/send_recv.hpp"
+
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "pydatacopy/error.hpp"
+
+namespace pydatacopy {
+
+using Lock = std::lock_guard<std::mutex>;
+
+void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
+  {
+    Lock lock(mutex_);
+    PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
+  }
+  SendRecvEngine fresh;  // built (collectively) outside the lock, seen by no other thread
+  fresh.build(chunk_bytes, num_chunks, blocks);
+  bool lost = false;  // another thread's init won the race
+  {
+    Lock lock(mutex_);
+    if (base_ != nullptr) lost = true;
+    else swap_state(fresh);
+  }
+  if (lost) {
+    fresh.release();  // collective, like the init every PE made; outside the lock
+    PDC_REQUIRE(false, "SendRecvEngine.init: initialised by another thread meanwhile; call cleanup() first");
+  }
+}
+
+void SendRecvEngine::cleanup() {
+  SendRecvEngine old = [this] {
+    Lock lock(mutex_);
+    return detach();
+  }();
+  old.release();  // collective (barrier, symmetric free) outside the lock
+}
+
+bool SendRecvEngine::initialized() const {
+  Lock lock(mutex_);
+  return base_ != nullptr;
+}
+
+std::size_t SendRecvEngine::chunk_bytes() const {
+  Lock lock(mutex_);
+  return chunk_bytes_;
+}
+
+int SendRecvEngine::num_chunks() const {
+  Lock lock(mutex_);
+  return num_chunks_;
+}
+
+int SendRecvEngine::blocks() const {
+  Lock lock(mutex_);
+  return blocks_;
+}
+
+int SendRecvEngine::max_grid() const {
+  Lock lock(mutex_);
+  return resident_blocks_;
+}
+
+int SendRecvEngine::slices_for(std::size_t bytes) const {
+  Lock lock(mutex_);
+  PDC_REQUIRE(base_ != nullptr, "slices_for: the send/recv engine is not set up (call init first)");
+  return active_blocks(bytes);
+}
+
+std::size_t SendRecvEngine::symmetric_bytes() const {
+  Lock lock(mutex_);
+  return symmetric_bytes_;
+}
+
+void SendRecvEngine::send(const void* src, std::size_t bytes, int dst_pe, cudaStream_t stream,
+                          double timeout_seconds) {
+  Lock lock(mutex_);
+  batch_locked({{true, const_cast<void*>(src), bytes, dst_pe}}, stream, timeout_seconds);
+}
+
+void SendRecvEngine::recv(void* dst, std::size_t bytes, int src_pe, cudaStream_t stream,
+                          double timeout_seconds) {
+  Lock lock(mutex_);
+  batch_locked({{false, dst, bytes, src_pe}}, stream, timeout_seconds);
+}
+
+void SendRecvEngine::sendrecv(const void* src, std::size_t send_bytes, int dst_pe, void* dst,
+                              std::size_t recv_bytes, int src_pe, cudaStream_t stream,
+                              double timeout_seconds) {
+  const std::vector<Operation> ops = {{true, const_cast<void*>(src), send_bytes, dst_pe},
+                                      {false, dst, recv_bytes, src_pe}};
+  Lock lock(mutex_);
+  batch_locked(ops, stream, timeout_seconds);
+}
+
+void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds) {
+  Lock lock(mutex_);
+  batch_locked(ops, stream, timeout_seconds);
+}
+
+void SendRecvEngine::check_refusals() {
+  Lock lock(mutex_);
+  check_refusals_locked();
+}
+
+std::size_t SendRecvEngine::zero_copy_min_bytes() const {
+  Lock lock(mutex_);
+  return zero_copy_min_bytes_;
+}
+
+void SendRecvEngine::set_zero_copy_min_bytes(std::size_t bytes) {
+  agree_zero_copy_min_bytes(bytes);  // a blocking barrier: outside the lock (a peer's transfer may need it)
+  set_zero_copy_min_bytes_agreed(bytes);
+}
+
+void SendRecvEngine::set_zero_copy_min_bytes_agreed(std::size_t bytes) {
+  Lock lock(mutex_);
+  zero_copy_min_bytes_ = bytes;
+}
+
+void SendRecvEngine::service_zero_copy() {
+  Lock lock(mutex_);
+  if (base_ != nullptr) service_zero_copy_locked();
+}
+
+std::vector<uint64_t> SendRecvEngine::zero_copy_counters() {
+  Lock lock(mutex_);
+  return zero_copy_counters_locked();
+}
+
+}  // namespace pydatacopy
