@@ -432,18 +432,16 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                   (rows == 0 || (recv_meta != nullptr && row_of != nullptr && expert_of_row != nullptr &&
                                  source_pe != nullptr && source_token != nullptr)),
               "moe_receive_layout: every tensor must be on the GPU");
+  const kernels::MoeReceiveLayoutOutputs out{row_of,    expert_counts, expert_offsets, num_rows,       expert_of_row,
+                                              source_pe, source_token,  combine_index,  combine_counts, pair_position};
   const int64_t large = kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);
   if (large > 0 && scratch_fits(scratch, scratch_bytes, large, "moe_receive_layout")) {
     kernels::launch_moe_receive_layout_large(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
-                                             experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
-                                             expert_of_row, source_pe, source_token, combine_index,
-                                             combine_counts, pair_position, scratch, stream);
+                                             experts_per_pe, out, scratch, stream);
     return;
   }
   kernels::launch_moe_receive_layout(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
-                                     experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
-                                     expert_of_row, source_pe, source_token, combine_index,
-                                     combine_counts, pair_position, stream);
+                                     experts_per_pe, out, stream);
 }
 
 int64_t moe_receive_layout_scratch_bytes(int64_t rows, int64_t topk, int64_t experts_per_pe) {

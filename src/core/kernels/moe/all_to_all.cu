@@ -1252,14 +1252,11 @@ void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t to
 
 void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
                                const int64_t* recv_counts, int n_pes, int my_pe,
-                               int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
-                               int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
-                               int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream) {
+                               int64_t experts_per_pe, const MoeReceiveLayoutOutputs& out, cudaStream_t stream) {
   moe_receive_layout_kernel<<<1, kLayoutThreads, 0, stream>>>(
-      recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, row_of, expert_counts,
-      expert_offsets, num_rows, expert_of_row, source_pe, source_token, combine_index, combine_counts,
-      pair_position);
+      recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, out.row_of, out.expert_counts,
+      out.expert_offsets, out.num_rows, out.expert_of_row, out.source_pe, out.source_token, out.combine_index,
+      out.combine_counts, out.pair_position);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
