@@ -48,6 +48,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "pydatacopy/detail/channel_order.hpp"
@@ -153,9 +154,11 @@ class AllToAll {
   // send row of each row sent (destination-major). recv_counts, recv_offsets: device int64
   // [n_pes], written. Errors found on the device (a count refused, a timeout) are reported by
   // check_device_errors(); an earlier call's refusal is thrown by this call after its launches.
-  void exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
-                const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds);
+  // Returns the call's number (release() takes it). exchange() and release() hold the buffer's
+  // lock (one at a time per buffer, whatever the threads); init() and cleanup() do not.
+  int64_t exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                   const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                   int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds);
 
   // After a call with a field left in the region (recv null): where field f's rows from source
   // 0 are (device address, this PE), and the bytes from one source's rows to the next. Valid
@@ -170,6 +173,8 @@ class AllToAll {
 
  private:
   void require_initialized(const char* what) const;
+
+  std::mutex mutex_;                   // exchange() and release(): one at a time (their counters)
 
   uint8_t* base_ = nullptr;            // the symmetric allocation
   uint8_t** peer_bases_ = nullptr;     // device [n_pes]: base_ at each PE through nvshmem_ptr, or null

@@ -9,10 +9,6 @@
 
 namespace pydatacopy::bindings {
 
-namespace {
-std::mutex g_all_to_all_mutex;
-}  // namespace
-
 void bind_moe(py::module_& m) {
   // The all-to-all-v with counts on the GPU (all_to_all.hpp), and MoE combine's reduction.
   py::class_<AllToAll>(m, "AllToAll")
@@ -36,11 +32,9 @@ void bind_moe(py::module_& m) {
              std::vector<AllToAllField> list;
              for (const auto& [send, recv, row_bytes, send_rows, recv_rows] : fields)
                list.push_back({as_pointer<const void>(send), as_pointer<void>(recv), row_bytes, send_rows, recv_rows});
-             std::lock_guard<std::mutex> lock(g_all_to_all_mutex);
-             self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
-                           index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
-                           as_stream(stream), timeout);
-             return self.calls() - 1;  // this call's number (release() takes it)
+             return self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
+                                  index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
+                                  as_stream(stream), timeout);  // the call's number (release() takes it)
            },
            py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
            py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
@@ -53,10 +47,7 @@ void bind_moe(py::module_& m) {
            py::arg("field"), "Device address of field's rows from source 0 in the last call's region")
       .def_property_readonly("region_stride", &AllToAll::region_stride)
       .def("release",
-           [](AllToAll& self, int64_t call, std::uintptr_t stream) {
-             std::lock_guard<std::mutex> lock(g_all_to_all_mutex);
-             self.release(call, as_stream(stream));
-           },
+           [](AllToAll& self, int64_t call, std::uintptr_t stream) { self.release(call, as_stream(stream)); },
            py::arg("call"), py::arg("stream"), release_gil(),
            "Hand call's receive regions back to the sources (stream-ordered)");
   m.def("moe_combine_reduce",

@@ -166,9 +166,10 @@ void AllToAll::cleanup() {
   order_ = ChannelOrder();
 }
 
-void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
-                        const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                        int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds) {
+int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                           const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                           int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds) {
+  const std::lock_guard<std::mutex> lock(mutex_);
   require_initialized("all_to_all");
   check_timeouts();  // a collective: refused on every PE once any peer is presumed dead
   const int count = static_cast<int>(fields.size());
@@ -271,7 +272,7 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
   for (int f = 0; f < AllToAllLayout::kMaxFields; ++f) last_field_start_[f] = f < count ? args.field_start[f] : 0;
   release_owed_[set] = defer;
   last_call_ = calls_;
-  ++calls_;
+  return calls_++;
 }
 
 const uint8_t* AllToAll::in_region(int field) const {
@@ -289,6 +290,7 @@ int64_t AllToAll::region_stride() const {
 }
 
 void AllToAll::release(int64_t call, cudaStream_t stream) {
+  const std::lock_guard<std::mutex> lock(mutex_);
   require_initialized("all_to_all: release");
   PDC_REQUIRE(call >= 0 && call < calls_ && call >= calls_ - 2,
               "all_to_all: release(" << call << "): only one of the last two calls (" << calls_ - 2
