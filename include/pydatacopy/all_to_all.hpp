@@ -216,6 +216,10 @@ void moe_combine_reduce_region(void* out, const void* region, int64_t stride, co
                                const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                                int dtype, cudaStream_t stream);
 
+// The dtype codes of the reductions (rows, out): the Python layer maps torch dtypes by these names
+// (_C.REDUCE_DTYPES).
+enum ReduceDtype : int { kReduceFloat32 = 0, kReduceBfloat16 = 1, kReduceFloat16 = 2 };
+
 // MoE combine's reduction: out[t] = sum over k in order of weights[t, k] * rows[slots[t, k]]
 // (slots < 0 skipped), each product and sum rounded to float32 in that order (no fused
 // multiply-add, so a float32 reference computed in the same order matches bit for bit), then
@@ -230,6 +234,12 @@ void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const in
 constexpr int kMoeLayoutMaxPes = 64;
 constexpr int64_t kMoeLayoutMaxExpertsPerPe = 256;
 constexpr int64_t kMoeLayoutMaxPairs = (int64_t{1} << 31) - 1;  // tokens x topk, rows x topk
+// Within those limits (pairs: tokens x topk sent, or rows x topk + 1 received); past them, the
+// torch layouts. (The Python layer's _layout_kernels_fit is this rule on the same constants: a
+// traced call cannot call into _C; tests/test_moe_cpu.py checks the two agree.)
+constexpr bool moe_layout_kernels_fit(int64_t n_pes, int64_t experts_per_pe, int64_t pairs) {
+  return n_pes <= kMoeLayoutMaxPes && experts_per_pe <= kMoeLayoutMaxExpertsPerPe && pairs < kMoeLayoutMaxPairs;
+}
 
 // Sender: topk_idx [tokens, topk] (int32 or int64: id_bytes 4 or 8) of global expert ids (outside
 // [0, num_experts): none) -> send_counts [n_pes] (tokens for each PE), send_index

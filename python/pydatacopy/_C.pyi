@@ -122,6 +122,14 @@ def moe_combine_reduce_region(out: int, region: int, stride: int, pair_pe: int, 
 MOE_LAYOUT_MAX_PES: int
 MOE_LAYOUT_MAX_EXPERTS_PER_PE: int
 MOE_LAYOUT_MAX_PAIRS: int
+ALL_TO_ALL_MAX_FIELDS: int  # AllToAllLayout::kMaxFields
+ALL_TO_ALL_MAX_PES: int  # AllToAllLayout::kMaxPes
+ALL_TO_ALL_MAX_ROW_BYTES: int  # AllToAllLayout::kMaxRowBytes
+ALL_TO_ALL_MAX_CAPACITY: int  # AllToAllLayout::kMaxCapacity
+REDUCE_DTYPES: dict[str, int]  # ReduceDtype: {"float32": 0, "bfloat16": 1, "float16": 2}
+
+def moe_layout_kernels_fit(n_pes: int, experts_per_pe: int, pairs: int) -> bool:
+    """Within the one-block layout kernels' limits (all_to_all.hpp)."""
 
 def check_all_to_all_refusal() -> None: ...
 

@@ -153,6 +153,19 @@ void bind_moe(py::module_& m) {
         py::arg("back_counts"), py::arg("n_sources"), py::arg("weights"), py::arg("tokens"), py::arg("topk"),
         py::arg("hidden"), py::arg("dtype"), py::arg("stream"), release_gil(),
         "moe_combine_reduce reading each pair's row from combine's receive region");
+  m.def("moe_layout_kernels_fit", &moe_layout_kernels_fit, py::arg("n_pes"), py::arg("experts_per_pe"),
+        py::arg("pairs"));
+  m.attr("ALL_TO_ALL_MAX_FIELDS") = AllToAllLayout::kMaxFields;
+  m.attr("ALL_TO_ALL_MAX_PES") = AllToAllLayout::kMaxPes;
+  m.attr("ALL_TO_ALL_MAX_ROW_BYTES") = AllToAllLayout::kMaxRowBytes;
+  m.attr("ALL_TO_ALL_MAX_CAPACITY") = AllToAllLayout::kMaxCapacity;
+  {
+    py::dict dtypes;
+    dtypes["float32"] = static_cast<int>(kReduceFloat32);
+    dtypes["bfloat16"] = static_cast<int>(kReduceBfloat16);
+    dtypes["float16"] = static_cast<int>(kReduceFloat16);
+    m.attr("REDUCE_DTYPES") = dtypes;
+  }
   m.attr("MOE_LAYOUT_MAX_PES") = kMoeLayoutMaxPes;
   m.attr("MOE_LAYOUT_MAX_EXPERTS_PER_PE") = kMoeLayoutMaxExpertsPerPe;
   m.attr("MOE_LAYOUT_MAX_PAIRS") = kMoeLayoutMaxPairs;
