@@ -393,3 +393,71 @@ def test_torch_compile_traces_dispatch_and_combine_whole():
     finally:
         for number in numbers:
             _moe_a2a._buffers.pop(number, None)
+
+
+# ---- the one-call dispatch's workspace (include/pydatacopy/moe.hpp), through _C -------------
+
+_SIZES = [(0, 1, 1, 1, 1, 16), (5, 2, 2, 3, 8, 20), (64, 8, 8, 32, 512, 14336), (3000, 8, 4, 64, 12000, 7168),
+          (1, 1, 64, 256, 64, 2)]
+
+
+@pytest.mark.parametrize("tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes", _SIZES)
+def test_dispatch_workspace_parts_aligned_apart_and_large_enough(tokens, topk, n_pes, experts_per_pe, recv_rows,
+                                                                 row_bytes):
+    from pydatacopy import _C
+    total, parts = _C.moe_dispatch_workspace(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes)
+    assert total == _C.moe_dispatch_workspace_bytes(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes)
+    align = _C.MOE_DISPATCH_WORKSPACE_ALIGNMENT
+    pairs = recv_rows * topk
+    want = {"send_counts": 8 * n_pes, "send_index": 8 * (n_pes * tokens + 1), "meta": 4 * tokens * (topk + 1),
+            "pair_pe": 8 * tokens * topk, "pair_rank": 8 * tokens * topk,
+            "dispatch_scratch": _C.moe_dispatch_layout_scratch_bytes(tokens, topk, n_pes),
+            "recv_meta": 4 * recv_rows * (topk + 1), "recv_counts": 8 * n_pes, "recv_offsets": 8 * n_pes,
+            "positions": 8 * pairs, "row_of": 8 * pairs, "expert_counts": 8 * experts_per_pe,
+            "expert_offsets": 8 * experts_per_pe, "num_rows": 8, "expert_of_row": 8 * pairs,
+            "source_pe": 8 * pairs, "source_token": 8 * pairs, "combine_index": 8 * (pairs + 1),
+            "combine_counts": 8 * n_pes,
+            "receive_scratch": _C.moe_receive_layout_scratch_bytes(recv_rows, topk, experts_per_pe),
+            "recv_x": pairs * row_bytes}
+    assert {name: size for name, (_, size) in parts.items()} == want
+    spans = sorted((offset, offset + size) for offset, size in parts.values())
+    assert all(offset % align == 0 for offset, _ in spans)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))  # apart
+    assert spans[0][0] == 0 and spans[-1][1] <= total and total % align == 0
+
+
+def test_dispatch_workspace_grows_with_every_size():
+    from pydatacopy import _C
+    base = (16, 2, 4, 8, 64, 32)
+    for i in range(len(base)):
+        sizes = list(base)
+        previous = _C.moe_dispatch_workspace_bytes(*sizes)
+        for step in (1, 2, 7, 50):
+            sizes[i] = base[i] + step
+            now = _C.moe_dispatch_workspace_bytes(*sizes)
+            assert now >= previous, (i, sizes)
+            previous = now
+
+
+def test_dispatch_workspace_past_the_layout_kernels():
+    from pydatacopy import _C
+    assert _C.moe_dispatch_workspace(4, 2, _C.MOE_LAYOUT_MAX_PES + 1, 1, 8, 16) is None
+    assert _C.moe_dispatch_workspace(4, 2, 2, _C.MOE_LAYOUT_MAX_EXPERTS_PER_PE + 1, 8, 16) is None
+    with pytest.raises(pydatacopy.Error, match="outside the layout kernels' limits"):
+        _C.moe_dispatch_workspace_bytes(4, 2, _C.MOE_LAYOUT_MAX_PES + 1, 1, 8, 16)
+
+
+def test_moe_facts_come_from_the_core():
+    from pydatacopy import _C
+    from pydatacopy.moe import common
+    assert common._REDUCE_DTYPES == {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+    assert (common.MAX_FIELDS, common.MAX_ROW_BYTES, common.MAX_CAPACITY, common.MAX_PES) == \
+        (4, (1 << 24) - 1, (1 << 31) - 1, 1024)
+    assert _C.MOE_REGION_ROW_ALIGNMENT == 16
+    # The Python fit rule (read by traced code, which cannot call _C) is the core's.
+    limits = (_C.MOE_LAYOUT_MAX_PES, _C.MOE_LAYOUT_MAX_EXPERTS_PER_PE, _C.MOE_LAYOUT_MAX_PAIRS)
+    for n_pes in (1, limits[0], limits[0] + 1):
+        for experts in (1, limits[1], limits[1] + 1):
+            for pairs in (0, limits[2] - 1, limits[2], limits[2] + 1):
+                assert _moe_layout._layout_kernels_fit(n_pes, experts, pairs) == \
+                    _C.moe_layout_kernels_fit(n_pes, experts, pairs)

@@ -48,6 +48,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "pydatacopy/detail/channel_order.hpp"
@@ -153,9 +154,11 @@ class AllToAll {
   // send row of each row sent (destination-major). recv_counts, recv_offsets: device int64
   // [n_pes], written. Errors found on the device (a count refused, a timeout) are reported by
   // check_device_errors(); an earlier call's refusal is thrown by this call after its launches.
-  void exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
-                const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds);
+  // Returns the call's number (release() takes it). exchange() and release() hold the buffer's
+  // lock (one at a time per buffer, whatever the threads); init() and cleanup() do not.
+  int64_t exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                   const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                   int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds);
 
   // After a call with a field left in the region (recv null): where field f's rows from source
   // 0 are (device address, this PE), and the bytes from one source's rows to the next. Valid
@@ -170,6 +173,8 @@ class AllToAll {
 
  private:
   void require_initialized(const char* what) const;
+
+  std::mutex mutex_;                   // exchange() and release(): one at a time (their counters)
 
   uint8_t* base_ = nullptr;            // the symmetric allocation
   uint8_t** peer_bases_ = nullptr;     // device [n_pes]: base_ at each PE through nvshmem_ptr, or null
@@ -211,6 +216,10 @@ void moe_combine_reduce_region(void* out, const void* region, int64_t stride, co
                                const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                                int dtype, cudaStream_t stream);
 
+// The dtype codes of the reductions (rows, out): the Python layer maps torch dtypes by these names
+// (_C.REDUCE_DTYPES).
+enum ReduceDtype : int { kReduceFloat32 = 0, kReduceBfloat16 = 1, kReduceFloat16 = 2 };
+
 // MoE combine's reduction: out[t] = sum over k in order of weights[t, k] * rows[slots[t, k]]
 // (slots < 0 skipped), each product and sum rounded to float32 in that order (no fused
 // multiply-add, so a float32 reference computed in the same order matches bit for bit), then
@@ -225,6 +234,12 @@ void moe_combine_reduce(void* out, const void* rows, int64_t row_count, const in
 constexpr int kMoeLayoutMaxPes = 64;
 constexpr int64_t kMoeLayoutMaxExpertsPerPe = 256;
 constexpr int64_t kMoeLayoutMaxPairs = (int64_t{1} << 31) - 1;  // tokens x topk, rows x topk
+// Within those limits (pairs: tokens x topk sent, or rows x topk + 1 received); past them, the
+// torch layouts. (The Python layer's _layout_kernels_fit is this rule on the same constants: a
+// traced call cannot call into _C; tests/test_moe_cpu.py checks the two agree.)
+constexpr bool moe_layout_kernels_fit(int64_t n_pes, int64_t experts_per_pe, int64_t pairs) {
+  return n_pes <= kMoeLayoutMaxPes && experts_per_pe <= kMoeLayoutMaxExpertsPerPe && pairs < kMoeLayoutMaxPairs;
+}
 
 // Sender: topk_idx [tokens, topk] (int32 or int64: id_bytes 4 or 8) of global expert ids (outside
 // [0, num_experts): none) -> send_counts [n_pes] (tokens for each PE), send_index

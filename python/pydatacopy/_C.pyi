@@ -122,6 +122,38 @@ def moe_combine_reduce_region(out: int, region: int, stride: int, pair_pe: int, 
 MOE_LAYOUT_MAX_PES: int
 MOE_LAYOUT_MAX_EXPERTS_PER_PE: int
 MOE_LAYOUT_MAX_PAIRS: int
+MOE_REGION_ROW_ALIGNMENT: int  # rows of a multiple of this: scatter_region_rows (include/pydatacopy/moe.hpp)
+MOE_DISPATCH_WORKSPACE_ALIGNMENT: int  # MoeDispatchWorkspace::kAlignment
+ALL_TO_ALL_MAX_FIELDS: int  # AllToAllLayout::kMaxFields
+ALL_TO_ALL_MAX_PES: int  # AllToAllLayout::kMaxPes
+ALL_TO_ALL_MAX_ROW_BYTES: int  # AllToAllLayout::kMaxRowBytes
+ALL_TO_ALL_MAX_CAPACITY: int  # AllToAllLayout::kMaxCapacity
+REDUCE_DTYPES: dict[str, int]  # ReduceDtype: {"float32": 0, "bfloat16": 1, "float16": 2}
+
+def moe_layout_kernels_fit(n_pes: int, experts_per_pe: int, pairs: int) -> bool:
+    """Within the one-block layout kernels' limits (all_to_all.hpp)."""
+
+def moe_dispatch_fits(tokens: int, topk: int, n_pes: int, experts_per_pe: int, recv_rows: int) -> bool:
+    """Whether moe_dispatch_region takes these sizes (both layouts within the kernels' limits)."""
+
+def moe_dispatch_workspace(tokens: int, topk: int, n_pes: int, experts_per_pe: int, recv_rows: int,
+                           row_bytes: int) -> tuple[int, dict[str, tuple[int, int]]] | None:
+    """moe_dispatch_region's workspace: (bytes, {part: (offset, bytes)}); None past the limits."""
+
+def moe_dispatch_workspace_bytes(tokens: int, topk: int, n_pes: int, experts_per_pe: int, recv_rows: int,
+                                 row_bytes: int) -> int:
+    """MoeDispatchWorkspace::bytes_needed; pydatacopy.Error past the layout kernels' limits."""
+
+def moe_dispatch_region(engine: AllToAll, x: int, row_bytes: int, topk_idx: int, id_bytes: int, tokens: int,
+                        topk: int, num_experts: int, workspace: int, workspace_bytes: int, stream: int,
+                        timeout: float) -> None:
+    """MoE dispatch's region path in one call: layouts, exchange, grouping by expert, release."""
+
+def moe_combine_region(engine: AllToAll, y: int, y_rows: int, hidden: int, dtype: int, combine_counts: int,
+                       combine_index: int, index_rows: int, pair_pe: int, pair_rank: int, weights: int,
+                       tokens: int, topk: int, out: int, back_counts: int, back_offsets: int, stream: int,
+                       timeout: float) -> None:
+    """MoE combine's region path in one call: the exchange back, the reduction, the release."""
 
 def check_all_to_all_refusal() -> None: ...
 

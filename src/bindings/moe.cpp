@@ -1,17 +1,13 @@
 // Bindings of the all-to-all-v with counts on the GPU and MoE's layouts and reductions (all_to_all.hpp).
 #include "bindings.hpp"
 
-#include <mutex>
 #include <tuple>
 #include <vector>
 #include "pydatacopy/all_to_all.hpp"
+#include "pydatacopy/moe.hpp"
 #include "pydatacopy/runtime.hpp"
 
 namespace pydatacopy::bindings {
-
-namespace {
-std::mutex g_all_to_all_mutex;
-}  // namespace
 
 void bind_moe(py::module_& m) {
   // The all-to-all-v with counts on the GPU (all_to_all.hpp), and MoE combine's reduction.
@@ -36,11 +32,9 @@ void bind_moe(py::module_& m) {
              std::vector<AllToAllField> list;
              for (const auto& [send, recv, row_bytes, send_rows, recv_rows] : fields)
                list.push_back({as_pointer<const void>(send), as_pointer<void>(recv), row_bytes, send_rows, recv_rows});
-             std::lock_guard<std::mutex> lock(g_all_to_all_mutex);
-             self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
-                           index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
-                           as_stream(stream), timeout);
-             return self.calls() - 1;  // this call's number (release() takes it)
+             return self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
+                                  index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
+                                  as_stream(stream), timeout);  // the call's number (release() takes it)
            },
            py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
            py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
@@ -53,10 +47,7 @@ void bind_moe(py::module_& m) {
            py::arg("field"), "Device address of field's rows from source 0 in the last call's region")
       .def_property_readonly("region_stride", &AllToAll::region_stride)
       .def("release",
-           [](AllToAll& self, int64_t call, std::uintptr_t stream) {
-             std::lock_guard<std::mutex> lock(g_all_to_all_mutex);
-             self.release(call, as_stream(stream));
-           },
+           [](AllToAll& self, int64_t call, std::uintptr_t stream) { self.release(call, as_stream(stream)); },
            py::arg("call"), py::arg("stream"), release_gil(),
            "Hand call's receive regions back to the sources (stream-ordered)");
   m.def("moe_combine_reduce",
@@ -162,6 +153,69 @@ void bind_moe(py::module_& m) {
         py::arg("back_counts"), py::arg("n_sources"), py::arg("weights"), py::arg("tokens"), py::arg("topk"),
         py::arg("hidden"), py::arg("dtype"), py::arg("stream"), release_gil(),
         "moe_combine_reduce reading each pair's row from combine's receive region");
+  m.def("moe_dispatch_workspace",
+        [](int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
+           int64_t row_bytes) -> py::object {
+          if (!moe_dispatch_fits(tokens, topk, n_pes, experts_per_pe, recv_rows)) return py::none();
+          const MoeDispatchWorkspace w(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes);
+          py::dict parts;
+          for (int p = 0; p < MoeDispatchWorkspace::kParts; ++p)
+            parts[MoeDispatchWorkspace::kNames[p]] = py::make_tuple(w.offset[p], w.bytes[p]);
+          return py::make_tuple(w.total(), parts);
+        },
+        py::arg("tokens"), py::arg("topk"), py::arg("n_pes"), py::arg("experts_per_pe"), py::arg("recv_rows"),
+        py::arg("row_bytes"),
+        "moe_dispatch_region's workspace (moe.hpp): (bytes, {part: (offset, bytes)}), or None when "
+        "the sizes are past the layout kernels' limits");
+  m.def("moe_dispatch_workspace_bytes", &MoeDispatchWorkspace::bytes_needed, py::arg("tokens"), py::arg("topk"),
+        py::arg("n_pes"), py::arg("experts_per_pe"), py::arg("recv_rows"), py::arg("row_bytes"),
+        "MoeDispatchWorkspace::bytes_needed (Error past the layout kernels' limits)");
+  m.def("moe_dispatch_fits", &moe_dispatch_fits, py::arg("tokens"), py::arg("topk"), py::arg("n_pes"),
+        py::arg("experts_per_pe"), py::arg("recv_rows"));
+  m.def("moe_layout_kernels_fit", &moe_layout_kernels_fit, py::arg("n_pes"), py::arg("experts_per_pe"),
+        py::arg("pairs"));
+  m.def("moe_dispatch_region",
+        [](AllToAll& engine, std::uintptr_t x, int64_t row_bytes, std::uintptr_t topk_idx, int id_bytes,
+           int64_t tokens, int64_t topk, int64_t num_experts, std::uintptr_t workspace, int64_t workspace_bytes,
+           std::uintptr_t stream, double timeout) {
+          moe_dispatch_region(engine, as_pointer<const void>(x), row_bytes, as_pointer<const void>(topk_idx), id_bytes,
+                              tokens, topk, num_experts, as_pointer<void>(workspace), workspace_bytes,
+                              as_stream(stream), timeout);
+        },
+        py::arg("engine"), py::arg("x"), py::arg("row_bytes"), py::arg("topk_idx"), py::arg("id_bytes"),
+        py::arg("tokens"), py::arg("topk"), py::arg("num_experts"), py::arg("workspace"),
+        py::arg("workspace_bytes"), py::arg("stream"), py::arg("timeout"), release_gil(),
+        "MoE dispatch's region path in one call (moe.hpp): layouts, exchange, grouping, release");
+  m.def("moe_combine_region",
+        [](AllToAll& engine, std::uintptr_t y, int64_t y_rows, int64_t hidden, int dtype, std::uintptr_t combine_counts,
+           std::uintptr_t combine_index, int64_t index_rows, std::uintptr_t pair_pe, std::uintptr_t pair_rank,
+           std::uintptr_t weights, int64_t tokens, int64_t topk, std::uintptr_t out, std::uintptr_t back_counts,
+           std::uintptr_t back_offsets, std::uintptr_t stream, double timeout) {
+          moe_combine_region(engine, as_pointer<const void>(y), y_rows, hidden, dtype,
+                             as_pointer<const int64_t>(combine_counts), as_pointer<const int64_t>(combine_index),
+                             index_rows, as_pointer<const int64_t>(pair_pe), as_pointer<const int64_t>(pair_rank),
+                             as_pointer<const float>(weights), tokens, topk, as_pointer<void>(out),
+                             as_pointer<int64_t>(back_counts), as_pointer<int64_t>(back_offsets), as_stream(stream),
+                             timeout);
+        },
+        py::arg("engine"), py::arg("y"), py::arg("y_rows"), py::arg("hidden"), py::arg("dtype"),
+        py::arg("combine_counts"), py::arg("combine_index"), py::arg("index_rows"), py::arg("pair_pe"),
+        py::arg("pair_rank"), py::arg("weights"), py::arg("tokens"), py::arg("topk"), py::arg("out"),
+        py::arg("back_counts"), py::arg("back_offsets"), py::arg("stream"), py::arg("timeout"), release_gil(),
+        "MoE combine's region path in one call (moe.hpp): the exchange back, the reduction, the release");
+  m.attr("MOE_REGION_ROW_ALIGNMENT") = kMoeRegionRowAlignment;
+  m.attr("MOE_DISPATCH_WORKSPACE_ALIGNMENT") = MoeDispatchWorkspace::kAlignment;
+  m.attr("ALL_TO_ALL_MAX_FIELDS") = AllToAllLayout::kMaxFields;
+  m.attr("ALL_TO_ALL_MAX_PES") = AllToAllLayout::kMaxPes;
+  m.attr("ALL_TO_ALL_MAX_ROW_BYTES") = AllToAllLayout::kMaxRowBytes;
+  m.attr("ALL_TO_ALL_MAX_CAPACITY") = AllToAllLayout::kMaxCapacity;
+  {
+    py::dict dtypes;
+    dtypes["float32"] = static_cast<int>(kReduceFloat32);
+    dtypes["bfloat16"] = static_cast<int>(kReduceBfloat16);
+    dtypes["float16"] = static_cast<int>(kReduceFloat16);
+    m.attr("REDUCE_DTYPES") = dtypes;
+  }
   m.attr("MOE_LAYOUT_MAX_PES") = kMoeLayoutMaxPes;
   m.attr("MOE_LAYOUT_MAX_EXPERTS_PER_PE") = kMoeLayoutMaxExpertsPerPe;
   m.attr("MOE_LAYOUT_MAX_PAIRS") = kMoeLayoutMaxPairs;

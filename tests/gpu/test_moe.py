@@ -741,3 +741,97 @@ def test_dispatch_and_combine_of_many_tokens_are_exact(world, big_dispatcher, gr
             continue
         want_rows = torch.stack([every_x[s][t] for _, s, t in expected])
         _same_bytes(recv_x[:used], want_rows, f"{what}: recv_x")
+
+
+# ---- the eager host path: one native call each, the same outputs as the Python steps -----------
+
+class _Counting:
+    """A stand-in for _C (or a _C object) that records every call into it: functions and methods
+    called, properties read on objects (each a crossing into C++). Classes and constants pass."""
+
+    def __init__(self, target, calls: list) -> None:
+        self._target, self._calls = target, calls
+
+    def __getattr__(self, name):
+        value = getattr(self._target, name)
+        if isinstance(value, type) or isinstance(value, (int, float, str, dict, tuple)) and \
+                type(self._target).__name__ == "module":
+            return value
+        if not callable(value):
+            self._calls.append(name)  # a property of a _C object
+            return value
+
+        def counted(*args, **kwargs):
+            self._calls.append(name)
+            args = [a._target if isinstance(a, _Counting) else a for a in args]
+            return value(*args, **kwargs)
+        return counted
+
+
+def test_eager_dispatch_and_combine_cross_into_cpp_at_most_3_times(world, dispatcher, monkeypatch):
+    """Rows of 65 bf16 / fp8 elements: the grouping gathers (rows not of 16-byte multiples)."""
+    _check_host_path(world, dispatcher, monkeypatch, f"{dispatcher.dtype}")
+
+
+def test_eager_dispatch_of_16_byte_rows_crosses_at_most_3_times(world, big_dispatcher, monkeypatch):
+    """Rows of 256 bf16 elements: the grouping scatters (each received row read once)."""
+    _check_host_path(world, big_dispatcher, monkeypatch, "16-byte rows")
+
+
+def _check_host_path(world, d, monkeypatch, which):
+    """An eager dispatch: at most 3 calls into _C (the buffer's state, the workspace's layout,
+    moe_dispatch_region), combine at most 2; the outputs equal the compacting path's (the Python
+    steps: dispatch_plan, exchange, receive_layout, gather_rows) and pair_pe / pair_rank equal
+    dispatch_plan_reference, byte for byte."""
+    import sys
+
+    from pydatacopy.moe import dispatcher as _moe_dispatcher
+    from pydatacopy.moe.layout import dispatch_plan_reference
+    rank, n, _ = world
+    tokens = d.max_tokens
+    generator = torch.Generator().manual_seed(40 + rank)
+    x = _rows(tokens, d.hidden, d.dtype, generator).cuda()
+    ids = torch.stack([torch.randperm(d.num_experts, generator=generator)[:d.topk] for _ in range(tokens)])
+    ids[torch.rand(ids.shape, generator=generator) < 0.2] = -1
+    ids = ids.cuda()
+    weights = torch.rand(tokens, d.topk, generator=generator).cuda()
+    y_dtype = d.combine_dtype
+
+    calls: list[str] = []
+    counting = _Counting(pydatacopy._C, calls)
+    for name in ("pydatacopy.moe.dispatcher", "pydatacopy.moe.layout", "pydatacopy.moe.rows",
+                 "pydatacopy.moe.all_to_all", "pydatacopy.moe.common", "pydatacopy._torch_utils"):
+        monkeypatch.setattr(sys.modules[name], "_C", counting)
+    for buffer in (d._dispatch, d._combine):
+        monkeypatch.setattr(buffer, "_core", _Counting(buffer._core, calls))
+    recv_x, handle = d.dispatch(x, ids, timeout=TIMEOUT_S)
+    dispatch_calls = list(calls)
+    calls.clear()
+    y = recv_x.to(torch.float32).to(y_dtype)  # the expert: the identity (rows past num_rows unread)
+    out = d.combine(y, handle, weights, timeout=TIMEOUT_S)
+    combine_calls = list(calls)
+    monkeypatch.undo()
+    if len(dispatch_calls) > 3:
+        _FAILURES.append(f"{which}: an eager dispatch called into _C {len(dispatch_calls)} times: {dispatch_calls}")
+    if len(combine_calls) > 2:
+        _FAILURES.append(f"{which}: an eager combine called into _C {len(combine_calls)} times: {combine_calls}")
+
+    monkeypatch.setattr(_moe_dispatcher, "IN_REGION", False)  # the Python steps, compacting
+    want_x, want = d.dispatch(x, ids, timeout=TIMEOUT_S)
+    want_out = d.combine(y, want, weights, timeout=TIMEOUT_S)
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    used = int(want.num_rows)
+    for field in want._fields:
+        _same_bytes(getattr(handle, field).cpu(), getattr(want, field).cpu(), f"{which}: handle.{field}")
+    _same_bytes(recv_x[:used].cpu(), want_x[:used].cpu(), f"{which}: recv_x")
+    _same_bytes(out.cpu(), want_out.cpu(), f"{which}: combined output")
+    plan = dispatch_plan_reference(ids.cpu(), d.num_experts, n)
+    _same_bytes(handle.pair_pe.cpu(), plan.pair_pe, f"{which}: pair_pe against dispatch_plan_reference")
+    _same_bytes(handle.pair_rank.cpu(), plan.pair_rank, f"{which}: pair_rank against dispatch_plan_reference")
+    # Fresh workspaces: a second dispatch leaves the first one's outputs as they were.
+    kept = recv_x[:used].clone(), handle.source_token.clone()
+    d.dispatch(x.flip(0), ids.flip(0), timeout=TIMEOUT_S)
+    torch.cuda.synchronize()
+    _same_bytes(recv_x[:used], kept[0], f"{which}: recv_x after a later dispatch")
+    _same_bytes(handle.source_token, kept[1], f"{which}: source_token after a later dispatch")

@@ -12,10 +12,13 @@ from .. import _C
 
 Error = _C.Error
 
-MAX_FIELDS = 4  # AllToAllLayout::kMaxFields
-MAX_ROW_BYTES = (1 << 24) - 1  # AllToAllLayout::kMaxRowBytes
-MAX_CAPACITY = (1 << 31) - 1
-_REDUCE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The core's limits (AllToAllLayout in include/pydatacopy/all_to_all.hpp), read from _C.
+MAX_FIELDS = _C.ALL_TO_ALL_MAX_FIELDS
+MAX_ROW_BYTES = _C.ALL_TO_ALL_MAX_ROW_BYTES
+MAX_CAPACITY = _C.ALL_TO_ALL_MAX_CAPACITY
+MAX_PES = _C.ALL_TO_ALL_MAX_PES
+# The reductions' dtype codes (ReduceDtype), by torch dtype.
+_REDUCE_DTYPES = {getattr(torch, name): code for name, code in _C.REDUCE_DTYPES.items()}
 
 
 def _traced() -> bool:

@@ -9,11 +9,10 @@ from typing import NamedTuple
 import torch
 
 from .. import _C
-from .._torch_utils import check_int, stream_handle
+from .._torch_utils import check_int, stream_handle, timeout_seconds
 from .all_to_all import AllToAll
 from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
-from .layout import (ReceiveLayout, _layout_kernels_fit, _receive_layout_eager, combine_slots, dispatch_plan,
-                     receive_layout)
+from .layout import combine_slots, dispatch_plan, receive_layout
 from .rows import combine_reduce, gather_rows
 
 # MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
@@ -136,6 +135,10 @@ class MoeDispatcher:
             raise Error(f"pydatacopy.MoeDispatcher.dispatch: num_experts={num_experts}, but the "
                         f"dispatcher was set up for {self.num_experts}")
         self._check_tokens(x, topk_idx, "dispatch")
+        if not _traced() and IN_REGION:
+            native = self._dispatch_native(x, topk_idx, timeout)
+            if native is not None:
+                return native
         plan = dispatch_plan(topk_idx, self.num_experts, self.n_pes)
         if _traced() or not IN_REGION:
             (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
@@ -143,40 +146,69 @@ class MoeDispatcher:
             layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
             recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
         else:
-            # The token rows stay in the receive region: the grouping by expert reads them there
-            # (one copy of the rows received, not two); the meta rows are compacted for the layout.
+            # Past the layout kernels' limits (else _dispatch_native): the torch layouts, the token
+            # rows read in the receive region (the meta rows compacted for the layout).
             buffer = self._dispatch
             (_, recv_meta), recv_counts, recv_offsets, call = buffer._exchange_in_region(
                 [x, plan.meta], [True, False], plan.send_counts, plan.send_index, timeout)
             try:
-                received = recv_meta.shape[0]
-                row_bytes = _row_bytes(x)
                 stream = stream_handle(None, buffer._device)
-                region, stride = buffer._core.in_region(0), buffer._core.region_stride
-                if row_bytes % 16 == 0 and _layout_kernels_fit(self.n_pes, self.experts_per_pe,
-                                                               received * self.topk + 1):
-                    # Each received row read once and written to each of its experts' rows.
-                    positions = torch.empty(received * self.topk, dtype=torch.int64, device=x.device)
-                    layout = ReceiveLayout(*_receive_layout_eager(recv_meta, recv_counts, self.my_pe,
-                                                                  self.experts_per_pe, self.topk, None,
-                                                                  positions))
-                    rows = layout.row_of.shape[0]
-                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
-                    _C.scatter_region_rows(recv_x.data_ptr(), rows, region, stride, recv_offsets.data_ptr(),
-                                           recv_counts.data_ptr(), self.n_pes, positions.data_ptr(),
-                                           self.topk, received, row_bytes, stream)
-                else:
-                    layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
-                    rows = layout.row_of.shape[0]
-                    recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
-                    _C.gather_region_rows(recv_x.data_ptr(), region, stride, recv_offsets.data_ptr(),
-                                          recv_counts.data_ptr(), self.n_pes, layout.row_of.data_ptr(),
-                                          layout.num_rows.data_ptr(), rows, row_bytes, stream)
+                layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
+                rows = layout.row_of.shape[0]
+                recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
+                _C.gather_region_rows(recv_x.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
+                                      recv_offsets.data_ptr(), recv_counts.data_ptr(), self.n_pes,
+                                      layout.row_of.data_ptr(), layout.num_rows.data_ptr(), rows,
+                                      _row_bytes(x), stream)
             finally:
                 buffer._core.release(call, stream_handle(None, buffer._device))
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
                            layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
                            layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)
+        return recv_x, handle
+
+    def _dispatch_native(self, x, topk_idx, timeout):
+        """The region dispatch in one native call (moe_dispatch_region, include/pydatacopy/moe.hpp):
+        both layouts, the exchange (token rows left in the receive region), the grouping by
+        expert and the release, every output a view of one workspace (fresh per call, so an
+        earlier call's outputs stay valid). None where it does not apply (a tensor elsewhere,
+        a closed buffer, sizes past the layout kernels): the steps in Python then run, and
+        say what is wrong."""
+        buffer = self._dispatch
+        device = buffer._device
+        if not (topk_idx.get_device() == device and x.get_device() == device and x.is_contiguous()
+                and buffer._core.initialized):
+            return None
+        tokens, topk, n_pes = x.shape[0], self.topk, self.n_pes
+        row_bytes = _row_bytes(x)
+        layout = _C.moe_dispatch_workspace(tokens, topk, n_pes, self.experts_per_pe, n_pes * self.max_tokens,
+                                           row_bytes)
+        if layout is None:
+            return None
+        seconds = timeout_seconds(timeout)
+        total, parts = layout
+        if topk_idx.dtype not in (torch.int32, torch.int64):
+            topk_idx = topk_idx.to(torch.int64)
+        topk_idx = topk_idx.contiguous()
+        workspace = torch.empty(total, dtype=torch.uint8, device=x.device)
+        _C.moe_dispatch_region(buffer._core, x.data_ptr(), row_bytes, topk_idx.data_ptr(), topk_idx.element_size(),
+                               tokens, topk, self.num_experts, workspace.data_ptr(), total,
+                               stream_handle(None, device), seconds)
+
+        def view(name, dtype, *shape):
+            offset, size = parts[name]
+            return workspace[offset:offset + size].view(dtype).view(shape)
+
+        pairs = n_pes * self.max_tokens * topk
+        longs = torch.int64
+        epp = self.experts_per_pe
+        recv_x = view("recv_x", x.dtype, pairs, self.hidden)
+        handle = MoeHandle(view("expert_counts", longs, epp), view("expert_offsets", longs, epp),
+                           view("num_rows", longs), view("expert_of_row", longs, pairs),
+                           view("source_pe", longs, pairs), view("source_token", longs, pairs),
+                           view("recv_counts", longs, n_pes), view("combine_index", longs, pairs + 1),
+                           view("combine_counts", longs, n_pes), view("pair_pe", longs, tokens, topk),
+                           view("pair_rank", longs, tokens, topk))
         return recv_x, handle
 
     def combine(self, y: torch.Tensor, handle: MoeHandle, topk_weights: torch.Tensor, *,
@@ -205,6 +237,18 @@ class MoeDispatcher:
         buffer = self._combine
         y = y.contiguous()
         tokens, topk = handle.pair_pe.shape
+        if self._combine_fits(y, handle):  # one native call: the exchange, the reduction, the release
+            weights = topk_weights.to(torch.float32).contiguous()
+            pair_pe, pair_rank = handle.pair_pe.contiguous(), handle.pair_rank.contiguous()
+            out = torch.empty((tokens, self.hidden), dtype=y.dtype, device=y.device)
+            back = torch.empty(2 * self.n_pes, dtype=torch.int64, device=y.device)  # counts, offsets
+            index = handle.combine_index
+            _C.moe_combine_region(buffer._core, y.data_ptr(), y.shape[0], self.hidden, _REDUCE_DTYPES[y.dtype],
+                                  handle.combine_counts.data_ptr(), index.data_ptr(), index.shape[0],
+                                  pair_pe.data_ptr(), pair_rank.data_ptr(), weights.data_ptr(), tokens, topk,
+                                  out.data_ptr(), back.data_ptr(), back[self.n_pes:].data_ptr(),
+                                  stream_handle(None, buffer._device), timeout_seconds(timeout))
+            return out
         (_,), back_counts, _, call = buffer._exchange_in_region(
             [y], [True], handle.combine_counts, handle.combine_index, timeout)
         try:
@@ -220,6 +264,15 @@ class MoeDispatcher:
         finally:
             buffer._core.release(call, stream_handle(None, buffer._device))
         return out
+
+    def _combine_fits(self, y, handle) -> bool:
+        """Whether moe_combine_region takes these tensors; else the steps in Python (their checks)."""
+        device = self._combine._device
+        counts, index = handle.combine_counts, handle.combine_index
+        return (y.get_device() == device and counts.get_device() == device and index.get_device() == device
+                and counts.dtype == torch.int64 and tuple(counts.shape) == (self.n_pes,) and counts.is_contiguous()
+                and index.dtype == torch.int64 and index.dim() == 1 and index.is_contiguous()
+                and self._combine._core.initialized)
 
     def _check_tokens(self, x, topk_idx, what) -> None:
         call = f"pydatacopy.MoeDispatcher.{what}"

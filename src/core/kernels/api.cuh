@@ -306,12 +306,22 @@ void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t to
                                 int64_t num_experts, int n_pes, int64_t* send_counts,
                                 int64_t* send_index, int32_t* meta, int64_t* pair_pe,
                                 int64_t* pair_rank, cudaStream_t stream);
+// The receive layout's outputs (pydatacopy::moe_receive_layout says what each holds).
+struct MoeReceiveLayoutOutputs {
+  int64_t* row_of;
+  int64_t* expert_counts;
+  int64_t* expert_offsets;
+  int64_t* num_rows;
+  int64_t* expert_of_row;
+  int64_t* source_pe;
+  int64_t* source_token;
+  int64_t* combine_index;
+  int64_t* combine_counts;
+  int64_t* pair_position;  // null: not written
+};
 void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
                                const int64_t* recv_counts, int n_pes, int my_pe,
-                               int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
-                               int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
-                               int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream);
+                               int64_t experts_per_pe, const MoeReceiveLayoutOutputs& out, cudaStream_t stream);
 // The same layouts for large inputs (moe_layout_large.cu): the same outputs, bit for bit, over
 // many blocks in three launches each, with scratch memory of the bytes below (0: small enough
 // for the one-block kernels, which the caller then uses). The limits above hold.
@@ -324,11 +334,8 @@ void launch_moe_dispatch_layout_large(const void* topk_idx, bool ids_int32, int6
                                       int64_t* pair_rank, void* scratch, cudaStream_t stream);
 void launch_moe_receive_layout_large(const int32_t* recv_meta, int64_t rows, int topk,
                                      const int64_t* recv_counts, int n_pes, int my_pe,
-                                     int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
-                                     int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
-                                     int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                                     int64_t* combine_counts, int64_t* pair_position, void* scratch,
-                                     cudaStream_t stream);
+                                     int64_t experts_per_pe, const MoeReceiveLayoutOutputs& out,
+                                     void* scratch, cudaStream_t stream);
 void preload_moe_layout_large_kernels();
 // MoE dispatch's grouping by expert from the receive region, each received row read once and
 // written to every recv_x row of it: positions [received rows x topk] (recv_x row, or < 0).

@@ -166,9 +166,10 @@ void AllToAll::cleanup() {
   order_ = ChannelOrder();
 }
 
-void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
-                        const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                        int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds) {
+int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                           const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                           int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds) {
+  const std::lock_guard<std::mutex> lock(mutex_);
   require_initialized("all_to_all");
   check_timeouts();  // a collective: refused on every PE once any peer is presumed dead
   const int count = static_cast<int>(fields.size());
@@ -271,7 +272,7 @@ void AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t*
   for (int f = 0; f < AllToAllLayout::kMaxFields; ++f) last_field_start_[f] = f < count ? args.field_start[f] : 0;
   release_owed_[set] = defer;
   last_call_ = calls_;
-  ++calls_;
+  return calls_++;
 }
 
 const uint8_t* AllToAll::in_region(int field) const {
@@ -289,6 +290,7 @@ int64_t AllToAll::region_stride() const {
 }
 
 void AllToAll::release(int64_t call, cudaStream_t stream) {
+  const std::lock_guard<std::mutex> lock(mutex_);
   require_initialized("all_to_all: release");
   PDC_REQUIRE(call >= 0 && call < calls_ && call >= calls_ - 2,
               "all_to_all: release(" << call << "): only one of the last two calls (" << calls_ - 2
@@ -432,18 +434,16 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                   (rows == 0 || (recv_meta != nullptr && row_of != nullptr && expert_of_row != nullptr &&
                                  source_pe != nullptr && source_token != nullptr)),
               "moe_receive_layout: every tensor must be on the GPU");
+  const kernels::MoeReceiveLayoutOutputs out{row_of,    expert_counts, expert_offsets, num_rows,       expert_of_row,
+                                              source_pe, source_token,  combine_index,  combine_counts, pair_position};
   const int64_t large = kernels::moe_receive_layout_scratch_bytes(rows, static_cast<int>(topk), experts_per_pe);
   if (large > 0 && scratch_fits(scratch, scratch_bytes, large, "moe_receive_layout")) {
     kernels::launch_moe_receive_layout_large(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
-                                             experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
-                                             expert_of_row, source_pe, source_token, combine_index,
-                                             combine_counts, pair_position, scratch, stream);
+                                             experts_per_pe, out, scratch, stream);
     return;
   }
   kernels::launch_moe_receive_layout(recv_meta, rows, static_cast<int>(topk), recv_counts, n_pes, my_pe,
-                                     experts_per_pe, row_of, expert_counts, expert_offsets, num_rows,
-                                     expert_of_row, source_pe, source_token, combine_index,
-                                     combine_counts, pair_position, stream);
+                                     experts_per_pe, out, stream);
 }
 
 int64_t moe_receive_layout_scratch_bytes(int64_t rows, int64_t topk, int64_t experts_per_pe) {

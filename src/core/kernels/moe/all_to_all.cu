@@ -1200,12 +1200,12 @@ void launch_reduce_rows(T* out, Rows rows_of, bool vector, const float* weights,
 template <typename Rows>
 void reduce_rows_by_dtype(void* out, Rows rows_of, bool aligned, const float* weights, int64_t tokens,
                           int64_t topk, int64_t hidden, int dtype, cudaStream_t stream) {
-  const int64_t element = dtype == 0 ? 4 : 2;
+  const int64_t element = dtype == kReduceFloat32 ? 4 : 2;
   const bool vector = aligned && (reinterpret_cast<uintptr_t>(out) & 15) == 0 && (hidden * element) % 16 == 0;
   switch (dtype) {
-    case 0: launch_reduce_rows(static_cast<float*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
-    case 1: launch_reduce_rows(static_cast<__nv_bfloat16*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
-    case 2: launch_reduce_rows(static_cast<__half*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
+    case kReduceFloat32: launch_reduce_rows(static_cast<float*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
+    case kReduceBfloat16: launch_reduce_rows(static_cast<__nv_bfloat16*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
+    case kReduceFloat16: launch_reduce_rows(static_cast<__half*>(out), rows_of, vector, weights, tokens, topk, hidden, stream); break;
     default:
       PDC_REQUIRE(false, "moe_combine_reduce: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
   }
@@ -1252,14 +1252,11 @@ void launch_moe_dispatch_layout(const void* topk_idx, bool ids_int32, int64_t to
 
 void launch_moe_receive_layout(const int32_t* recv_meta, int64_t rows, int topk,
                                const int64_t* recv_counts, int n_pes, int my_pe,
-                               int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
-                               int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
-                               int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                               int64_t* combine_counts, int64_t* pair_position, cudaStream_t stream) {
+                               int64_t experts_per_pe, const MoeReceiveLayoutOutputs& out, cudaStream_t stream) {
   moe_receive_layout_kernel<<<1, kLayoutThreads, 0, stream>>>(
-      recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, row_of, expert_counts,
-      expert_offsets, num_rows, expert_of_row, source_pe, source_token, combine_index, combine_counts,
-      pair_position);
+      recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, out.row_of, out.expert_counts,
+      out.expert_offsets, out.num_rows, out.expert_of_row, out.source_pe, out.source_token, out.combine_index,
+      out.combine_counts, out.pair_position);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -1267,7 +1264,7 @@ void launch_moe_combine_reduce(void* out, const void* rows, int64_t row_count, c
                                const float* weights, int64_t tokens, int64_t topk, int64_t hidden,
                                int dtype, cudaStream_t stream) {
   if (tokens == 0 || hidden == 0) return;
-  const int64_t element = dtype == 0 ? 4 : 2;
+  const int64_t element = dtype == kReduceFloat32 ? 4 : 2;
   const SlotRows rows_of{static_cast<const uint8_t*>(rows), row_count, hidden * element, slots};
   reduce_rows_by_dtype(out, rows_of, (reinterpret_cast<uintptr_t>(rows) & 15) == 0, weights, tokens, topk,
                        hidden, dtype, stream);
@@ -1279,7 +1276,7 @@ void launch_moe_combine_reduce_region(void* out, const void* region, int64_t str
                                       int64_t tokens, int64_t topk, int64_t hidden, int dtype,
                                       cudaStream_t stream) {
   if (tokens == 0 || hidden == 0) return;
-  const int64_t element = dtype == 0 ? 4 : 2;
+  const int64_t element = dtype == kReduceFloat32 ? 4 : 2;
   const RegionRows rows_of{static_cast<const uint8_t*>(region), stride, hidden * element, pair_pe, pair_rank,
                            back_counts, n_sources};
   reduce_rows_by_dtype(out, rows_of, ((reinterpret_cast<uintptr_t>(region) | static_cast<uintptr_t>(stride)) & 15) == 0,

@@ -511,11 +511,8 @@ void launch_moe_dispatch_layout_large(const void* topk_idx, bool ids_int32, int6
 
 void launch_moe_receive_layout_large(const int32_t* recv_meta, int64_t rows, int topk,
                                      const int64_t* recv_counts, int n_pes, int my_pe,
-                                     int64_t experts_per_pe, int64_t* row_of, int64_t* expert_counts,
-                                     int64_t* expert_offsets, int64_t* num_rows, int64_t* expert_of_row,
-                                     int64_t* source_pe, int64_t* source_token, int64_t* combine_index,
-                                     int64_t* combine_counts, int64_t* pair_position, void* scratch,
-                                     cudaStream_t stream) {
+                                     int64_t experts_per_pe, const MoeReceiveLayoutOutputs& out,
+                                     void* scratch, cudaStream_t stream) {
   const int bins = static_cast<int>(experts_per_pe) + 1;
   const Units units = units_of(rows * topk, 32 * kBatches, bins);
   int32_t* counts = static_cast<int32_t*>(scratch);
@@ -527,13 +524,13 @@ void launch_moe_receive_layout_large(const int32_t* recv_meta, int64_t rows, int
                                                           partial);
   PDC_CHECK_CUDA(cudaGetLastError());
   receive_scan_kernel<<<1, kScanThreads, 0, stream>>>(counts, units.count, units.size, bins, rows, topk,
-                                                      recv_counts, n_pes, partial, offsets, expert_counts,
-                                                      expert_offsets, num_rows, combine_counts);
+                                                      recv_counts, n_pes, partial, offsets, out.expert_counts,
+                                                      out.expert_offsets, out.num_rows, out.combine_counts);
   PDC_CHECK_CUDA(cudaGetLastError());
   receive_place_kernel<<<grid, kUnitThreads, 0, stream>>>(recv_meta, rows, topk, recv_counts, n_pes, my_pe,
                                                           experts_per_pe, units.count, units.size, counts,
-                                                          offsets, row_of, expert_of_row, source_pe,
-                                                          source_token, combine_index, pair_position);
+                                                          offsets, out.row_of, out.expert_of_row, out.source_pe,
+                                                          out.source_token, out.combine_index, out.pair_position);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 

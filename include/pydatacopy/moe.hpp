@@ -1,0 +1,91 @@
+// MoE dispatch's host path in one call: the region dispatch of MoeDispatcher (python/pydatacopy/
+// moe/dispatcher.py) as the core runs it, on the caller's stream, with every output and scratch
+// carved out of ONE workspace the caller allocates (MoeDispatchWorkspace says where each is).
+//
+// moe_dispatch_region = moe_dispatch_layout (the sender's layout, its scratch), the exchange of
+// the token rows (left in the receive region) and the meta rows (compacted, recv_meta), the
+// receive layout (its scratch), then the grouping by expert straight from the region:
+// scatter_region_rows (rows of 16-byte multiples, moe_region_rows_scatter) or gather_region_rows
+// (other rows), and the region's release. The calls and their arguments are those the Python
+// layer made one by one before (the same kernels, the same outputs, bit for bit).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "pydatacopy/all_to_all.hpp"
+
+namespace pydatacopy {
+
+// Rows whose bytes are a multiple of this (and 16-byte aligned tensors) take scatter_region_rows
+// (each received row read once); the others gather_region_rows.
+constexpr int64_t kMoeRegionRowAlignment = 16;
+inline bool moe_region_rows_scatter(int64_t row_bytes) { return row_bytes % kMoeRegionRowAlignment == 0; }
+
+// Where each output and scratch of moe_dispatch_region lies in its workspace (byte offsets, each
+// kAlignment-aligned, in this order, none overlapping; total() bytes in all). Sizes: `tokens`
+// rows of x (row_bytes each) with `topk` expert ids each, over n_pes PEs of experts_per_pe
+// experts, recv_rows (n_pes x the dispatch buffer's capacity) rows received at most.
+struct MoeDispatchWorkspace {
+  static constexpr int64_t kAlignment = 256;
+  enum Part : int {
+    // The sender's layout (dispatch_plan): int64 but meta (int32 [tokens, topk + 1]).
+    kSendCounts, kSendIndex, kMeta, kPairPe, kPairRank, kDispatchScratch,
+    // The exchange's outputs: recv_meta int32 [recv_rows, topk + 1], recv_counts, recv_offsets.
+    kRecvMeta, kRecvCounts, kRecvOffsets,
+    // The receive layout (receive_layout), int64; positions: scatter_region_rows' [pairs].
+    kPositions, kRowOf, kExpertCounts, kExpertOffsets, kNumRows, kExpertOfRow, kSourcePe,
+    kSourceToken, kCombineIndex, kCombineCounts, kReceiveScratch,
+    kRecvX,  // [pairs, row_bytes]: the rows grouped by expert
+    kParts
+  };
+  static const char* const kNames[kParts];  // "send_counts", ... (the Python views' names)
+
+  int64_t tokens = 0, topk = 0, experts_per_pe = 0, recv_rows = 0, row_bytes = 0;
+  int n_pes = 0;
+  int64_t offset[kParts] = {};
+  int64_t bytes[kParts] = {};
+  int64_t end = 0;
+
+  // Throws Error for sizes outside the layout kernels' limits (moe_dispatch_fits says which fit).
+  MoeDispatchWorkspace(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
+                       int64_t row_bytes);
+  int64_t pairs() const { return recv_rows * topk; }  // rows of recv_x and of the receive layout
+  int64_t total() const { return end; }
+  static int64_t bytes_needed(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
+                              int64_t row_bytes) {
+    return MoeDispatchWorkspace(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes).total();
+  }
+};
+
+// Whether moe_dispatch_region takes these sizes: both layouts within their one-block kernels'
+// limits (moe_layout_kernels_fit: tokens x topk pairs sent, recv_rows x topk + 1 received).
+// Past them the Python layer's torch layouts serve (as before).
+bool moe_dispatch_fits(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows);
+
+// The region dispatch, stream-ordered on `stream` (nothing read on the host). x: [tokens,
+// row_bytes] on this PE's GPU; topk_idx [tokens, topk] int32 or int64 (id_bytes 4 or 8) of
+// global expert ids; engine: the dispatch buffer (max_row_bytes >= row_bytes + (topk + 1) x 4,
+// capacity rows per source); workspace: device memory of at least
+// MoeDispatchWorkspace(...).total() bytes, kAlignment-aligned, the outputs' home (the caller
+// keeps it while it reads them). Collective like AllToAll::exchange: every PE calls it, in the
+// same order. A failure after the exchange still releases its region (as the Python path did).
+void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
+                         int64_t tokens, int64_t topk, int64_t num_experts, void* workspace,
+                         int64_t workspace_bytes, cudaStream_t stream, double timeout_seconds);
+
+// MoE combine's region path in one call: the exchange of the expert outputs y ([y_rows, hidden]
+// of the reduction dtype `dtype`, ReduceDtype) back to their tokens' PEs (combine_counts rows to
+// each, the rows combine_index[index_rows] names, left in the receive region), then
+// moe_combine_reduce_region into out ([tokens, hidden], y's dtype) with pair_pe / pair_rank /
+// weights ([tokens, topk]) and the region's release. back_counts, back_offsets: device int64
+// [n_pes], the exchange's recv_counts / recv_offsets. Collective like moe_dispatch_region; a
+// failure after the exchange still releases its region.
+void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
+                        const int64_t* combine_counts, const int64_t* combine_index, int64_t index_rows,
+                        const int64_t* pair_pe, const int64_t* pair_rank, const float* weights, int64_t tokens,
+                        int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
+                        double timeout_seconds);
+
+}  // namespace pydatacopy

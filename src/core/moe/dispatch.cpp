@@ -1,0 +1,152 @@
+// MoE dispatch's region path in one call (moe.hpp): the steps MoeDispatcher.dispatch made one
+// by one from Python, in the same order with the same arguments, on a workspace of the caller's.
+#include "pydatacopy/moe.hpp"
+
+#include <vector>
+
+#include "pydatacopy/error.hpp"
+#include "pydatacopy/runtime.hpp"
+
+namespace pydatacopy {
+namespace {
+
+int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+}  // namespace
+
+const char* const MoeDispatchWorkspace::kNames[kParts] = {
+    "send_counts", "send_index",     "meta",           "pair_pe",   "pair_rank",     "dispatch_scratch",
+    "recv_meta",   "recv_counts",    "recv_offsets",   "positions", "row_of",        "expert_counts",
+    "expert_offsets", "num_rows",    "expert_of_row",  "source_pe", "source_token",  "combine_index",
+    "combine_counts", "receive_scratch", "recv_x"};
+
+bool moe_dispatch_fits(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows) {
+  if (tokens < 0 || topk < 1 || n_pes < 1 || experts_per_pe < 1 || recv_rows < 0) return false;
+  if (tokens > kMoeLayoutMaxPairs / topk || recv_rows > (kMoeLayoutMaxPairs - 1) / topk) return false;
+  return moe_layout_kernels_fit(n_pes, 1, tokens * topk) &&
+         moe_layout_kernels_fit(n_pes, experts_per_pe, recv_rows * topk + 1);
+}
+
+MoeDispatchWorkspace::MoeDispatchWorkspace(int64_t tokens_, int64_t topk_, int n_pes_, int64_t experts_per_pe_,
+                                           int64_t recv_rows_, int64_t row_bytes_)
+    : tokens(tokens_), topk(topk_), experts_per_pe(experts_per_pe_), recv_rows(recv_rows_), row_bytes(row_bytes_),
+      n_pes(n_pes_) {
+  PDC_REQUIRE(moe_dispatch_fits(tokens, topk, n_pes, experts_per_pe, recv_rows),
+              "moe_dispatch_region: tokens " << tokens << ", topk " << topk << ", " << n_pes << " PEs of "
+                  << experts_per_pe << " experts, " << recv_rows
+                  << " rows received are outside the layout kernels' limits");
+  PDC_REQUIRE(row_bytes >= 0 && row_bytes <= AllToAllLayout::kMaxRowBytes,
+              "moe_dispatch_region: rows of " << row_bytes << " bytes; at most " << AllToAllLayout::kMaxRowBytes);
+  const int64_t pes = n_pes, sent = tokens * topk, pairs = recv_rows * topk;
+  bytes[kSendCounts] = 8 * pes;
+  bytes[kSendIndex] = 8 * (pes * tokens + 1);
+  bytes[kMeta] = 4 * tokens * (topk + 1);
+  bytes[kPairPe] = bytes[kPairRank] = 8 * sent;
+  bytes[kDispatchScratch] = moe_dispatch_layout_scratch_bytes(tokens, topk, n_pes);
+  bytes[kRecvMeta] = 4 * recv_rows * (topk + 1);
+  bytes[kRecvCounts] = bytes[kRecvOffsets] = 8 * pes;
+  bytes[kPositions] = bytes[kRowOf] = 8 * pairs;
+  bytes[kExpertCounts] = bytes[kExpertOffsets] = 8 * experts_per_pe;
+  bytes[kNumRows] = 8;
+  bytes[kExpertOfRow] = bytes[kSourcePe] = bytes[kSourceToken] = 8 * pairs;
+  bytes[kCombineIndex] = 8 * (pairs + 1);
+  bytes[kCombineCounts] = 8 * pes;
+  bytes[kReceiveScratch] = moe_receive_layout_scratch_bytes(recv_rows, topk, experts_per_pe);
+  PDC_REQUIRE(row_bytes == 0 || pairs <= (int64_t{1} << 50) / row_bytes,
+              "moe_dispatch_region: recv_x of " << pairs << " rows of " << row_bytes << " bytes is too large");
+  bytes[kRecvX] = pairs * row_bytes;
+  int64_t at = 0;
+  for (int part = 0; part < kParts; ++part) {
+    offset[part] = at;
+    at = align_up(at + bytes[part], kAlignment);
+  }
+  end = at;
+}
+
+void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
+                         int64_t tokens, int64_t topk, int64_t num_experts, void* workspace,
+                         int64_t workspace_bytes, cudaStream_t stream, double timeout_seconds) {
+  PDC_REQUIRE(engine.initialized(), "moe_dispatch_region: the dispatch buffer is not set up (or was closed)");
+  const int pes = n_pes();
+  PDC_REQUIRE(num_experts >= pes && num_experts % pes == 0,
+              "moe_dispatch_region: num_experts=" << num_experts << " must be a multiple of the " << pes << " PEs");
+  const MoeDispatchWorkspace w(tokens, topk, pes, num_experts / pes, pes * engine.capacity(), row_bytes);
+  PDC_REQUIRE(workspace != nullptr && (reinterpret_cast<uintptr_t>(workspace) % MoeDispatchWorkspace::kAlignment) == 0 &&
+                  workspace_bytes >= w.total(),
+              "moe_dispatch_region: the workspace (" << workspace_bytes << " bytes at " << workspace << ") must be "
+                  << MoeDispatchWorkspace::kAlignment << "-byte aligned and hold " << w.total()
+                  << " bytes (MoeDispatchWorkspace::bytes_needed)");
+  auto* base = static_cast<uint8_t*>(workspace);
+  auto part = [&](MoeDispatchWorkspace::Part p) -> void* { return w.bytes[p] == 0 ? nullptr : base + w.offset[p]; };
+  auto longs = [&](MoeDispatchWorkspace::Part p) { return static_cast<int64_t*>(part(p)); };
+  // (Empty parts are null, as the data_ptr() of an empty tensor was: the layouts allow it.)
+  auto* send_counts = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kSendCounts]));
+  auto* send_index = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kSendIndex]));
+  auto* meta = static_cast<int32_t*>(part(MoeDispatchWorkspace::kMeta));
+  moe_dispatch_layout(topk_idx, id_bytes, tokens, topk, num_experts, pes, send_counts, send_index, meta,
+                      longs(MoeDispatchWorkspace::kPairPe), longs(MoeDispatchWorkspace::kPairRank), stream,
+                      part(MoeDispatchWorkspace::kDispatchScratch), w.bytes[MoeDispatchWorkspace::kDispatchScratch]);
+  // The token rows stay in the receive region (the grouping reads them there); the meta rows
+  // are compacted into recv_meta for the receive layout.
+  const int64_t recv_rows = w.recv_rows;
+  auto* recv_meta = static_cast<int32_t*>(part(MoeDispatchWorkspace::kRecvMeta));
+  auto* recv_counts = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kRecvCounts]));
+  auto* recv_offsets = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kRecvOffsets]));
+  const std::vector<AllToAllField> fields = {{x, nullptr, row_bytes, tokens, 0},
+                                             {meta, recv_meta, (topk + 1) * 4, tokens, recv_rows}};
+  const int64_t call = engine.exchange(fields, send_counts, send_index, pes * tokens + 1, recv_counts, recv_offsets,
+                                       stream, timeout_seconds);
+  try {
+    const uint8_t* region = engine.in_region(0);
+    const int64_t stride = engine.region_stride();
+    const bool scatter = moe_region_rows_scatter(row_bytes);
+    int64_t* positions = scatter ? longs(MoeDispatchWorkspace::kPositions) : nullptr;
+    int64_t* row_of = longs(MoeDispatchWorkspace::kRowOf);
+    int64_t* num_rows = longs(MoeDispatchWorkspace::kNumRows);
+    moe_receive_layout(recv_meta, recv_rows, topk, recv_counts, pes, my_pe(), w.experts_per_pe, row_of,
+                       longs(MoeDispatchWorkspace::kExpertCounts), longs(MoeDispatchWorkspace::kExpertOffsets),
+                       num_rows, longs(MoeDispatchWorkspace::kExpertOfRow), longs(MoeDispatchWorkspace::kSourcePe),
+                       longs(MoeDispatchWorkspace::kSourceToken), longs(MoeDispatchWorkspace::kCombineIndex),
+                       longs(MoeDispatchWorkspace::kCombineCounts), positions, stream,
+                       part(MoeDispatchWorkspace::kReceiveScratch), w.bytes[MoeDispatchWorkspace::kReceiveScratch]);
+    void* recv_x = part(MoeDispatchWorkspace::kRecvX);
+    if (scatter) {
+      // Each received row read once and written to each of its experts' rows.
+      scatter_region_rows(recv_x, w.pairs(), region, stride, recv_offsets, recv_counts, pes, positions, topk,
+                          recv_rows, row_bytes, stream);
+    } else {
+      gather_region_rows(recv_x, region, stride, recv_offsets, recv_counts, pes, row_of, num_rows, w.pairs(),
+                         row_bytes, stream);
+    }
+  } catch (...) {
+    engine.release(call, stream);
+    throw;
+  }
+  engine.release(call, stream);
+}
+
+void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
+                        const int64_t* combine_counts, const int64_t* combine_index, int64_t index_rows,
+                        const int64_t* pair_pe, const int64_t* pair_rank, const float* weights, int64_t tokens,
+                        int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
+                        double timeout_seconds) {
+  PDC_REQUIRE(dtype == kReduceFloat32 || dtype == kReduceBfloat16 || dtype == kReduceFloat16,
+              "moe_combine_region: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
+  PDC_REQUIRE(hidden >= 1 && y_rows >= 0, "moe_combine_region: hidden " << hidden << ", rows " << y_rows);
+  const int64_t row_bytes = hidden * (dtype == kReduceFloat32 ? 4 : 2);
+  const std::vector<AllToAllField> fields = {{y, nullptr, row_bytes, y_rows, 0}};
+  // The expert outputs stay in the receive region: the reduction reads each (token, k)'s row
+  // there (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
+  const int64_t call = engine.exchange(fields, combine_counts, combine_index, index_rows, back_counts, back_offsets,
+                                       stream, timeout_seconds);
+  try {
+    moe_combine_reduce_region(out, engine.in_region(0), engine.region_stride(), pair_pe, pair_rank, back_counts,
+                              n_pes(), weights, tokens, topk, hidden, dtype, stream);
+  } catch (...) {
+    engine.release(call, stream);
+    throw;
+  }
+  engine.release(call, stream);
+}
+
+}  // namespace pydatacopy
