@@ -87,7 +87,8 @@ std::optional<std::string> read(const char* name);
 // The value of `name` from the environment, else its row's default (parse(name, default)).
 Value value(const char* name);
 
-// Python's repr() of a str holding `text` (ASCII exactly; other bytes are passed through).
+// Python's repr() of a str holding `text`, UTF-8 (ASCII exactly; of the rest, C1 controls, no-break
+// space, soft hyphen and lone surrogates escaped as Python does, the others passed through).
 std::string python_repr(std::string_view text);
 
 }  // namespace pydatacopy::settings

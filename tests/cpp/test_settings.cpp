@@ -109,6 +109,7 @@ int main() {
   // Python's repr of the value.
   check(s::python_repr("it's") == "\"it's\"" && s::python_repr("a\tb\\") == "'a\\tb\\\\'" &&
         s::python_repr("\x01'\"") == "'\\x01\\'\"'", "repr: quotes and escapes");
+  check(s::python_repr("\xc2\xa0\xc3\xa9\xed\xb3\xbf") == "'\\xa0\xc3\xa9\\udcff'", "repr: no-break space, e acute, a surrogate");
 
   // The table: every default parses, by its own row, and the environment is read through it.
   for (const s::Setting& row : s::table())

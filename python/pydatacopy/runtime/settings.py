@@ -57,10 +57,11 @@ class SettingError(ValueError):
     """One environment variable's value is wrong; str() says why and what to set."""
 
 
-def _core(parse, *args):
-    """A core parser's answer; its _C.SettingError raised as this module's SettingError."""
+def _core(parse, text: str, *args):
+    """A core parser's answer for `text`; its _C.SettingError raised as this module's SettingError.
+    The text crosses as UTF-8 bytes, lone surrogates (undecodable bytes of os.environ) included."""
     try:
-        return parse(*args)
+        return parse(text.encode("utf-8", "surrogatepass"), *args)
     except _C.SettingError as error:
         raise SettingError(str(error)) from None
 
@@ -68,7 +69,7 @@ def _core(parse, *args):
 def _value(name: str, environ: Mapping[str, str]):
     """`name` from `environ` as the core's table reads it, else its row's default (None: none)."""
     text = environ.get(name, _ROWS[name]["default"])
-    return None if text is None else _core(_C.parse_setting, name, text)
+    return None if text is None else _core(lambda t: _C.parse_setting(name, t), text)
 
 
 def parse_nvshmem_size(text: str, name: str = "NVSHMEM_SYMMETRIC_SIZE", *,
@@ -309,7 +310,7 @@ def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[s
     for name, row in _ROWS.items():
         if row["kind"] != "nvshmem_size" and name in environ:
             try:
-                _core(_C.parse_setting, name, environ[name])
+                _core(lambda t: _C.parse_setting(name, t), environ[name])
             except SettingError as error:
                 problems.append((name, str(error)))
     return problems

@@ -169,9 +169,28 @@ std::string python_repr(std::string_view text) {
   const bool dbl = text.find('"') != std::string_view::npos;
   const char quote = single && !dbl ? '"' : '\'';
   std::string out(1, quote);
-  for (char c : text) {
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
     const auto byte = static_cast<unsigned char>(c);
-    if (c == quote || c == '\\') {
+    char buffer[16];
+    if (byte >= 0x80) {
+      // UTF-8 (the Python layer passes lone surrogates through as their 3-byte forms): what
+      // Python prints as an escape (C1 controls, no-break space, soft hyphen, surrogates) as one.
+      const std::size_t length = byte >= 0xf0 ? 4 : byte >= 0xe0 ? 3 : byte >= 0xc0 ? 2 : 1;
+      uint32_t point = length == 1 ? byte : byte & (0x7f >> length);
+      for (std::size_t k = 1; k < length && i + k < text.size(); ++k)
+        point = (point << 6) | (static_cast<unsigned char>(text[i + k]) & 0x3f);
+      if (length == 1 || (point >= 0x80 && point <= 0xa0) || point == 0xad) {
+        std::snprintf(buffer, sizeof buffer, "\\x%02x", static_cast<unsigned>(point & 0xff));
+        out += buffer;
+      } else if (point >= 0xd800 && point <= 0xdfff) {
+        std::snprintf(buffer, sizeof buffer, "\\u%04x", static_cast<unsigned>(point));
+        out += buffer;
+      } else {
+        out.append(text.substr(i, length));
+      }
+      i += length - 1;
+    } else if (c == quote || c == '\\') {
       out += '\\';
       out += c;
     } else if (c == '\t') {
@@ -181,7 +200,6 @@ std::string python_repr(std::string_view text) {
     } else if (c == '\r') {
       out += "\\r";
     } else if (byte < 0x20 || byte == 0x7f) {
-      char buffer[8];
       std::snprintf(buffer, sizeof buffer, "\\x%02x", byte);
       out += buffer;
     } else {
