@@ -40,6 +40,9 @@ namespace pydatacopy {
 
 class DoubleBufferManager {
  public:
+  // The most bytes one buffer (n_tokens x token_size) holds: 1 TiB (_C.MAX_TOKEN_BUFFER_BYTES).
+  static constexpr int64_t kMaxBufferBytes = int64_t{1} << 40;
+
   DoubleBufferManager() = default;
   // Never collective: a manager destroyed without cleanup() leaves its symmetric memory allocated
   // (freeing it would need every PE) until NVSHMEM is finalised.

@@ -96,6 +96,10 @@ void check_nvshmem_versions(const Version& built, const Version& loaded);
 
 // Seconds a blocking wait may take before it raises TimeoutError: PYDATACOPY_TIMEOUT_S, else 60.
 double default_timeout_seconds();
+
+// The symmetric bytes init_nvshmem takes for its barriers among n_pes PEs (4 arrays of n_pes
+// 64-bit signals).
+std::size_t barrier_symmetric_bytes(int n_pes);
 // A per-call timeout in nanoseconds for the device-side deadline; throws unless positive and finite.
 uint64_t timeout_nanoseconds(double seconds);
 

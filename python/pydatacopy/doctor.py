@@ -62,7 +62,7 @@ def symmetric_bytes_needed(world_size: int, tokens: tuple[int, int] | None,
     if settings is None:
         settings = _settings.send_recv_settings()
     need = _C.SendRecvEngine.symmetric_bytes_needed(world_size, *settings)
-    need += 8 * world_size  # the barrier's signals
+    need += _C.barrier_symmetric_bytes(world_size)  # the barriers' signals
     if tokens:
         need += _C.DoubleBufferManager.symmetric_bytes_needed(*tokens, world_size)
     return need

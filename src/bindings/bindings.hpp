@@ -26,7 +26,7 @@ template <typename T>
 T* as_pointer(std::uintptr_t address) { return reinterpret_cast<T*>(address); }
 inline std::uintptr_t as_address(const void* ptr) { return reinterpret_cast<std::uintptr_t>(ptr); }
 inline Path as_path(int path) {
-  PDC_REQUIRE(path >= 0 && path <= 3, "path must be one of auto, copy_engine, sm, rma");
+  PDC_REQUIRE(path >= static_cast<int>(Path::kAuto) && path <= static_cast<int>(Path::kRMA), "path must be one of auto, copy_engine, sm, rma");
   return static_cast<Path>(path);
 }
 
@@ -103,5 +103,6 @@ void bind_registration(py::module_& m);
 void bind_token_exchange(py::module_& m);
 void bind_send_recv(py::module_& m);
 void bind_moe(py::module_& m);
+void bind_settings(py::module_& m);
 
 }  // namespace pydatacopy::bindings

@@ -1,8 +1,9 @@
 // pydatacopy._C: one module, bound feature by feature (runtime.cpp, rma.cpp, registration.cpp,
-// token_exchange.cpp, send_recv.cpp, moe.cpp); this file makes the error types and joins them.
+// token_exchange.cpp, send_recv.cpp, moe.cpp, settings.cpp); this file makes the error types and joins them.
 #include "bindings.hpp"
 
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/settings.hpp"
 
 namespace pydatacopy::bindings {
 
@@ -28,11 +29,15 @@ PYBIND11_MODULE(_C, m) {
 
   static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<TimeoutError> timeout_error(m, "TimeoutError", error.ptr());
+  // A bad environment variable (settings.hpp); runtime/settings.py raises it as its SettingError.
+  static py::exception<settings::SettingError> setting_error(m, "SettingError", error.ptr());
   g_error = error.ptr();
   g_timeout_error = timeout_error.ptr();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const settings::SettingError& e) {
+      py::set_error(setting_error, e.what());
     } catch (const TimeoutError& e) {
       py::set_error(timeout_error, e.what());
     } catch (const Error& e) {
@@ -46,4 +51,5 @@ PYBIND11_MODULE(_C, m) {
   bind_token_exchange(m);
   bind_send_recv(m);
   bind_moe(m);
+  bind_settings(m);
 }

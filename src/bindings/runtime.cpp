@@ -28,6 +28,8 @@ void bind_runtime(py::module_& m) {
   m.def("loaded_nvshmem_version", [] { return loaded_nvshmem_version().str(); });
   m.def("check_nvshmem_version", &check_nvshmem_version);
   m.def("default_timeout_seconds", &default_timeout_seconds);
+  m.def("barrier_symmetric_bytes", &barrier_symmetric_bytes, py::arg("n_pes"),
+        "the symmetric bytes init_nvshmem takes for its barriers among n_pes PEs");
   m.def("default_init_timeout_seconds", &default_init_timeout_seconds);
   m.def("barrier_all_blocking",
         [](const std::string& what, double timeout_seconds, uint64_t vote) {

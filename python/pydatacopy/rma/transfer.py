@@ -24,8 +24,8 @@ from .._torch_utils import timeout_seconds
 Error = _C.Error
 Tensor = torch.Tensor
 
-PATHS = {"auto": 0, "copy_engine": 1, "sm": 2, "rma": 3}
-_BATCH_PATHS = {"auto": 0, "sm": 2, "rma": 3}  # one kernel moves every row: no copy engine
+PATHS = _C.PATHS  # the core's Path codes (transfer.hpp)
+_BATCH_PATHS = _C.BATCH_PATHS  # one kernel moves every row: no copy engine
 _PE_MAX = INT32_MAX  # PEs cross to the core as C ints (it checks the range of live PEs)
 _VALUE_MAX = 2**64 - 1  # signal values are uint64
 _SIGNAL_DTYPES = (torch.uint64, torch.int64)

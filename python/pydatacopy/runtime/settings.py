@@ -23,28 +23,26 @@ reads as intended, and refuses:
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import socket
 from typing import Mapping
 
 from .. import _C
-from .._limits import INT32_MAX, MAX_CHUNK_BYTES, MAX_SEND_BLOCKS, MAX_TIMEOUT_S, SIZE_MAX
+from .._limits import INT32_MAX
 from . import probes as _probes
 
 Error = _C.Error
 
+# The core's settings table (include/pydatacopy/settings.hpp): a row per variable, with its kind,
+# default, range, meaning and example; the core's parsers read every value (_C.parse_*).
+_ROWS = {row["name"]: row for row in _C.settings_table()}
+
 # NVSHMEM 3.4.5's variables of kind "size" (env_defs.h), all parsed when an ID is created; each
 # was checked against libnvshmem_host.so.3: a bad value prints "Invalid size in environment
 # variable" (and SYMMETRIC_SIZE's then crashes the process).
-NVSHMEM_SIZE_VARIABLES = (
-    "NVSHMEM_SYMMETRIC_SIZE", "NVSHMEM_MAX_MEMORY_PER_GPU", "NVSHMEM_CUMEM_GRANULARITY",
-    "NVSHMEM_FCOLLECT_LL_THRESHOLD", "NVSHMEM_FCOLLECT_LL128_THRESHOLD",
-    "NVSHMEM_FCOLLECT_NVLS_THRESHOLD", "NVSHMEM_REDUCESCATTER_NVLS_THRESHOLD",
-    "NVSHMEM_REDUCE_SCRATCH_SIZE",
-)
-NVSHMEM_DEFAULT_SYMMETRIC_SIZE = 1 << 30
+NVSHMEM_SIZE_VARIABLES = tuple(name for name, row in _ROWS.items() if row["kind"] == "nvshmem_size")
+NVSHMEM_DEFAULT_SYMMETRIC_SIZE = _C.NVSHMEM_DEFAULT_SYMMETRIC_SIZE
 
 # NCCL variable -> the NVSHMEM variable that means the same thing (init() copies NCCL's over
 # where NVSHMEM's is unset; see _network.apply_network_settings).
@@ -54,62 +52,31 @@ NCCL_TO_NVSHMEM = {
     "NCCL_IB_HCA": "NVSHMEM_HCA_LIST",
 }
 
-_SCALES = {"k": 10, "m": 20, "g": 30, "t": 40}
-# strtod's numbers: decimal with optional exponent, or hexadecimal with optional binary exponent,
-# or inf/infinity/nan; optional sign; leading blanks skipped.
-_DECIMAL = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_HEX = r"[+-]?0[xX](?:[0-9a-fA-F]+\.?[0-9a-fA-F]*|\.[0-9a-fA-F]+)(?:[pP][+-]?\d+)?"
-_SPECIAL = r"[+-]?(?:inf(?:inity)?|nan(?:\([0-9A-Za-z_]*\))?)"
-_NUMBER = re.compile(rf"\s*({_HEX}|{_DECIMAL}|{_SPECIAL})", re.IGNORECASE)
-
-_SIZE_HOWTO = "a byte count with an optional k, M, G or T suffix, e.g. 2G, 1536M or 1073741824"
-
 
 class SettingError(ValueError):
     """One environment variable's value is wrong; str() says why and what to set."""
 
 
-def _number(text: str) -> tuple[float, str]:
-    match = _NUMBER.match(text)
-    if not match:
-        raise SettingError("no number at its start")
-    literal = match.group(1)
-    value = float.fromhex(literal) if "x" in literal.lower() else float(literal)
-    return value, text[match.end():]
+def _core(parse, text: str, *args):
+    """A core parser's answer for `text`; its _C.SettingError raised as this module's SettingError.
+    The text crosses as UTF-8 bytes, lone surrogates (undecodable bytes of os.environ) included."""
+    try:
+        return parse(text.encode("utf-8", "surrogatepass"), *args)
+    except _C.SettingError as error:
+        raise SettingError(str(error)) from None
+
+
+def _value(name: str, environ: Mapping[str, str]):
+    """`name` from `environ` as the core's table reads it, else its row's default (None: none)."""
+    text = environ.get(name, _ROWS[name]["default"])
+    return None if text is None else _core(lambda t: _C.parse_setting(name, t), text)
 
 
 def parse_nvshmem_size(text: str, name: str = "NVSHMEM_SYMMETRIC_SIZE", *,
                        allow_zero: bool = False) -> int:
     """Bytes that NVSHMEM will read from `text`, with NVSHMEM's grammar (see the module's
     docstring). Raises SettingError, saying what to write instead, for anything else."""
-    shown = f"{name}={text!r}"
-    try:
-        value, rest = _number(text)
-    except SettingError:
-        raise SettingError(f"{shown} is not a size: write {_SIZE_HOWTO}") from None
-    scale = 0
-    if rest:
-        letter, trailer = rest[0].lower(), rest[1:]
-        if letter not in _SCALES:
-            what = ("blanks after the number" if rest.isspace() else f"{rest!r} after the number")
-            raise SettingError(f"{shown} has {what}, which NVSHMEM cannot read (it would end the "
-                               f"process): write {_SIZE_HOWTO}")
-        if trailer.strip().lower() not in ("", "b", "ib"):
-            meant = text[:len(text) - len(rest) + 1].strip()
-            raise SettingError(f"{shown} means {meant} to NVSHMEM, which reads only the first "
-                               f"letter after the number and ignores {trailer!r}: write {_SIZE_HOWTO}")
-        scale = _SCALES[letter]
-    if math.isnan(value) or math.isinf(value):
-        raise SettingError(f"{shown} is not a finite size: write {_SIZE_HOWTO}")
-    if value < 0:
-        raise SettingError(f"{shown} is negative: write {_SIZE_HOWTO}")
-    nbytes = math.ceil(value * (1 << scale))
-    if nbytes > SIZE_MAX:
-        raise SettingError(f"{shown} is more than 2^64 - 1 bytes: write {_SIZE_HOWTO}")
-    if nbytes == 0 and not allow_zero:
-        raise SettingError(f"{shown} leaves no room: pydatacopy.init() takes its send/recv staging "
-                           f"from this heap; write {_SIZE_HOWTO}, or unset it for NVSHMEM's 1G")
-    return nbytes
+    return _core(_C.parse_nvshmem_size, text, name, allow_zero)
 
 
 def symmetric_size(environ: Mapping[str, str] = os.environ) -> int:
@@ -127,71 +94,38 @@ def nvshmem_bool(text: str) -> bool:
 
 # ---- pydatacopy's own variables ------------------------------------------------------------
 
-_SECONDS = re.compile(rf"\s*(?:{_DECIMAL}|{_HEX})", re.IGNORECASE)
-
-
 def parse_seconds(text: str, name: str, default: float) -> float:
     """A positive, finite number of seconds, as the core reads PYDATACOPY_TIMEOUT_S (strtod over
-    the whole value), at most MAX_TIMEOUT_S."""
-    match = _SECONDS.fullmatch(text)
-    if match:
-        literal = text.strip()
-        seconds = float.fromhex(literal) if "x" in literal.lower() else float(literal)
-        if 0 < seconds <= MAX_TIMEOUT_S:
-            return seconds
-    raise SettingError(f"{name}={text!r} is not a positive number of seconds (at most "
-                       f"{MAX_TIMEOUT_S:.0e}): set it to e.g. {default:g}, or unset it for the "
-                       f"default {default:g}")
+    the whole value), at most _C.MAX_TIMEOUT_S."""
+    return _core(_C.parse_seconds, text, name, float(default))
 
 
 def parse_int(text: str, name: str, minimum: int, maximum: int, example: int | str,
               meaning: str) -> int:
     """A whole number in [minimum, maximum], written in decimal digits."""
-    stripped = text.strip()
-    if not re.fullmatch(r"\+?[0-9]+", stripped):
-        raise SettingError(f"{name}={text!r} is not a whole number ({meaning}): set it to e.g. "
-                           f"{example}, or unset it")
-    value = int(stripped)
-    if not minimum <= value <= maximum:
-        raise SettingError(f"{name}={value} is out of range: {meaning} must be in [{minimum}, "
-                           f"{maximum}]; set it to e.g. {example}, or unset it")
-    return value
+    return _core(_C.parse_int, text, name, minimum, maximum, str(example), meaning)
 
 
 def parse_switch(text: str, name: str, meaning: str) -> bool:
-    """0/1 switches. The core treats every value but unset, empty and 0 as on, so a 'false'
-    would switch it on: refuse anything but 0 and 1 (exactly: the core reads ' 0' as on)."""
-    if text in ("", "0"):
-        return False
-    if text == "1":
-        return True
-    raise SettingError(f"{name}={text!r} must be 1 ({meaning}) or 0 (or unset)")
+    """0/1 switches: 1 is on, 0 and empty (and unset) off; anything else (a 'false', a ' 0') is
+    refused."""
+    return _core(_C.parse_switch, text, name, meaning)
 
 
-# (variable, default) of send/recv's staging, and their ranges.
-SEND_RECV_DEFAULTS = {"PYDATACOPY_CHUNK_BYTES": 8 << 20, "PYDATACOPY_NUM_CHUNKS": 4,
-                      "PYDATACOPY_SEND_BLOCKS": 128}
-SEND_RECV_RANGES = {"chunk_bytes": (1, MAX_CHUNK_BYTES), "num_chunks": (2, INT32_MAX),
-                    "blocks": (1, MAX_SEND_BLOCKS)}
-_SEND_RECV_MEANING = {
-    "PYDATACOPY_CHUNK_BYTES": ("chunk_bytes", "bytes per send/recv staging chunk"),
-    "PYDATACOPY_NUM_CHUNKS": ("num_chunks", "staging chunks per peer"),
-    "PYDATACOPY_SEND_BLOCKS": ("blocks", "thread blocks per send or recv"),
-}
+# (variable, default) of send/recv's staging, and their ranges (the core's table's).
+SEND_RECV_DEFAULTS = {"PYDATACOPY_CHUNK_BYTES": _C.DEFAULT_CHUNK_BYTES,
+                      "PYDATACOPY_NUM_CHUNKS": _C.DEFAULT_NUM_CHUNKS,
+                      "PYDATACOPY_SEND_BLOCKS": _C.DEFAULT_SEND_BLOCKS}
+_SEND_RECV_ARGUMENT = {"PYDATACOPY_CHUNK_BYTES": "chunk_bytes", "PYDATACOPY_NUM_CHUNKS": "num_chunks",
+                       "PYDATACOPY_SEND_BLOCKS": "blocks"}
+SEND_RECV_RANGES = {argument: (_ROWS[name]["minimum"], _ROWS[name]["maximum"])
+                    for name, argument in _SEND_RECV_ARGUMENT.items()}
 
 
 def send_recv_settings(environ: Mapping[str, str] = os.environ) -> tuple[int, int, int]:
     """(chunk_bytes, num_chunks, blocks) from PYDATACOPY_CHUNK_BYTES, PYDATACOPY_NUM_CHUNKS and
     PYDATACOPY_SEND_BLOCKS, else 8 MiB, 4 and 128. Raises SettingError for a bad value."""
-    values = []
-    for name, default in SEND_RECV_DEFAULTS.items():
-        text = environ.get(name)
-        if text is None:
-            values.append(default)
-            continue
-        argument, meaning = _SEND_RECV_MEANING[name]
-        low, high = SEND_RECV_RANGES[argument]
-        values.append(parse_int(text, name, low, high, default, meaning))
+    values = [_value(name, environ) for name in SEND_RECV_DEFAULTS]
     return values[0], values[1], values[2]
 
 
@@ -220,37 +154,23 @@ def local_world_size(environ: Mapping[str, str] = os.environ) -> int | None:
     return int(text) if text.isdigit() and text.isascii() and int(text) > 0 else None
 
 
-#: The most ranks pydatacopy lets share one GPU (MPS serves at most 48 clients per GPU on Volta
-#: and up to 60 on later GPUs; without MPS every one more rank is one more time slice).
-MAX_RANKS_PER_GPU = 64
+#: The most ranks pydatacopy lets share one GPU (the core's limit: MPS serves at most 48 clients
+#: per GPU on Volta and up to 60 on later GPUs; without MPS every one more rank is one more time
+#: slice).
+MAX_RANKS_PER_GPU = _C.MAX_RANKS_PER_GPU
 
 
 def ranks_per_gpu(environ: Mapping[str, str] = os.environ) -> int:
     """PYDATACOPY_RANKS_PER_GPU (default 1): how many ranks of a node share one CUDA device.
     choose_device gives local rank r the device r // ranks_per_gpu."""
-    text = environ.get("PYDATACOPY_RANKS_PER_GPU")
-    if text is None:
-        return 1
-    return parse_int(text, "PYDATACOPY_RANKS_PER_GPU", 1, MAX_RANKS_PER_GPU, 2,
-                     "how many ranks of a node share one GPU: local rank r uses CUDA device r // it")
+    return _value("PYDATACOPY_RANKS_PER_GPU", environ)
 
 
 def mps_thread_percentage(environ: Mapping[str, str] = os.environ) -> float | None:
     """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the share of a GPU's threads, so of its SMs, an MPS
     client may use), or None when unset. NVSHMEM reads it with atof and sums it over the PEs of
     one GPU; pydatacopy refuses what is not a number in (0, 100]."""
-    text = environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 100:
-        raise SettingError(f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={text!r} is not a percentage in "
-                           "(0, 100]: the share of the GPU's SMs this MPS client may use; with K "
-                           "ranks on one GPU set it to 100/K or less (e.g. 50 for two), or unset it")
-    return value
+    return _value("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", environ)
 
 
 def select_interfaces(spec: str, addresses: list[tuple[str, int]],
@@ -385,40 +305,12 @@ def nvshmem_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[str,
 
 def pydatacopy_problems(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
     """Like nvshmem_problems, for PYDATACOPY_* and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (which
-    init() sums over the ranks sharing a GPU)."""
-    checks = [
-        ("PYDATACOPY_TIMEOUT_S", lambda t: parse_seconds(t, "PYDATACOPY_TIMEOUT_S", 60)),
-        ("PYDATACOPY_INIT_TIMEOUT_S", lambda t: parse_seconds(t, "PYDATACOPY_INIT_TIMEOUT_S", 300)),
-        ("PYDATACOPY_FORCE_RMA", lambda t: parse_switch(
-            t, "PYDATACOPY_FORCE_RMA", "every transfer takes NVSHMEM's RMA path, a test switch")),
-        ("PYDATACOPY_IBGDA", lambda t: parse_switch(
-            t, "PYDATACOPY_IBGDA", "turn on NVSHMEM's GPU-initiated InfiniBand transport")),
-        ("PYDATACOPY_CHECK_RMA", lambda t: parse_switch(
-            t, "PYDATACOPY_CHECK_RMA", "verify every local address handed to an NVSHMEM RMA call")),
-        ("PYDATACOPY_AUTO_REGISTER", lambda t: parse_switch(
-            t, "PYDATACOPY_AUTO_REGISTER", "register local buffers with NVSHMEM on first use")),
-        ("PYDATACOPY_RANKS_PER_GPU", lambda t: ranks_per_gpu({"PYDATACOPY_RANKS_PER_GPU": t})),
-        ("PYDATACOPY_ZERO_COPY_MIN_BYTES", lambda t: parse_int(
-            t, "PYDATACOPY_ZERO_COPY_MIN_BYTES", 0, 2**63 - 1, 1 << 20,
-            "the smallest send/recv message that moves zero-copy between load/store peers, 0: off")),
-        ("PYDATACOPY_PROGRAMMATIC_LAUNCH", lambda t: parse_switch(
-            t, "PYDATACOPY_PROGRAMMATIC_LAUNCH",
-            "send/recv kernels start while the previous kernel on the stream ends, sm_90+, the default")),
-        # Not ours, but init() sums it over the ranks of a GPU (see agreement.shared_gpu_verdict).
-        ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-         lambda t: mps_thread_percentage({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": t})),
-    ]
+    init() sums over the ranks sharing a GPU): every row of the core's table but NVSHMEM's."""
     problems = []
-    for name, check in checks:
-        if name in environ:
+    for name, row in _ROWS.items():
+        if row["kind"] != "nvshmem_size" and name in environ:
             try:
-                check(environ[name])
-            except SettingError as error:
-                problems.append((name, str(error)))
-    for name in SEND_RECV_DEFAULTS:
-        if name in environ:
-            try:
-                send_recv_settings({name: environ[name]})
+                _core(lambda t: _C.parse_setting(name, t), environ[name])
             except SettingError as error:
                 problems.append((name, str(error)))
     return problems
@@ -443,7 +335,7 @@ def check_environment(call: str, environ: Mapping[str, str] = os.environ) -> Non
 
 def rma_options(environ: Mapping[str, str] = os.environ) -> tuple[bool, bool]:
     """(check, auto_register) from PYDATACOPY_CHECK_RMA (default 0) and PYDATACOPY_AUTO_REGISTER
-    (default 1); check_environment has validated them."""
-    check = environ.get("PYDATACOPY_CHECK_RMA", "") == "1"
-    auto_register = environ.get("PYDATACOPY_AUTO_REGISTER", "1") != "0"
-    return check, auto_register
+    (default 1), an empty value reading as the default; check_environment has validated them."""
+    def switch(name: str) -> bool:
+        return _value(name, environ if environ.get(name) else {})
+    return switch("PYDATACOPY_CHECK_RMA"), switch("PYDATACOPY_AUTO_REGISTER")

@@ -13,7 +13,7 @@ from .._torch_utils import timeout_seconds
 Error = _C.Error
 
 MAX_TOKENS = INT32_MAX  # the core's limits: tokens are counted in 32 bits,
-MAX_BUFFER_BYTES = 1 << 40  # and one buffer set holds at most 1 TiB
+MAX_BUFFER_BYTES = _C.MAX_TOKEN_BUFFER_BYTES  # and one buffer set holds at most 1 TiB
 _ROUND_MAX = 2**63 - 1
 
 

@@ -193,6 +193,15 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool progr
 // the kernels built for sm_90+ (their PTX), and PYDATACOPY_PROGRAMMATIC_LAUNCH neither empty nor 0 (read
 // once per process).
 bool programmatic_launch_enabled();
+// The settings the launch choices depend on (PYDATACOPY_PROGRAMMATIC_LAUNCH, PYDATACOPY_RANKS_PER_GPU,
+// CUDA_MPS_ACTIVE_THREAD_PERCENTAGE): read from the environment in host code (init_nvshmem, through
+// settings.hpp) and passed in here, so that no kernel file reads the environment.
+struct LaunchSettings {
+  bool programmatic_launch = true;
+  int ranks_per_gpu = 1;
+  double mps_thread_percentage = 0;  // 0: unset
+};
+void set_launch_settings(const LaunchSettings& launch);
 
 }  // namespace pydatacopy::kernels
 

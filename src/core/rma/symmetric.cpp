@@ -16,6 +16,7 @@
 
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/settings.hpp"
 #include "pydatacopy/symmetric.hpp"
 
 namespace pydatacopy {
@@ -39,25 +40,10 @@ Allocations& allocations() {
   return a;
 }
 
-constexpr std::size_t kGiB = std::size_t{1} << 30;
-
-// NVSHMEM_SYMMETRIC_SIZE in bytes (NVSHMEM's default, 1 GiB, when unset or unreadable: the
-// Python layer rejects bad values before NVSHMEM starts).
+// NVSHMEM_SYMMETRIC_SIZE in bytes (NVSHMEM's default, 1 GiB, when unset), read by the settings
+// table's rule (the Python layer refuses bad values before NVSHMEM starts).
 std::size_t configured_heap_bytes() {
-  const char* text = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
-  if (text == nullptr || *text == '\0') return kGiB;
-  char* end = nullptr;
-  const double value = std::strtod(text, &end);
-  if (end == text || !(value > 0)) return kGiB;
-  double scale = 1;
-  switch (*end) {
-    case 'k': case 'K': scale = 1024.0; break;
-    case 'm': case 'M': scale = 1024.0 * 1024; break;
-    case 'g': case 'G': scale = 1024.0 * 1024 * 1024; break;
-    case 't': case 'T': scale = 1024.0 * 1024 * 1024 * 1024; break;
-    default: break;
-  }
-  return static_cast<std::size_t>(value * scale);
+  return static_cast<std::size_t>(settings::value("NVSHMEM_SYMMETRIC_SIZE").bytes);
 }
 
 std::size_t live_symmetric_bytes() {
@@ -117,10 +103,10 @@ void* symmetric_malloc(std::size_t bytes) {
   }
   void* ptr = nvshmem_malloc(bytes);
   if (ptr == nullptr) {
-    const char* configured = std::getenv("NVSHMEM_SYMMETRIC_SIZE");
+    const std::optional<std::string> configured = settings::read("NVSHMEM_SYMMETRIC_SIZE");
     PDC_REQUIRE(false, "the NVSHMEM symmetric heap has no room for "
                            << bytes << " more bytes (NVSHMEM_SYMMETRIC_SIZE is "
-                           << (configured ? configured : "unset, default 1G")
+                           << (configured ? *configured : std::string("unset, default 1G"))
                            << "); set NVSHMEM_SYMMETRIC_SIZE on every rank before init to at least "
                               "the sum of all live symmetric buffers plus this one, e.g. "
                            << ((bytes >> 20) + 1025) << "M");
@@ -164,12 +150,17 @@ bool is_symmetric(const void* ptr, std::size_t bytes) {
 }
 
 namespace {
-bool forced_by_environment() {
-  const char* value = std::getenv("PYDATACOPY_FORCE_RMA");
-  return value != nullptr && std::strcmp(value, "") != 0 && std::strcmp(value, "0") != 0;
+bool forced_by_environment() { return settings::value("PYDATACOPY_FORCE_RMA").on; }
+// Read on every put and send: a getenv each was a scan of the environment per call. At load a
+// bad value reads as off (a throw here would end the process); init refuses it.
+bool forced_at_load() {
+  try {
+    return forced_by_environment();
+  } catch (const Error&) {
+    return false;
+  }
 }
-// Read on every put and send: a getenv each was a scan of the environment per call.
-std::atomic<bool> g_rma_forced{forced_by_environment()};
+std::atomic<bool> g_rma_forced{forced_at_load()};
 }  // namespace
 
 bool rma_forced() { return g_rma_forced.load(std::memory_order_relaxed); }

@@ -22,6 +22,7 @@
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/settings.hpp"
 #include "pydatacopy/symmetric.hpp"
 
 namespace pydatacopy {
@@ -128,7 +129,7 @@ uint64_t* start_nvshmem_bounded(const std::vector<uint8_t>& root_unique_id, int 
                     "NVSHMEM made this process PE " << nvshmem_my_pe() << " instead of rank " << rank
                         << ": every rank must pass its own torch.distributed rank");
       }
-      const std::size_t bytes = 4 * sizeof(uint64_t) * static_cast<std::size_t>(world_size);
+      const std::size_t bytes = barrier_symmetric_bytes(world_size);
       signals = static_cast<uint64_t*>(nvshmem_malloc(bytes));
       PDC_REQUIRE(signals != nullptr, "the NVSHMEM symmetric heap has no room for the barrier's "
                                       << bytes << " bytes: raise NVSHMEM_SYMMETRIC_SIZE");
@@ -253,6 +254,14 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
   timeout_nanoseconds(timeout_seconds);  // validates it
   check_init_args(root_unique_id, rank, world_size, device);
   read_rma_forced_from_environment();  // once here, not per transfer
+  {
+    // What the kernels' launch choices depend on: read here, in host code, and passed in.
+    kernels::LaunchSettings launch;
+    launch.programmatic_launch = settings::value("PYDATACOPY_PROGRAMMATIC_LAUNCH").on;
+    launch.ranks_per_gpu = static_cast<int>(settings::value("PYDATACOPY_RANKS_PER_GPU").integer);
+    launch.mps_thread_percentage = settings::value("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").number;  // 0: unset
+    kernels::set_launch_settings(launch);
+  }
   check_nvshmem_version();
   if (device >= 0) PDC_CHECK_CUDA(cudaSetDevice(device));
   PDC_CHECK_CUDA(cudaGetDevice(&device));
@@ -493,23 +502,26 @@ int cuda_device() {
 }
 
 namespace {
-double seconds_from_environment(const char* name, double fallback) {
-  if (const char* text = std::getenv(name)) {
-    char* end = nullptr;
-    const double seconds = std::strtod(text, &end);
-    PDC_REQUIRE(end != text && *end == '\0' && seconds > 0 && std::isfinite(seconds),
-                name << " must be a positive number of seconds, got '" << text << "'");
-    return seconds;
+// The table's rule (settings.hpp). What is no positive number at all gets the core's own message,
+// which callers of default_timeout_seconds() have always seen; a number past the table's most
+// (kMaxTimeoutSeconds), the table's.
+double seconds_from_environment(const char* name) {
+  if (const std::optional<std::string> text = settings::read(name)) {
+    const std::optional<double> seconds = settings::read_number(*text);
+    PDC_REQUIRE(seconds && *seconds > 0 && std::isfinite(*seconds),
+                name << " must be a positive number of seconds, got '" << *text << "'");
   }
-  return fallback;
+  return settings::value(name).number;
 }
 }  // namespace
 
-double default_timeout_seconds() { return seconds_from_environment("PYDATACOPY_TIMEOUT_S", 60.0); }
-
-double default_init_timeout_seconds() {
-  return seconds_from_environment("PYDATACOPY_INIT_TIMEOUT_S", 300.0);
+std::size_t barrier_symmetric_bytes(int n_pes) {
+  return 4 * sizeof(uint64_t) * static_cast<std::size_t>(std::max(n_pes, 0));
 }
+
+double default_timeout_seconds() { return seconds_from_environment("PYDATACOPY_TIMEOUT_S"); }
+
+double default_init_timeout_seconds() { return seconds_from_environment("PYDATACOPY_INIT_TIMEOUT_S"); }
 
 uint64_t timeout_nanoseconds(double seconds) {
   PDC_REQUIRE(seconds > 0 && std::isfinite(seconds),

@@ -26,6 +26,7 @@
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "pydatacopy/settings.hpp"
 #include "pydatacopy/symmetric.hpp"
 #include "send_recv/zero_copy.hpp"
 
@@ -42,21 +43,11 @@ static_assert(sizeof(kernels::RendezvousDescriptor) == 64, "a descriptor is one 
 
 using detail::RelaxedCaptureMode;
 
-// PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off).
+// PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off), by the settings
+// table's rule (settings.hpp).
 std::size_t zero_copy_min_bytes_from_environment() {
-  const char* text = std::getenv("PYDATACOPY_ZERO_COPY_MIN_BYTES");
-  if (text == nullptr || *text == '\0') return SendRecvEngine::kDefaultZeroCopyMinBytes;
-  std::string trimmed(text);
-  trimmed.erase(0, trimmed.find_first_not_of(" \t"));
-  trimmed.erase(trimmed.find_last_not_of(" \t") + 1);
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long value = std::strtoull(trimmed.c_str(), &end, 10);
-  PDC_REQUIRE(!trimmed.empty() && end != trimmed.c_str() && *end == '\0' && errno == 0 && trimmed[0] != '-',
-              "PYDATACOPY_ZERO_COPY_MIN_BYTES=" << text << " is not a whole number of bytes: give "
-              "the smallest message that moves zero-copy between load/store peers (e.g. 1048576), "
-              "or 0 to turn zero-copy off");
-  return static_cast<std::size_t>(value);
+  static_assert(SendRecvEngine::kDefaultZeroCopyMinBytes == std::size_t{33554432}, "the table's default");
+  return static_cast<std::size_t>(settings::value("PYDATACOPY_ZERO_COPY_MIN_BYTES").integer);
 }
 
 }  // namespace

@@ -546,13 +546,21 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool progr
   PDC_CHECK_CUDA(launched);
 }
 
+namespace {
+// set_launch_settings' values (init_nvshmem sets them before any launch).
+std::atomic<bool> g_programmatic_wanted{true};
+std::atomic<int> g_ranks_per_gpu{1};
+std::atomic<double> g_mps_thread_percentage{0};
+}  // namespace
+
+void set_launch_settings(const LaunchSettings& launch) {
+  g_programmatic_wanted.store(launch.programmatic_launch, std::memory_order_relaxed);
+  g_ranks_per_gpu.store(launch.ranks_per_gpu, std::memory_order_relaxed);
+  g_mps_thread_percentage.store(launch.mps_thread_percentage, std::memory_order_relaxed);
+}
+
 bool programmatic_launch_enabled() {
-  static const bool wanted = [] {
-    // Unset: on. Empty or 0: off, as _settings.parse_switch reads every switch.
-    const char* text = std::getenv("PYDATACOPY_PROGRAMMATIC_LAUNCH");
-    return text == nullptr || (std::string(text) != "" && std::string(text) != "0");
-  }();
-  if (!wanted) return false;
+  if (!g_programmatic_wanted.load(std::memory_order_relaxed)) return false;
   // Per device: 0 not asked yet, 1 no (before sm_90), 2 yes (threads may ask at once: atomics).
   static std::atomic<int> known[64] = {};
   int device = 0;
@@ -580,10 +588,8 @@ namespace {
 // the PEs init() found on this GPU).
 int sms_per_sharing_pe(int whole, int pes_sharing_gpu) {
   int share = whole;
-  if (const char* text = std::getenv("PYDATACOPY_RANKS_PER_GPU")) {
-    const int ranks = std::atoi(text);  // validated where the device is chosen (choose_device)
-    if (ranks > 1) share = std::min(share, whole / ranks);
-  }
+  const int ranks = g_ranks_per_gpu.load(std::memory_order_relaxed);  // PYDATACOPY_RANKS_PER_GPU
+  if (ranks > 1) share = std::min(share, whole / ranks);
   if (pes_sharing_gpu > 1) share = std::min(share, whole / pes_sharing_gpu);
   return share;
 }
@@ -614,10 +620,8 @@ int usable_sms(int device, int pes_sharing_gpu) {
   }
   cudaGetLastError();  // a failed query is no error of the caller's
   int whole = reported;
-  if (const char* text = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE")) {
-    const double percent = std::atof(text);
-    if (percent > 0 && percent < 100) whole = static_cast<int>(reported * 100.0 / percent);  // never rounded up
-  }
+  const double percent = g_mps_thread_percentage.load(std::memory_order_relaxed);  // 0: unset
+  if (percent > 0 && percent < 100) whole = static_cast<int>(reported * 100.0 / percent);  // never rounded up
   return std::max(1, std::min(usable, sms_per_sharing_pe(whole, pes_sharing_gpu)));
 }
 }  // namespace

@@ -1,0 +1,94 @@
+// pydatacopy: the environment variables pydatacopy and NVSHMEM read, in one table, and the one
+// parser of each kind. Plain C++ (no CUDA): the Python layer (runtime/settings.py, through _C)
+// checks the environment with these same parsers before NVSHMEM starts, and every read of the
+// environment in the core goes through read() below.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "pydatacopy/error.hpp"
+
+namespace pydatacopy::settings {
+
+// One variable's value is wrong; what() says why and what to set (pydatacopy._C.SettingError,
+// which runtime/settings.py raises as its SettingError, a ValueError).
+class SettingError : public Error {
+ public:
+  using Error::Error;
+};
+
+// The limits and defaults the settings are held to.
+constexpr double kMaxTimeoutSeconds = 1e9;  // the core counts nanoseconds in 64 bits: ~31 years
+constexpr double kDefaultTimeoutSeconds = 60;
+constexpr double kDefaultInitTimeoutSeconds = 300;
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 40;
+constexpr int64_t kMaxSendBlocks = 1024;  // one thread block per slice of a chunk
+constexpr int64_t kDefaultChunkBytes = int64_t{8} << 20;
+constexpr int64_t kDefaultNumChunks = 4;
+constexpr int64_t kDefaultSendBlocks = 128;
+// MPS serves at most 48 clients per GPU on Volta and up to 60 on later GPUs; without MPS every
+// one more rank is one more time slice.
+constexpr int64_t kMaxRanksPerGpu = 64;
+constexpr uint64_t kNvshmemDefaultSymmetricSize = uint64_t{1} << 30;
+
+enum class Kind : int {
+  kSeconds = 0,      // a positive, finite number of seconds, at most kMaxTimeoutSeconds
+  kSwitch = 1,       // 0/1 (empty: 0)
+  kInt = 2,          // a whole number in decimal digits, in [minimum, maximum]
+  kPercentage = 3,   // a number in (0, 100]
+  kNvshmemSize = 4,  // NVSHMEM's size grammar (parse_nvshmem_size)
+};
+const char* kind_name(Kind kind);
+
+struct Setting {
+  const char* name;
+  Kind kind;
+  const char* default_text;  // "" where unset means "not given" (no default value)
+  int64_t minimum;           // kInt only
+  int64_t maximum;           // kInt only
+  const char* meaning;
+  const char* example;
+};
+
+// Every row, in the order the Python layer checks (and reports) them.
+const std::vector<Setting>& table();
+// The row of `name`; Error when the table has none.
+const Setting& find(std::string_view name);
+
+// A parsed value: the kind says which member holds it.
+struct Value {
+  Kind kind = Kind::kInt;
+  bool on = false;         // kSwitch
+  int64_t integer = 0;     // kInt
+  uint64_t bytes = 0;      // kNvshmemSize
+  double number = 0;       // kSeconds, kPercentage
+};
+
+// ---- the parsers, one per kind; SettingError with today's text for anything else ----
+// The number parse_seconds reads in `text` (blanks, then a decimal or hexadecimal number, and
+// nothing after it), before its range check; nullopt where there is none.
+std::optional<double> read_number(std::string_view text);
+double parse_seconds(std::string_view text, std::string_view name, double fallback);
+bool parse_switch(std::string_view text, std::string_view name, std::string_view meaning);
+int64_t parse_int(std::string_view text, std::string_view name, int64_t minimum, int64_t maximum,
+                  std::string_view example, std::string_view meaning);
+double parse_percentage(std::string_view text, std::string_view name);
+uint64_t parse_nvshmem_size(std::string_view text, std::string_view name, bool allow_zero = false);
+
+// `text` as the row of `name` reads it (NVSHMEM_SYMMETRIC_SIZE refuses 0, the other sizes not).
+Value parse(std::string_view name, std::string_view text);
+
+// The environment's text of `name` (the core's one getenv), nullopt when unset.
+std::optional<std::string> read(const char* name);
+// The value of `name` from the environment, else its row's default (parse(name, default)).
+Value value(const char* name);
+
+// Python's repr() of a str holding `text`, UTF-8 (ASCII exactly; of the rest, C1 controls, no-break
+// space, soft hyphen and lone surrogates escaped as Python does, the others passed through).
+std::string python_repr(std::string_view text);
+
+}  // namespace pydatacopy::settings
