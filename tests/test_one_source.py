@@ -23,7 +23,6 @@ LANGUAGE_FACTS = {"INT32_MAX": 2**31 - 1, "UINT32_MAX": 2**32 - 1, "INT64_MAX": 
 # another engineer's pending change. An entry no longer found is not an error.
 OWN_FACTS = {
     ("pydatacopy/bench/_cli.py", "MAX_MESSAGE_BYTES"): "the bench's cap on a message size, not a core limit",
-    ("pydatacopy/moe/common.py", "MAX_CAPACITY"): "MoE's limits move to _C with the MoE engineer's exports",
 }
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

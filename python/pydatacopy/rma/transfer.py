@@ -72,24 +72,7 @@ def put(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     """
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
         return ops.put(dst, src, pe, stream=stream, path=path)
-    device = _device
-    if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
-            and dst.get_device() == device and src.get_device() == device
-            and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
-            and dst.is_contiguous() and src.is_contiguous() and path in PATHS):
-        _C.put_fast(dst.data_ptr(), src.data_ptr(), nbytes, pe,
-                    _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
-        if stream is not None:
-            _keep_alive(stream, src)  # dst is symmetric (the core refuses any other)
-        return
-    # The checked path: whatever the fast one did not take, with the error that says what to do.
-    _require_init("put")
-    check_int("pe", pe, None, _PE_MAX)
-    _check_tensor(dst, "dst")  # the core checks that dst is symmetric and pe in range
-    _check_tensor(src, "src")
-    nbytes = _check_pair(dst, src, "put")
-    _C.put(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
-    _keep_alive(stream, dst, src)
+    _one_sided(True, dst, src, pe, stream, path)
 
 
 def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str = "auto") -> None:
@@ -97,22 +80,31 @@ def get(dst: torch.Tensor, src: torch.Tensor, pe: int, *, stream=None, path: str
     ``put``."""
     if _dynamo_compiling() or _dispatch_modes():  # traced: the op (pydatacopy.ops), not _C
         return ops.get(dst, src, pe, stream=stream, path=path)
+    _one_sided(False, dst, src, pe, stream, path)
+
+
+def _one_sided(is_put: bool, dst, src, pe, stream, path) -> None:
+    """put's and get's eager body: the fast path, else the checked one. The symmetric side (put's
+    dst, get's src) needs no keep-alive: the core refuses any other, and it lives until free()."""
     device = _device
     if (type(pe) is int and 0 <= pe < _n_pes and isinstance(dst, Tensor) and isinstance(src, Tensor)
             and dst.get_device() == device and src.get_device() == device
             and dst.dtype is src.dtype and (nbytes := src.nbytes) == dst.nbytes
             and dst.is_contiguous() and src.is_contiguous() and path in PATHS):
-        _C.get_fast(dst.data_ptr(), src.data_ptr(), nbytes, pe,
-                    _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
+        (_C.put_fast if is_put else _C.get_fast)(
+            dst.data_ptr(), src.data_ptr(), nbytes, pe,
+            _raw_stream(device) if stream is None else stream_handle(stream, device), PATHS[path])
         if stream is not None:
-            _keep_alive(stream, dst)  # src is symmetric (the core refuses any other)
+            _keep_alive(stream, src if is_put else dst)
         return
-    _require_init("get")
+    # The checked path: whatever the fast one did not take, with the error that says what to do.
+    call = "put" if is_put else "get"
+    _require_init(call)
     check_int("pe", pe, None, _PE_MAX)
-    _check_tensor(dst, "dst")
-    _check_tensor(src, "src")  # the core checks that src is symmetric and pe in range
-    nbytes = _check_pair(dst, src, "get")
-    _C.get(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
+    _check_tensor(dst, "dst")  # the core checks that the symmetric side is symmetric, pe in range
+    _check_tensor(src, "src")
+    nbytes = _check_pair(dst, src, call)
+    (_C.put if is_put else _C.get)(dst.data_ptr(), src.data_ptr(), nbytes, pe, _stream(stream), _path(path))
     _keep_alive(stream, dst, src)
 
 

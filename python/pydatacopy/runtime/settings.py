@@ -131,20 +131,20 @@ def send_recv_settings(environ: Mapping[str, str] = os.environ) -> tuple[int, in
 
 def world_size(environ: Mapping[str, str] = os.environ) -> int | None:
     """WORLD_SIZE (torchrun sets it), or None when unset."""
-    text = environ.get("WORLD_SIZE")
-    if text is None:
-        return None
-    return parse_int(text, "WORLD_SIZE", 1, INT32_MAX, 2, "the number of processes in the job, "
-                     "which torchrun sets")
+    return _torchrun_int(environ, "WORLD_SIZE", 1, 2, "the number of processes in the job")
 
 
 def local_rank(environ: Mapping[str, str] = os.environ) -> int | None:
     """LOCAL_RANK (torchrun sets it: this process's index on its node), or None when unset."""
-    text = environ.get("LOCAL_RANK")
+    return _torchrun_int(environ, "LOCAL_RANK", 0, 0, "this process's index on its node")
+
+
+def _torchrun_int(environ: Mapping[str, str], name: str, minimum: int, example: int,
+                  meaning: str) -> int | None:
+    text = environ.get(name)
     if text is None:
         return None
-    return parse_int(text, "LOCAL_RANK", 0, INT32_MAX, 0, "this process's index on its node, "
-                     "which torchrun sets")
+    return parse_int(text, name, minimum, INT32_MAX, example, f"{meaning}, which torchrun sets")
 
 
 def local_world_size(environ: Mapping[str, str] = os.environ) -> int | None:

@@ -171,7 +171,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   require_initialized("SendRecvEngine.init");  // init() checked that the engine is not set up
   PDC_REQUIRE(num_chunks >= 2, "num_chunks must be at least 2 (one drains while the next fills), got "
                                    << num_chunks);
-  PDC_REQUIRE(blocks >= 1 && blocks <= 1024, "blocks must be in [1, 1024], got " << blocks);
+  PDC_REQUIRE(blocks >= 1 && blocks <= settings::kMaxSendBlocks,
+              "blocks must be in [1, " << settings::kMaxSendBlocks << "], got " << blocks);
   PDC_REQUIRE(chunk_bytes >= 1, "chunk_bytes must be positive, got " << chunk_bytes);
   const int pes = n_pes();
   const std::size_t total = symmetric_bytes_needed(pes, chunk_bytes, num_chunks, blocks);

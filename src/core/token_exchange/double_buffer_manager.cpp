@@ -56,7 +56,7 @@ void DoubleBufferManager::init(int64_t n_tokens, int64_t token_size) {
   PDC_REQUIRE(n_tokens > 0, "n_tokens must be positive, got " << n_tokens);
   PDC_REQUIRE(token_size > 0, "token_size must be positive (bytes per token), got " << token_size);
   PDC_REQUIRE(n_tokens <= INT32_MAX, "n_tokens must be below 2^31, got " << n_tokens);
-  PDC_REQUIRE(n_tokens <= (int64_t{1} << 40) / token_size,
+  PDC_REQUIRE(n_tokens <= kMaxBufferBytes / token_size,
               "n_tokens x token_size = " << n_tokens << " x " << token_size
                                          << " is larger than 1 TiB per buffer");
   const std::size_t total = symmetric_bytes_needed(n_tokens, token_size, n_pes());
