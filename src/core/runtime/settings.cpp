@@ -43,45 +43,39 @@ std::size_t digits(std::string_view text, std::size_t at, bool (*digit)(char)) {
   return end;
 }
 
+std::size_t sign(std::string_view text, std::size_t at) {
+  return at < text.size() && (text[at] == '+' || text[at] == '-') ? at + 1 : at;
+}
+
 // [pP]/[eE][+-]?\d+ at `at`: the end of the exponent, or `at` where there is none.
 std::size_t exponent(std::string_view text, std::size_t at, char letter) {
   if (at >= text.size() || lower(text[at]) != letter) return at;
-  std::size_t i = at + 1;
-  if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+  const std::size_t i = sign(text, at + 1);
   const std::size_t end = digits(text, i, is_digit);
   return end > i ? end : at;
 }
 
+// (?:D+\.?D*|\.D+) at `at`, D the digits `digit` takes: its end, or `at` where none.
+std::size_t mantissa(std::string_view text, std::size_t at, bool (*digit)(char)) {
+  const std::size_t end = digits(text, at, digit);
+  if (end > at) return end < text.size() && text[end] == '.' ? digits(text, end + 1, digit) : end;
+  if (at < text.size() && text[at] == '.' && digits(text, at + 1, digit) > at + 1)
+    return digits(text, at + 1, digit);
+  return at;
+}
+
 // [+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)? at `at`: its end, or `at` where none.
 std::size_t decimal(std::string_view text, std::size_t at) {
-  std::size_t i = at;
-  if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
-  std::size_t end = digits(text, i, is_digit);
-  if (end > i) {
-    if (end < text.size() && text[end] == '.') end = digits(text, end + 1, is_digit);
-  } else if (i < text.size() && text[i] == '.' && digits(text, i + 1, is_digit) > i + 1) {
-    end = digits(text, i + 1, is_digit);
-  } else {
-    return at;
-  }
-  return exponent(text, end, 'e');
+  const std::size_t i = sign(text, at), end = mantissa(text, i, is_digit);
+  return end > i ? exponent(text, end, 'e') : at;
 }
 
 // [+-]?0[xX](?:[0-9a-f]+\.?[0-9a-f]*|\.[0-9a-f]+)(?:[pP][+-]?\d+)? at `at`.
 std::size_t hexadecimal(std::string_view text, std::size_t at) {
-  std::size_t i = at;
-  if (i < text.size() && (text[i] == '+' || text[i] == '-')) ++i;
+  const std::size_t i = sign(text, at);
   if (!(i + 1 < text.size() && text[i] == '0' && lower(text[i + 1]) == 'x')) return at;
-  i += 2;
-  std::size_t end = digits(text, i, is_hex);
-  if (end > i) {
-    if (end < text.size() && text[end] == '.') end = digits(text, end + 1, is_hex);
-  } else if (i < text.size() && text[i] == '.' && digits(text, i + 1, is_hex) > i + 1) {
-    end = digits(text, i + 1, is_hex);
-  } else {
-    return at;
-  }
-  return exponent(text, end, 'p');
+  const std::size_t end = mantissa(text, i + 2, is_hex);
+  return end > i + 2 ? exponent(text, end, 'p') : at;
 }
 
 bool is_word_char(char c) { return is_digit(c) || (lower(c) >= 'a' && lower(c) <= 'z') || c == '_'; }
