@@ -140,6 +140,7 @@
 #include <vector>
 
 #include "pydatacopy/error.hpp"
+#include "pydatacopy/settings.hpp"
 
 #include "pydatacopy/detail/channel_order.hpp"
 
@@ -249,7 +250,7 @@ class SendRecvEngine {
   // ---- zero-copy (see above) ----
   // Messages of at least this many bytes to or from a load/store peer move once (0: never).
   // PYDATACOPY_ZERO_COPY_MIN_BYTES at init (default kDefaultZeroCopyMinBytes), the same on every PE.
-  static constexpr std::size_t kDefaultZeroCopyMinBytes = std::size_t{32} << 20;  // measured: docs/zero-copy.md
+  static constexpr std::size_t kDefaultZeroCopyMinBytes = settings::kDefaultZeroCopyMinBytes;
   std::size_t zero_copy_min_bytes() const;
   // Collective and blocking (every PE, the same value, between calls; the pair's messages in
   // flight keep the mode they were issued with): changes the threshold. Throws on every PE

@@ -33,6 +33,9 @@ constexpr int64_t kDefaultSendBlocks = 128;
 // MPS serves at most 48 clients per GPU on Volta and up to 60 on later GPUs; without MPS every
 // one more rank is one more time slice.
 constexpr int64_t kMaxRanksPerGpu = 64;
+// Messages of at least this many bytes between load/store peers move once (measured:
+// docs/zero-copy.md); SendRecvEngine::kDefaultZeroCopyMinBytes.
+constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{32} << 20;
 constexpr uint64_t kNvshmemDefaultSymmetricSize = uint64_t{1} << 30;
 
 enum class Kind : int {
@@ -47,11 +50,11 @@ const char* kind_name(Kind kind);
 struct Setting {
   const char* name;
   Kind kind;
-  const char* default_text;  // "" where unset means "not given" (no default value)
+  std::string default_text;  // "" where unset means "not given" (no default value)
   int64_t minimum;           // kInt only
   int64_t maximum;           // kInt only
   const char* meaning;
-  const char* example;
+  std::string example;
 };
 
 // Every row, in the order the Python layer checks (and reports) them.

@@ -67,7 +67,7 @@ void bind_settings(py::module_& m) {
       py::dict d;
       d["name"] = row.name;
       d["kind"] = s::kind_name(row.kind);
-      d["default"] = *row.default_text ? py::object(py::str(row.default_text)) : py::object(py::none());
+      d["default"] = row.default_text.empty() ? py::object(py::none()) : py::object(py::str(row.default_text));
       d["minimum"] = row.minimum;
       d["maximum"] = row.maximum;
       d["meaning"] = row.meaning;

@@ -113,7 +113,7 @@ int main() {
 
   // The table: every default parses, by its own row, and the environment is read through it.
   for (const s::Setting& row : s::table())
-    if (*row.default_text) s::parse(row.name, row.default_text);
+    if (!row.default_text.empty()) s::parse(row.name, row.default_text);
   check(s::find("PYDATACOPY_CHUNK_BYTES").maximum == s::kMaxChunkBytes, "table: chunk bytes' range");
   check(s::parse("PYDATACOPY_SEND_BLOCKS", "1024").integer == s::kMaxSendBlocks, "table: send blocks");
   check_throws([] { s::parse("PYDATACOPY_SEND_BLOCKS", "1025"); }, "must be in [1, 1024]", "table: 1025 blocks");

@@ -215,12 +215,19 @@ const char* kind_name(Kind kind) {
   return "unknown";
 }
 
+// A default or example as the table shows it: "60", not "60.000000".
+static std::string number(double value) {
+  std::ostringstream text;
+  text << value;
+  return text.str();
+}
+
 const std::vector<Setting>& table() {
   static const std::vector<Setting> rows = {
-      {"PYDATACOPY_TIMEOUT_S", Kind::kSeconds, "60", 0, 0,
-       "the timeout of blocking calls, in seconds", "60"},
-      {"PYDATACOPY_INIT_TIMEOUT_S", Kind::kSeconds, "300", 0, 0,
-       "the timeout of init(), in seconds", "300"},
+      {"PYDATACOPY_TIMEOUT_S", Kind::kSeconds, number(kDefaultTimeoutSeconds), 0, 0,
+       "the timeout of blocking calls, in seconds", number(kDefaultTimeoutSeconds)},
+      {"PYDATACOPY_INIT_TIMEOUT_S", Kind::kSeconds, number(kDefaultInitTimeoutSeconds), 0, 0,
+       "the timeout of init(), in seconds", number(kDefaultInitTimeoutSeconds)},
       {"PYDATACOPY_FORCE_RMA", Kind::kSwitch, "0", 0, 1,
        "every transfer takes NVSHMEM's RMA path, a test switch", "1"},
       {"PYDATACOPY_IBGDA", Kind::kSwitch, "0", 0, 1,
@@ -231,17 +238,18 @@ const std::vector<Setting>& table() {
        "register local buffers with NVSHMEM on first use", "0"},
       {"PYDATACOPY_RANKS_PER_GPU", Kind::kInt, "1", 1, kMaxRanksPerGpu,
        "how many ranks of a node share one GPU: local rank r uses CUDA device r // it", "2"},
-      {"PYDATACOPY_ZERO_COPY_MIN_BYTES", Kind::kInt, "33554432", 0, INT64_MAX,
+      {"PYDATACOPY_ZERO_COPY_MIN_BYTES", Kind::kInt, std::to_string(kDefaultZeroCopyMinBytes), 0, INT64_MAX,
        "the smallest send/recv message that moves zero-copy between load/store peers, 0: off", "1048576"},
       {"PYDATACOPY_PROGRAMMATIC_LAUNCH", Kind::kSwitch, "1", 0, 1,
        "send/recv kernels start while the previous kernel on the stream ends, sm_90+, the default", "0"},
       {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", Kind::kPercentage, "", 0, 0,
        "the share of the GPU's SMs this MPS client may use (init() sums it over the ranks of a GPU)", "50"},
-      {"PYDATACOPY_CHUNK_BYTES", Kind::kInt, "8388608", 1, kMaxChunkBytes,
-       "bytes per send/recv staging chunk", "8388608"},
-      {"PYDATACOPY_NUM_CHUNKS", Kind::kInt, "4", 2, INT32_MAX, "staging chunks per peer", "4"},
-      {"PYDATACOPY_SEND_BLOCKS", Kind::kInt, "128", 1, kMaxSendBlocks,
-       "thread blocks per send or recv", "128"},
+      {"PYDATACOPY_CHUNK_BYTES", Kind::kInt, std::to_string(kDefaultChunkBytes), 1, kMaxChunkBytes,
+       "bytes per send/recv staging chunk", std::to_string(kDefaultChunkBytes)},
+      {"PYDATACOPY_NUM_CHUNKS", Kind::kInt, std::to_string(kDefaultNumChunks), 2, INT32_MAX,
+       "staging chunks per peer", std::to_string(kDefaultNumChunks)},
+      {"PYDATACOPY_SEND_BLOCKS", Kind::kInt, std::to_string(kDefaultSendBlocks), 1, kMaxSendBlocks,
+       "thread blocks per send or recv", std::to_string(kDefaultSendBlocks)},
       {"NVSHMEM_SYMMETRIC_SIZE", Kind::kNvshmemSize, "1G", 0, 0,
        "the symmetric heap NVSHMEM reserves per PE", "2G"},
       {"NVSHMEM_MAX_MEMORY_PER_GPU", Kind::kNvshmemSize, "", 0, 0, "NVSHMEM's size variable", "2G"},
@@ -389,7 +397,7 @@ Value value(const char* name) {
   const Setting& row = find(name);
   const std::optional<std::string> text = read(name);
   if (text) return parse(name, *text);
-  if (*row.default_text == '\0') {
+  if (row.default_text.empty()) {
     Value unset;
     unset.kind = row.kind;
     return unset;

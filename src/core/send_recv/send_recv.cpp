@@ -46,7 +46,6 @@ using detail::RelaxedCaptureMode;
 // PYDATACOPY_ZERO_COPY_MIN_BYTES: a whole number of bytes (0: zero-copy off), by the settings
 // table's rule (settings.hpp).
 std::size_t zero_copy_min_bytes_from_environment() {
-  static_assert(SendRecvEngine::kDefaultZeroCopyMinBytes == std::size_t{33554432}, "the table's default");
   return static_cast<std::size_t>(settings::value("PYDATACOPY_ZERO_COPY_MIN_BYTES").integer);
 }
 
