@@ -136,6 +136,7 @@
 #include <cstdint>
 #include <utility>
 #include <memory>
+#include <string>
 #include <mutex>
 #include <vector>
 
@@ -272,6 +273,11 @@ class SendRecvEngine {
   std::vector<uint64_t> zero_copy_counters();
 
  private:
+  // agree_zero_copy_min_bytes with this PE's reading of the variable: `unreadable` (the
+  // SettingError's text, bytes = kUnreadableThreshold) when it could not read it, so that every
+  // PE refuses alike.
+  static constexpr std::size_t kUnreadableThreshold = ~std::size_t{0};  // above any value the table takes
+  static void agree_zero_copy_min_bytes(std::size_t bytes, const std::string& unreadable);
   // The public methods take mutex_ and call these, which expect it held (or the engine seen by
   // no other thread: the fresh state init() builds, the old state cleanup() detached).
   void build(std::size_t chunk_bytes, int num_chunks, int blocks);  // init's collective part

@@ -79,6 +79,8 @@ SymmetricRoute symmetric_route(const void* ptr, std::size_t bytes, int pe);
 bool rma_forced();
 void set_rma_forced(bool forced);
 void read_rma_forced_from_environment();
+// init: NVSHMEM_SYMMETRIC_SIZE, read once (symmetric_malloc's room vote counts with it).
+void read_symmetric_size_from_environment();
 
 // Number of streaming multiprocessors of the bound device (cached).
 int multiprocessor_count();

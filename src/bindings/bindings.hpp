@@ -93,6 +93,14 @@ PyMethodDef fast_call(const char* name, Function* function, const char* doc) {
   return {name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(function)), METH_FASTCALL, doc};
 }
 
+// A getter that takes an engine's lock, read without the GIL: a hot call on another thread may
+// hold that lock for a while (a capture's rendezvous, a first-use registration), and must not
+// stall every Python thread meanwhile.
+template <typename Class, typename T>
+py::cpp_function without_gil_getter(T (Class::*getter)() const) {
+  return py::cpp_function([getter](const Class& self) { return (self.*getter)(); }, release_gil());
+}
+
 // Adds METH_FASTCALL functions to the module; `defs` must outlive it (static storage).
 void add_fast_calls(py::module_& m, PyMethodDef* defs, std::size_t count);
 

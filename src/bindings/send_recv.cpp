@@ -90,14 +90,14 @@ void bind_send_recv(py::module_& m) {
       .def("init", &SendRecvEngine::init, py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"),
            release_gil())
       .def("cleanup", &SendRecvEngine::cleanup, release_gil())
-      .def_property_readonly("initialized", &SendRecvEngine::initialized)
-      .def_property_readonly("chunk_bytes", &SendRecvEngine::chunk_bytes)
-      .def_property_readonly("num_chunks", &SendRecvEngine::num_chunks)
-      .def_property_readonly("blocks", &SendRecvEngine::blocks)
-      .def_property_readonly("symmetric_bytes", &SendRecvEngine::symmetric_bytes)
-      .def_property_readonly("max_grid", &SendRecvEngine::max_grid,
+      .def_property_readonly("initialized", without_gil_getter(&SendRecvEngine::initialized))
+      .def_property_readonly("chunk_bytes", without_gil_getter(&SendRecvEngine::chunk_bytes))
+      .def_property_readonly("num_chunks", without_gil_getter(&SendRecvEngine::num_chunks))
+      .def_property_readonly("blocks", without_gil_getter(&SendRecvEngine::blocks))
+      .def_property_readonly("symmetric_bytes", without_gil_getter(&SendRecvEngine::symmetric_bytes))
+      .def_property_readonly("max_grid", without_gil_getter(&SendRecvEngine::max_grid),
                              "blocks of a launch at most (what can be resident at once for this PE)")
-      .def("slices_for", &SendRecvEngine::slices_for, py::arg("bytes"),
+      .def("slices_for", &SendRecvEngine::slices_for, py::arg("bytes"), release_gil(),
            "slices (per-op block slots) a message of `bytes` moves on")
       .def_static("symmetric_bytes_needed", &SendRecvEngine::symmetric_bytes_needed, py::arg("n_pes"),
                   py::arg("chunk_bytes"), py::arg("num_chunks"), py::arg("blocks"))
@@ -126,13 +126,16 @@ void bind_send_recv(py::module_& m) {
              self.batch(list, as_stream(stream), timeout);
            }, py::arg("ops"), py::arg("stream"), py::arg("timeout"), release_gil(),
            "ops: (is_send, address, bytes, peer) tuples, run in one launch")
-      .def_property_readonly("zero_copy_min_bytes", &SendRecvEngine::zero_copy_min_bytes,
+      .def_property_readonly("zero_copy_min_bytes", without_gil_getter(&SendRecvEngine::zero_copy_min_bytes),
                              "messages of at least this many bytes between load/store peers move once (0: never)")
       .def("set_zero_copy_min_bytes", &SendRecvEngine::set_zero_copy_min_bytes, py::arg("bytes"), release_gil(),
            "collective: every PE, the same value, between calls (bench and tests: 0 turns zero-copy off)")
       .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
       .def("zero_copy_counters", [](SendRecvEngine& self) {
-             const std::vector<uint64_t> v = self.zero_copy_counters();
+             const std::vector<uint64_t> v = [&self] {
+               py::gil_scoped_release release;  // the engine's lock (see without_gil_getter)
+               return self.zero_copy_counters();
+             }();
              static const char* names[] = {"send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy",
                                            "map_requests", "acked", "refused", "not_exportable",
                                            "stale_dropped", "evicted", "opened", "closed"};

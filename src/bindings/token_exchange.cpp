@@ -22,8 +22,8 @@ void bind_token_exchange(py::module_& m) {
       .def_property_readonly("initialized", &DoubleBufferManager::initialized)
       .def_property_readonly("n_tokens", &DoubleBufferManager::n_tokens)
       .def_property_readonly("token_size", &DoubleBufferManager::token_size)
-      .def_property_readonly("round", &DoubleBufferManager::round)
-      .def_property_readonly("last_waited_round", &DoubleBufferManager::last_waited_round)
+      .def_property_readonly("round", without_gil_getter(&DoubleBufferManager::round))
+      .def_property_readonly("last_waited_round", without_gil_getter(&DoubleBufferManager::last_waited_round))
       .def("send_buffer", [](const DoubleBufferManager& self, int set) {
              return as_address(self.send_buffer(set)); }, py::arg("set"))
       .def("recv_buffer", [](const DoubleBufferManager& self, int set) {

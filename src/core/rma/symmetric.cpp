@@ -40,11 +40,12 @@ Allocations& allocations() {
   return a;
 }
 
-// NVSHMEM_SYMMETRIC_SIZE in bytes (NVSHMEM's default, 1 GiB, when unset), read by the settings
-// table's rule (the Python layer refuses bad values before NVSHMEM starts).
-std::size_t configured_heap_bytes() {
-  return static_cast<std::size_t>(settings::value("NVSHMEM_SYMMETRIC_SIZE").bytes);
-}
+// NVSHMEM_SYMMETRIC_SIZE in bytes, as init read it (NVSHMEM reads it once, at its start, too):
+// never parsed again between symmetric_malloc's two barriers, where a refusal on one PE would
+// leave its peers waiting. NVSHMEM's default (1 GiB) until init.
+std::atomic<std::size_t> g_configured_heap_bytes{settings::kNvshmemDefaultSymmetricSize};
+
+std::size_t configured_heap_bytes() { return g_configured_heap_bytes.load(std::memory_order_relaxed); }
 
 std::size_t live_symmetric_bytes() {
   std::lock_guard<std::mutex> lock(allocations().mutex);
@@ -168,6 +169,11 @@ bool rma_forced() { return g_rma_forced.load(std::memory_order_relaxed); }
 void set_rma_forced(bool forced) { g_rma_forced.store(forced, std::memory_order_relaxed); }
 
 void read_rma_forced_from_environment() { set_rma_forced(forced_by_environment()); }
+
+void read_symmetric_size_from_environment() {
+  g_configured_heap_bytes.store(static_cast<std::size_t>(settings::value("NVSHMEM_SYMMETRIC_SIZE").bytes),
+                                std::memory_order_relaxed);
+}
 
 void* peer_pointer(const void* ptr, int pe) {
   require_valid_pe(pe, "peer_pointer");

@@ -254,6 +254,7 @@ int init_nvshmem(const std::vector<uint8_t>& root_unique_id, int rank, int world
   timeout_nanoseconds(timeout_seconds);  // validates it
   check_init_args(root_unique_id, rank, world_size, device);
   read_rma_forced_from_environment();  // once here, not per transfer
+  read_symmetric_size_from_environment();  // before NVSHMEM reads it: a bad value refused here
   {
     // What the kernels' launch choices depend on: read here, in host code, and passed in.
     kernels::LaunchSettings launch;

@@ -198,9 +198,17 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
     grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & 0xffffffffu));
   }
   // The zero-copy threshold decides, on each side alike, whether a message waits for a
-  // rendezvous: every PE must have the same. Then PE 0 draws the job's mailbox name.
-  const std::size_t min_bytes = zero_copy_min_bytes_from_environment();
-  agree_zero_copy_min_bytes(min_bytes);
+  // rendezvous: every PE must have the same. A value this PE cannot read is voted as such, so
+  // that every PE refuses (nothing is allocated yet), not this one alone while its peers wait.
+  // Then PE 0 draws the job's mailbox name.
+  std::string unreadable;
+  std::size_t min_bytes = 0;
+  try {
+    min_bytes = zero_copy_min_bytes_from_environment();
+  } catch (const settings::SettingError& e) {
+    unreadable = e.what();
+  }
+  agree_zero_copy_min_bytes(unreadable.empty() ? min_bytes : kUnreadableThreshold, unreadable);
   uint64_t job = 0;
   if (my_pe() == 0) {
     std::random_device random;
@@ -304,10 +312,19 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
 SendRecvEngine::SendRecvEngine() = default;
 SendRecvEngine::~SendRecvEngine() = default;
 
-void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) {
+void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) { agree_zero_copy_min_bytes(bytes, ""); }
+
+void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes, const std::string& unreadable) {
   const std::vector<uint64_t> votes = barrier_all_blocking(
       "zero-copy threshold (collective: every PE must set it, to the same value)", default_timeout_seconds(),
       static_cast<uint64_t>(bytes));
+  for (std::size_t pe = 0; pe < votes.size(); ++pe) {
+    PDC_REQUIRE(!(static_cast<int>(pe) == my_pe() && !unreadable.empty()),
+                unreadable << " (every PE refuses: nothing was set up)");
+    PDC_REQUIRE(votes[pe] != kUnreadableThreshold,
+                "PE " << pe << " could not read its PYDATACOPY_ZERO_COPY_MIN_BYTES (its error says "
+                "why): every PE refuses, nothing was set up; set the same valid value on every PE");
+  }
   for (std::size_t pe = 0; pe < votes.size(); ++pe)
     PDC_REQUIRE(votes[pe] == bytes,
                 "the zero-copy threshold differs between PEs: PE " << pe << " has " << votes[pe]
