@@ -63,9 +63,4 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
                 std::size_t block_bytes, const int64_t* dst_indices, const int64_t* src_indices,
                 int64_t count, int pe, cudaStream_t stream, Path path = Path::kAuto);
 
-// Latency probe (the benchmark's): one GPU thread bounces an 8-byte signal with `peer`
-// `iterations` times; the initiator sends first. `signal` is symmetric and zero on both PEs.
-void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
-                     cudaStream_t stream, double timeout_seconds);
-
 }  // namespace pydatacopy

@@ -15,6 +15,7 @@
 
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/transfer.hpp"
+#include "rma/transfer_internal.hpp"
 
 namespace pydatacopy::bindings {
 

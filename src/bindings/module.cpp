@@ -3,6 +3,7 @@
 #include "bindings.hpp"
 
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/settings.hpp"
 
 namespace pydatacopy::bindings {

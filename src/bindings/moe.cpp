@@ -6,6 +6,7 @@
 #include "pydatacopy/all_to_all.hpp"
 #include "pydatacopy/moe.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 
 namespace pydatacopy::bindings {
 

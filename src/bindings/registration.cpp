@@ -2,6 +2,7 @@
 #include "bindings.hpp"
 
 #include "pydatacopy/registration.hpp"
+#include "registration/registration_internal.hpp"
 
 namespace pydatacopy::bindings {
 

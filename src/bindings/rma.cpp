@@ -4,8 +4,11 @@
 #include <vector>
 #include "pydatacopy/prepared_put_many.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 #include "pydatacopy/transfer.hpp"
+#include "rma/transfer_internal.hpp"
 
 namespace pydatacopy::bindings {
 

@@ -2,6 +2,7 @@
 #include "bindings.hpp"
 
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "kernels/api.cuh"
 
 namespace pydatacopy::bindings {

@@ -10,9 +10,12 @@
 #include "check.hpp"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/send_recv.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 #include "pydatacopy/transfer.hpp"
+#include "rma/transfer_internal.hpp"
 
 namespace {
 

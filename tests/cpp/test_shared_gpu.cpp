@@ -9,7 +9,9 @@
 
 #include "check.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 
 namespace {
 

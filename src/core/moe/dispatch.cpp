@@ -6,6 +6,7 @@
 
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 
 namespace pydatacopy {
 namespace {

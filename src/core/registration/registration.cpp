@@ -1,4 +1,5 @@
 #include "pydatacopy/registration.hpp"
+#include "registration/registration_internal.hpp"
 #include "registration/registration_cache.hpp"
 
 #include <cuda.h>
@@ -17,6 +18,7 @@
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 
 namespace pydatacopy {
 namespace {

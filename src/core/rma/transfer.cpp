@@ -1,4 +1,5 @@
 #include "pydatacopy/transfer.hpp"
+#include "rma/transfer_internal.hpp"
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -9,8 +10,11 @@
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
+#include "registration/registration_internal.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 
 namespace pydatacopy {
 namespace {

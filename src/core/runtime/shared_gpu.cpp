@@ -10,7 +10,9 @@
 
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 
 namespace pydatacopy {
 namespace {

@@ -25,9 +25,12 @@
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
+#include "registration/registration_internal.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/settings.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 #include "send_recv/zero_copy.hpp"
 
 namespace pydatacopy {

@@ -13,7 +13,9 @@
 #include "pydatacopy/double_buffer_manager.hpp"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 
 namespace pydatacopy {
 namespace {

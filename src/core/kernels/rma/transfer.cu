@@ -9,7 +9,9 @@
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/prepared_put_many.hpp"
 #include "pydatacopy/symmetric.hpp"
+#include "rma/symmetric_internal.hpp"
 #include "pydatacopy/transfer.hpp"
+#include "rma/transfer_internal.hpp"
 
 namespace pydatacopy::kernels {
 namespace {

@@ -6,6 +6,7 @@
 #include "kernels/copy.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
+#include "registration/registration_internal.hpp"
 
 namespace pydatacopy::kernels {
 namespace {
