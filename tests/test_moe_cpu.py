@@ -405,8 +405,9 @@ _SIZES = [(0, 1, 1, 1, 1, 16), (5, 2, 2, 3, 8, 20), (64, 8, 8, 32, 512, 14336), 
 def test_dispatch_workspace_parts_aligned_apart_and_large_enough(tokens, topk, n_pes, experts_per_pe, recv_rows,
                                                                  row_bytes):
     from pydatacopy import _C
-    total, parts = _C.moe_dispatch_workspace(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes)
-    assert total == _C.moe_dispatch_workspace_bytes(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes)
+    totals, parts = _C.moe_dispatch_workspace(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes)
+    assert totals == _C.moe_dispatch_workspace_bytes(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes)
+    assert set(totals) == {"recv_x", "handle", "scratch"}
     align = _C.MOE_DISPATCH_WORKSPACE_ALIGNMENT
     pairs = recv_rows * topk
     want = {"send_counts": 8 * n_pes, "send_index": 8 * (n_pes * tokens + 1), "meta": 4 * tokens * (topk + 1),
@@ -419,11 +420,20 @@ def test_dispatch_workspace_parts_aligned_apart_and_large_enough(tokens, topk, n
             "combine_counts": 8 * n_pes,
             "receive_scratch": _C.moe_receive_layout_scratch_bytes(recv_rows, topk, experts_per_pe),
             "recv_x": pairs * row_bytes}
-    assert {name: size for name, (_, size) in parts.items()} == want
-    spans = sorted((offset, offset + size) for offset, size in parts.values())
-    assert all(offset % align == 0 for offset, _ in spans)
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))  # apart
-    assert spans[0][0] == 0 and spans[-1][1] <= total and total % align == 0
+    assert {name: size for name, (_, _, size) in parts.items()} == want
+    # Split by lifetime: recv_x alone; MoeHandle's tensors together (and nothing else); the rest
+    # scratch (freed after the call).
+    handle = {"expert_counts", "expert_offsets", "num_rows", "expert_of_row", "source_pe", "source_token",
+              "recv_counts", "combine_index", "combine_counts", "pair_pe", "pair_rank"}
+    assert handle == set(pydatacopy.MoeHandle._fields)
+    assert {name: region for name, (region, _, _) in parts.items()} == \
+        {name: "recv_x" if name == "recv_x" else "handle" if name in handle else "scratch" for name in want}
+    for region, total in totals.items():
+        spans = sorted((offset, offset + size) for r, offset, size in parts.values() if r == region)
+        assert all(offset % align == 0 for offset, _ in spans), region
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), region  # apart
+        assert spans[0][0] == 0 and spans[-1][1] == total, region  # unpadded: ends at the last part
+    assert totals["recv_x"] == pairs * row_bytes  # exactly recv_x's [pairs, hidden] tensor
 
 
 def test_dispatch_workspace_grows_with_every_size():
@@ -435,7 +445,7 @@ def test_dispatch_workspace_grows_with_every_size():
         for step in (1, 2, 7, 50):
             sizes[i] = base[i] + step
             now = _C.moe_dispatch_workspace_bytes(*sizes)
-            assert now >= previous, (i, sizes)
+            assert all(now[region] >= previous[region] for region in now), (i, sizes)
             previous = now
 
 

@@ -128,6 +128,14 @@ struct AllToAllField {
   int64_t recv_rows = 0;
 };
 
+// Where a call's fields left in the region are (AllToAll::exchange fills it under the buffer's
+// lock, so it is this call's, whatever other threads exchange on the buffer after it): source
+// s's rows of field f at field[f] + s x stride (field[f] null for f past the call's fields).
+struct AllToAllRegion {
+  const uint8_t* field[AllToAllLayout::kMaxFields] = {};
+  int64_t stride = 0;
+};
+
 class AllToAll {
  public:
   AllToAll() = default;
@@ -156,13 +164,17 @@ class AllToAll {
   // check_device_errors(); an earlier call's refusal is thrown by this call after its launches.
   // Returns the call's number (release() takes it). exchange() and release() hold the buffer's
   // lock (one at a time per buffer, whatever the threads); init() and cleanup() do not.
+  // region (optional): filled with this call's region addresses and stride, under the lock (what
+  // in_region() / region_stride() read afterwards, race-free against other threads' calls).
   int64_t exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                    const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                   int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds);
+                   int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
+                   AllToAllRegion* region = nullptr);
 
   // After a call with a field left in the region (recv null): where field f's rows from source
   // 0 are (device address, this PE), and the bytes from one source's rows to the next. Valid
-  // for stream-ordered reads until release(call) is on the stream.
+  // for stream-ordered reads until release(call) is on the stream. They describe the LAST call
+  // on the buffer: with several threads on one buffer, take exchange()'s region instead.
   const uint8_t* in_region(int field) const;
   int64_t region_stride() const;
   // Stream-ordered: hands the regions of call `call` (calls() - 1 right after it) back to the

@@ -1,6 +1,7 @@
 // MoE dispatch's host path in one call: the region dispatch of MoeDispatcher (python/pydatacopy/
 // moe/dispatcher.py) as the core runs it, on the caller's stream, with every output and scratch
-// carved out of ONE workspace the caller allocates (MoeDispatchWorkspace says where each is).
+// carved out of three allocations of the caller's, split by lifetime (recv_x; the handle's
+// tensors; the scratch), MoeDispatchWorkspace says where each is.
 //
 // moe_dispatch_region = moe_dispatch_layout (the sender's layout, its scratch), the exchange of
 // the token rows (left in the receive region) and the meta rows (compacted, recv_meta), the
@@ -23,10 +24,16 @@ namespace pydatacopy {
 constexpr int64_t kMoeRegionRowAlignment = 16;
 inline bool moe_region_rows_scatter(int64_t row_bytes) { return row_bytes % kMoeRegionRowAlignment == 0; }
 
-// Where each output and scratch of moe_dispatch_region lies in its workspace (byte offsets, each
-// kAlignment-aligned, in this order, none overlapping; total() bytes in all). Sizes: `tokens`
-// rows of x (row_bytes each) with `topk` expert ids each, over n_pes PEs of experts_per_pe
-// experts, recv_rows (n_pes x the dispatch buffer's capacity) rows received at most.
+// Where each output and scratch of moe_dispatch_region lies: every part belongs to one of three
+// regions, split by lifetime, each its own allocation of the caller's (byte offsets from the
+// region's start, each kAlignment-aligned, in Part order, none overlapping within a region;
+// region_total[r] bytes in region r, ending at its last part, unpadded):
+// - kRecvXRegion: recv_x alone (the largest output; the caller's [pairs, hidden] tensor);
+// - kHandleRegion: the outputs that MoeHandle keeps for combine (and backward), small, together;
+// - kScratchRegion: everything else, the layouts' scratch and the intermediates no caller reads
+//   after the call (the caller frees it after the call: stream-ordered, like its kernels).
+// Sizes: `tokens` rows of x (row_bytes each) with `topk` expert ids each, over n_pes PEs of
+// experts_per_pe experts, recv_rows (n_pes x the dispatch buffer's capacity) rows received at most.
 struct MoeDispatchWorkspace {
   static constexpr int64_t kAlignment = 256;
   enum Part : int {
@@ -40,23 +47,22 @@ struct MoeDispatchWorkspace {
     kRecvX,  // [pairs, row_bytes]: the rows grouped by expert
     kParts
   };
-  static const char* const kNames[kParts];  // "send_counts", ... (the Python views' names)
+  enum Region : int { kRecvXRegion, kHandleRegion, kScratchRegion, kRegions };
+  static const char* const kNames[kParts];          // "send_counts", ... (the Python views' names)
+  static const char* const kRegionNames[kRegions];  // "recv_x", "handle", "scratch"
+  static const Region kRegionOf[kParts];             // each part's region
 
   int64_t tokens = 0, topk = 0, experts_per_pe = 0, recv_rows = 0, row_bytes = 0;
   int n_pes = 0;
-  int64_t offset[kParts] = {};
+  int64_t offset[kParts] = {};  // from the start of its region (kRegionOf)
   int64_t bytes[kParts] = {};
-  int64_t end = 0;
+  int64_t region_total[kRegions] = {};
 
   // Throws Error for sizes outside the layout kernels' limits (moe_dispatch_fits says which fit).
   MoeDispatchWorkspace(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
                        int64_t row_bytes);
   int64_t pairs() const { return recv_rows * topk; }  // rows of recv_x and of the receive layout
-  int64_t total() const { return end; }
-  static int64_t bytes_needed(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
-                              int64_t row_bytes) {
-    return MoeDispatchWorkspace(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes).total();
-  }
+  int64_t total(Region region) const { return region_total[region]; }
 };
 
 // Whether moe_dispatch_region takes these sizes: both layouts within their one-block kernels'
@@ -67,13 +73,17 @@ bool moe_dispatch_fits(int64_t tokens, int64_t topk, int n_pes, int64_t experts_
 // The region dispatch, stream-ordered on `stream` (nothing read on the host). x: [tokens,
 // row_bytes] on this PE's GPU; topk_idx [tokens, topk] int32 or int64 (id_bytes 4 or 8) of
 // global expert ids; engine: the dispatch buffer (max_row_bytes >= row_bytes + (topk + 1) x 4,
-// capacity rows per source); workspace: device memory of at least
-// MoeDispatchWorkspace(...).total() bytes, kAlignment-aligned, the outputs' home (the caller
-// keeps it while it reads them). Collective like AllToAll::exchange: every PE calls it, in the
-// same order. A failure after the exchange still releases its region (as the Python path did).
+// capacity rows per source); recv_x, handle, scratch: device memory of at least
+// MoeDispatchWorkspace(...).total(region) bytes each (recv_x_bytes, handle_bytes, scratch_bytes,
+// checked), kAlignment-aligned (null allowed only for a region of 0 bytes): recv_x and handle the
+// outputs' homes (the caller keeps them while it reads them), scratch free again once the call's
+// work on `stream` is done. Collective like AllToAll::exchange: every PE calls it, in the same
+// order. A failure after the exchange still releases its region (as the Python path did), and the
+// first error is the one thrown.
 void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
-                         int64_t tokens, int64_t topk, int64_t num_experts, void* workspace,
-                         int64_t workspace_bytes, cudaStream_t stream, double timeout_seconds);
+                         int64_t tokens, int64_t topk, int64_t num_experts, void* recv_x, int64_t recv_x_bytes,
+                         void* handle, int64_t handle_bytes, void* scratch, int64_t scratch_bytes,
+                         cudaStream_t stream, double timeout_seconds);
 
 // MoE combine's region path in one call: the exchange of the expert outputs y ([y_rows, hidden]
 // of the reduction dtype `dtype`, ReduceDtype) back to their tokens' PEs (combine_counts rows to

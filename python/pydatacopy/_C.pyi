@@ -157,17 +157,20 @@ def moe_dispatch_fits(tokens: int, topk: int, n_pes: int, experts_per_pe: int, r
     """Whether moe_dispatch_region takes these sizes (both layouts within the kernels' limits)."""
 
 def moe_dispatch_workspace(tokens: int, topk: int, n_pes: int, experts_per_pe: int, recv_rows: int,
-                           row_bytes: int) -> tuple[int, dict[str, tuple[int, int]]] | None:
-    """moe_dispatch_region's workspace: (bytes, {part: (offset, bytes)}); None past the limits."""
+                           row_bytes: int) -> tuple[dict[str, int], dict[str, tuple[str, int, int]]] | None:
+    """moe_dispatch_region's regions (split by lifetime): ({region: bytes}, {part: (region, offset,
+    bytes)}), regions "recv_x", "handle", "scratch", offsets from their region's start; None
+    past the limits."""
 
 def moe_dispatch_workspace_bytes(tokens: int, topk: int, n_pes: int, experts_per_pe: int, recv_rows: int,
-                                 row_bytes: int) -> int:
-    """MoeDispatchWorkspace::bytes_needed; pydatacopy.Error past the layout kernels' limits."""
+                                 row_bytes: int) -> dict[str, int]:
+    """{region: bytes} ("recv_x", "handle", "scratch"); pydatacopy.Error past the layout kernels' limits."""
 
 def moe_dispatch_region(engine: AllToAll, x: int, row_bytes: int, topk_idx: int, id_bytes: int, tokens: int,
-                        topk: int, num_experts: int, workspace: int, workspace_bytes: int, stream: int,
-                        timeout: float) -> None:
-    """MoE dispatch's region path in one call: layouts, exchange, grouping by expert, release."""
+                        topk: int, num_experts: int, recv_x: int, recv_x_bytes: int, handle: int,
+                        handle_bytes: int, scratch: int, scratch_bytes: int, stream: int, timeout: float) -> None:
+    """MoE dispatch's region path in one call: layouts, exchange, grouping by expert, release;
+    recv_x, handle, scratch: the three regions' device addresses (bytes checked)."""
 
 def moe_combine_region(engine: AllToAll, y: int, y_rows: int, hidden: int, dtype: int, combine_counts: int,
                        combine_index: int, index_rows: int, pair_pe: int, pair_rank: int, weights: int,

@@ -154,38 +154,53 @@ void bind_moe(py::module_& m) {
         py::arg("back_counts"), py::arg("n_sources"), py::arg("weights"), py::arg("tokens"), py::arg("topk"),
         py::arg("hidden"), py::arg("dtype"), py::arg("stream"), release_gil(),
         "moe_combine_reduce reading each pair's row from combine's receive region");
+  // The region totals by name ({"recv_x": bytes, "handle": bytes, "scratch": bytes}).
+  auto region_totals = [](const MoeDispatchWorkspace& w) {
+    py::dict totals;
+    for (int r = 0; r < MoeDispatchWorkspace::kRegions; ++r)
+      totals[MoeDispatchWorkspace::kRegionNames[r]] = w.total(static_cast<MoeDispatchWorkspace::Region>(r));
+    return totals;
+  };
   m.def("moe_dispatch_workspace",
-        [](int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
-           int64_t row_bytes) -> py::object {
+        [region_totals](int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
+                        int64_t row_bytes) -> py::object {
           if (!moe_dispatch_fits(tokens, topk, n_pes, experts_per_pe, recv_rows)) return py::none();
           const MoeDispatchWorkspace w(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes);
           py::dict parts;
           for (int p = 0; p < MoeDispatchWorkspace::kParts; ++p)
-            parts[MoeDispatchWorkspace::kNames[p]] = py::make_tuple(w.offset[p], w.bytes[p]);
-          return py::make_tuple(w.total(), parts);
+            parts[MoeDispatchWorkspace::kNames[p]] = py::make_tuple(
+                MoeDispatchWorkspace::kRegionNames[MoeDispatchWorkspace::kRegionOf[p]], w.offset[p], w.bytes[p]);
+          return py::make_tuple(region_totals(w), parts);
         },
         py::arg("tokens"), py::arg("topk"), py::arg("n_pes"), py::arg("experts_per_pe"), py::arg("recv_rows"),
         py::arg("row_bytes"),
-        "moe_dispatch_region's workspace (moe.hpp): (bytes, {part: (offset, bytes)}), or None when "
-        "the sizes are past the layout kernels' limits");
-  m.def("moe_dispatch_workspace_bytes", &MoeDispatchWorkspace::bytes_needed, py::arg("tokens"), py::arg("topk"),
-        py::arg("n_pes"), py::arg("experts_per_pe"), py::arg("recv_rows"), py::arg("row_bytes"),
-        "MoeDispatchWorkspace::bytes_needed (Error past the layout kernels' limits)");
+        "moe_dispatch_region's regions (moe.hpp): ({region: bytes}, {part: (region, offset, bytes)}), regions "
+        "recv_x, handle, scratch; or None when the sizes are past the layout kernels' limits");
+  m.def("moe_dispatch_workspace_bytes",
+        [region_totals](int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows,
+                        int64_t row_bytes) {
+          return region_totals(MoeDispatchWorkspace(tokens, topk, n_pes, experts_per_pe, recv_rows, row_bytes));
+        },
+        py::arg("tokens"), py::arg("topk"), py::arg("n_pes"), py::arg("experts_per_pe"), py::arg("recv_rows"),
+        py::arg("row_bytes"), "{region: bytes} of moe_dispatch_region's regions (Error past the layout kernels' limits)");
   m.def("moe_dispatch_fits", &moe_dispatch_fits, py::arg("tokens"), py::arg("topk"), py::arg("n_pes"),
         py::arg("experts_per_pe"), py::arg("recv_rows"));
   m.def("moe_layout_kernels_fit", &moe_layout_kernels_fit, py::arg("n_pes"), py::arg("experts_per_pe"),
         py::arg("pairs"));
   m.def("moe_dispatch_region",
         [](AllToAll& engine, std::uintptr_t x, int64_t row_bytes, std::uintptr_t topk_idx, int id_bytes,
-           int64_t tokens, int64_t topk, int64_t num_experts, std::uintptr_t workspace, int64_t workspace_bytes,
+           int64_t tokens, int64_t topk, int64_t num_experts, std::uintptr_t recv_x, int64_t recv_x_bytes,
+           std::uintptr_t handle, int64_t handle_bytes, std::uintptr_t scratch, int64_t scratch_bytes,
            std::uintptr_t stream, double timeout) {
           moe_dispatch_region(engine, as_pointer<const void>(x), row_bytes, as_pointer<const void>(topk_idx), id_bytes,
-                              tokens, topk, num_experts, as_pointer<void>(workspace), workspace_bytes,
+                              tokens, topk, num_experts, as_pointer<void>(recv_x), recv_x_bytes,
+                              as_pointer<void>(handle), handle_bytes, as_pointer<void>(scratch), scratch_bytes,
                               as_stream(stream), timeout);
         },
         py::arg("engine"), py::arg("x"), py::arg("row_bytes"), py::arg("topk_idx"), py::arg("id_bytes"),
-        py::arg("tokens"), py::arg("topk"), py::arg("num_experts"), py::arg("workspace"),
-        py::arg("workspace_bytes"), py::arg("stream"), py::arg("timeout"), release_gil(),
+        py::arg("tokens"), py::arg("topk"), py::arg("num_experts"), py::arg("recv_x"), py::arg("recv_x_bytes"),
+        py::arg("handle"), py::arg("handle_bytes"), py::arg("scratch"), py::arg("scratch_bytes"),
+        py::arg("stream"), py::arg("timeout"), release_gil(),
         "MoE dispatch's region path in one call (moe.hpp): layouts, exchange, grouping, release");
   m.def("moe_combine_region",
         [](AllToAll& engine, std::uintptr_t y, int64_t y_rows, int64_t hidden, int dtype, std::uintptr_t combine_counts,

@@ -779,7 +779,7 @@ def test_eager_dispatch_of_16_byte_rows_crosses_at_most_3_times(world, big_dispa
 
 
 def _check_host_path(world, d, monkeypatch, which):
-    """An eager dispatch: at most 3 calls into _C (the buffer's state, the workspace's layout,
+    """An eager dispatch: at most 3 calls into _C (the buffer's state, the regions' layout,
     moe_dispatch_region), combine at most 2; the outputs equal the compacting path's (the Python
     steps: dispatch_plan, exchange, receive_layout, gather_rows) and pair_pe / pair_rank equal
     dispatch_plan_reference, byte for byte."""
@@ -829,6 +829,13 @@ def _check_host_path(world, d, monkeypatch, which):
     plan = dispatch_plan_reference(ids.cpu(), d.num_experts, n)
     _same_bytes(handle.pair_pe.cpu(), plan.pair_pe, f"{which}: pair_pe against dispatch_plan_reference")
     _same_bytes(handle.pair_rank.cpu(), plan.pair_rank, f"{which}: pair_rank against dispatch_plan_reference")
+    # Split by lifetime: recv_x shares no storage with the handle (holding the handle does not
+    # keep recv_x, nor any scratch, alive), and the handle's tensors are one allocation.
+    storages = {getattr(handle, field).untyped_storage().data_ptr() for field in handle._fields}
+    if recv_x.untyped_storage().data_ptr() in storages:
+        _FAILURES.append(f"{which}: recv_x shares its storage with the handle's tensors")
+    if len(storages) != 1:
+        _FAILURES.append(f"{which}: the handle's tensors are {len(storages)} allocations, not one")
     # Fresh workspaces: a second dispatch leaves the first one's outputs as they were.
     kept = recv_x[:used].clone(), handle.source_token.clone()
     d.dispatch(x.flip(0), ids.flip(0), timeout=TIMEOUT_S)

@@ -170,10 +170,12 @@ class MoeDispatcher:
     def _dispatch_native(self, x, topk_idx, timeout):
         """The region dispatch in one native call (moe_dispatch_region, include/pydatacopy/moe.hpp):
         both layouts, the exchange (token rows left in the receive region), the grouping by
-        expert and the release, every output a view of one workspace (fresh per call, so an
-        earlier call's outputs stay valid). None where it does not apply (a tensor elsewhere,
-        a closed buffer, sizes past the layout kernels): the steps in Python then run, and
-        say what is wrong."""
+        expert and the release, on three tensors split by lifetime (fresh per call, so an
+        earlier call's outputs stay valid): recv_x its own; the handle's tensors views of one
+        small tensor (they live together); the scratch (layouts' scratch and intermediates)
+        one more, dropped on return. None where it does not apply (a tensor elsewhere, a
+        closed buffer, sizes past the layout kernels): the steps in Python then run, and say
+        what is wrong."""
         buffer = self._dispatch
         device = buffer._device
         if not (topk_idx.get_device() == device and x.get_device() == device and x.is_contiguous()
@@ -186,23 +188,30 @@ class MoeDispatcher:
         if layout is None:
             return None
         seconds = timeout_seconds(timeout)
-        total, parts = layout
+        totals, parts = layout
         if topk_idx.dtype not in (torch.int32, torch.int64):
             topk_idx = topk_idx.to(torch.int64)
         topk_idx = topk_idx.contiguous()
-        workspace = torch.empty(total, dtype=torch.uint8, device=x.device)
+        pairs = n_pes * self.max_tokens * topk
+        recv_x = torch.empty((pairs, self.hidden), dtype=x.dtype, device=x.device)
+        kept = torch.empty(totals["handle"], dtype=torch.uint8, device=x.device)
+        # Freed when this returns: the call's kernels run on torch's current stream (the one
+        # passed), and the caching allocator hands this memory out again only to work queued
+        # after them in that stream's order, so nothing later can overwrite it under them.
+        scratch = torch.empty(totals["scratch"], dtype=torch.uint8, device=x.device)
         _C.moe_dispatch_region(buffer._core, x.data_ptr(), row_bytes, topk_idx.data_ptr(), topk_idx.element_size(),
-                               tokens, topk, self.num_experts, workspace.data_ptr(), total,
-                               stream_handle(None, device), seconds)
+                               tokens, topk, self.num_experts, recv_x.data_ptr(),
+                               recv_x.numel() * recv_x.element_size(), kept.data_ptr(), totals["handle"],
+                               scratch.data_ptr(), totals["scratch"], stream_handle(None, device), seconds)
+        del scratch
 
         def view(name, dtype, *shape):
-            offset, size = parts[name]
-            return workspace[offset:offset + size].view(dtype).view(shape)
+            region, offset, size = parts[name]
+            assert region == "handle", name
+            return kept[offset:offset + size].view(dtype).view(shape)
 
-        pairs = n_pes * self.max_tokens * topk
         longs = torch.int64
         epp = self.experts_per_pe
-        recv_x = view("recv_x", x.dtype, pairs, self.hidden)
         handle = MoeHandle(view("expert_counts", longs, epp), view("expert_offsets", longs, epp),
                            view("num_rows", longs), view("expert_of_row", longs, pairs),
                            view("source_pe", longs, pairs), view("source_token", longs, pairs),
@@ -241,7 +250,9 @@ class MoeDispatcher:
             weights = topk_weights.to(torch.float32).contiguous()
             pair_pe, pair_rank = handle.pair_pe.contiguous(), handle.pair_rank.contiguous()
             out = torch.empty((tokens, self.hidden), dtype=y.dtype, device=y.device)
-            back = torch.empty(2 * self.n_pes, dtype=torch.int64, device=y.device)  # counts, offsets
+            # The exchange's counts and offsets: scratch, its own tensor (out shares nothing with
+            # it), freed on return (stream-ordered, as dispatch's scratch).
+            back = torch.empty(2 * self.n_pes, dtype=torch.int64, device=y.device)
             index = handle.combine_index
             _C.moe_combine_region(buffer._core, y.data_ptr(), y.shape[0], self.hidden, _REDUCE_DTYPES[y.dtype],
                                   handle.combine_counts.data_ptr(), index.data_ptr(), index.shape[0],

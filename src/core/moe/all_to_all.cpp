@@ -171,7 +171,8 @@ void AllToAll::cleanup() {
 
 int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                            const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                           int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds) {
+                           int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
+                           AllToAllRegion* region) {
   const std::lock_guard<std::mutex> lock(mutex_);
   require_initialized("all_to_all");
   check_timeouts();  // a collective: refused on every PE once any peer is presumed dead
@@ -275,6 +276,11 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
   for (int f = 0; f < AllToAllLayout::kMaxFields; ++f) last_field_start_[f] = f < count ? args.field_start[f] : 0;
   release_owed_[set] = defer;
   last_call_ = calls_;
+  if (region != nullptr) {  // this call's, read under the lock (in_region() reads the last call's)
+    *region = AllToAllRegion{};
+    for (int f = 0; f < count; ++f) region->field[f] = base_ + args.regions + args.field_start[f];
+    region->stride = args.region_bytes;
+  }
   return calls_++;
 }
 

@@ -1,5 +1,6 @@
 // MoE dispatch's region path in one call (moe.hpp): the steps MoeDispatcher.dispatch made one
-// by one from Python, in the same order with the same arguments, on a workspace of the caller's.
+// by one from Python, in the same order with the same arguments, on three allocations of the
+// caller's (recv_x, the handle's tensors, the scratch).
 #include "pydatacopy/moe.hpp"
 
 #include <vector>
@@ -13,6 +14,15 @@ namespace {
 
 int64_t align_up(int64_t value, int64_t alignment) { return (value + alignment - 1) / alignment * alignment; }
 
+// The failure path's release: the region still goes back to its sources, but an error of the
+// release itself must not replace the one being thrown (the caller rethrows that one).
+void release_after_failure(AllToAll& engine, int64_t call, cudaStream_t stream) noexcept {
+  try {
+    engine.release(call, stream);
+  } catch (...) {
+  }
+}
+
 }  // namespace
 
 const char* const MoeDispatchWorkspace::kNames[kParts] = {
@@ -20,6 +30,19 @@ const char* const MoeDispatchWorkspace::kNames[kParts] = {
     "recv_meta",   "recv_counts",    "recv_offsets",   "positions", "row_of",        "expert_counts",
     "expert_offsets", "num_rows",    "expert_of_row",  "source_pe", "source_token",  "combine_index",
     "combine_counts", "receive_scratch", "recv_x"};
+
+const char* const MoeDispatchWorkspace::kRegionNames[kRegions] = {"recv_x", "handle", "scratch"};
+
+// By lifetime: MoeHandle's tensors (kept for combine and backward) together, recv_x alone, the
+// rest scratch (nothing read after the call).
+const MoeDispatchWorkspace::Region MoeDispatchWorkspace::kRegionOf[kParts] = {
+    kScratchRegion /*send_counts*/,   kScratchRegion /*send_index*/,    kScratchRegion /*meta*/,
+    kHandleRegion /*pair_pe*/,        kHandleRegion /*pair_rank*/,      kScratchRegion /*dispatch_scratch*/,
+    kScratchRegion /*recv_meta*/,     kHandleRegion /*recv_counts*/,    kScratchRegion /*recv_offsets*/,
+    kScratchRegion /*positions*/,     kScratchRegion /*row_of*/,        kHandleRegion /*expert_counts*/,
+    kHandleRegion /*expert_offsets*/, kHandleRegion /*num_rows*/,       kHandleRegion /*expert_of_row*/,
+    kHandleRegion /*source_pe*/,      kHandleRegion /*source_token*/,   kHandleRegion /*combine_index*/,
+    kHandleRegion /*combine_counts*/, kScratchRegion /*receive_scratch*/, kRecvXRegion /*recv_x*/};
 
 bool moe_dispatch_fits(int64_t tokens, int64_t topk, int n_pes, int64_t experts_per_pe, int64_t recv_rows) {
   if (tokens < 0 || topk < 1 || n_pes < 1 || experts_per_pe < 1 || recv_rows < 0) return false;
@@ -56,61 +79,74 @@ MoeDispatchWorkspace::MoeDispatchWorkspace(int64_t tokens_, int64_t topk_, int n
   PDC_REQUIRE(row_bytes == 0 || pairs <= (int64_t{1} << 50) / row_bytes,
               "moe_dispatch_region: recv_x of " << pairs << " rows of " << row_bytes << " bytes is too large");
   bytes[kRecvX] = pairs * row_bytes;
-  int64_t at = 0;
+  // Each part starts aligned in its region; a region's total ends at its last part, unpadded
+  // (recv_x's is exactly the [pairs, hidden] tensor's bytes).
+  int64_t next[kRegions] = {};
   for (int part = 0; part < kParts; ++part) {
-    offset[part] = at;
-    at = align_up(at + bytes[part], kAlignment);
+    const int region = kRegionOf[part];
+    offset[part] = next[region];
+    region_total[region] = offset[part] + bytes[part];
+    next[region] = align_up(region_total[region], kAlignment);
   }
-  end = at;
 }
 
 void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
-                         int64_t tokens, int64_t topk, int64_t num_experts, void* workspace,
-                         int64_t workspace_bytes, cudaStream_t stream, double timeout_seconds) {
+                         int64_t tokens, int64_t topk, int64_t num_experts, void* recv_x_region,
+                         int64_t recv_x_bytes, void* handle_region, int64_t handle_bytes, void* scratch_region,
+                         int64_t scratch_bytes, cudaStream_t stream, double timeout_seconds) {
+  using W = MoeDispatchWorkspace;
   PDC_REQUIRE(engine.initialized(), "moe_dispatch_region: the dispatch buffer is not set up (or was closed)");
   const int pes = n_pes();
   PDC_REQUIRE(num_experts >= pes && num_experts % pes == 0,
               "moe_dispatch_region: num_experts=" << num_experts << " must be a multiple of the " << pes << " PEs");
-  const MoeDispatchWorkspace w(tokens, topk, pes, num_experts / pes, pes * engine.capacity(), row_bytes);
-  PDC_REQUIRE(workspace != nullptr && (reinterpret_cast<uintptr_t>(workspace) % MoeDispatchWorkspace::kAlignment) == 0 &&
-                  workspace_bytes >= w.total(),
-              "moe_dispatch_region: the workspace (" << workspace_bytes << " bytes at " << workspace << ") must be "
-                  << MoeDispatchWorkspace::kAlignment << "-byte aligned and hold " << w.total()
-                  << " bytes (MoeDispatchWorkspace::bytes_needed)");
-  auto* base = static_cast<uint8_t*>(workspace);
-  auto part = [&](MoeDispatchWorkspace::Part p) -> void* { return w.bytes[p] == 0 ? nullptr : base + w.offset[p]; };
-  auto longs = [&](MoeDispatchWorkspace::Part p) { return static_cast<int64_t*>(part(p)); };
+  const W w(tokens, topk, pes, num_experts / pes, pes * engine.capacity(), row_bytes);
+  uint8_t* const bases[W::kRegions] = {static_cast<uint8_t*>(recv_x_region), static_cast<uint8_t*>(handle_region),
+                                       static_cast<uint8_t*>(scratch_region)};
+  const int64_t given[W::kRegions] = {recv_x_bytes, handle_bytes, scratch_bytes};
+  for (int r = 0; r < W::kRegions; ++r) {
+    const bool empty = w.total(static_cast<W::Region>(r)) == 0;
+    PDC_REQUIRE((bases[r] != nullptr || empty) && (reinterpret_cast<uintptr_t>(bases[r]) % W::kAlignment) == 0 &&
+                    given[r] >= w.total(static_cast<W::Region>(r)),
+                "moe_dispatch_region: the " << W::kRegionNames[r] << " region (" << given[r] << " bytes at "
+                    << static_cast<const void*>(bases[r]) << ") must be " << W::kAlignment
+                    << "-byte aligned and hold " << w.total(static_cast<W::Region>(r))
+                    << " bytes (moe_dispatch_workspace)");
+  }
+  auto at = [&](W::Part p) -> void* { return bases[W::kRegionOf[p]] + w.offset[p]; };
+  auto part = [&](W::Part p) -> void* { return w.bytes[p] == 0 ? nullptr : at(p); };
+  auto longs = [&](W::Part p) { return static_cast<int64_t*>(part(p)); };
   // (Empty parts are null, as the data_ptr() of an empty tensor was: the layouts allow it.)
-  auto* send_counts = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kSendCounts]));
-  auto* send_index = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kSendIndex]));
-  auto* meta = static_cast<int32_t*>(part(MoeDispatchWorkspace::kMeta));
+  auto* send_counts = static_cast<int64_t*>(at(W::kSendCounts));
+  auto* send_index = static_cast<int64_t*>(at(W::kSendIndex));
+  auto* meta = static_cast<int32_t*>(part(W::kMeta));
   moe_dispatch_layout(topk_idx, id_bytes, tokens, topk, num_experts, pes, send_counts, send_index, meta,
-                      longs(MoeDispatchWorkspace::kPairPe), longs(MoeDispatchWorkspace::kPairRank), stream,
-                      part(MoeDispatchWorkspace::kDispatchScratch), w.bytes[MoeDispatchWorkspace::kDispatchScratch]);
+                      longs(W::kPairPe), longs(W::kPairRank), stream,
+                      part(W::kDispatchScratch), w.bytes[W::kDispatchScratch]);
   // The token rows stay in the receive region (the grouping reads them there); the meta rows
   // are compacted into recv_meta for the receive layout.
   const int64_t recv_rows = w.recv_rows;
-  auto* recv_meta = static_cast<int32_t*>(part(MoeDispatchWorkspace::kRecvMeta));
-  auto* recv_counts = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kRecvCounts]));
-  auto* recv_offsets = static_cast<int64_t*>(static_cast<void*>(base + w.offset[MoeDispatchWorkspace::kRecvOffsets]));
+  auto* recv_meta = static_cast<int32_t*>(part(W::kRecvMeta));
+  auto* recv_counts = static_cast<int64_t*>(at(W::kRecvCounts));
+  auto* recv_offsets = static_cast<int64_t*>(at(W::kRecvOffsets));
   const std::vector<AllToAllField> fields = {{x, nullptr, row_bytes, tokens, 0},
                                              {meta, recv_meta, (topk + 1) * 4, tokens, recv_rows}};
+  AllToAllRegion in_region;  // this call's region, taken under the buffer's lock by exchange()
   const int64_t call = engine.exchange(fields, send_counts, send_index, pes * tokens + 1, recv_counts, recv_offsets,
-                                       stream, timeout_seconds);
+                                       stream, timeout_seconds, &in_region);
   try {
-    const uint8_t* region = engine.in_region(0);
-    const int64_t stride = engine.region_stride();
+    const uint8_t* region = in_region.field[0];
+    const int64_t stride = in_region.stride;
     const bool scatter = moe_region_rows_scatter(row_bytes);
-    int64_t* positions = scatter ? longs(MoeDispatchWorkspace::kPositions) : nullptr;
-    int64_t* row_of = longs(MoeDispatchWorkspace::kRowOf);
-    int64_t* num_rows = longs(MoeDispatchWorkspace::kNumRows);
+    int64_t* positions = scatter ? longs(W::kPositions) : nullptr;
+    int64_t* row_of = longs(W::kRowOf);
+    int64_t* num_rows = longs(W::kNumRows);
     moe_receive_layout(recv_meta, recv_rows, topk, recv_counts, pes, my_pe(), w.experts_per_pe, row_of,
-                       longs(MoeDispatchWorkspace::kExpertCounts), longs(MoeDispatchWorkspace::kExpertOffsets),
-                       num_rows, longs(MoeDispatchWorkspace::kExpertOfRow), longs(MoeDispatchWorkspace::kSourcePe),
-                       longs(MoeDispatchWorkspace::kSourceToken), longs(MoeDispatchWorkspace::kCombineIndex),
-                       longs(MoeDispatchWorkspace::kCombineCounts), positions, stream,
-                       part(MoeDispatchWorkspace::kReceiveScratch), w.bytes[MoeDispatchWorkspace::kReceiveScratch]);
-    void* recv_x = part(MoeDispatchWorkspace::kRecvX);
+                       longs(W::kExpertCounts), longs(W::kExpertOffsets),
+                       num_rows, longs(W::kExpertOfRow), longs(W::kSourcePe),
+                       longs(W::kSourceToken), longs(W::kCombineIndex),
+                       longs(W::kCombineCounts), positions, stream,
+                       part(W::kReceiveScratch), w.bytes[W::kReceiveScratch]);
+    void* recv_x = part(W::kRecvX);
     if (scatter) {
       // Each received row read once and written to each of its experts' rows.
       scatter_region_rows(recv_x, w.pairs(), region, stride, recv_offsets, recv_counts, pes, positions, topk,
@@ -120,8 +156,8 @@ void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, con
                          row_bytes, stream);
     }
   } catch (...) {
-    engine.release(call, stream);
-    throw;
+    release_after_failure(engine, call, stream);
+    throw;  // the first error
   }
   engine.release(call, stream);
 }
@@ -138,14 +174,15 @@ void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t
   const std::vector<AllToAllField> fields = {{y, nullptr, row_bytes, y_rows, 0}};
   // The expert outputs stay in the receive region: the reduction reads each (token, k)'s row
   // there (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
+  AllToAllRegion in_region;  // this call's region, taken under the buffer's lock by exchange()
   const int64_t call = engine.exchange(fields, combine_counts, combine_index, index_rows, back_counts, back_offsets,
-                                       stream, timeout_seconds);
+                                       stream, timeout_seconds, &in_region);
   try {
-    moe_combine_reduce_region(out, engine.in_region(0), engine.region_stride(), pair_pe, pair_rank, back_counts,
+    moe_combine_reduce_region(out, in_region.field[0], in_region.stride, pair_pe, pair_rank, back_counts,
                               n_pes(), weights, tokens, topk, hidden, dtype, stream);
   } catch (...) {
-    engine.release(call, stream);
-    throw;
+    release_after_failure(engine, call, stream);
+    throw;  // the first error
   }
   engine.release(call, stream);
 }

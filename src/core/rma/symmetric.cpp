@@ -201,14 +201,22 @@ SymmetricRoute symmetric_route(const void* ptr, std::size_t bytes, int pe) {
 }
 
 int multiprocessor_count() {
-  static int cached_device = -1, cached_count = 0;
+  // The current device's count, cached per device: read from several threads at once (two
+  // buffers exchanging concurrently, say), so each entry is an atomic (0: not read yet; a race
+  // only reads the same attribute twice). Devices past the cache are asked each time.
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cached[kCachedDevices];  // static storage: zero-initialised
   int device = 0;
   PDC_CHECK_CUDA(cudaGetDevice(&device));
-  if (device != cached_device) {
-    PDC_CHECK_CUDA(cudaDeviceGetAttribute(&cached_count, cudaDevAttrMultiProcessorCount, device));
-    cached_device = device;
+  const bool cacheable = device >= 0 && device < kCachedDevices;
+  if (cacheable) {
+    const int count = cached[device].load(std::memory_order_relaxed);
+    if (count > 0) return count;
   }
-  return cached_count;
+  int count = 0;
+  PDC_CHECK_CUDA(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  if (cacheable) cached[device].store(count, std::memory_order_relaxed);
+  return count;
 }
 
 }  // namespace pydatacopy
