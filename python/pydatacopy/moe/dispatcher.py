@@ -4,44 +4,19 @@ path are both here."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .. import _C
 from .._torch_utils import check_int, stream_handle, timeout_seconds
 from .all_to_all import AllToAll
 from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
-from .layout import combine_slots, dispatch_plan, receive_layout
+from .layout import MoeHandle, combine_slots, dispatch_plan, receive_layout
 from .rows import combine_reduce, gather_rows
 
 # MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
 # all-to-all's receive regions (no compaction copy); False: the compacting path that traced
 # (torch.compile) calls take. A switch for comparing the two, and a way back if needed.
 IN_REGION = True
-
-
-class MoeHandle(NamedTuple):
-    """What dispatch() leaves for combine() and for the expert computation; tensors on the GPU.
-
-    ``expert_counts`` / ``expert_offsets`` (int64 ``[experts_per_pe]``): rows of each local expert
-    in ``recv_x`` (expert ``e``'s rows at ``recv_x[expert_offsets[e] : + expert_counts[e]]``);
-    ``num_rows`` (int64, 0-dim): rows of recv_x in use (their sum); ``expert_of_row`` (int64
-    ``[rows of recv_x]``): the local expert of each row (``experts_per_pe`` past num_rows);
-    ``source_pe`` / ``source_token`` (int64 ``[rows of recv_x]``): where each row came from (-1
-    past num_rows); ``recv_counts`` (int64 ``[n_pes]``): tokens received from each PE. The rest is
-    combine's."""
-    expert_counts: torch.Tensor
-    expert_offsets: torch.Tensor
-    num_rows: torch.Tensor
-    expert_of_row: torch.Tensor
-    source_pe: torch.Tensor
-    source_token: torch.Tensor
-    recv_counts: torch.Tensor
-    combine_index: torch.Tensor   # [pairs + 1]: recv_x row of each pair, sent back in this order
-    combine_counts: torch.Tensor  # [n_pes]: rows sent back to each PE
-    pair_pe: torch.Tensor         # [tokens, topk]: the PE of each of this PE's (token, k), or n_pes
-    pair_rank: torch.Tensor       # [tokens, topk]: its position among this PE's pairs with that PE
 
 
 class MoeDispatcher:

@@ -92,16 +92,34 @@ def dispatch_plan_reference(topk_idx: torch.Tensor, num_experts: int, n_pes: int
     return DispatchPlan(send_counts, send_index, meta, pair_pe, pair_rank)
 
 
-class ReceiveLayout(NamedTuple):
-    row_of: torch.Tensor          # [R * topk]: the received row behind each recv_x row
+class MoeHandle(NamedTuple):
+    """What dispatch() leaves for combine() and for the expert computation; tensors on the GPU.
+
+    ``expert_counts`` / ``expert_offsets`` (int64 ``[experts_per_pe]``): rows of each local expert
+    in ``recv_x`` (expert ``e``'s rows at ``recv_x[expert_offsets[e] : + expert_counts[e]]``);
+    ``num_rows`` (int64, 0-dim): rows of recv_x in use (their sum); ``expert_of_row`` (int64
+    ``[rows of recv_x]``): the local expert of each row (``experts_per_pe`` past num_rows);
+    ``source_pe`` / ``source_token`` (int64 ``[rows of recv_x]``): where each row came from (-1
+    past num_rows); ``recv_counts`` (int64 ``[n_pes]``): tokens received from each PE. The rest is
+    combine's."""
     expert_counts: torch.Tensor
     expert_offsets: torch.Tensor
     num_rows: torch.Tensor
     expert_of_row: torch.Tensor
     source_pe: torch.Tensor
     source_token: torch.Tensor
-    combine_index: torch.Tensor
-    combine_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    combine_index: torch.Tensor   # [pairs + 1]: recv_x row of each pair, sent back in this order
+    combine_counts: torch.Tensor  # [n_pes]: rows sent back to each PE
+    pair_pe: torch.Tensor         # [tokens, topk]: the PE of each of this PE's (token, k), or n_pes
+    pair_rank: torch.Tensor       # [tokens, topk]: its position among this PE's pairs with that PE
+
+
+# The receiver's layout: the received row behind each recv_x row, then the handle's grouping and
+# combine order (MoeHandle's fields but recv_counts, which the exchange gives, and pair_pe and
+# pair_rank, which the sender's dispatch_plan gives).
+ReceiveLayout = NamedTuple("ReceiveLayout", [("row_of", torch.Tensor)] + [
+    (name, torch.Tensor) for name in MoeHandle._fields if name not in ("recv_counts", "pair_pe", "pair_rank")])
 
 
 def receive_layout(recv_meta: torch.Tensor, recv_counts: torch.Tensor, my_pe: int,

@@ -64,40 +64,41 @@ Path resolve_path(Path requested, bool peer_reachable, std::size_t bytes) {
   return bytes >= kCopyEngineMinBytes ? Path::kCopyEngine : Path::kSM;
 }
 
-void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
-  require_valid_pe(pe, "put");
-  check_peer_timeouts(pe, "put");
-  void* peer = require_symmetric_route(dst, bytes, pe, "put: dst");
+namespace {
+// put and get: `remote` is the symmetric address on `pe`, `local` this PE's buffer; the bytes
+// go local -> remote for a put and remote -> local for a get.
+void one_sided_copy(bool is_put, void* local, void* remote, std::size_t bytes, int pe,
+                    cudaStream_t stream, Path path) {
+  const char* op = is_put ? "put" : "get";
+  require_valid_pe(pe, op);
+  check_peer_timeouts(pe, op);
+  void* peer = require_symmetric_route(remote, bytes, pe, is_put ? "put: dst" : "get: src");
   if (bytes == 0) return;
+  void* dst = is_put ? peer : local;
+  const void* src = is_put ? local : peer;
   switch (resolve_path(path, peer != nullptr, bytes)) {
     case Path::kCopyEngine:
-      PDC_CHECK_CUDA(cudaMemcpyAsync(peer, src, bytes, cudaMemcpyDeviceToDevice, stream));
+      PDC_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
       break;
-    case Path::kSM: kernels::launch_copy(peer, src, bytes, stream); break;
+    case Path::kSM: kernels::launch_copy(dst, src, bytes, stream); break;
     default:
-      prepare_rma_local(src, bytes, "put: src");
-      check_rma_remote(dst, bytes, "put: dst");
-      nvshmemx_putmem_on_stream(dst, src, bytes, pe, stream);
+      prepare_rma_local(local, bytes, is_put ? "put: src" : "get: dst");
+      check_rma_remote(remote, bytes, is_put ? "put: dst" : "get: src");
+      if (is_put)
+        nvshmemx_putmem_on_stream(remote, local, bytes, pe, stream);
+      else
+        nvshmemx_getmem_on_stream(local, remote, bytes, pe, stream);
       break;
   }
 }
+}  // namespace
+
+void put(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
+  one_sided_copy(true, const_cast<void*>(src), dst, bytes, pe, stream, path);
+}
 
 void get(void* dst, const void* src, std::size_t bytes, int pe, cudaStream_t stream, Path path) {
-  require_valid_pe(pe, "get");
-  check_peer_timeouts(pe, "get");
-  const void* peer = require_symmetric_route(src, bytes, pe, "get: src");
-  if (bytes == 0) return;
-  switch (resolve_path(path, peer != nullptr, bytes)) {
-    case Path::kCopyEngine:
-      PDC_CHECK_CUDA(cudaMemcpyAsync(dst, peer, bytes, cudaMemcpyDeviceToDevice, stream));
-      break;
-    case Path::kSM: kernels::launch_copy(dst, peer, bytes, stream); break;
-    default:
-      prepare_rma_local(dst, bytes, "get: dst");
-      check_rma_remote(src, bytes, "get: src");
-      nvshmemx_getmem_on_stream(dst, src, bytes, pe, stream);
-      break;
-  }
+  one_sided_copy(false, dst, const_cast<void*>(src), bytes, pe, stream, path);
 }
 
 void put_signal(void* dst, const void* src, std::size_t bytes, uint64_t* signal, uint64_t value,
@@ -190,19 +191,13 @@ void put_blocks(void* dst_pool, int64_t dst_blocks, const void* src_pool, int64_
               "put_blocks moves many small blocks in one kernel: path must be auto, sm or rma");
   const bool reachable = require_symmetric_route(dst_pool, static_cast<std::size_t>(dst_blocks) * block_bytes,
                                                  pe, "put_blocks: dst_pool") != nullptr;
-  kernels::BlockCopyArgs a{};
-  a.dst_pool = static_cast<uint8_t*>(dst_pool);
-  a.src_pool = static_cast<const uint8_t*>(src_pool);
-  a.block_bytes = static_cast<int64_t>(block_bytes);
-  a.dst_indices = dst_indices;
-  a.src_indices = src_indices;
-  a.count = count;
-  a.dst_blocks = dst_blocks;
-  a.src_blocks = src_blocks;
-  a.pe = pe;
-  a.my_pe = my_pe();
-  a.force_rma = path == Path::kRMA || rma_forced();
-  a.status = detail::device_status();
+  const kernels::BlockCopyArgs a{/*dst_pool=*/static_cast<uint8_t*>(dst_pool),
+                                 /*src_pool=*/static_cast<const uint8_t*>(src_pool),
+                                 /*block_bytes=*/static_cast<int64_t>(block_bytes),
+                                 dst_indices, src_indices, count, dst_blocks, src_blocks, pe,
+                                 /*my_pe=*/my_pe(),
+                                 /*force_rma=*/path == Path::kRMA || rma_forced(),
+                                 /*status=*/detail::device_status()};
   if (path == Path::kRMA || !reachable) {
     prepare_rma_local(src_pool, static_cast<std::size_t>(src_blocks) * block_bytes,
                       "put_blocks: src_pool");

@@ -713,19 +713,21 @@ void check_all_to_all_refusal() {
   const auto limit = static_cast<int64_t>(r.seen);
   switch (static_cast<detail::WaitOp>(r.op)) {
     case detail::WaitOp::kAllToAllCapacity:
-      text << "this PE asked to send " << asked << " rows to PE " << r.peer
-           << ", more than the capacity of " << limit
-           << " rows per source fixed at setup; nothing was sent to PE " << r.peer
-           << " in that round (it received 0 rows from this PE). Set up the buffer with a larger "
-              "capacity (or send fewer rows per PE)";
+    case detail::WaitOp::kAllToAllCapacityFrom: {
+      // This PE's own send over the capacity, or a source's send to this PE.
+      const bool own = static_cast<detail::WaitOp>(r.op) == detail::WaitOp::kAllToAllCapacity;
+      if (own)
+        text << "this PE asked to send " << asked << " rows to PE " << r.peer;
+      else
+        text << "PE " << r.peer << " asked to send this PE " << asked << " rows";
+      text << ", more than the capacity of " << limit << " rows per source fixed at setup; ";
+      if (own)
+        text << "nothing was sent to PE " << r.peer << " in that round (it received 0 rows from this PE)";
+      else
+        text << "it sent none, and recv_counts[" << r.peer << "] was 0 in that round";
+      text << ". Set up the buffer with a larger capacity (or send fewer rows per PE)";
       break;
-    case detail::WaitOp::kAllToAllCapacityFrom:
-      text << "PE " << r.peer << " asked to send this PE " << asked
-           << " rows, more than the capacity of " << limit
-           << " rows per source fixed at setup; it sent none, and recv_counts[" << r.peer
-           << "] was 0 in that round. Set up the buffer with a larger capacity (or send fewer "
-              "rows per PE)";
-      break;
+    }
     case detail::WaitOp::kAllToAllCount:
       text << "send_counts[" << r.peer << "] = " << asked << " is negative or reaches past the "
            << limit << " rows (or index entries) given; nothing was sent to PE " << r.peer

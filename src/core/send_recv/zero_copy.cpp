@@ -62,35 +62,19 @@ void Exporter::drop(std::map<std::uintptr_t, Entry>::iterator it) {
 // Entries that overlap the allocation `a` without being it: their memory was freed (allocations
 // never overlap), perhaps reused at the same base with a new buffer ID.
 void Exporter::drop_overlapping(const Allocation& a) {
-  auto it = entries_.lower_bound(a.base);
-  if (it != entries_.begin() && std::prev(it)->first + std::prev(it)->second.bytes > a.base) --it;
-  while (it != entries_.end() && it->first < a.base + a.bytes) {
-    const bool same = it->first == a.base && it->second.bytes == a.bytes && it->second.buffer_id == a.buffer_id;
-    if (same) {
-      ++it;
-      continue;
-    }
-    ++stats_.stale_dropped;
-    drop(it++);
-  }
+  auto first = entries_.lower_bound(a.base);
+  if (first != entries_.begin() && std::prev(first)->first + std::prev(first)->second.bytes > a.base) --first;
+  drop_stale(first, entries_.lower_bound(a.base + a.bytes), [&](std::uintptr_t base, const Entry& e) {
+    return base == a.base && e.bytes == a.bytes && e.buffer_id == a.buffer_id;
+  });
 }
 
 void Exporter::sweep() {
-  for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->second.index < 0) {  // nothing held at the sender
-      ++it;
-      continue;
-    }
-    const Allocation now = backend_.query(reinterpret_cast<const void*>(it->first));
-    const bool same = now.cuda_memory && now.base == it->first && now.bytes == it->second.bytes &&
-                      now.buffer_id == it->second.buffer_id;
-    if (same) {
-      ++it;
-      continue;
-    }
-    ++stats_.stale_dropped;
-    drop(it++);
-  }
+  drop_stale(entries_.begin(), entries_.end(), [&](std::uintptr_t base, const Entry& e) {
+    if (e.index < 0) return true;  // nothing held at the sender
+    const Allocation now = backend_.query(reinterpret_cast<const void*>(base));
+    return now.cuda_memory && now.base == base && now.bytes == e.bytes && now.buffer_id == e.buffer_id;
+  });
 }
 
 int Exporter::take_index() {

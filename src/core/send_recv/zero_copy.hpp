@@ -163,6 +163,20 @@ class Exporter {
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
   void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
+  // Drops the entries of [first, last) that `keep(base, entry)` does not keep, counting them
+  // stale. `last` is never dropped, so it stays valid.
+  template <class Keep>
+  void drop_stale(std::map<std::uintptr_t, Entry>::iterator first,
+                  std::map<std::uintptr_t, Entry>::iterator last, Keep keep) {
+    while (first != last) {
+      if (keep(first->first, first->second)) {
+        ++first;
+      } else {
+        ++stats_.stale_dropped;
+        drop(first++);
+      }
+    }
+  }
   int take_index();
   void send(const Request& request);
   void flush();

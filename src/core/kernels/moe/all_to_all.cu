@@ -690,17 +690,24 @@ __global__ void __launch_bounds__(kLayoutThreads)
     for (int u = 0; u < kPairBatch; ++u)
       pe[u] = k0 + u < topk ? static_cast<int32_t>(pair_pe[t * topk + k0 + u]) : -1;
   };
-  // This thread's packed count for destination d.
+  // The pairs of token t that go to destination d, in k order: on_pair(k, rank among them) for
+  // each; returns their count.
+  auto pairs_to = [&](int64_t t, int d, auto&& on_pair) {
+    int64_t pairs = 0;
+    for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
+      int32_t pe[kPairBatch];
+      load_pes(t, k0, pe);
+#pragma unroll
+      for (int u = 0; u < kPairBatch; ++u)
+        if (pe[u] == d) on_pair(k0 + u, pairs++);  // (-1, also every u past topk, is never a destination)
+    }
+    return pairs;
+  };
+  // This thread's packed count for destination d: tokens in the high 32 bits, pairs in the low.
   auto count_for = [&](int d) {
     uint64_t packed = 0;
     for (int64_t t = first; t < last; ++t) {
-      uint64_t pairs = 0;
-      for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
-        int32_t pe[kPairBatch];
-        load_pes(t, k0, pe);
-#pragma unroll
-        for (int u = 0; u < kPairBatch; ++u) pairs += pe[u] == d;  // (-1 is never a destination)
-      }
+      const auto pairs = static_cast<uint64_t>(pairs_to(t, d, [](int, int64_t) {}));
       packed += pairs + ((pairs > 0 && d < n_pes) ? (uint64_t{1} << 32) : 0);
     }
     return packed;
@@ -737,17 +744,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
     int64_t token_at = static_cast<int64_t>(before >> 32);
     int64_t pair_at = static_cast<int64_t>(before & 0xffffffffull);
     for (int64_t t = first; t < last; ++t) {
-      int64_t pairs = 0;
-      for (int k0 = 0; k0 < topk; k0 += kPairBatch) {
-        int32_t pe[kPairBatch];
-        load_pes(t, k0, pe);
-#pragma unroll
-        for (int u = 0; u < kPairBatch; ++u) {
-          if (pe[u] != d) continue;  // (also every u past topk: -1 is never a destination)
-          pair_rank[t * topk + k0 + u] = pair_at + pairs;
-          ++pairs;
-        }
-      }
+      const int64_t pairs =
+          pairs_to(t, d, [&](int k, int64_t rank) { pair_rank[t * topk + k] = pair_at + rank; });
       if (pairs > 0 && d < n_pes) send_index[dest_start[d] + token_at++] = t;
       pair_at += pairs;
     }
