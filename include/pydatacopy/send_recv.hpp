@@ -262,6 +262,16 @@ class SendRecvEngine {
   // the local store of the value agreed.
   static void agree_zero_copy_min_bytes(std::size_t bytes);
   void set_zero_copy_min_bytes_agreed(std::size_t bytes);
+  // ---- the low-latency protocol (see above) ----
+  // Messages of at most this many bytes to or from a load/store peer (not zero-copy) move by it
+  // (0: never). PYDATACOPY_LOW_LATENCY_MAX_BYTES at init (default kDefaultLowLatencyMaxBytes, at
+  // most kLowLatencyCapacityBytes), the same on every PE.
+  static constexpr std::size_t kDefaultLowLatencyMaxBytes = settings::kDefaultLowLatencyMaxBytes;
+  static constexpr std::size_t kLowLatencyCapacityBytes = settings::kLowLatencyCapacityBytes;
+  std::size_t low_latency_max_bytes() const;
+  // Collective and blocking, as set_zero_copy_min_bytes: every PE, the same value (at most
+  // kLowLatencyCapacityBytes), between calls; refused on every PE alike otherwise.
+  void set_low_latency_max_bytes(std::size_t bytes);
   // Serves the peers' zero-copy mapping requests and answers (never blocks; nothing to do
   // when not initialised): every call with a peer does it for that peer; check_errors() does
   // it for all.
@@ -278,6 +288,13 @@ class SendRecvEngine {
   // PE refuses alike.
   static constexpr std::size_t kUnreadableThreshold = ~std::size_t{0};  // above any value the table takes
   static void agree_zero_copy_min_bytes(std::size_t bytes, const std::string& unreadable);
+  // The low-latency cut's vote (init and the setter): every PE the same value, within the
+  // capacity; `unreadable` as above.
+  static void agree_low_latency_max_bytes(std::size_t bytes, const std::string& unreadable);
+  bool low_latency_peer(int peer) const;  // the protocol applies to this peer (load/store, not itself)
+  // Whether a message of `bytes` with `peer` moves by the low-latency protocol now (both sides
+  // of a message decide alike from its size).
+  bool moves_low_latency(int peer, std::size_t bytes) const;
   // The public methods take mutex_ and call these, which expect it held (or the engine seen by
   // no other thread: the fresh state init() builds, the old state cleanup() detached).
   void build(std::size_t chunk_bytes, int num_chunks, int blocks);  // init's collective part
@@ -331,6 +348,10 @@ class SendRecvEngine {
   uint64_t* zc_resolved_ = nullptr;  // device [n_pes][kRendezvousRing][2]: zero-copy targets per send channel
   uint64_t* zc_counts_ = nullptr;    // device [kZeroCopyCounters]: ops finished, by mode (test hook)
   std::size_t zero_copy_min_bytes_ = 0;
+  std::size_t low_latency_max_bytes_ = 0;
+  uint64_t* ll_filled_ = nullptr;  // device [n_pes][kLowLatencySlots]: per send channel, ordinal + 1 that last used each slot
+  uint64_t* ll_lines(int src_pe) const;    // at the receiver: the ring of src_pe's channel
+  uint64_t* ll_credits(int dst_pe) const;  // at the sender: the word dst_pe advances
   std::unique_ptr<ZeroCopyState> zero_copy_;
   mutable std::mutex mutex_;  // the engine's lock (see the class comment); never swapped or moved
 };

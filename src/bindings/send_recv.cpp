@@ -130,6 +130,11 @@ void bind_send_recv(py::module_& m) {
                              "messages of at least this many bytes between load/store peers move once (0: never)")
       .def("set_zero_copy_min_bytes", &SendRecvEngine::set_zero_copy_min_bytes, py::arg("bytes"), release_gil(),
            "collective: every PE, the same value, between calls (bench and tests: 0 turns zero-copy off)")
+      .def_property_readonly("low_latency_max_bytes", without_gil_getter(&SendRecvEngine::low_latency_max_bytes),
+                             "messages of at most this many bytes between load/store peers move by the "
+                             "low-latency protocol (0: never)")
+      .def("set_low_latency_max_bytes", &SendRecvEngine::set_low_latency_max_bytes, py::arg("bytes"), release_gil(),
+           "collective: every PE, the same value (at most LOW_LATENCY_CAPACITY_BYTES), between calls")
       .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
       .def("zero_copy_counters", [](SendRecvEngine& self) {
              const std::vector<uint64_t> v = [&self] {
@@ -137,6 +142,7 @@ void bind_send_recv(py::module_& m) {
                return self.zero_copy_counters();
              }();
              static const char* names[] = {"send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy",
+                                           "send_low_latency", "recv_low_latency",
                                            "map_requests", "acked", "refused", "not_exportable",
                                            "stale_dropped", "evicted", "opened", "closed"};
              py::dict out;

@@ -31,6 +31,8 @@ void bind_settings(py::module_& m) {
   m.attr("DEFAULT_CHUNK_BYTES") = s::kDefaultChunkBytes;
   m.attr("DEFAULT_NUM_CHUNKS") = s::kDefaultNumChunks;
   m.attr("DEFAULT_SEND_BLOCKS") = s::kDefaultSendBlocks;
+  m.attr("LOW_LATENCY_CAPACITY_BYTES") = s::kLowLatencyCapacityBytes;
+  m.attr("DEFAULT_LOW_LATENCY_MAX_BYTES") = s::kDefaultLowLatencyMaxBytes;
   m.attr("NVSHMEM_DEFAULT_SYMMETRIC_SIZE") = s::kNvshmemDefaultSymmetricSize;
   m.attr("MAX_TOKEN_BUFFER_BYTES") = DoubleBufferManager::kMaxBufferBytes;
   py::dict paths, batch_paths;

@@ -134,6 +134,26 @@ def set_zero_copy_min_bytes(nbytes: int) -> None:
     _require_engine("set_zero_copy_min_bytes").set_zero_copy_min_bytes(nbytes)
 
 
+def low_latency_max_bytes() -> int:
+    """Messages of at most this many bytes between PEs that reach each other by load/store (and
+    not moving zero-copy) travel by the low-latency protocol: data and flags in the same stores,
+    no handshake per message (PYDATACOPY_LOW_LATENCY_MAX_BYTES, default
+    ``_C.DEFAULT_LOW_LATENCY_MAX_BYTES``, at most ``_C.LOW_LATENCY_CAPACITY_BYTES``; 0: never).
+    Needs the send/recv engine (init())."""
+    return _require_engine("low_latency_max_bytes").low_latency_max_bytes
+
+
+def set_low_latency_max_bytes(nbytes: int) -> None:
+    """Collective and blocking, as set_zero_copy_min_bytes: every PE calls it with the same value
+    (at most ``_C.LOW_LATENCY_CAPACITY_BYTES``; 0 turns the protocol off), between its send/recv
+    calls. A CUDA graph captured before keeps the path it was captured with: replaying it
+    against calls issued after a change is refused as a mismatch. Raises on every PE alike when
+    the values differ or one is out of range, changing nothing."""
+    check_int("nbytes", nbytes, 0, 2**63 - 1, call="pydatacopy.set_low_latency_max_bytes")
+    refuse_capture("set_low_latency_max_bytes")
+    _require_engine("set_low_latency_max_bytes").set_low_latency_max_bytes(nbytes)
+
+
 def _require_engine(what: str) -> "_C.SendRecvEngine":
     _require_init(what)
     if _engine is None:

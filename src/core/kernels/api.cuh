@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "common/device_status.cuh"
+#include "pydatacopy/settings.hpp"
 
 namespace pydatacopy {
 struct TransferDescriptor;  // transfer.hpp
@@ -109,8 +110,21 @@ struct RendezvousDescriptor {
   uint64_t offset;   // zero-copy: the receive buffer's offset in that allocation
   uint64_t unused[3];
 };
-// The zero-copy counters (host-mapped, a test hook): ops finished per side and mode.
-enum ZeroCopyCounter { kSendStaged = 0, kSendZeroCopy = 1, kRecvStaged = 2, kRecvZeroCopy = 3, kZeroCopyCounters = 4 };
+// The test hook's counters (device memory): ops finished per side and mode.
+enum ZeroCopyCounter {
+  kSendStaged = 0, kSendZeroCopy = 1, kRecvStaged = 2, kRecvZeroCopy = 3,
+  kSendLowLatency = 4, kRecvLowLatency = 5, kZeroCopyCounters = 6
+};
+
+// The low-latency protocol (send_recv.hpp): per channel, a ring of kLowLatencySlots slots at the
+// receiver, slot = the message's ordinal modulo the ring. A slot is lines of 8 bytes, each
+// {flag: 32 bits, data: 32 bits} written by one store, the flag the ordinal + 1 (its low 32
+// bits): line 0 holds the sender's byte count, line 1 is spare (the data lines then start
+// 16-byte aligned, two per vector store), lines 2... the message's 4-byte words.
+constexpr int kLowLatencySlots = 4;
+constexpr int64_t kLowLatencySlotLines = 2 + settings::kLowLatencyCapacityBytes / 4;
+constexpr int64_t kLowLatencySlotStride = (kLowLatencySlotLines + 15) / 16 * 16;  // lines: 128-byte aligned slots
+static_assert(settings::kLowLatencyCapacityBytes % 8 == 0, "whole line pairs");
 
 struct ChunkStreamArgs {
   const uint8_t* src;        // send: the user's buffer
@@ -166,6 +180,15 @@ struct ChunkStreamArgs {
   const volatile uint64_t* zc_table;  // send: [kTableEntries] the receiver's allocations, mapped here
   uint64_t* zc_resolved;     // send, device [kRendezvousRing][2]: {message + 1, base} read from zc_table
   unsigned long long* zc_counters;    // device [kZeroCopyCounters] (the test hook's)
+  // The low-latency protocol (send_recv.hpp). Both sides decide `low_latency` alike from the
+  // channel (load/store reachable) and the size (<= the cut, and not zero-copy).
+  bool low_latency;
+  uint64_t* peer_ll_lines;   // send: the receiver's ring for this PE [kLowLatencySlots][lines] (nvshmem_ptr)
+  uint64_t* ll_credit;       // send: this PE's word the receiver advances (ordinal + 1 of the last consumed)
+  uint64_t* ll_filled;       // send, device [kLowLatencySlots]: ordinal + 1 of the message that last used each slot
+  const uint64_t* ll_lines;  // recv: this PE's ring from the sender; set on every recv of a low-latency
+                             // channel (a staged or zero-copy recv watches it for a sender that sent low-latency)
+  uint64_t* peer_ll_credit;  // recv: the sender's credit word for this channel (nvshmem_ptr)
 };
 
 // Several sends and recvs in one launch (passed by value: 16 ops stay far under the 32 KiB

@@ -122,6 +122,17 @@ void SendRecvEngine::set_zero_copy_min_bytes_agreed(std::size_t bytes) {
   zero_copy_min_bytes_ = bytes;
 }
 
+std::size_t SendRecvEngine::low_latency_max_bytes() const {
+  Lock lock(mutex_);
+  return low_latency_max_bytes_;
+}
+
+void SendRecvEngine::set_low_latency_max_bytes(std::size_t bytes) {
+  agree_low_latency_max_bytes(bytes, "");  // a blocking barrier: outside the lock, as above
+  Lock lock(mutex_);
+  low_latency_max_bytes_ = bytes;
+}
+
 void SendRecvEngine::service_zero_copy() {
   Lock lock(mutex_);
   if (base_ != nullptr) service_zero_copy_locked();

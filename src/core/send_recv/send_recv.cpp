@@ -51,6 +51,19 @@ using detail::RelaxedCaptureMode;
 std::size_t zero_copy_min_bytes_from_environment() {
   return static_cast<std::size_t>(settings::value("PYDATACOPY_ZERO_COPY_MIN_BYTES").integer);
 }
+std::size_t low_latency_max_bytes_from_environment() {
+  return static_cast<std::size_t>(settings::value("PYDATACOPY_LOW_LATENCY_MAX_BYTES").integer);
+}
+// A setting's value as this PE read it, or the SettingError's text in `unreadable`.
+template <class Read>
+std::size_t read_setting(Read read, std::string& unreadable) {
+  try {
+    return read();
+  } catch (const settings::SettingError& e) {
+    unreadable = e.what();
+    return 0;
+  }
+}
 
 }  // namespace
 
@@ -155,6 +168,16 @@ std::size_t ring_array_bytes(int n_pes) {
 std::size_t done_array_bytes(int n_pes, int blocks) {
   return align_up(static_cast<std::size_t>(n_pes) * blocks * sizeof(uint64_t), kAlignment);
 }
+// The low-latency protocol: after the done words, the rings [n_pes][kLowLatencySlots][stride
+// lines] (at the receiver, one per sender), then the credit words [n_pes] (at the sender, one
+// per receiver).
+std::size_t ll_ring_array_bytes(int n_pes) {
+  return align_up(static_cast<std::size_t>(n_pes) * kernels::kLowLatencySlots * kernels::kLowLatencySlotStride *
+                      sizeof(uint64_t), kAlignment);
+}
+std::size_t ll_credit_array_bytes(int n_pes) {
+  return align_up(static_cast<std::size_t>(n_pes) * sizeof(uint64_t), kAlignment);
+}
 }  // namespace
 
 std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_bytes, int num_chunks,
@@ -166,7 +189,8 @@ std::size_t SendRecvEngine::symmetric_bytes_needed(int n_pes, std::size_t chunk_
   return staging_array_bytes(n_pes, num_chunks, chunk_bytes) +
          2 * signal_array_bytes(n_pes, num_chunks, chunk_bytes / page) +
          2 * header_array_bytes(n_pes, num_chunks, chunk_bytes / page) + broken_array_bytes(n_pes) +
-         ring_array_bytes(n_pes) + done_array_bytes(n_pes, blocks);
+         ring_array_bytes(n_pes) + done_array_bytes(n_pes, blocks) + ll_ring_array_bytes(n_pes) +
+         ll_credit_array_bytes(n_pes);
 }
 
 void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) {
@@ -204,14 +228,12 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // rendezvous: every PE must have the same. A value this PE cannot read is voted as such, so
   // that every PE refuses (nothing is allocated yet), not this one alone while its peers wait.
   // Then PE 0 draws the job's mailbox name.
-  std::string unreadable;
-  std::size_t min_bytes = 0;
-  try {
-    min_bytes = zero_copy_min_bytes_from_environment();
-  } catch (const settings::SettingError& e) {
-    unreadable = e.what();
-  }
+  // The low-latency cut likewise.
+  std::string unreadable, ll_unreadable;
+  const std::size_t min_bytes = read_setting(zero_copy_min_bytes_from_environment, unreadable);
   agree_zero_copy_min_bytes(unreadable.empty() ? min_bytes : kUnreadableThreshold, unreadable);
+  const std::size_t ll_max_bytes = read_setting(low_latency_max_bytes_from_environment, ll_unreadable);
+  agree_low_latency_max_bytes(ll_unreadable.empty() ? ll_max_bytes : kUnreadableThreshold, ll_unreadable);
   uint64_t job = 0;
   if (my_pe() == 0) {
     std::random_device random;
@@ -232,7 +254,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   const std::size_t counter_bytes = 2 * pes * (2 * sizeof(uint64_t) + 2 * sizeof(unsigned int)) +
                                     pes * pages_per_peer * sizeof(uint64_t) + 2 * pes * sizeof(uint64_t) +
                                     (pes * 2 * kernels::kRendezvousRing + kernels::kZeroCopyCounters) *
-                                        sizeof(uint64_t);
+                                        sizeof(uint64_t) +
+                                    static_cast<std::size_t>(pes) * kernels::kLowLatencySlots * sizeof(uint64_t);
   void* counters = nullptr;
   PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
   if (cudaError_t e = cudaMemset(counters, 0, counter_bytes); e != cudaSuccess) {
@@ -258,7 +281,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   messages_ = filled_ + pes * pages_per_peer;
   zc_resolved_ = messages_ + 2 * pes;
   zc_counts_ = zc_resolved_ + static_cast<std::size_t>(pes) * 2 * kernels::kRendezvousRing;
-  done_ = reinterpret_cast<unsigned int*>(zc_counts_ + kernels::kZeroCopyCounters);
+  ll_filled_ = zc_counts_ + kernels::kZeroCopyCounters;
+  done_ = reinterpret_cast<unsigned int*>(ll_filled_ + static_cast<std::size_t>(pes) * kernels::kLowLatencySlots);
   failed_ = done_ + 2 * pes;
   resident_blocks_ = std::max(1, grid_cap);
   chunk_bytes_ = chunk_bytes;
@@ -267,6 +291,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   n_pes_ = pes;
   symmetric_bytes_ = total;
   zero_copy_min_bytes_ = min_bytes;
+  low_latency_max_bytes_ = ll_max_bytes;
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   clear_size_mismatch();  // about channels that no longer exist
   // Zero-copy's host side: the table the send kernels read (host-mapped: the importer updates
@@ -317,23 +342,51 @@ SendRecvEngine::~SendRecvEngine() = default;
 
 void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) { agree_zero_copy_min_bytes(bytes, ""); }
 
-void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes, const std::string& unreadable) {
+namespace {
+// A threshold both sides of a message decide by: its variable, and what it decides.
+struct SharedThreshold {
+  const char* variable;
+  const char* what;
+  const char* decides;
+  std::size_t most;
+};
+constexpr SharedThreshold kZeroCopyThreshold{"PYDATACOPY_ZERO_COPY_MIN_BYTES", "the zero-copy threshold",
+                                             "whether it moves zero-copy", ~std::size_t{0} - 1};
+constexpr SharedThreshold kLowLatencyCut{"PYDATACOPY_LOW_LATENCY_MAX_BYTES", "the low-latency cut",
+                                         "whether it moves by the low-latency protocol",
+                                         static_cast<std::size_t>(settings::kLowLatencyCapacityBytes)};
+
+// Collective: every PE votes its value (`unreadable`: this PE could not read its variable, voted
+// as `unreadable_vote`); every PE then refuses alike unless all are readable, equal and in range.
+void agree_threshold(const SharedThreshold& t, std::size_t bytes, const std::string& unreadable,
+                     std::size_t unreadable_vote) {
   const std::vector<uint64_t> votes = barrier_all_blocking(
-      "zero-copy threshold (collective: every PE must set it, to the same value)", default_timeout_seconds(),
-      static_cast<uint64_t>(bytes));
+      (std::string(t.what) + " (collective: every PE must set it, to the same value)").c_str(),
+      default_timeout_seconds(), static_cast<uint64_t>(bytes));
   for (std::size_t pe = 0; pe < votes.size(); ++pe) {
     PDC_REQUIRE(!(static_cast<int>(pe) == my_pe() && !unreadable.empty()),
                 unreadable << " (every PE refuses: nothing was set up)");
-    PDC_REQUIRE(votes[pe] != kUnreadableThreshold,
-                "PE " << pe << " could not read its PYDATACOPY_ZERO_COPY_MIN_BYTES (its error says "
+    PDC_REQUIRE(votes[pe] != unreadable_vote,
+                "PE " << pe << " could not read its " << t.variable << " (its error says "
                 "why): every PE refuses, nothing was set up; set the same valid value on every PE");
   }
-  for (std::size_t pe = 0; pe < votes.size(); ++pe)
+  for (std::size_t pe = 0; pe < votes.size(); ++pe) {
     PDC_REQUIRE(votes[pe] == bytes,
-                "the zero-copy threshold differs between PEs: PE " << pe << " has " << votes[pe]
-                    << " bytes and this PE " << bytes << " (PYDATACOPY_ZERO_COPY_MIN_BYTES, or the "
-                    "setter): both sides of a message must decide alike whether it moves zero-copy. "
-                    "Set the same value on every PE; nothing was changed");
+                t.what << " differs between PEs: PE " << pe << " has " << votes[pe] << " bytes and this PE "
+                       << bytes << " (" << t.variable << ", or the setter): both sides of a message must "
+                       "decide alike " << t.decides << ". Set the same value on every PE; nothing was changed");
+    PDC_REQUIRE(votes[pe] <= t.most, t.what << " of " << votes[pe] << " bytes is over its most, " << t.most
+                                             << " (" << t.variable << "); nothing was changed on any PE");
+  }
+}
+}  // namespace
+
+void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes, const std::string& unreadable) {
+  agree_threshold(kZeroCopyThreshold, bytes, unreadable, kUnreadableThreshold);
+}
+
+void SendRecvEngine::agree_low_latency_max_bytes(std::size_t bytes, const std::string& unreadable) {
+  agree_threshold(kLowLatencyCut, bytes, unreadable, kUnreadableThreshold);
 }
 
 void* SendRecvEngine::peer_address(const void* local, int peer) const {
@@ -341,6 +394,16 @@ void* SendRecvEngine::peer_address(const void* local, int peer) const {
   if (rma_forced() || peer < 0 || static_cast<std::size_t>(peer) >= peer_bases_.size() || peer_bases_[peer] == nullptr)
     return nullptr;
   return peer_bases_[peer] + (static_cast<const uint8_t*>(local) - base_);
+}
+
+bool SendRecvEngine::low_latency_peer(int peer) const {
+  // A PE's messages to itself stay staged, as zero-copy's (a send and its recv may be in two launches).
+  return peer != my_pe() && peer_address(base_, peer) != nullptr;
+}
+
+bool SendRecvEngine::moves_low_latency(int peer, std::size_t bytes) const {
+  const bool zero_copy = load_store_peer(peer) && bytes >= zero_copy_min_bytes_;  // zero-copy wins where both apply
+  return bytes <= low_latency_max_bytes_ && low_latency_max_bytes_ > 0 && !zero_copy && low_latency_peer(peer);
 }
 
 bool SendRecvEngine::load_store_peer(int peer) const {
@@ -406,6 +469,8 @@ void SendRecvEngine::swap_state(SendRecvEngine& other) noexcept {
   swap(zc_resolved_, other.zc_resolved_);
   swap(zc_counts_, other.zc_counts_);
   swap(zero_copy_min_bytes_, other.zero_copy_min_bytes_);
+  swap(low_latency_max_bytes_, other.low_latency_max_bytes_);
+  swap(ll_filled_, other.ll_filled_);
   swap(zero_copy_, other.zero_copy_);
   // The backend asks the engine's own channel events.
   if (zero_copy_ != nullptr) zero_copy_->order_ = &order_;
@@ -427,7 +492,7 @@ void SendRecvEngine::release() {
   std::unique_ptr<ZeroCopyState> zero_copy = std::move(zero_copy_);
   symmetric_free(base);  // synchronises the device first: no kernel still uses the counters
   if (sequences_ != nullptr) PDC_CHECK_CUDA(cudaFree(sequences_));
-  sequences_ = progress_ = filled_ = messages_ = zc_resolved_ = zc_counts_ = nullptr;
+  sequences_ = progress_ = filled_ = messages_ = zc_resolved_ = zc_counts_ = ll_filled_ = nullptr;
   done_ = failed_ = nullptr;
   if (zero_copy != nullptr) {
     // No kernel runs any more (symmetric_free synchronised the device, or a peer died and
@@ -537,6 +602,15 @@ uint64_t* SendRecvEngine::zero_copy_done(int sender) const {
          static_cast<std::size_t>(sender) * blocks_;
 }
 
+uint64_t* SendRecvEngine::ll_lines(int src_pe) const {
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(zero_copy_done(0)) + done_array_bytes(n_pes_, blocks_)) +
+         static_cast<std::size_t>(src_pe) * kernels::kLowLatencySlots * kernels::kLowLatencySlotStride;
+}
+
+uint64_t* SendRecvEngine::ll_credits(int dst_pe) const {
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(ll_lines(0)) + ll_ring_array_bytes(n_pes_)) + dst_pe;
+}
+
 void SendRecvEngine::require_ready(const char* what, int pe) const {
   require_valid_pe(pe, what);
   PDC_REQUIRE(base_ != nullptr, what << ": the send/recv engine is not set up (pydatacopy.init() "
@@ -585,6 +659,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.zc_slices = std::min(a.active_blocks, std::max(1, resident_blocks_));
   a.zc_counters = reinterpret_cast<unsigned long long*>(zc_counts_);
   const bool load_store = load_store_peer(peer);
+  a.low_latency = moves_low_latency(peer, bytes);
   if (send) {
     a.src = static_cast<const uint8_t*>(buffer);
     a.staging = staging(me);
@@ -606,6 +681,11 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.zc_resolved = zc_resolved_ + static_cast<std::size_t>(peer) * 2 * kernels::kRendezvousRing;
       a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
     }
+    if (a.low_latency) {
+      a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
+      a.ll_credit = ll_credits(peer);
+      a.ll_filled = ll_filled_ + static_cast<std::size_t>(peer) * kernels::kLowLatencySlots;
+    }
   } else {
     a.dst = static_cast<uint8_t*>(buffer);
     a.staging = staging(peer);
@@ -624,6 +704,12 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_address(rendezvous_ring(me), peer));
       a.zc_done = zero_copy_done(peer);
       a.post_descriptor = a.peer_ring != nullptr;
+    }
+    // Every recv of a low-latency channel watches the ring (a sender that sent low-latency
+    // another size), a low-latency one reads its message there.
+    if (low_latency_peer(peer) && low_latency_max_bytes_ > 0) {
+      a.ll_lines = ll_lines(peer);
+      a.peer_ll_credit = static_cast<uint64_t*>(peer_address(ll_credits(me), peer));
     }
   }
   return a;
@@ -709,6 +795,8 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       // set above from the size, still counts the sender's slices.
       if (a.zero_copy) a.active_blocks = 1;
     }
+    // A low-latency message moves on one block (its slice 0) and takes no staging chunk.
+    if (a.low_latency) a.active_blocks = 1;
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }
@@ -728,7 +816,7 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       const kernels::ChunkStreamArgs& other = launch.ops[j];
       if (other.sequence != op.sequence) continue;
       const uint64_t chunks =
-          std::max<uint64_t>(1, (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_);
+          other.low_latency ? 0 : std::max<uint64_t>(1, (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_);
       if (j < i) op.offset_chunks += chunks, ++op.offset_messages;
       op.channel_chunks += chunks;
       ++op.channel_messages;

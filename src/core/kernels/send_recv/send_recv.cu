@@ -242,6 +242,7 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 }
 
 #include "kernels/send_recv/zero_copy.cuh"
+#include "kernels/send_recv/low_latency.cuh"
 
 // Once the block is done with a slice (or gave up): the last slice of the op's channel in this
 // launch moves the channel's counters on and clears its failure flag. Every block read the
@@ -302,8 +303,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     message[i] = *reinterpret_cast<volatile uint64_t*>(a.messages) + a.offset_messages;
     since[i] = detail::globaltimer_ns();
     const bool send = batch.is_send[i];
-    mode[i] = send ? (a.await_descriptor ? 0 : zero_copy_detail::kModeStaged)
-                   : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
+    mode[i] = a.low_latency ? low_latency_detail::kModeLowLatency
+              : send        ? (a.await_descriptor ? 0 : zero_copy_detail::kModeStaged)
+                            : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
     target[i] = nullptr;
     posted[i] = !a.post_descriptor;
     zc_landed[i] = 0;
@@ -318,8 +320,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     const int i = k / kMaxSlicesPerBlock, j = k % kMaxSlicesPerBlock;
     const int slice = block + j * grid;
     header_ok[i][j] = 0;
-    // A zero-copy recv waits in its slice 0 alone (for every sender slice).
-    const bool idle = mode[i] == zero_copy_detail::kModeZeroCopy && slice != 0;
+    // A zero-copy recv waits in its slice 0 alone (for every sender slice); a low-latency op
+    // moves on its slice 0 alone (the others, when its channel's ops share more, are idle).
+    const bool idle = (mode[i] == zero_copy_detail::kModeZeroCopy || mode[i] == low_latency_detail::kModeLowLatency) &&
+                      slice != 0;
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
@@ -415,6 +419,49 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             continue;
           }
         }
+        if (mode[i] == low_latency_detail::kModeLowLatency) {
+          if (send) {
+            if (low_latency_send_visit(a, message[i])) {
+              if (threadIdx.x == 0) {
+                next[i][j] = chunks[i];
+                moved(a, since[i]);
+              }
+              __syncthreads();
+              continue;
+            }
+            // Its slot is not credited yet: the receiver may have refused, or the watchdog.
+            const uint64_t broken = threadIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(a.broken) : 0;
+            if (__syncthreads_or(broken != 0)) {
+              if (threadIdx.x == 0) {
+                refuse(a, detail::WaitOp::kChunkCredit, broken - 1);
+                next[i][j] = chunks[i], gave_up[i] = true;
+              }
+              __syncthreads();
+              continue;
+            }
+            if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
+              detail::record_timeout(a.status, detail::WaitOp::kChunkCredit, a.peer, a.my_pe,
+                                     a.ll_filled[message[i] % kLowLatencySlots], detail::load_acquire_sys(a.ll_credit));
+              atomicExch(a.failed, 1u);  // the next visit gives up (the host refuses this peer from now on)
+              gave_up[i] = true;
+            }
+            __syncthreads();
+            continue;
+          }
+          // A bounded spin on the message while this block has nothing else to move (a spin
+          // between the loop's barriers and checks saw a message later than its store).
+          bool alone = true;
+          for (int e = 0; e < batch.count; ++e)
+            for (int s2 = 0; s2 < kMaxSlicesPerBlock && block + s2 * grid < batch.ops[e].active_blocks; ++s2)
+              alone = alone && (e == i || next[e][s2] >= chunks[e]);
+          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], alone ? kDescriptorSpinNs : 0);
+          if (threadIdx.x == 0 && seen != kLowLatencyWaiting) {
+            next[i][j] = chunks[i];
+            if (seen == kLowLatencyGaveUp) gave_up[i] = true;
+          }
+          __syncthreads();
+          continue;
+        }
         if (mode[i] == zero_copy_detail::kModeZeroCopy) {
           if (send) {
             // Slices past the copy's own have nothing to write; the others say they start
@@ -460,6 +507,14 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         }
         if (check && verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
         if (!ready) {
+          // A staged recv's first look also finds a sender that sent the message by the
+          // low-latency protocol (another size): refused at both ends.
+          if (!send && slice == 0 && chunk == 0 &&
+              __syncthreads_or(threadIdx.x == 0 && low_latency_instead(a, message[i]))) {
+            if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
+            __syncthreads();
+            continue;
+          }
           // Either side also reads its refusal word: the other side found a size mismatch (a
           // receiver is told so by a sender that read its rendezvous descriptor).
           if (__syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile uint64_t*>(a.broken) != 0)) {
@@ -507,8 +562,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       if (gave_up[i] || a.zc_counters == nullptr || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)
         continue;
       const bool zero_copy = mode[i] == zero_copy_detail::kModeZeroCopy;
-      const int counter = batch.is_send[i] ? (zero_copy ? kSendZeroCopy : kSendStaged)
-                                           : (zero_copy ? kRecvZeroCopy : kRecvStaged);
+      const bool low_latency = mode[i] == low_latency_detail::kModeLowLatency;
+      const int counter = batch.is_send[i] ? (low_latency ? kSendLowLatency : zero_copy ? kSendZeroCopy : kSendStaged)
+                                           : (low_latency ? kRecvLowLatency : zero_copy ? kRecvZeroCopy : kRecvStaged);
       atomicAdd(a.zc_counters + counter, 1ull);
     }
   }

@@ -38,6 +38,7 @@ __device__ __forceinline__ void post_descriptor(const ChunkStreamArgs& a, uint64
 __device__ __forceinline__ void refuse_from_recv(const ChunkStreamArgs& a, uint64_t sender_bytes) {
   *reinterpret_cast<volatile uint64_t*>(a.broken) = sender_bytes + 1;
   if (a.peer_broken != nullptr) {
+    store_release_sys(a.peer_refused_bytes, sender_bytes + 1);  // the sender's host names both sizes
     __threadfence_system();
     store_release_sys(a.peer_broken, static_cast<uint64_t>(a.bytes) + 1);
   }
@@ -194,6 +195,7 @@ __device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_
 // `since` and `landed` (the sum of the slices' progress at the last look) are the op's, in shared
 // memory, changed by thread 0 only.
 constexpr int kZeroCopyWaiting = 0, kZeroCopyDone = 1, kZeroCopyGaveUp = 2;
+__device__ bool low_latency_instead(const ChunkStreamArgs& a, uint64_t message);  // low_latency.cuh
 __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
                                                     uint64_t& since, uint64_t& landed) {
   constexpr unsigned kUnfinished = 1, kCancelled = 2, kInProgress = 4, kSliceZeroUnstarted = 8;
@@ -227,7 +229,7 @@ __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, ui
                broken != 0 ? broken - 1 : static_cast<uint64_t>(a.bytes));
       if (!(seen & kInProgress)) {
         // Every unfinished slice is cancelled or not started.
-        if ((seen & kSliceZeroUnstarted) && staged_instead(a, first)) {
+        if ((seen & kSliceZeroUnstarted) && (staged_instead(a, first) || low_latency_instead(a, message))) {
           verdict = kZeroCopyGaveUp;  // refused at both ends; the sender writes nothing zero-copy for it
         } else if (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) {
           // A refusal: this PE tells the sender itself (its refusal word; the same answer again if
