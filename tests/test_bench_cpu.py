@@ -1,12 +1,16 @@
-"""The bench's statistics and its table, without a GPU: the percentile, the call counts of large
-messages, the timing's conversions, and the p99 column of the table and the CSV."""
+"""The bench without a GPU: the percentile, the call counts of large messages, the timing's
+conversions, the p99 column of the table and the CSV, the send/recv rows' names and paths, and
+the engine's cuts put back after a forced row."""
 
 import csv
 import types
 
 import pytest
 
-from pydatacopy.bench import _harness, report
+import pydatacopy
+from pydatacopy import bench
+from pydatacopy.bench import _cli, _harness, report
+from pydatacopy.bench import send_recv as bench_send_recv
 
 
 def test_percentile_is_linear_between_the_nearest_ranks():
@@ -77,3 +81,45 @@ def test_the_table_and_csv_show_p99_beside_us(tmp_path, capsys):
     markdown = (tmp_path / "rows.md").read_text().splitlines()
     assert markdown[0].startswith("| op | path | direction | size | us | p99 us |")
     assert markdown[2].startswith("| send/recv | default | one | 4K | 10.0 | 25.0 |")
+
+
+SEND_RECV_OPS = {"sendrecv_default": "default", "sendrecv": "zero-copy", "sendrecv_staged": "staged",
+                 "sendrecv_ll": "low-latency"}
+
+
+def test_every_send_recv_path_has_its_op_and_the_default_row_runs_first():
+    assert {op: path for op, (kind, path) in _cli.LABELS.items() if kind == "send/recv"} == SEND_RECV_OPS
+    assert [op for op in _cli.SWEEP_OPS if op in SEND_RECV_OPS][0] == "sendrecv_default"
+    assert set(_cli.SWEEP_ROWS) == set(_cli.SWEEP_OPS) and set(_cli.SWEEP_OPS) <= set(bench.OPS)
+    assert set(SEND_RECV_OPS) <= bench.parse_args([]).ops  # all four by default
+    assert bench.parse_args(["--ops", "sendrecv_default,sendrecv_ll"]).ops == {"sendrecv_default", "sendrecv_ll"}
+
+
+class _FakeEngineSettings:
+    """The two cuts of pydatacopy.send_recv.send_recv, kept here: what engine_cuts sets."""
+
+    def __init__(self, monkeypatch, zero_copy_min: int, low_latency_max: int):
+        self.zero_copy_min, self.low_latency_max = zero_copy_min, low_latency_max
+        module = bench_send_recv._send_recv
+        monkeypatch.setattr(module, "zero_copy_min_bytes", lambda: self.zero_copy_min)
+        monkeypatch.setattr(module, "low_latency_max_bytes", lambda: self.low_latency_max, raising=False)
+        monkeypatch.setattr(module, "set_zero_copy_min_bytes", lambda n: setattr(self, "zero_copy_min", n))
+        monkeypatch.setattr(module, "set_low_latency_max_bytes", lambda n: setattr(self, "low_latency_max", n),
+                            raising=False)
+
+
+def test_a_forced_row_sets_both_cuts_and_puts_back_the_ones_before(monkeypatch):
+    engine = _FakeEngineSettings(monkeypatch, zero_copy_min=32 << 20, low_latency_max=16 << 10)
+    with bench_send_recv.engine_cuts(zero_copy_min_bytes=0, low_latency_max_bytes=64 << 10):
+        assert (engine.zero_copy_min, engine.low_latency_max) == (0, 64 << 10)
+    assert (engine.zero_copy_min, engine.low_latency_max) == (32 << 20, 16 << 10)
+    with pytest.raises(RuntimeError):
+        with bench_send_recv.engine_cuts(zero_copy_min_bytes=1, low_latency_max_bytes=0):
+            raise RuntimeError("the row failed")
+    assert (engine.zero_copy_min, engine.low_latency_max) == (32 << 20, 16 << 10)
+
+
+def test_the_low_latency_row_runs_only_up_to_the_capacity(monkeypatch):
+    monkeypatch.setattr(pydatacopy._C, "LOW_LATENCY_CAPACITY_BYTES", 64 << 10, raising=False)
+    assert bench_send_recv.low_latency_fits(64 << 10)
+    assert not bench_send_recv.low_latency_fits((64 << 10) + 1)
