@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-f", "--stepfactor", type=_int_at_least(2, "a step factor"), default=16,
                         help="each size of the sweep is this many times the one before (at least 2)")
     parser.add_argument("-n", "--iters", type=_int_at_least(1, "an iteration count"), default=20,
-                        help="operations per timing (above 64 MiB fewer: a quarter from 256 MiB, at least 5)")
+                        help="operations per timing (above 64 MiB divided by how many times 64 MiB the message is, "
+                        "at least 5)")
     parser.add_argument("-w", "--warmup", type=_int_at_least(0, "a warm-up count"), default=5,
                         help="untimed operations before the timings")
     parser.add_argument("-r", "--repeats", type=_int_at_least(1, "a repeat count"), default=5,
