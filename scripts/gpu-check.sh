@@ -288,19 +288,32 @@ if has "$STEPS" sanitizers && [ "${SANITIZE:-1}" = 1 ]; then
   done
 fi
 if has "$STEPS" bench; then
-  # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
-  # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
+  # Every send/recv path (default: what a user gets; zero-copy, staged, low-latency forced) and
+  # NIXL (skipped, with a line that says so, where it does not import), 4 KiB to 1 GiB both ways.
+  # Fits the step's 300 s: the same sizes with fewer rows took 18 s (2026-12-02b, call 5); rows
+  # above 64 MiB time fewer calls (5 of 20 from 256 MiB: bench/_harness.py counts_for_size).
+  BENCH_SIZES="-b 4K -e 1G -f 4 -d all"
   if [ "$ONE_GPU" = 1 ]; then
-    DEFAULT_BENCH="-b 4K -e 256M -f 4 -d all --ops memcpy,put_ce,put_sm,put_rma,sendrecv,tokens,latency,host,put_many"
+    # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
+    # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
+    BENCH_OPS=memcpy,put_ce,put_sm,put_rma,sendrecv_default,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many
+    DEFAULT_BENCH="$BENCH_SIZES --ops $BENCH_OPS"
   else
-    DEFAULT_BENCH="-b 4K -e 1G -f 4 -d all"
+    BENCH_OPS=; DEFAULT_BENCH=$BENCH_SIZES  # every op but compile, NCCL and torch symm_mem too
   fi
   # The earlier tree's build (BEFORE=) done first: not compiling beside this tree's bench.
   before_site before; have_before=$?
   step bench timeout 300 torchrun --nproc_per_node=2 -m pydatacopy.bench --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" ${BENCH_ARGS:-$DEFAULT_BENCH}
   if [ "$have_before" = 0 ]; then
+    # The earlier tree's bench refuses ops it does not know: by default it gets those it knows.
+    BEFORE_BENCH=$DEFAULT_BENCH
+    if [ -n "$BENCH_OPS" ] && before_ops=$(PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" $PY -c 'import sys
+from pydatacopy.bench import OPS
+print(",".join(op for op in sys.argv[1].split(",") if op in OPS))' "$BENCH_OPS" 2>> "$OUT/build-before.log"); then
+      BEFORE_BENCH="$BENCH_SIZES --ops $before_ops"
+    fi
     step bench-before env PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 300 torchrun --nproc_per_node=2 \
-      -m pydatacopy.bench --json "$OUT/bench-before.json" ${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-$DEFAULT_BENCH}}
+      -m pydatacopy.bench --json "$OUT/bench-before.json" ${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-$BEFORE_BENCH}}
     $PY scripts/bench_compare.py "$OUT/bench-before.json" "$OUT/bench.json" > "$OUT/bench-compare.md" 2>&1
   fi
 fi

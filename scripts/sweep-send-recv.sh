@@ -10,9 +10,9 @@ export NVSHMEM_SYMMETRIC_SIZE=${NVSHMEM_SYMMETRIC_SIZE:-4G}
 OUT=${OUT:-$PWD/gpu-check-out}
 mkdir -p "$OUT"
 CONFIGS=${CONFIGS:-"32:8:4 16:8:4 64:8:4 32:16:4 64:16:4 32:4:8"}
-OPS=memcpy,sendrecv,nccl
+OPS=memcpy,sendrecv_staged,nccl  # the configurations are the staging's: the staged row is what they change
 if [ "$(nvidia-smi -L | wc -l)" = 1 ]; then
-  OPS=memcpy,sendrecv
+  OPS=memcpy,sendrecv_staged
   export PYDATACOPY_RANKS_PER_GPU=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-50}
 fi
 for config in $CONFIGS; do
@@ -22,5 +22,5 @@ for config in $CONFIGS; do
     timeout 200 torchrun --nproc_per_node=2 -m pydatacopy.bench --ops "$OPS" \
     -b 256K -e 1G -f 4 -d one -n 10 -r 3 --json "$OUT/sweep-$blocks-$chunk_mib-$slots.json" \
     > "$OUT/sweep-$blocks-$chunk_mib-$slots.log" 2>&1 || { echo "FAILED"; tail -n 20 "$OUT/sweep-$blocks-$chunk_mib-$slots.log"; continue; }
-  grep -E "^send/recv +pipeline" "$OUT/sweep-$blocks-$chunk_mib-$slots.log"
+  grep -E "^send/recv +staged" "$OUT/sweep-$blocks-$chunk_mib-$slots.log"
 done

@@ -140,8 +140,8 @@ def test_the_table_compares_with_nixl_by_host_time(tmp_path, capsys):
     bench.report(rows, bench.parse_args(["--markdown", str(markdown), "--csv", str(csv_file)]))
     table = markdown.read_text().splitlines()
     assert "| x NIXL |" in table[0]
-    assert table[2].split("|")[9].strip() == "2.50", "NIXL's 50 us over this row's 20 us on the host"
-    assert table[3].split("|")[9].strip() == "1.00"
-    assert table[4].split("|")[9].strip() == "-", "no NIXL row for both directions"
-    assert table[5].split("|")[9].strip() == "-"
-    assert csv_file.read_text().splitlines()[0].split(",")[6] == "host_us"
+    assert table[2].split("|")[10].strip() == "2.50", "NIXL's 50 us over this row's 20 us on the host"
+    assert table[3].split("|")[10].strip() == "1.00"
+    assert table[4].split("|")[10].strip() == "-", "no NIXL row for both directions"
+    assert table[5].split("|")[10].strip() == "-"
+    assert csv_file.read_text().splitlines()[0].split(",")[6:8] == ["p99_us", "host_us"]

@@ -9,10 +9,11 @@ pip install "pydatacopy[nixl]"; host-timed, as its completion is polled from the
 Beside every size, a bare copy of the same bytes on the same GPU (cudaMemcpyAsync, no
 pydatacopy code; `local copy`) is timed the same way: `xbase` is a row's time over its baseline's
 (device time; `xbaseH`: host time per call, issuing only), the ratio that matters on a GPU whose
-memory is local (2 PEs sharing one GPU) as on two. send/recv has two rows: `zero-copy` (the
-threshold at 1 byte: every message moves once between load/store peers) and `staged` (the
-threshold at 0: every message through the staging); where they cross is the threshold to set
-(PYDATACOPY_ZERO_COPY_MIN_BYTES). Also: put_many against put_blocks, a 4 KiB
+memory is local (2 PEs sharing one GPU) as on two. send/recv has a row per path: `default` (no
+setting touched: what a user gets), then forced for the row: `zero-copy` (every message moves
+once between load/store peers), `staged` (every message through the staging) and `low-latency`
+(sizes up to the protocol's capacity); where they cross is where PYDATACOPY_ZERO_COPY_MIN_BYTES
+and PYDATACOPY_LOW_LATENCY_MAX_BYTES belong. Also: put_many against put_blocks, a 4 KiB
 put replayed in a CUDA graph against bare copies replayed alike, and the token exchange against
 a bare copy of its bytes, and a step (compute, sendrecv of 64 KiB, compute) eager beside the
 same step under torch.compile and under mode="reduce-overhead" (`--ops compile`). MoE dispatch/combine for any
@@ -21,7 +22,8 @@ PE count: python -m pydatacopy.bench.moe.
 Two PEs on two GPUs (nccl), or sharing one GPU (PYDATACOPY_RANKS_PER_GPU=2, or more ranks than
 GPUs: torch.distributed on gloo, as NCCL refuses two ranks on one GPU; the NCCL and torch
 symm_mem baselines are then skipped, and say so).
-Times are CUDA events after warm-up, the median of repeats, the slower of the two PEs. Every row
+Times are CUDA events after warm-up, one before every call: `us` is the median of one call's
+time over every call of every repeat, `p99_us` its 99th percentile, the slower PE's. Every row
 is checked (`ok`) by one more run after the timings, with fresh data from a new seed and the
 destination cleared first, so a stale, lost or replayed delivery fails. Ratios between rows of
 one run decide: the GPUs are shared and absolute figures move.

@@ -43,8 +43,10 @@ def _int_at_least(minimum: int, meaning: str):
     return parse
 
 
-OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "sendrecv_staged", "nccl", "nixl", "tokens",
-       "latency", "host", "put_many", "graph", "compile")
+#: The size sweep's rows, in the order they run at every size (after the size's local copy).
+SWEEP_OPS = ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv_default", "sendrecv",
+             "sendrecv_staged", "sendrecv_ll", "nccl")
+OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
 DEFAULT_OPS = tuple(op for op in OPS if op != "compile")
 
@@ -86,11 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-f", "--stepfactor", type=_int_at_least(2, "a step factor"), default=16,
                         help="each size of the sweep is this many times the one before (at least 2)")
     parser.add_argument("-n", "--iters", type=_int_at_least(1, "an iteration count"), default=20,
-                        help="operations per timing")
+                        help="operations per timing (above 64 MiB divided by how many times 64 MiB the message is, "
+                        "at least 5)")
     parser.add_argument("-w", "--warmup", type=_int_at_least(0, "a warm-up count"), default=5,
                         help="untimed operations before the timings")
     parser.add_argument("-r", "--repeats", type=_int_at_least(1, "a repeat count"), default=5,
-                        help="timings per row; the row reports their median")
+                        help="timings per row; the row reports the median and 99th percentile of every "
+                        "call of them")
     parser.add_argument("-d", "--direction", choices=["one", "both", "all"], default="one",
                         help="one: rank 0 sends to rank 1; both: both send at once; all: both rows")
     parser.add_argument("--ops", type=_ops, default=",".join(DEFAULT_OPS),
@@ -141,6 +145,20 @@ def _placement() -> tuple[int, int]:
     return device, per_gpu
 
 
+#: (op, path) of each row kind: the row's "op" and "path" fields, which comparisons match on.
+LABELS = {"copy": ("baseline", "local copy"),
+          "memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
+          "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
+          "torch_symm": ("baseline", "torch symm_mem"),
+          "sendrecv_default": ("send/recv", "default"), "sendrecv": ("send/recv", "zero-copy"),
+          "sendrecv_staged": ("send/recv", "staged"), "sendrecv_ll": ("send/recv", "low-latency"),
+          "nccl": ("baseline", "NCCL"), "nixl": ("baseline", "NIXL")}
+#: What times and checks each row of the size sweep, given the size's Sweep.
+SWEEP_ROWS = {"memcpy": baselines.memcpy, "torch_symm": baselines.torch_symm_mem, "nccl": baselines.nccl,
+              **{op: lambda sweep, path=LABELS[op][1]: put.put(sweep, path) for op in ("put_ce", "put_sm", "put_rma")},
+              "sendrecv_default": send_recv.sendrecv_default, "sendrecv": send_recv.sendrecv,
+              "sendrecv_staged": send_recv.sendrecv_staged, "sendrecv_ll": send_recv.sendrecv_ll}
+
 SHARED_GPU_SKIPS = {
     "nccl": "NCCL refuses two ranks on one GPU (torch.distributed runs on gloo here)",
     "torch_symm": "torch's symmetric memory refuses PEs sharing a GPU (\"TeamManager on multiple "
@@ -183,12 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     while size <= args.maxbytes:
         sizes.append(size)
         size *= args.stepfactor
-    labels = {"copy": ("baseline", "local copy"),
-              "memcpy": ("baseline", "cudaMemcpyAsync"), "put_ce": ("put", "copy_engine"),
-              "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
-              "torch_symm": ("baseline", "torch symm_mem"),
-              "sendrecv": ("send/recv", "zero-copy"), "sendrecv_staged": ("send/recv", "staged"),
-              "nccl": ("send/recv", "NCCL"), "nixl": ("baseline", "NIXL")}
     # Before the sweep: torch's symmetric memory (set up by the sweep) must not colour them.
     fixed_rows = []
     if "latency" in ops:
@@ -203,15 +215,13 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.extend(compiled.bench_compiled(args))
     if "torch_symm" in ops and not baselines.torch_symm_mem_ready():
         ops.discard("torch_symm")
-    if "nixl" in ops and not baselines.nixl_ready():
-        ops.discard("nixl")
 
     def add_row(op, direction, nbytes, timed, ok, base=None):
-        rows.append(make_row(labels[op][0], labels[op][1], direction, nbytes, timed, ok))
+        rows.append(make_row(*LABELS[op], direction, nbytes, timed, ok))
         if base is not None:
             against(rows[-1], base)
         if pydatacopy.my_pe() == 0:
-            print(f"  {labels[op][0]:<10} {labels[op][1]:<12} {direction:<4} {human(nbytes):>6} "
+            print(f"  {LABELS[op][0]:<10} {LABELS[op][1]:<12} {direction:<4} {human(nbytes):>6} "
                   f"{rows[-1]['gbps']:8.1f} GB/s", file=sys.stderr, flush=True)
         return rows[-1]
 
@@ -220,19 +230,17 @@ def main(argv: list[str] | None = None) -> int:
             sweep = Sweep(nbytes, direction == "both", args)
             # Every size's baseline first: a bare copy of the same bytes on this GPU.
             base = add_row("copy", direction, nbytes, *baselines.local_copy(sweep))
-            for op in ("memcpy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv", "sendrecv_staged", "nccl"):
+            for op in SWEEP_OPS:
                 if op not in ops or (op == "torch_symm" and direction == "both"):
                     continue  # torch's put reads and writes one tensor: one direction only
-                add_row(op, direction, nbytes, *(
-                    baselines.memcpy(sweep) if op == "memcpy" else
-                    baselines.torch_symm_mem(sweep) if op == "torch_symm" else
-                    put.put(sweep, labels[op][1]) if op.startswith("put") else
-                    send_recv.sendrecv(sweep) if op == "sendrecv" else
-                    send_recv.sendrecv_staged(sweep) if op == "sendrecv_staged" else baselines.nccl(sweep)), base=base)
+                if op == "sendrecv_ll" and not send_recv.low_latency_fits(nbytes):
+                    continue  # larger than the low-latency protocol can carry
+                add_row(op, direction, nbytes, *SWEEP_ROWS[op](sweep), base=base)
             del sweep
     # NIXL last, so that UCX (its hooks and progress threads stay once loaded) colours no other
-    # row; one direction (a WRITE is one-sided). A failure drops the baseline, not the run.
-    if "nixl" in ops and "one" in directions:
+    # row (NIXL is not even imported before); one direction (a WRITE is one-sided). NIXL missing
+    # skips the baseline with a line that says so; a failure drops it, not the run.
+    if "nixl" in ops and "one" in directions and baselines.nixl_ready():
         for nbytes in sizes:
             sweep = Sweep(nbytes, False, args)
             try:

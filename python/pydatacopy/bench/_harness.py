@@ -7,7 +7,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable
+from dataclasses import astuple, dataclass, replace
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,36 +36,83 @@ def reduce_device() -> str:
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
-def time_op(run: Callable[[], None], iterations: int, warmup: int,
-          repeats: int) -> tuple[float, float, float]:
-    """Seconds per operation, median over repeats, the slower PE: by CUDA events; by the host's
-    clock until the last operation is complete (what NIXL, whose completion is polled on the
-    host, can only be timed by; its ratios use these); and the host's time to issue one call
-    (the loop alone, before waiting for the GPU)."""
+def percentile(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (0 to 100) of `samples`, linear between the two nearest ranks (numpy's
+    default): the 99th of 100 samples lies between the two slowest, not on the slowest alone."""
+    if not samples:
+        raise ValueError("percentile of no samples")
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile {q} is not between 0 and 100")
+    ordered = sorted(samples)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def gaps(stamps: Sequence[float], scale: float = 1.0) -> list[float]:
+    """The time between consecutive timestamps (each call's, from its start to the next's), times
+    `scale`."""
+    return [(later - earlier) * scale for earlier, later in zip(stamps, stamps[1:])]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per operation, each the slower PE's: `seconds` and `p99_seconds` the median and the
+    99th percentile of one call's time by CUDA events; `host_seconds` by the host's clock until the
+    last operation is complete (median over repeats: what NIXL, whose completion is polled on the
+    host, can only be timed by), `host_p99_seconds` the 99th percentile of one call's time by the
+    host's clock (from its start to the next call's); `issue_seconds` the host's time to issue one
+    call (the loop alone, before waiting for the GPU; median over repeats)."""
+
+    seconds: float
+    p99_seconds: float
+    host_seconds: float
+    host_p99_seconds: float
+    issue_seconds: float
+
+    def per(self, count: int) -> "Timing":
+        """Per one of `count` operations that each timed call made (a graph of `count` puts)."""
+        return Timing(*(value / count for value in astuple(self)))
+
+    def by_host_clock(self) -> "Timing":
+        """The host's clock as the row's time: for an operation the GPU's events do not see."""
+        return replace(self, seconds=self.host_seconds, p99_seconds=self.host_p99_seconds)
+
+
+def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> Timing:
+    """Times `iterations` calls of `run`, `repeats` times, after `warmup` untimed calls. A CUDA
+    event (and a host timestamp) marks the start of every call and one the end of the last, so
+    that each call has its own time: the row's median and 99th percentile are over every call of
+    every repeat, not over loop averages that hide a slow call."""
     for _ in range(warmup):
         run()
-    samples, host_samples, issue_samples = [], [], []
+    # Made once per row and recorded again every repeat: no event is created inside the loop.
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(iterations + 1)]
+    stamps = [0.0] * (iterations + 1)
+    per_call, host_per_call, host_samples, issue_samples = [], [], [], []
     for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         dist.barrier()
-        began = time.perf_counter()
-        start.record()
-        for _ in range(iterations):
+        for index in range(iterations):
+            stamps[index] = time.perf_counter()
+            marks[index].record()
             run()
-        issued = time.perf_counter()
-        stop.record()
-        stop.synchronize()
+        stamps[iterations] = time.perf_counter()
+        marks[iterations].record()
+        marks[iterations].synchronize()
         ended = time.perf_counter()
         pydatacopy.check_errors()
-        samples.append(start.elapsed_time(stop) / 1e3 / iterations)
-        host_samples.append((ended - began) / iterations)
-        issue_samples.append((issued - began) / iterations)
-    seconds = torch.tensor([statistics.median(samples), statistics.median(host_samples),
+        per_call.extend(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(iterations))
+        host_per_call.extend(gaps(stamps))
+        host_samples.append((ended - stamps[0]) / iterations)
+        issue_samples.append((stamps[iterations] - stamps[0]) / iterations)
+    seconds = torch.tensor([statistics.median(per_call), percentile(per_call, 99),
+                            statistics.median(host_samples), percentile(host_per_call, 99),
                             statistics.median(issue_samples)], dtype=torch.float64,
                            device=reduce_device())
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds[0].item()), float(seconds[1].item()), float(seconds[2].item())
+    return Timing(*seconds.tolist())
 
 
 def agree(ok: bool) -> bool:
@@ -73,12 +121,12 @@ def agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
-def make_row(op: str, path: str, direction: str, nbytes: int, timed: tuple[float, float, float],
-         ok: bool, size: str | None = None) -> dict:
-    seconds, host_seconds, issue_seconds = timed
+def make_row(op: str, path: str, direction: str, nbytes: int, timed: Timing, ok: bool,
+             size: str | None = None) -> dict:
     return {"op": op, "path": path, "direction": direction, "bytes": nbytes,
-            "size": size or human(nbytes), "us": seconds * 1e6, "host_us": host_seconds * 1e6,
-            "issue_us": issue_seconds * 1e6, "gbps": nbytes / seconds / 1e9, "ok": ok}
+            "size": size or human(nbytes), "us": timed.seconds * 1e6, "p99_us": timed.p99_seconds * 1e6,
+            "host_us": timed.host_seconds * 1e6, "issue_us": timed.issue_seconds * 1e6,
+            "gbps": nbytes / timed.seconds / 1e9, "ok": ok}
 
 
 def against(row: dict, base: dict) -> dict:
@@ -90,11 +138,31 @@ def against(row: dict, base: dict) -> dict:
     return row
 
 
+#: Above this size a row times fewer calls (counts_for_size): a 1 GiB staged sendrecv both ways
+#: takes about 6 ms a call on one H200, and the sweep must fit gpu-check's bench step.
+LARGE_MESSAGE_BYTES = 64 << 20
+#: The fewest timed calls (and warm-up calls) per repeat a large message keeps.
+LARGE_MESSAGE_MIN_ITERATIONS, LARGE_MESSAGE_MIN_WARMUP = 5, 2
+
+
+def counts_for_size(nbytes: int, iterations: int, warmup: int) -> tuple[int, int]:
+    """(timed calls per repeat, warm-up calls) for one message of `nbytes`: -n and -w up to
+    LARGE_MESSAGE_BYTES, above it divided by how many times larger the message is, down to at
+    least 5 and 2 (or -n and -w where those are fewer), so that every row still has calls enough
+    for its percentile and the warm-up still makes a zero-copy handshake."""
+    if nbytes <= LARGE_MESSAGE_BYTES:
+        return iterations, warmup
+    times_larger = nbytes // LARGE_MESSAGE_BYTES
+    return (max(min(iterations, LARGE_MESSAGE_MIN_ITERATIONS), iterations // times_larger),
+            max(min(warmup, LARGE_MESSAGE_MIN_WARMUP), warmup // times_larger))
+
+
 class Sweep:
     """The one-directional (rank 0 -> rank 1) and bidirectional cases of one message size."""
 
     def __init__(self, nbytes: int, both: bool, args):
         self.nbytes, self.both, self.args = nbytes, both, args
+        self.iterations, self.warmup = counts_for_size(nbytes, args.iters, args.warmup)
         self.me = pydatacopy.my_pe()
         self.peer = 1 - self.me
         self.sends = both or self.me == 0
@@ -104,13 +172,13 @@ class Sweep:
         self.checked_runs = 0
 
     def measure(self, run, dst: torch.Tensor, src: torch.Tensor | None = None,
-                local: bool = False) -> tuple[tuple[float, float, float], bool]:
+                local: bool = False) -> tuple[Timing, bool]:
         """Times `run`, then checks one more run of it that must deliver fresh data: the sender
         refills `src` (default self.src) from a new seed, the receiver clears `dst`, and after
         that one run `dst` must hold exactly the sender's new data (a stale, lost or replayed
         delivery fails). `local`: a copy on the sender's own GPU, checked by the sender.
-        Returns ((seconds by CUDA events, by the host's clock, to issue), check on all)."""
-        timed = time_op(run, self.args.iters, self.args.warmup, self.args.repeats)
+        Returns (the timing, the check on all PEs)."""
+        timed = time_op(run, self.iterations, self.warmup, self.args.repeats)
         src = self.src if src is None else src
         self.checked_runs += 1
         seed = 1000 * self.checked_runs
@@ -136,7 +204,7 @@ class Sweep:
             ok = ok and torch.equal(dst, fill(torch.empty_like(dst), seed + (self.me if local else self.peer)))
         return timed, agree(ok)
 
-    def _into_symmetric(self, make_run) -> tuple[tuple[float, float, float], bool]:
+    def _into_symmetric(self, make_run) -> tuple[Timing, bool]:
         """Time and check make_run(symmetric)'s operation into a fresh symmetric tensor."""
         symmetric = pydatacopy.empty(self.nbytes, dtype=torch.uint8)
         symmetric.zero_()

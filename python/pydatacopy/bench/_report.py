@@ -13,7 +13,7 @@ def report(rows: list[dict], args) -> None:
 
     nccl, copy_engine = by_size("NCCL"), by_size("cudaMemcpyAsync")
     nixl_host_us = by_size("NIXL", "host_us")  # NIXL is timed on the host: so are its ratios
-    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'GB/s':>8} {'xNCCL':>6} "
+    print(f"\n{'op':<15} {'path':<20} {'dir':<4} {'size':>12} {'us':>10} {'p99us':>10} {'GB/s':>8} {'xNCCL':>6} "
           f"{'xCE':>6} {'xNIXL':>6} {'hostus':>7} {'xbase':>6} {'xbaseH':>6}  ok")
 
     def ratio(r, baselines):
@@ -22,6 +22,9 @@ def report(rows: list[dict], args) -> None:
 
     def x_base(r, key="xbase"):
         return f"{r[key]:6.2f}" if r.get(key) else "     -"
+
+    def p99(r):  # rows timed as one kernel (the latency row) have no per-call times
+        return f"{r['p99_us']:10.1f}" if r.get("p99_us") is not None else "         -"
 
     def issue(r):
         return f"{r['issue_us']:7.1f}" if r.get("issue_us") else "      -"
@@ -32,26 +35,28 @@ def report(rows: list[dict], args) -> None:
 
     for r in rows:
         print(f"{r['op']:<15} {r['path']:<20} {r['direction']:<4} {r['size']:>12} {r['us']:>10.1f} "
-              f"{r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)} "
+              f"{p99(r)} {r['gbps']:>8.1f} {ratio(r, nccl)} {ratio(r, copy_engine)} {x_nixl(r)} "
               f"{issue(r)} {x_base(r)} {x_base(r, 'xbase_host')}  {'yes' if r['ok'] else 'NO'}")
+    print("us: median time of one call; p99us: its 99th percentile (every call of every repeat, the "
+          "slower PE; NIXL's by the host's clock)")
     print("xbase: time over the row's baseline (a bare copy of the same bytes on this GPU, or the "
           "`base` named in --json/--csv), same run; xbaseH: host time per call, issuing only")
     if getattr(args, "csv", None):
         import csv
 
         with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "host_us",
+            writer = csv.DictWriter(f, fieldnames=["op", "path", "direction", "bytes", "size", "us", "p99_us", "host_us",
                                                    "gbps", "ok", "issue_us", "base", "xbase", "xbase_host"])
             writer.writeheader()
             writer.writerows({k: r.get(k, "") for k in writer.fieldnames} for r in rows)
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
-            f.write("| op | path | direction | size | us | GB/s | x NCCL | x CE | x NIXL | host us | "
+            f.write("| op | path | direction | size | us | p99 us | GB/s | x NCCL | x CE | x NIXL | host us | "
                     "x base | x base host | ok |\n"
-                    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+                    "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
             for r in rows:
                 f.write(f"| {r['op']} | {r['path']} | {r['direction']} | {r['size']} | {r['us']:.1f} | "
-                        f"{r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
+                        f"{p99(r).strip()} | {r['gbps']:.1f} | {ratio(r, nccl).strip()} | {ratio(r, copy_engine).strip()} | "
                         f"{x_nixl(r).strip()} | {issue(r).strip()} | {x_base(r).strip()} | {x_base(r, 'xbase_host').strip()} | "
                         f"{'yes' if r['ok'] else 'NO'} |\n")
     if getattr(args, "plot", None):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import pydatacopy
 
-from ._harness import agree, fill, human, make_row, time_op
+from ._harness import Timing, agree, fill, human, make_row, time_op
 
 
 def bare_copy(nbytes: int, args, both: bool = True) -> dict:
@@ -103,17 +103,18 @@ def nccl(sweep):
     return sweep.measure(run, sweep.out)
 
 
-def nixl(sweep) -> tuple[tuple[float, float, float], bool]:
+def nixl(sweep) -> tuple[Timing, bool]:
     """NIXL's WRITE (UCX) from rank 0's tensor into rank 1's: one direction only, timed by
-    the host's clock. Raises pydatacopy.Error on every rank when NIXL failed on any."""
+    the host's clock (its median over repeats; its 99th percentile of one call from the host's
+    timestamps of every call). Raises pydatacopy.Error on every rank when NIXL failed on any."""
     from .nixl import NixlWrite
 
     with NixlWrite(sweep.src, sweep.out, timeout_s=pydatacopy._C.default_timeout_seconds()) as transfer:
-        (_, host_seconds, issue_seconds), ok = sweep.measure(transfer.write, sweep.out)
+        timed, ok = sweep.measure(transfer.write, sweep.out)
         failure = transfer.agreed_failure()
     if failure:
         raise pydatacopy.Error(f"NIXL's WRITE of {human(sweep.nbytes)} bytes: {failure}")
-    return (host_seconds, host_seconds, issue_seconds), ok
+    return timed.by_host_clock(), ok
 
 
 def nixl_ready() -> bool:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import pydatacopy
 
-from ._harness import against, agree, fill, human, make_row, reduce_device, time_op
+from ._harness import against, agree, fill, gaps, human, make_row, percentile, reduce_device, time_op
 
 
 def put(sweep, path: str):
@@ -30,7 +30,8 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
     cudaMemcpyAsync call of 4 KiB on this GPU (the target: within 1 us of it) and one into the
     peer's memory (what the copy engine path of put issues, without pydatacopy's code). The calls
     are timed in interleaved rounds (each `calls` calls; the median round per call, the slower
-    PE), so that a drift of the machine during the run affects them alike."""
+    PE), so that a drift of the machine during the run affects them alike; `p99_us` is the 99th
+    percentile of one call, from the host's timestamp at every call."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
     symmetric = pydatacopy.empty(4096, dtype=torch.uint8)
     src = fill(torch.empty(4096, dtype=torch.uint8, device="cuda"), 5)
@@ -39,9 +40,9 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
     peer_memory = pydatacopy.peer_view(symmetric, peer)
     peer_address = None if peer_memory is None else peer_memory.data_ptr()
 
-    def row(path: str, us: float, ok: bool) -> dict:
-        return {"op": "host_per_call", "path": path, "direction": "both", "bytes": 4096,
-                "size": "4K", "us": us, "issue_us": us, "gbps": 4096 / us / 1e3, "ok": ok}
+    def row(path: str, us: float, p99_us: float, ok: bool) -> dict:
+        return {"op": "host_per_call", "path": path, "direction": "both", "bytes": 4096, "size": "4K",
+                "us": us, "p99_us": p99_us, "issue_us": us, "gbps": 4096 / us / 1e3, "ok": ok}
 
     calls_by_name = {
         "cudaMemcpyAsync 4K": lambda: pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), 4096, stream),
@@ -52,6 +53,8 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
         calls_by_name["cudaMemcpyAsync 4K to the peer"] = lambda: pydatacopy._C.bench_memcpy(
             peer_address, src.data_ptr(), 4096, stream)
     samples: dict[str, list[float]] = {name: [] for name in calls_by_name}
+    per_call: dict[str, list[float]] = {name: [] for name in calls_by_name}
+    stamps = [0.0] * (calls + 1)  # made once: no list grows inside the timed loop
     rows = []
     try:
         for call in calls_by_name.values():  # warm-up: first-use work off the clock
@@ -61,15 +64,19 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
         for _ in range(rounds):
             for name, call in calls_by_name.items():
                 torch.cuda.synchronize()
-                begin = time.perf_counter()
-                for _ in range(calls):
+                for index in range(calls):
+                    stamps[index] = time.perf_counter()
                     call()
-                samples[name].append((time.perf_counter() - begin) / calls * 1e6)
+                stamps[calls] = time.perf_counter()
+                samples[name].append((stamps[calls] - stamps[0]) / calls * 1e6)
+                per_call[name].extend(gaps(stamps, 1e6))
         torch.cuda.synchronize()
-        medians = torch.tensor([statistics.median(samples[name]) for name in calls_by_name],
+        figures = torch.tensor([statistics.median(samples[name]) for name in calls_by_name]
+                               + [percentile(per_call[name], 99) for name in calls_by_name],
                                dtype=torch.float64, device=reduce_device())
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-        us = dict(zip(calls_by_name, medians.tolist()))
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        us = dict(zip(calls_by_name, figures.tolist()))
+        p99_us = dict(zip(calls_by_name, figures.tolist()[len(calls_by_name):]))
         # Checked, each: fresh data, the destination cleared first, one call.
         for number, name in enumerate(calls_by_name):
             seed = 100 * (number + 1)
@@ -86,7 +93,7 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
             pydatacopy.barrier(blocking=True)
             expected = fill(torch.empty_like(src), seed + (peer if remote else me))
             ok = agree(torch.equal(symmetric if remote else local, expected))
-            rows.append(row(name, us[name], ok))
+            rows.append(row(name, us[name], p99_us[name], ok))
         base = rows[0]
         for r in rows[1:]:
             against(r, base)
@@ -138,7 +145,7 @@ def bench_graph_put(args, nbytes: int = 4096, puts: int = 100) -> list[dict]:
                 if me == 0:  # one way, as the puts
                     graph.replay()
 
-            timed = tuple(t / puts for t in time_op(run, args.iters, args.warmup, args.repeats))
+            timed = time_op(run, args.iters, args.warmup, args.repeats).per(puts)
             # Checked: fresh data from a new seed, the destination cleared, one replay.
             seed = 500 if name == "copies" else 600
             torch.cuda.synchronize()
