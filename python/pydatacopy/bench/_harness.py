@@ -58,8 +58,9 @@ def gaps(stamps: Sequence[float], scale: float = 1.0) -> list[float]:
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds per operation, each the slower PE's: `seconds` and `p99_seconds` the median and the
-    99th percentile of one call's time by CUDA events; `host_seconds` by the host's clock until the
+    """Seconds per operation, each the slower PE's: `seconds` the median over repeats of a loop's
+    time per call and `p99_seconds` the 99th percentile of one call's time, by CUDA events (see
+    time_op); `host_seconds` by the host's clock until the
     last operation is complete (median over repeats: what NIXL, whose completion is polled on the
     host, can only be timed by), `host_p99_seconds` the 99th percentile of one call's time by the
     host's clock (from its start to the next call's); `issue_seconds` the host's time to issue one
@@ -81,17 +82,35 @@ class Timing:
 
 
 def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> Timing:
-    """Times `iterations` calls of `run`, `repeats` times, after `warmup` untimed calls. A CUDA
-    event (and a host timestamp) marks the start of every call and one the end of the last, so
-    that each call has its own time: the row's median and 99th percentile are over every call of
-    every repeat, not over loop averages that hide a slow call."""
+    """Times `iterations` calls of `run`, `repeats` times, after `warmup` untimed calls. Each
+    repeat is two passes. The first has an event before the first call and after the last only,
+    so that nothing stands between two calls on the stream (an event recorded between two kernels
+    keeps the second from starting while the first ends: programmatic launch, launch.cuh); its
+    time per call, median over repeats, is the row's `us`. The second marks the start of every
+    call with a CUDA event (and a host timestamp), so that each call has its own time: the 99th
+    percentile over every call of every repeat is the row's `p99_us`, a slow call that a loop's
+    average hides."""
     for _ in range(warmup):
         run()
     # Made once per row and recorded again every repeat: no event is created inside the loop.
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(iterations + 1)]
     stamps = [0.0] * (iterations + 1)
-    per_call, host_per_call, host_samples, issue_samples = [], [], [], []
+    per_call, host_per_call, loop_samples, host_samples, issue_samples = [], [], [], [], []
     for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.perf_counter()
+        marks[0].record()
+        for _ in range(iterations):
+            run()
+        issued = time.perf_counter()
+        marks[iterations].record()
+        marks[iterations].synchronize()
+        ended = time.perf_counter()
+        pydatacopy.check_errors()
+        loop_samples.append(marks[0].elapsed_time(marks[iterations]) / 1e3 / iterations)
+        host_samples.append((ended - began) / iterations)
+        issue_samples.append((issued - began) / iterations)
         torch.cuda.synchronize()
         dist.barrier()
         for index in range(iterations):
@@ -101,13 +120,10 @@ def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int)
         stamps[iterations] = time.perf_counter()
         marks[iterations].record()
         marks[iterations].synchronize()
-        ended = time.perf_counter()
         pydatacopy.check_errors()
         per_call.extend(marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(iterations))
         host_per_call.extend(gaps(stamps))
-        host_samples.append((ended - stamps[0]) / iterations)
-        issue_samples.append((stamps[iterations] - stamps[0]) / iterations)
-    seconds = torch.tensor([statistics.median(per_call), percentile(per_call, 99),
+    seconds = torch.tensor([statistics.median(loop_samples), percentile(per_call, 99),
                             statistics.median(host_samples), percentile(host_per_call, 99),
                             statistics.median(issue_samples)], dtype=torch.float64,
                            device=reduce_device())
