@@ -3,7 +3,7 @@
 Starts worker processes (not under torchrun, whose agent would end the survivor too):
 - kill: both stream send/recv both ways, PE 1 is SIGKILLed mid-transfer; PE 0 must raise
   pydatacopy.TimeoutError within the timeout plus a few seconds and exit without blocking on
-  the dead peer;
+  the dead peer; kill-small the same with 4 KiB messages (the low-latency protocol);
 - no-finalize: both exit without finalize(); interpreter exit must not hang;
 - absent-barrier / absent-alloc: PE 1 is alive but never calls barrier() / empty(); PE 0 must
   raise TimeoutError naming the operation and PE 1, then finalize() without waiting for it;
@@ -13,7 +13,7 @@ Starts worker processes (not under torchrun, whose agent would end the survivor 
 - late-exit / late-finalize: PE 0 calls barrier(blocking=True) and exits at once (or after
   finalize()) while PE 1 arrives 2 s late: both must exit 0, PE 1 without an error.
 Prints one line per scenario; exits non-zero on failure. `--only NAME` runs one scenario (its
-mode name: kill, no-finalize, late-exit, late-finalize, absent-barrier, absent-alloc, absent-init, init-after-finalize):
+mode name: kill, kill-small, no-finalize, late-exit, late-finalize, absent-barrier, absent-alloc, absent-init, init-after-finalize):
 on one GPU under CUDA MPS, scripts/gpu-check.sh restarts MPS between them, as a killed client
 can leave MPS refusing the next one.
 """
@@ -61,7 +61,8 @@ if mode == "absent-init":
     sys.exit(1)
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=rank, world_size=2)
 pydatacopy.init()
-outgoing = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
+# kill-small: 4 KiB messages, the low-latency protocol's (a receiver polling its ring's lines).
+outgoing = torch.randint(0, 256, (4096 if mode == "kill-small" else 64 << 20,), dtype=torch.uint8, device="cuda")
 incoming = torch.empty_like(outgoing)
 if mode.startswith("absent-"):
     if rank == 1:
@@ -193,7 +194,7 @@ def run(mode: str, timeout: float) -> tuple[bool, str]:
             os.unlink(store)
 
 
-SCENARIOS = [("kill", "kill PE 1 mid-transfer"), ("no-finalize", "exit without finalize()"),
+SCENARIOS = [("kill", "kill PE 1 mid-transfer"), ("kill-small", "kill PE 1 mid-transfer of 4 KiB messages"), ("no-finalize", "exit without finalize()"),
              ("late-exit", "exit after a barrier, peer late"),
              ("late-finalize", "finalize after a barrier, peer late"),
              ("absent-barrier", "PE 1 skips barrier()"), ("absent-alloc", "PE 1 skips empty()"),
