@@ -62,6 +62,24 @@
 // channel (ChannelOrder; no stream of the caller is kept); a graph replayed on one stream and
 // eager calls on another must be ordered by the caller, as with NCCL.
 //
+// The low-latency protocol between load/store peers (not to itself, not under
+// PYDATACOPY_FORCE_RMA): a message of at most low_latency_max_bytes() (PYDATACOPY_LOW_LATENCY_MAX_BYTES,
+// default 64 KiB, at most kLowLatencyCapacityBytes, agreed by every PE at init; 0: off) that does not
+// move zero-copy travels in a slot of a ring of kLowLatencySlots at the receiver (slot: the
+// message's ordinal on the channel modulo the ring), as 8-byte lines {flag, 4 data bytes}, each
+// one store (single-copy atomic: a reader that sees the flag sees its data, so no fence separates
+// them); the flag is the ordinal + 1, line 0 holds the sender's byte count. The receiver polls the
+// lines, copies the data out, and releases a credit (the ordinal + 1) into the sender's memory; the
+// sender waits only when the slot still holds a message not consumed (the ring is credited
+// ahead), and takes no staging chunk (the channel's chunk sequence does not move). One block, no
+// page signals, no header handshake. Sizes that differ: the receiver reads the sender's byte count
+// in line 0 and refuses both ends; a receiver on another path (staged, zero-copy: the other
+// size over the cut) also watches line 0 of its message's slot, and a low-latency receiver watches
+// the staged first chunk and its refusal word (a zero-copy sender reads the descriptor this recv
+// posts, as every recv on such a channel does, and refuses). Every case ends in pydatacopy.Error on
+// both PEs. A CUDA graph keeps the path it was captured with; replaying it against calls issued
+// after the cut changed is refused as a mismatch.
+//
 // Zero-copy between load/store peers (PEs on one node whose heaps nvshmem_ptr reaches, several
 // PEs on one GPU included; not under PYDATACOPY_FORCE_RMA, never to itself): a message of at
 // least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 32 MiB, agreed by every PE
