@@ -832,8 +832,9 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
                               stream_id);
     kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
     for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
-    for (int i = 0; i < launch.count; ++i)
-      order_.record(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture, stream_id);
+    int channels[kernels::kMaxBatchOps];
+    for (int i = 0; i < launch.count; ++i) channels[i] = static_cast<int>(launch.ops[i].sequence - sequences_);
+    order_.record_launch(channels, launch.count, stream, capture, stream_id);
   }
   if (refused) std::rethrow_exception(refused);
 }
