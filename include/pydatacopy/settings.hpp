@@ -40,7 +40,7 @@ constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{32} << 20;
 // travel with their flags in the same 8-byte stores. The capacity is what each slot of its ring
 // holds (the cut's most); the default cut is measured (docs/perf-notes.md v13).
 constexpr int64_t kLowLatencyCapacityBytes = int64_t{64} << 10;
-constexpr int64_t kDefaultLowLatencyMaxBytes = int64_t{64} << 10;
+constexpr int64_t kDefaultLowLatencyMaxBytes = int64_t{16} << 10;
 constexpr uint64_t kNvshmemDefaultSymmetricSize = uint64_t{1} << 30;
 
 enum class Kind : int {

@@ -231,6 +231,42 @@ def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, pe
     outcome.agree("the pair after setup_send_recv")
 
 
+def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
+    """PE 0 sends 1 KiB then 1 MiB, PE 1 receives 1 MiB then 1 KiB. The 1 KiB message takes no
+    staging chunk, so the 1 MiB one starts at the chunk PE 1's first recv expects: before staged
+    headers carried the message's ordinal, that recv took the second message as its own and
+    returned it as received (wrong data, no error), and the second recv timed out."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    first = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
+    second = torch.zeros(KiB, dtype=torch.uint8, device="cuda")
+    _step()
+    begin = time.monotonic()
+    with outcome.check("the swapped sizes"):
+        if rank == 0:
+            pydatacopy.send(_bytes(rank, 1000, KiB), peer, timeout=MISMATCH_TIMEOUT_S)
+            pydatacopy.send(_bytes(rank, 1001, MiB), peer, timeout=MISMATCH_TIMEOUT_S)
+        else:
+            pydatacopy.recv(first, peer, timeout=MISMATCH_TIMEOUT_S)
+            pydatacopy.recv(second, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    with outcome.check("the calls' duration"):
+        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors", r"bytes"):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(first).item() == 0, "the 1 MiB recv took another message's bytes"
+    outcome.agree("the receiver's refusal")
+    if rank == 0:
+        with outcome.expect_error("the sender's check_errors", r"receiver expected"):
+            pydatacopy.check_errors()
+    with outcome.check("no peer marked dead"):
+        pydatacopy.check_errors()
+        assert not _C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
+    outcome.agree("the sender's refusal")
+
+
 def test_a_captured_sendrecv_replays_fresh_data(world, peer):
     rank = world[0]
     outcome = _Outcome(world)

@@ -92,7 +92,9 @@ struct SlotHeader {
   uint64_t sequence;       // the chunk's sequence number + 1 (the value of its arrival signals)
   uint64_t message_bytes;  // the sender's message size
   uint64_t chunk_index;    // the chunk's index in its message
-  uint64_t unused;
+  uint64_t message;        // the message's ordinal on the channel + 1 (a message sent by the
+                           // low-latency protocol takes no chunk: without it, the next staged
+                           // message would pass for the one the receiver expects)
 };
 
 // Zero-copy rendezvous (send_recv.hpp): per channel, the receiver writes one descriptor per

@@ -707,7 +707,8 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     }
     // Every recv of a low-latency channel watches the ring (a sender that sent low-latency
     // another size), a low-latency one reads its message there.
-    if (low_latency_peer(peer) && low_latency_max_bytes_ > 0) {
+    // (Also with the cut at 0: a graph captured under another cut may still send by it.)
+    if (low_latency_peer(peer)) {
       a.ll_lines = ll_lines(peer);
       a.peer_ll_credit = static_cast<uint64_t*>(peer_address(ll_credits(me), peer));
     }

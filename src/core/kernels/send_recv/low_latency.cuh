@@ -62,7 +62,9 @@ __device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a,
   if (!free) return false;
   uint64_t* lines = a.peer_ll_lines + slot * kSlotStride;
   const uint64_t flag = flag_of(message);
-  if (threadIdx.x == 0) store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)), line(flag, 0));
+  // Line 1: the ordinal's high bits, so that a slot's line 0 from 2^32 messages earlier is no match.
+  if (threadIdx.x == 0)
+    store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)), line(flag, static_cast<uint32_t>((message + 1) >> 32)));
   const int64_t pairs = (a.bytes + 7) / 8;
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x)
     store_pair(lines + 2 + 2 * p, line(flag, load_word(a.src, 8 * p, a.bytes)),
@@ -89,12 +91,13 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
   __shared__ uint64_t deadline;
   if (threadIdx.x == 0) {
     deadline = detail::globaltimer_ns() + spin_ns;
-    uint64_t header = 0;
+    uint64_t header = 0, high = 0;
+    const uint64_t want_high = line(flag, static_cast<uint32_t>((message + 1) >> 32));
     do {
-      header = *reinterpret_cast<const volatile uint64_t*>(lines);
-    } while ((header >> 32) != flag && detail::globaltimer_ns() < deadline);
+      low_latency_detail::load_pair(lines, header, high);
+    } while (((header >> 32) != flag || high != want_high) && detail::globaltimer_ns() < deadline);
     verdict = kLowLatencyWaiting;
-    if ((header >> 32) == flag) {
+    if ((header >> 32) == flag && high == want_high) {
       const uint64_t sender_bytes = header & 0xffffffffull;
       if (sender_bytes == static_cast<uint64_t>(a.bytes)) {
         verdict = kLowLatencyDone;  // the header is in: the data lines follow
@@ -102,7 +105,7 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
         refuse_from_recv(a, sender_bytes);
         verdict = kLowLatencyGaveUp;
       }
-    } else if (staged_instead(a, first)) {
+    } else if (staged_instead(a, first, message)) {
       verdict = kLowLatencyGaveUp;
     } else if (const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken); broken != 0) {
       refuse(a, detail::WaitOp::kChunkArrival, broken - 1);

@@ -105,7 +105,7 @@ __device__ __forceinline__ bool channel_stalled(const ChunkStreamArgs& a, uint64
   return now > last && now - last > a.timeout_ns;
 }
 
-__device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
+__device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k, uint64_t message) {
   const int64_t slot = static_cast<int64_t>(k % a.num_slots);
   const int64_t signals = slot * a.pages;
   const int64_t length = chunk_length(a, i);
@@ -115,7 +115,7 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   // A slice with no page in this (short, last) chunk moves nothing and writes no header: page
   // `slice`, whose credit guards header `slice`, is not its to wait for in this chunk.
   if (slice >= pages) return;
-  const SlotHeader header{k + 1, static_cast<uint64_t>(a.bytes), static_cast<uint64_t>(i), 0};
+  const SlotHeader header{k + 1, static_cast<uint64_t>(a.bytes), static_cast<uint64_t>(i), message + 1};
   // The header first, ordered before any of the slice's arrival signals.
   if (threadIdx.x == 0) {
     if (a.peer_staging != nullptr) {
@@ -165,13 +165,14 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 // under a stale header is a mismatch too); the channel is then refused at both ends, and the
 // mismatch recorded.
 constexpr int kHeaderNotYet = 0, kHeaderOk = 1, kHeaderMismatch = 2;
-__device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k) {
+__device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k, uint64_t message) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
   if (detail::load_acquire_sys(a.arrivals + signals + slice) < k + 1) return kHeaderNotYet;
   // Written before that arrival signal (a fence on either path).
   const volatile SlotHeader* h = a.headers + signals + slice;
   const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
-  if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i))
+  if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i) &&
+      h->message == message + 1)
     return kHeaderOk;
   // Refuse the channel on both sides: ours, and the sender's, whose waits, next launch and
   // host's check_errors() read it. The sender's word gets our bytes + 1; beside it, first, the
@@ -197,7 +198,7 @@ __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint
 // shared `verdict`, which every thread reads after this call's barrier: kHeaderNotYet only when
 // the slice is not ready either (thread 0's pages start with page `slice`, and arrivals only grow).
 __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
-                                            int64_t i, uint64_t k, bool check, int& verdict) {
+                                            int64_t i, uint64_t k, uint64_t message, bool check, int& verdict) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
   const int pages = data_pages(a, i);
   int ok = 1;
@@ -208,7 +209,7 @@ __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send,
     else
       ok = detail::load_acquire_sys(a.arrivals + signals + p) >= k + 1;
   }
-  if (check && threadIdx.x == 0) verdict = check_header(a, slice, i, k);
+  if (check && threadIdx.x == 0) verdict = check_header(a, slice, i, k, message);
   return __syncthreads_and(ok) != 0;
 }
 
@@ -498,7 +499,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         const uint64_t k = first[i] + chunk;
         // A recv checks its header as soon as its own page has landed (see check_header).
         const bool check = !send && slice < data_pages(a, chunk) && !header_ok[i][j];
-        const bool ready = slice_ready(a, send, slice, chunk, k, check, verdict);
+        const bool ready = slice_ready(a, send, slice, chunk, k, message[i], check, verdict);
         if (check && verdict == kHeaderMismatch) {  // nothing is copied out; the channel fails
           __syncthreads();  // every thread has read `verdict` before thread 0 writes it again
           if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
@@ -537,7 +538,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           continue;
         }
         if (send)
-          send_chunk(a, slice, chunk, k);
+          send_chunk(a, slice, chunk, k, message[i]);
         else
           recv_chunk(a, slice, chunk, k);
         if (threadIdx.x == 0) {

@@ -175,10 +175,13 @@ __device__ __forceinline__ Landed zero_copy_landed(const ChunkStreamArgs& a, int
 // (its size under the threshold: another size than ours). Returns true after refusing.
 // Only the arrival of exactly this message's first chunk counts: a later one on that page means
 // that page was credited since, which this PE never did for a message sent staged to it.
-__device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_t first) {
+__device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_t first, uint64_t message) {
   const int64_t slot = static_cast<int64_t>(first % a.num_slots);
   if (detail::load_acquire_sys(a.arrivals + slot * a.pages) != first + 1) return false;
   const volatile SlotHeader* h = a.headers + slot * a.pages;
+  // A later message's first chunk (this one took no chunk: it went by the low-latency protocol,
+  // and the sender is past it) is not this message sent staged.
+  if (h->message != message + 1) return false;
   refuse_from_recv(a, h->message_bytes);
   return true;
 }
@@ -229,7 +232,7 @@ __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, ui
                broken != 0 ? broken - 1 : static_cast<uint64_t>(a.bytes));
       if (!(seen & kInProgress)) {
         // Every unfinished slice is cancelled or not started.
-        if ((seen & kSliceZeroUnstarted) && (staged_instead(a, first) || low_latency_instead(a, message))) {
+        if ((seen & kSliceZeroUnstarted) && (staged_instead(a, first, message) || low_latency_instead(a, message))) {
           verdict = kZeroCopyGaveUp;  // refused at both ends; the sender writes nothing zero-copy for it
         } else if (broken != 0 || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) {
           // A refusal: this PE tells the sender itself (its refusal word; the same answer again if
