@@ -1,5 +1,6 @@
 """The Python package's layout, read with ast (nothing imported): no module over 450 lines, no
-import circle between modules, and ``ops`` importing no feature.
+import circle between modules, and ``ops`` importing no feature; and no C++ file of the core,
+the bindings or the public headers over 800 lines outside the kernels' folder.
 
 Imports are collected at module level and inside functions, relative and absolute
 (``pydatacopy.x``); ``from . import x`` counts as an import of the submodule x when there is
@@ -16,6 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "python" / "pydatacopy"
 MAX_LINES = 450
+CPP_ROOTS = [ROOT.parents[1] / "src", ROOT.parents[1] / "include"]
+CPP_MAX_LINES = 800
+CPP_SUFFIXES = (".cpp", ".hpp", ".h", ".cc")
 FEATURES = ("runtime", "rma", "registration", "send_recv", "token_exchange", "moe")
 #: What ops may import besides itself: the core and the helpers every feature shares.
 OPS_MAY_IMPORT = ("pydatacopy._C", "pydatacopy._torch_utils", "pydatacopy._limits")
@@ -108,6 +112,27 @@ def long_modules(root: Path = ROOT) -> list[str]:
 
 def test_no_module_is_over_the_line_limit():
     assert not long_modules(), f"modules over {MAX_LINES} lines: {long_modules()}"
+
+
+def long_cpp_files(roots=CPP_ROOTS) -> list[tuple[str, int]]:
+    """C++ host files over CPP_MAX_LINES, outside any `kernels` folder (CUDA kernels may run long)."""
+    return [(str(path), lines) for root in roots for path in sorted(root.rglob("*"))
+            if path.suffix in CPP_SUFFIXES and "kernels" not in path.relative_to(root).parts
+            and (lines := len(path.read_text().splitlines())) > CPP_MAX_LINES]
+
+
+def test_no_cpp_file_is_over_the_line_limit():
+    assert all(root.is_dir() for root in CPP_ROOTS), CPP_ROOTS
+    assert not long_cpp_files(), f"C++ files over {CPP_MAX_LINES} lines: {long_cpp_files()}"
+
+
+def test_the_cpp_check_finds_a_long_file_and_spares_kernels(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "core" / "long.cpp").write_text("x\n" * (CPP_MAX_LINES + 1))
+    (tmp_path / "core" / "short.hpp").write_text("x\n" * CPP_MAX_LINES)
+    (tmp_path / "kernels" / "long.cpp").write_text("x\n" * (CPP_MAX_LINES + 1))
+    assert long_cpp_files([tmp_path]) == [(str(tmp_path / "core" / "long.cpp"), CPP_MAX_LINES + 1)]
 
 
 def test_no_import_circle():

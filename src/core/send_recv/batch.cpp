@@ -1,0 +1,248 @@
+// The send/recv engine's per-call work: each op's kernel arguments (prepare), a recv's zero-copy
+// decision, and the batch's launch in its channels' order. The engine's setup, thresholds and
+// buffers are in send_recv.cpp.
+#include "pydatacopy/send_recv.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <thread>
+#include <vector>
+
+#include "common/device_status.cuh"
+#include "kernels/api.cuh"
+#include "pydatacopy/error.hpp"
+#include "registration/registration_internal.hpp"
+#include "pydatacopy/runtime.hpp"
+#include "runtime/runtime_internal.hpp"
+#include "send_recv/zero_copy.hpp"
+#include "send_recv/zero_copy_state.hpp"
+
+namespace pydatacopy {
+
+int SendRecvEngine::active_blocks(std::size_t bytes) const {
+  // Small messages move on few blocks: each must carry at least kMinBytesPerBlock of a chunk.
+  constexpr std::size_t kMinBytesPerBlock = 32 << 10;
+  const std::size_t chunk = std::min(bytes, chunk_bytes_);
+  const std::size_t wanted = (chunk + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
+  // A block owns >= 1 page, and drives at most kMaxSlicesPerBlock slices of an op: more slices
+  // than that times the resident blocks would need a grid larger than what can be resident.
+  const std::size_t limit =
+      std::min({static_cast<std::size_t>(blocks_), static_cast<std::size_t>(pages()),
+                static_cast<std::size_t>(kernels::kMaxSlicesPerBlock) * static_cast<std::size_t>(resident_blocks_)});
+  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
+}
+
+kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::size_t bytes,
+                                                 int peer, double timeout_seconds) {
+  const int me = my_pe();
+  kernels::ChunkStreamArgs a{};
+  a.bytes = static_cast<int64_t>(bytes);
+  a.chunk_bytes = static_cast<int64_t>(chunk_bytes_);
+  a.page_bytes = static_cast<int64_t>(page_bytes_);
+  a.pages = pages();
+  a.num_slots = num_chunks_;
+  const int channel = (send ? 0 : n_pes_) + peer;
+  a.sequence = sequences_ + channel;
+  a.progress = progress_ + channel;
+  a.done = done_ + channel;
+  a.failed = failed_ + channel;
+  a.broken = broken(send, peer);
+  a.is_send = send;
+  a.active_blocks = active_blocks(bytes);
+  a.my_pe = me;
+  a.peer = peer;
+  a.timeout_ns = timeout_nanoseconds(timeout_seconds);
+  a.status = detail::device_status();
+  a.messages = messages_ + channel;
+  a.zc_index = -1;
+  // Slices of a zero-copy message: from its size and the agreed grid cap alone (the batch may
+  // raise active_blocks), so both sides count the same; at most one per resident block, so that
+  // a block streams one contiguous part instead of visiting two in turn.
+  a.zc_slices = std::min(a.active_blocks, std::max(1, resident_blocks_));
+  a.zc_counters = reinterpret_cast<unsigned long long*>(zc_counts_);
+  const bool load_store = load_store_peer(peer);
+  a.low_latency = moves_low_latency(peer, bytes);
+  if (send) {
+    a.src = static_cast<const uint8_t*>(buffer);
+    a.staging = staging(me);
+    a.arrivals = arrivals(me);
+    a.credits = credits(peer);
+    a.headers = headers(me);
+    a.outgoing = outgoing_headers(peer);
+    a.filled = filled_ + static_cast<std::size_t>(peer) * num_chunks_ * pages();
+    a.peer_staging = static_cast<uint8_t*>(peer_address(a.staging, peer));
+    a.peer_arrivals = static_cast<uint64_t*>(peer_address(a.arrivals, peer));
+    a.peer_headers = static_cast<kernels::SlotHeader*>(peer_address(a.headers, peer));
+    if (a.peer_staging == nullptr || a.peer_arrivals == nullptr || a.peer_headers == nullptr)
+      a.peer_staging = nullptr, a.peer_arrivals = nullptr, a.peer_headers = nullptr;
+    if (load_store && a.peer_staging != nullptr && bytes >= zero_copy_min_bytes_) {
+      a.ring = rendezvous_ring(peer);
+      a.peer_zc_done = static_cast<uint64_t*>(peer_address(zero_copy_done(me), peer));
+      a.peer_recv_broken = static_cast<uint64_t*>(peer_address(broken(false, me), peer));
+      a.zc_table = zero_copy_->table_device + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
+      a.zc_resolved = zc_resolved_ + static_cast<std::size_t>(peer) * 2 * kernels::kRendezvousRing;
+      a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
+    }
+    if (a.low_latency) {
+      a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
+      a.ll_credit = ll_credits(peer);
+      a.ll_filled = ll_filled_ + static_cast<std::size_t>(peer) * kernels::kLowLatencySlots;
+    }
+  } else {
+    a.dst = static_cast<uint8_t*>(buffer);
+    a.staging = staging(peer);
+    a.arrivals = arrivals(peer);
+    a.credits = credits(me);
+    a.headers = headers(peer);
+    a.peer_credits = static_cast<uint64_t*>(peer_address(a.credits, peer));
+    // The sender's refusal word for this channel: its send channel to this PE.
+    a.remote_broken = broken(true, me);
+    a.peer_broken = static_cast<uint64_t*>(peer_address(a.remote_broken, peer));
+    a.remote_refused_bytes = refused_bytes(me);
+    a.peer_refused_bytes = a.peer_broken == nullptr ? nullptr
+                                                    : static_cast<uint64_t*>(peer_address(a.remote_refused_bytes, peer));
+    if (a.peer_refused_bytes == nullptr) a.peer_broken = nullptr;  // both words by one path
+    if (load_store && a.peer_credits != nullptr && a.peer_broken != nullptr) {
+      a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_address(rendezvous_ring(me), peer));
+      a.zc_done = zero_copy_done(peer);
+      a.post_descriptor = a.peer_ring != nullptr;
+    }
+    // Every recv of a low-latency channel watches the ring (a sender that sent low-latency
+    // another size), a low-latency one reads its message there.
+    // (Also with the cut at 0: a graph captured under another cut may still send by it.)
+    if (low_latency_peer(peer)) {
+      a.ll_lines = ll_lines(peer);
+      a.peer_ll_credit = static_cast<uint64_t*>(peer_address(ll_credits(me), peer));
+    }
+  }
+  return a;
+}
+
+// Seconds a capture may wait for the sender's host to map a new receive buffer, so that the
+// graph's replays move the data once (a capture is not a hot path). Bounded by the call's
+// timeout too; past it the captured recv stays staged (correct, two copies).
+constexpr double kCaptureHandshakeSeconds = 0.5;
+
+void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
+                                      bool capturing, double timeout_seconds) {
+  if (!a.post_descriptor || bytes < zero_copy_min_bytes_) return;
+  zero_copy::Exporter& exporter = *zero_copy_->exporters[peer];
+  zero_copy::Exporter::Decision d = exporter.prepare(dst, bytes, capturing);
+  if (!d.zero_copy && capturing && exporter.awaiting(dst)) {
+    // Both sides of a captured sendrecv wait here at once: each serves the other's requests.
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration<double>(std::min(timeout_seconds, kCaptureHandshakeSeconds));
+    while (std::chrono::steady_clock::now() < deadline) {
+      zero_copy_->importers[peer]->drain();
+      if (exporter.acked(dst) || !exporter.awaiting(dst)) break;  // mapped, or refused for good
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    d = exporter.prepare(dst, bytes, capturing);
+  }
+  a.zero_copy = d.zero_copy;
+  a.zc_index = d.index;
+  a.zc_offset = d.offset;
+}
+
+void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_t stream,
+                                  double timeout_seconds) {
+  PDC_REQUIRE(ops.size() <= static_cast<std::size_t>(kernels::kMaxBatchOps),
+              "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
+                                               << ops.size() << "; split it into several groups");
+  // Check the arguments before any sequence number moves.
+  timeout_nanoseconds(timeout_seconds);
+  for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
+  // A peer that timed out has its ops left out; a peer with a size-mismatch record has them
+  // launched (the kernel refuses the broken channel, the healthy direction runs). Every other op
+  // launches (its peer waits for it), and the first refusal is raised after the launch: the
+  // call that raises has still launched the rest of its ops, so it must not be retried.
+  std::exception_ptr refused;
+  kernels::ChunkBatch launch{};
+  launch.max_grid = resident_blocks_;
+  // Zero-copy's mailboxes of the peers of this call: their requests and answers, without waiting.
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    bool seen = false;
+    for (std::size_t j = 0; j < i; ++j) seen = seen || ops[j].peer == ops[i].peer;
+    if (seen) continue;
+    zero_copy_->importers[ops[i].peer]->drain();
+    zero_copy_->exporters[ops[i].peer]->poll();
+    zero_copy_->exporters[ops[i].peer]->begin_call();
+  }
+  const unsigned long long capturing = capture_id(stream);
+  // Asked before the ops are prepared (a failure leaves no op half done): the launch skips the
+  // channel order's wait where the channel's last launch was on this very stream.
+  const StreamId stream_id = ChannelOrder::eager_stream_id(stream, capturing);
+  for (const Operation& op : ops) {
+    try {  // a timed-out peer: its ops are left out
+      check_peer_timeouts(op.peer, op.send ? "send" : "recv");
+    } catch (...) {
+      if (!refused) refused = std::current_exception();
+      continue;
+    }
+    try {
+      check_size_mismatch(op.peer);
+    } catch (...) {
+      // Launched all the same: the kernel refuses a broken channel at both ends (and records it
+      // again), while an op of the same pair on the other, healthy channel must still meet its
+      // peer's, which has not heard of the mismatch yet.
+      if (!refused) refused = std::current_exception();
+    }
+    // An empty message moves too (one header-only chunk), so that both sides' sequences stay
+    // in step and a 0-byte call facing a non-empty one is caught as a mismatch.
+    launch.is_send[launch.count] = op.send;
+    kernels::ChunkStreamArgs& a = launch.ops[launch.count++];
+    a = prepare(op.send, op.buffer, op.bytes, op.peer, timeout_seconds);
+    if (!op.send) {
+      decide_recv_mode(a, op.buffer, op.bytes, op.peer, capturing != 0, timeout_seconds);
+      // A zero-copy recv waits on one block (send_recv.cu: zero_copy_recv_visit); its zc_slices,
+      // set above from the size, still counts the sender's slices.
+      if (a.zero_copy) a.active_blocks = 1;
+    }
+    // A low-latency message moves on one block (its slice 0) and takes no staging chunk.
+    if (a.low_latency) a.active_blocks = 1;
+    // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
+    prepare_rma_chunk_stream(a, op.send);
+  }
+  // Several ops of the batch on one channel (direction and peer) follow each other in the
+  // channel's sequence: each learns its offset, and all learn the channel's totals. They share
+  // one block count (the largest), so that a page of the channel has one owner in the launch:
+  // the slice that sends (receives) a message's page also drained (filled) it for the last one.
+  for (int i = 0; i < launch.count; ++i) {
+    kernels::ChunkStreamArgs& op = launch.ops[i];
+    for (int j = 0; j < launch.count; ++j)
+      if (launch.ops[j].sequence == op.sequence)
+        op.active_blocks = std::max(op.active_blocks, launch.ops[j].active_blocks);
+  }
+  for (int i = 0; i < launch.count; ++i) {
+    kernels::ChunkStreamArgs& op = launch.ops[i];
+    for (int j = 0; j < launch.count; ++j) {
+      const kernels::ChunkStreamArgs& other = launch.ops[j];
+      if (other.sequence != op.sequence) continue;
+      const uint64_t chunks =
+          other.low_latency ? 0 : std::max<uint64_t>(1, (static_cast<uint64_t>(other.bytes) + chunk_bytes_ - 1) / chunk_bytes_);
+      if (j < i) op.offset_chunks += chunks, ++op.offset_messages;
+      op.channel_chunks += chunks;
+      ++op.channel_messages;
+      op.channel_blocks += other.active_blocks;
+    }
+  }
+  // Launches on one channel must not overlap: this one waits for the channel's last launch,
+  // on whatever other stream that was (see ChannelOrder for the same stream and for captures).
+  if (launch.count > 0) {
+    const unsigned long long capture = capturing;
+    for (int i = 0; i < launch.count; ++i)
+      order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture,
+                              stream_id);
+    kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
+    for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
+    int channels[kernels::kMaxBatchOps];
+    for (int i = 0; i < launch.count; ++i) channels[i] = static_cast<int>(launch.ops[i].sequence - sequences_);
+    order_.record_launch(channels, launch.count, stream, capture, stream_id);
+  }
+  if (refused) std::rethrow_exception(refused);
+}
+
+}  // namespace pydatacopy
