@@ -283,6 +283,16 @@ void bind_rma(py::module_& m) {
           PDC_CHECK_CUDA(cudaMemcpyAsync(as_pointer<void>(dst), as_pointer<const void>(src), bytes,
                                          cudaMemcpyDeviceToDevice, as_stream(stream)));
         }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"));
+  // The benchmark's floor for a kernel path: put's SM copy kernel launched bare (no checks, no
+  // pydatacopy logic), called exactly as bench_memcpy is.
+  m.def("bench_kernel_copy", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream) {
+          bench_kernel_copy(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream));
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"));
+  m.def("bench_host_call_costs", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream,
+                                    int calls) {
+          return bench_host_call_costs(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream),
+                                       calls);
+        }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"), py::arg("calls"), release_gil());
   // Benchmark probe: 8-byte signal ping-pong between this PE and `peer` (device-side latency).
   m.def("bench_pingpong", [](std::uintptr_t signal, int peer, int iterations, bool initiator,
                              std::uintptr_t stream, double timeout) {

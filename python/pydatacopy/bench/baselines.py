@@ -68,6 +68,26 @@ def memcpy(sweep):
     return sweep._into_symmetric(make_run)
 
 
+def kernel_copy(sweep):
+    """The floor of every kernel path: put's SM copy kernel into the peer's memory, launched bare
+    (one launch, no pydatacopy checks or bookkeeping), called as the memcpy row's copy is."""
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def make_run(symmetric):
+        peer_memory = pydatacopy.peer_view(symmetric, sweep.peer)
+        if peer_memory is None:
+            raise pydatacopy.Error("the kernel copy baseline needs a peer reachable by load/store "
+                                   "(NVLink/PCIe): leave kernel_copy out of --ops")
+        peer_address = peer_memory.data_ptr()
+
+        def run():
+            if sweep.sends:
+                pydatacopy._C.bench_kernel_copy(peer_address, sweep.src.data_ptr(), sweep.nbytes, stream)
+        return run
+
+    return sweep._into_symmetric(make_run)
+
+
 def torch_symm_mem(sweep):
     """torch.ops.symm_mem.nvshmem_put: the tensor goes to the same tensor on the peer."""
     import torch.distributed._symmetric_memory as symm_mem

@@ -98,6 +98,7 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
         for r in rows[1:]:
             against(r, base)
             r["over_base_us"] = r["us"] - base["us"]
+        rows.extend(_host_call_costs(src, local, stream, calls, base))
         if me == 0:
             for r in rows[1:]:
                 print(f"  host per call: {r['path']} {r['us']:.2f} us, {r['over_base_us']:+.2f} us over "
@@ -105,6 +106,30 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
     finally:
         pydatacopy.barrier()
         pydatacopy.free(symmetric)
+    return rows
+
+
+def _host_call_costs(src, dst, stream: int, calls: int, base: dict) -> list[dict]:
+    """Rows `host_call`: what each CUDA call a send/recv makes costs the host, timed in C++
+    (_C.bench_host_call_costs: no Python between calls), the slower PE's figure; `over_base_us`
+    against the Python-issued cudaMemcpyAsync (`base`). Checked: the destination, cleared first,
+    holds the fresh bytes the probe's copies (a cudaMemcpyAsync, then put's SM kernel) moved."""
+    me = pydatacopy.my_pe()
+    fill(src, 900 + me)
+    dst.zero_()
+    torch.cuda.synchronize()
+    costs = pydatacopy._C.bench_host_call_costs(dst.data_ptr(), src.data_ptr(), src.nbytes, stream, calls)
+    torch.cuda.synchronize()
+    ok = agree(torch.equal(dst, fill(torch.empty_like(src), 900 + me)))
+    figures = torch.tensor([us for _, us in costs], dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    rows = []
+    for (name, _), us in zip(costs, figures.tolist()):
+        rows.append({"op": "host_call", "path": name, "direction": "both", "bytes": src.nbytes,
+                     "size": human(src.nbytes), "us": us, "issue_us": us, "gbps": 0.0, "ok": ok,
+                     "over_base_us": us - base["us"]})
+        if me == 0:
+            print(f"  host per call, from C++: {name} {us:.2f} us", file=sys.stderr, flush=True)
     return rows
 
 

@@ -236,6 +236,9 @@ namespace pydatacopy::kernels {
 // `iterations` times (the initiator starts). Symmetric `signal` starts at zero on both.
 void launch_pingpong(uint64_t* signal, int my_pe, int peer, int iterations, bool initiator,
                      uint64_t timeout_ns, detail::DeviceStatus* status, cudaStream_t stream);
+// Host-cost probe: an empty one-block kernel whose parameters take 16, 1024 or 8192 bytes (the
+// smallest of those at least `parameter_bytes`), programmatic or not (launch.cuh).
+void launch_empty_probe(int parameter_bytes, bool programmatic, cudaStream_t stream);
 
 }  // namespace pydatacopy::kernels
 

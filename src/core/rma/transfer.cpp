@@ -2,9 +2,11 @@
 #include "rma/transfer_internal.hpp"
 
 #include <cuda_runtime.h>
+
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <chrono>
 
 #include "common/device_status.cuh"
 #include "kernels/api.cuh"
@@ -218,6 +220,57 @@ void signal_pingpong(uint64_t* signal, int peer, int iterations, bool initiator,
   check_rma_remote(signal, sizeof(uint64_t), "signal_pingpong: signal");
   kernels::launch_pingpong(signal, my_pe(), peer, iterations, initiator, timeout_nanoseconds(timeout_seconds),
                            detail::device_status(), stream);
+}
+
+void bench_kernel_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream) {
+  kernels::launch_copy(dst, src, bytes, stream);
+}
+
+std::vector<std::pair<std::string, double>> bench_host_call_costs(void* dst, const void* src, std::size_t bytes,
+                                                                  cudaStream_t stream, int calls) {
+  PDC_REQUIRE(calls > 0, "bench_host_call_costs: calls must be positive, got " << calls);
+  cudaEvent_t event = nullptr;
+  PDC_CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  std::vector<std::pair<std::string, double>> costs;
+  auto time = [&](const char* name, auto&& call) {
+    for (int i = 0; i < 20; ++i) call();  // warm-up
+    PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
+    const auto begin = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) call();
+    const auto end = std::chrono::steady_clock::now();
+    PDC_CHECK_CUDA(cudaStreamSynchronize(stream));
+    costs.emplace_back(name, std::chrono::duration<double, std::micro>(end - begin).count() / calls);
+  };
+  try {
+    time("cudaMemcpyAsync", [&] {
+      PDC_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    time("copy kernel (put's SM kernel)", [&] { kernels::launch_copy(dst, src, bytes, stream); });
+    time("empty kernel, 16 B of parameters", [&] { kernels::launch_empty_probe(16, false, stream); });
+    time("empty kernel, 16 B, programmatic", [&] { kernels::launch_empty_probe(16, true, stream); });
+    time("empty kernel, 1 KiB, programmatic", [&] { kernels::launch_empty_probe(1024, true, stream); });
+    time("empty kernel, 8 KiB, programmatic", [&] { kernels::launch_empty_probe(8192, true, stream); });
+    time("cudaEventRecord", [&] { PDC_CHECK_CUDA(cudaEventRecord(event, stream)); });
+    time("cudaStreamWaitEvent", [&] { PDC_CHECK_CUDA(cudaStreamWaitEvent(stream, event, 0)); });
+    time("cudaStreamGetCaptureInfo", [&] {
+      cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+      unsigned long long id = 0;
+      PDC_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &status, &id));
+    });
+    time("cudaStreamGetId", [&] {
+      unsigned long long id = 0;
+      PDC_CHECK_CUDA(cudaStreamGetId(stream, &id));
+    });
+    time("cudaGetDevice", [&] {
+      int device = 0;
+      PDC_CHECK_CUDA(cudaGetDevice(&device));
+    });
+  } catch (...) {
+    cudaEventDestroy(event);
+    throw;
+  }
+  PDC_CHECK_CUDA(cudaEventDestroy(event));
+  return costs;
 }
 
 }  // namespace pydatacopy
