@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.append(latency.bench_latency(args))
     if "host" in ops:
         fixed_rows.extend(put.bench_host_overhead(args))
+        fixed_rows.extend(send_recv.bench_host_queued(args))
     if "put_many" in ops:
         fixed_rows.extend(batched.bench_batched(args))
     if "graph" in ops:

@@ -10,10 +10,17 @@ Where the forced rows cross is where the defaults belong."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import sys
+import time
+
+import torch
+import torch.distributed as dist
 
 import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
+
+from ._harness import agree, fill, human, reduce_device
 
 
 @contextlib.contextmanager
@@ -84,3 +91,85 @@ def sendrecv_ll(sweep):
     with engine_cuts(zero_copy_min_bytes=0, low_latency_max_bytes=pydatacopy._C.LOW_LATENCY_CAPACITY_BYTES):
         return _measure_counted(sweep, "recv_low_latency", "low-latency",
                                 "peer not load/store reachable, or PYDATACOPY_FORCE_RMA")
+
+
+def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
+    """Host time per call of send, recv and sendrecv (4 KiB: the low-latency protocol; 1 MiB:
+    staged, as the defaults leave them), beside a bare cudaMemcpyAsync and a bare kernel launch
+    of the same bytes, each issued while the stream is held by a sleeping kernel: `calls` calls
+    queue behind it, none runs, so the figure is the host's cost alone (a loop that runs as it
+    goes may be slowed by the GPU instead: a full launch queue blocks the host). One way, rank
+    0 sends while rank 1 receives: the send row is rank 0's time, the recv row rank 1's. The
+    median round; checked afterwards with fresh data into a cleared destination."""
+    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
+    stream = torch.cuda.current_stream().cuda_stream
+    sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
+    rows = []
+    for nbytes in (4096, 1 << 20):
+        src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 70 + me)
+        dst = torch.zeros_like(src)
+        calls_by_name = {
+            "cudaMemcpyAsync": lambda: pydatacopy._C.bench_memcpy(dst.data_ptr(), src.data_ptr(), nbytes, stream),
+            "bare kernel copy": lambda: pydatacopy._C.bench_kernel_copy(dst.data_ptr(), src.data_ptr(), nbytes,
+                                                                        stream),
+            "send | recv": (lambda: pydatacopy.send(src, peer)) if me == 0 else (lambda: pydatacopy.recv(dst, peer)),
+            "sendrecv": lambda: pydatacopy.sendrecv(src, peer, dst, peer),
+        }
+        figures = []
+        for call in calls_by_name.values():
+            samples = []
+            for _ in range(rounds):
+                torch.cuda.synchronize()
+                dist.barrier()
+                torch.cuda._sleep(sleep_cycles)
+                began = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                samples.append((time.perf_counter() - began) / calls * 1e6)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+            figures.append(statistics.median(samples))
+        # [rank 0's figures..., rank 1's figures...]: each rank fills its own half.
+        both = torch.zeros(2 * len(figures), dtype=torch.float64, device=reduce_device())
+        both[me * len(figures):(me + 1) * len(figures)] = torch.tensor(figures, dtype=torch.float64)
+        dist.all_reduce(both)
+        checks = []
+        for number, (name, call) in enumerate(calls_by_name.items()):
+            seed = 200 + 10 * number
+            fill(src, seed + me)
+            dst.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            call()
+            torch.cuda.synchronize()
+            dist.barrier()
+            local = name in ("cudaMemcpyAsync", "bare kernel copy")
+            if local:
+                checks.append(torch.equal(dst, fill(torch.empty_like(src), seed + me)))
+            elif name == "sendrecv" or me == 1:
+                checks.append(torch.equal(dst, fill(torch.empty_like(src), seed + peer)))
+            else:
+                checks.append(True)  # rank 0 only sent: rank 1 checks what arrived
+        oks = [agree(ok) for ok in checks]
+        names = list(calls_by_name)
+        for index, name in enumerate(names):
+            for rank in (0, 1):
+                if name == "send | recv":
+                    label = "send" if rank == 0 else "recv"
+                else:
+                    label = name
+                    if rank == 1:
+                        continue  # one row: the slower rank's figure
+                us = both[rank * len(names) + index].item()
+                if name != "send | recv":
+                    us = max(us, both[len(names) + index].item())
+                rows.append({"op": "host_queued", "path": f"{label} {human(nbytes)}", "direction": "one",
+                             "bytes": nbytes, "size": human(nbytes), "us": us, "issue_us": us, "gbps": 0.0,
+                             "ok": oks[index]})
+        base = rows[-len(names) - 1]  # this size's cudaMemcpyAsync row
+        for r in rows[-len(names) - 1:]:
+            r["over_base_us"] = r["us"] - base["us"]
+            if me == 0:
+                print(f"  host per call, queued: {r['path']} {r['us']:.2f} us ({r['over_base_us']:+.2f} over "
+                      f"{base['path']})", file=sys.stderr, flush=True)
+    return rows

@@ -615,11 +615,11 @@ void throw_size_mismatch(detail::ErrorRecord& r, bool send) {
          << "mapping of its receive buffer that this PE no longer holds (its memory was freed: a "
          << "CUDA graph replayed after its receive buffer was freed?); nothing was written";
   else if (send)  // kChannelRefused: the receiver refused this or an earlier message (its size: seen)
-    text << "send from PE " << r.pe << " to PE " << r.peer << " refused: the receiver expected "
+    text << "send/recv between PE " << r.pe << " and PE " << r.peer << " refused: the receiver expected "
          << "another size, message or path than one this PE sent on this channel (the other side's: "
          << r.seen << " bytes; this call: " << r.expected << " bytes)";
   else  // kChannelRefused on a recv: the sender's size in seen
-    text << "recv on PE " << r.pe << " from PE " << r.peer << " refused: the sender sent a message "
+    text << "send/recv between PE " << r.pe << " and PE " << r.peer << " refused: the sender sent a message "
          << "on this channel with another size or by another path than a recv expected (the other "
          << "side's: " << r.seen << " bytes; this call: " << r.expected << " bytes)";
   text << ". Both sides must move the same number of bytes, in the same order, per pair of PEs. "
