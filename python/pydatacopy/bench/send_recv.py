@@ -100,7 +100,9 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
     queue behind it, none runs, so the figure is the host's cost alone (a loop that runs as it
     goes may be slowed by the GPU instead: a full launch queue blocks the host). One way, rank
     0 sends while rank 1 receives: the send row is rank 0's time, the recv row rank 1's. The
-    median round; checked afterwards with fresh data into a cleared destination."""
+    median round; `gpu_us`: the GPU's time per call for the queue once the sleep ended (the
+    calls back to back, the host out of the way). Checked afterwards with fresh data into a
+    cleared destination."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
     stream = torch.cuda.current_stream().cuda_stream
     sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
@@ -115,23 +117,30 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
             "send | recv": (lambda: pydatacopy.send(src, peer)) if me == 0 else (lambda: pydatacopy.recv(dst, peer)),
             "sendrecv": lambda: pydatacopy.sendrecv(src, peer, dst, peer),
         }
-        figures = []
+        figures, gpu_figures = [], []
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for call in calls_by_name.values():
-            samples = []
+            samples, gpu_samples = [], []
             for _ in range(rounds):
                 torch.cuda.synchronize()
                 dist.barrier()
                 torch.cuda._sleep(sleep_cycles)
+                first.record()  # runs when the sleep ends: the queued calls' GPU time follows
                 began = time.perf_counter()
                 for _ in range(calls):
                     call()
                 samples.append((time.perf_counter() - began) / calls * 1e6)
-            torch.cuda.synchronize()
+                last.record()
+                last.synchronize()
+                gpu_samples.append(first.elapsed_time(last) * 1e3 / calls)
             pydatacopy.check_errors()
             figures.append(statistics.median(samples))
-        # [rank 0's figures..., rank 1's figures...]: each rank fills its own half.
-        both = torch.zeros(2 * len(figures), dtype=torch.float64, device=reduce_device())
-        both[me * len(figures):(me + 1) * len(figures)] = torch.tensor(figures, dtype=torch.float64)
+            gpu_figures.append(statistics.median(gpu_samples))
+        # [rank 0's host figures..., rank 1's...], then the same of the GPU's: each rank fills its own.
+        count = len(figures)
+        both = torch.zeros(4 * count, dtype=torch.float64, device=reduce_device())
+        both[me * count:(me + 1) * count] = torch.tensor(figures, dtype=torch.float64)
+        both[(2 + me) * count:(3 + me) * count] = torch.tensor(gpu_figures, dtype=torch.float64)
         dist.all_reduce(both)
         checks = []
         for number, (name, call) in enumerate(calls_by_name.items()):
@@ -160,16 +169,19 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                     label = name
                     if rank == 1:
                         continue  # one row: the slower rank's figure
-                us = both[rank * len(names) + index].item()
+                us = both[rank * count + index].item()
+                gpu_us = both[(2 + rank) * count + index].item()
                 if name != "send | recv":
-                    us = max(us, both[len(names) + index].item())
+                    us = max(us, both[count + index].item())
+                    gpu_us = max(gpu_us, both[3 * count + index].item())
                 rows.append({"op": "host_queued", "path": f"{label} {human(nbytes)}", "direction": "one",
-                             "bytes": nbytes, "size": human(nbytes), "us": us, "issue_us": us, "gbps": 0.0,
-                             "ok": oks[index]})
+                             "bytes": nbytes, "size": human(nbytes), "us": us, "issue_us": us,
+                             "gpu_us": gpu_us, "gbps": 0.0, "ok": oks[index]})
         base = rows[-len(names) - 1]  # this size's cudaMemcpyAsync row
         for r in rows[-len(names) - 1:]:
             r["over_base_us"] = r["us"] - base["us"]
             if me == 0:
                 print(f"  host per call, queued: {r['path']} {r['us']:.2f} us ({r['over_base_us']:+.2f} over "
-                      f"{base['path']})", file=sys.stderr, flush=True)
+                      f"{base['path']}); the queue ran at {r['gpu_us']:.2f} us a call on the GPU",
+                      file=sys.stderr, flush=True)
     return rows
