@@ -253,7 +253,10 @@ def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
     with outcome.check("the calls' duration"):
         assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
     if rank == 1:
-        with outcome.expect_error("the receiver's check_errors", r"bytes"):
+        # Found by the header's ordinal (the staged message is another one) or by the ring (the
+        # 1 KiB one went low-latency), or the channel's refusal: never two equal sizes as a mismatch.
+        with outcome.expect_error("the receiver's check_errors",
+                                  r"took another path|sender's message is 1024 bytes|the other side's: 1024 bytes"):
             pydatacopy.check_errors()
         with outcome.check("nothing delivered"):
             assert torch.count_nonzero(first).item() == 0, "the 1 MiB recv took another message's bytes"
@@ -325,3 +328,27 @@ def test_the_cut_is_agreed_by_every_pe(world, peer):
             assert taken == (1 if (_load_store() and nbytes <= cut) else 0), f"cut {cut}, {nbytes} bytes: {after}"
         _step()
     outcome.agree("the cuts")
+
+
+def test_force_rma_set_on_one_pe_only_is_refused_at_setup_on_every_pe(world, peer):
+    """Each side decides from PYDATACOPY_FORCE_RMA whether a channel is load/store (low-latency,
+    zero-copy): a PE that forces RMA would stage a small message the other sends by lines, and
+    wait for it until the timeout. setup_send_recv votes it: every PE refuses, naming it, and
+    nothing was allocated (a setup with it alike works again)."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    was_forced = _C.rma_forced()
+    _step()
+    try:
+        _C.set_rma_forced(was_forced if rank == 0 else not was_forced)
+        with outcome.expect_error("setup_send_recv with PYDATACOPY_FORCE_RMA on one PE", r"PYDATACOPY_FORCE_RMA"):
+            pydatacopy.setup_send_recv()
+    finally:
+        _C.set_rma_forced(was_forced)
+    outcome.agree("the refusal")
+    pydatacopy.setup_send_recv()
+    with outcome.check("a sendrecv after a setup with the setting alike"):
+        recv = torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda")
+        pydatacopy.sendrecv(_bytes(rank, 900, 4 * KiB), peer, recv, peer)
+        _assert_bytes(recv, _bytes(peer, 900, 4 * KiB), "the sendrecv after the refusal")
+    outcome.agree("the pair after the refusal")

@@ -112,8 +112,8 @@ def bench_host_overhead(args, calls: int = 2000, rounds: int = 5) -> list[dict]:
 def _host_call_costs(src, dst, stream: int, calls: int, base: dict) -> list[dict]:
     """Rows `host_call`: what each CUDA call a send/recv makes costs the host, timed in C++
     (_C.bench_host_call_costs: no Python between calls), the slower PE's figure; `over_base_us`
-    against the Python-issued cudaMemcpyAsync (`base`). Checked: the destination, cleared first,
-    holds the fresh bytes the probe's copies (a cudaMemcpyAsync, then put's SM kernel) moved."""
+    against the Python-issued cudaMemcpyAsync (`base`). Checked: the destination, cleared here
+    and again by the probe before its copy kernel runs, holds the fresh bytes that kernel moved."""
     me = pydatacopy.my_pe()
     fill(src, 900 + me)
     dst.zero_()

@@ -603,9 +603,21 @@ void throw_size_mismatch(detail::ErrorRecord& r, bool send) {
   }
   const auto why = static_cast<detail::WaitOp>(r.op);
   std::ostringstream text;
-  if (why == detail::WaitOp::kChunkArrival)
+  // Equal sizes: the message found is another one than this call's (one between them went by
+  // another path, low-latency or zero-copy: the two sides' sizes put it on either side of a cut).
+  const bool another_message = r.seen == r.expected;
+  if (why == detail::WaitOp::kChunkArrival && another_message)
+    text << "recv on PE " << r.pe << " from PE " << r.peer << ": the sender's next staged message ("
+         << r.seen << " bytes) is not the one this recv expected: a message between them took "
+         << "another path (low-latency or zero-copy), so the two sides' sizes differ for it";
+  else if (why == detail::WaitOp::kChunkArrival)
     text << "recv on PE " << r.pe << " from PE " << r.peer << ": the sender's message is " << r.seen
          << " bytes but this recv expected " << r.expected << " bytes";
+  else if (why == detail::WaitOp::kChunkCredit && another_message)
+    text << "send from PE " << r.pe << " to PE " << r.peer << ": the receiver expected " << r.seen
+         << " bytes for another message than this one (" << r.expected << " bytes): a message "
+         << "between them took another path (low-latency or zero-copy), so the two sides' sizes "
+         << "differ for it";
   else if (why == detail::WaitOp::kChunkCredit)
     text << "send from PE " << r.pe << " to PE " << r.peer << ": the receiver expected " << r.seen
          << " bytes for a message this PE sent with another size (this call: " << r.expected

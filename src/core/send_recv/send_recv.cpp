@@ -147,11 +147,22 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // `blocks`, and all take the smallest grid cap (PEs with different SM shares, e.g. other MPS
   // percentages, would otherwise cut messages differently: false size mismatches or stalls).
   // Voted before anything is allocated, so that a refusal leaves nothing to undo on any PE.
+  // PYDATACOPY_FORCE_RMA too: each side decides from it whether a channel is load/store (the
+  // low-latency and zero-copy paths), so two PEs that disagree would time out on small messages.
   const int my_cap = kernels::chunk_batch_resident_blocks(pes_sharing_my_gpu());
+  constexpr uint64_t kForcedBit = 1ull << 31;  // a grid cap is far below 2^31
+  const bool forced = rma_forced();
   const std::vector<uint64_t> votes = barrier_all_blocking(
       "SendRecvEngine.init (collective: every PE must set up send/recv)", default_timeout_seconds(),
-      (static_cast<uint64_t>(blocks) << 32) | static_cast<uint32_t>(my_cap));
+      (static_cast<uint64_t>(blocks) << 32) | (forced ? kForcedBit : 0) | static_cast<uint32_t>(my_cap));
   int grid_cap = my_cap;
+  for (std::size_t pe = 0; pe < votes.size(); ++pe)
+    PDC_REQUIRE(((votes[pe] & kForcedBit) != 0) == forced,
+                "SendRecvEngine.init: PE " << pe << " runs " << ((votes[pe] & kForcedBit) != 0 ? "with" : "without")
+                                           << " PYDATACOPY_FORCE_RMA and this PE "
+                                           << (forced ? "with" : "without")
+                                           << " it; every PE must set it alike (it decides which path "
+                                              "a message takes on both sides). Nothing was allocated on any PE");
   for (std::size_t pe = 0; pe < votes.size(); ++pe) {
     PDC_REQUIRE(static_cast<int>(votes[pe] >> 32) == blocks,
                 "SendRecvEngine.init: PE " << pe << " set up send/recv with blocks=" << (votes[pe] >> 32)
@@ -159,7 +170,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
                                            << "; every PE must use the same settings "
                                               "(PYDATACOPY_SEND_BLOCKS, setup_send_recv's arguments). "
                                               "Nothing was allocated on any PE");
-    grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & 0xffffffffu));
+    grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & (kForcedBit - 1)));
   }
   // The zero-copy threshold decides, on each side alike, whether a message waits for a
   // rendezvous: every PE must have the same. A value this PE cannot read is voted as such, so
@@ -485,7 +496,11 @@ void SendRecvEngine::check_refusals_locked() {
     std::ostringstream text;
     text << "send from PE " << my_pe() << " to PE " << peer << ": the receiver expected " << word - 1
          << " bytes";
-    if (sender_bytes != 0) text << " for a message of " << sender_bytes - 1 << " bytes from this PE";
+    if (sender_bytes != 0 && sender_bytes == word)
+      text << " for another message than this PE's of " << sender_bytes - 1 << " bytes (one between "
+           << "them took another path, low-latency or zero-copy: the two sides' sizes differ for it)";
+    else if (sender_bytes != 0)
+      text << " for a message of " << sender_bytes - 1 << " bytes from this PE";
     text << " (found by the receiver after this PE's send had completed). Both sides must move the "
             "same number of bytes, in the same order, per pair of PEs. Nothing more was delivered on "
             "this channel, and every later send on it is refused and raises: call "

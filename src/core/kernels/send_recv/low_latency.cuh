@@ -13,7 +13,16 @@ namespace low_latency_detail {
 constexpr int kModeLowLatency = 3;  // beside zero_copy_detail's kModeStaged / kModeZeroCopy
 constexpr int64_t kSlotStride = kLowLatencySlotStride;
 
-__device__ __forceinline__ uint64_t flag_of(uint64_t message) { return (message + 1) & 0xffffffffull; }
+// A line's flag: the low 31 bits of the ordinal + 1 with bit 31 set, so never 0 (a ring line never
+// written, zero since the rebuild, matches no message). Flags repeat every 2^31 messages of a
+// channel (its epoch: (ordinal + 1) >> 31, which line 1 carries): the first message of an epoch
+// in a slot rewrites the whole slot (low_latency_send_visit), so a line left from an earlier epoch
+// never passes for the current message's.
+constexpr int kEpochShift = 31;
+__device__ __forceinline__ uint64_t flag_of(uint64_t message) {
+  return ((message + 1) & ((1ull << kEpochShift) - 1)) | (1ull << kEpochShift);
+}
+__device__ __forceinline__ uint64_t epoch_of(uint64_t ordinal_plus_one) { return ordinal_plus_one >> kEpochShift; }
 __device__ __forceinline__ uint64_t line(uint64_t flag, uint32_t data) { return (flag << 32) | data; }
 
 // Four bytes of `src` at `offset` (of `bytes`), zeros past the end; any alignment.
@@ -46,9 +55,10 @@ __device__ __forceinline__ void load_pair(const uint64_t* at, uint64_t& first, u
 __device__ bool low_latency_instead(const ChunkStreamArgs& a, uint64_t message) {
   using namespace low_latency_detail;
   if (a.ll_lines == nullptr) return false;
-  const uint64_t header =
-      *reinterpret_cast<const volatile uint64_t*>(a.ll_lines + (message % kLowLatencySlots) * kSlotStride);
-  if ((header >> 32) != flag_of(message)) return false;
+  uint64_t header = 0, high = 0;
+  load_pair(a.ll_lines + (message % kLowLatencySlots) * kSlotStride, header, high);
+  const uint64_t flag = flag_of(message);
+  if ((header >> 32) != flag || high != line(flag, static_cast<uint32_t>(epoch_of(message + 1)))) return false;
   refuse_from_recv(a, header & 0xffffffffull);
   return true;
 }
@@ -62,10 +72,14 @@ __device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a,
   if (!free) return false;
   uint64_t* lines = a.peer_ll_lines + slot * kSlotStride;
   const uint64_t flag = flag_of(message);
-  // Line 1: the ordinal's high bits, so that a slot's line 0 from 2^32 messages earlier is no match.
+  // Line 1: the epoch, so that a slot's line 0 from 2^31 messages earlier is no match.
   if (threadIdx.x == 0)
-    store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)), line(flag, static_cast<uint32_t>((message + 1) >> 32)));
-  const int64_t pairs = (a.bytes + 7) / 8;
+    store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)), line(flag, static_cast<uint32_t>(epoch_of(message + 1))));
+  // The slot's first message of an epoch writes every line of the slot (zeros past its bytes):
+  // no line keeps a flag of the epoch before, which this epoch's flags repeat.
+  const uint64_t last = a.ll_filled[slot];  // ordinal + 1 of the slot's last message, 0: none
+  const bool new_epoch = last != 0 && epoch_of(last) != epoch_of(message + 1);
+  const int64_t pairs = new_epoch ? (kLowLatencySlotLines - 2) / 2 : (a.bytes + 7) / 8;
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x)
     store_pair(lines + 2 + 2 * p, line(flag, load_word(a.src, 8 * p, a.bytes)),
                line(flag, load_word(a.src, 8 * p + 4, a.bytes)));
@@ -92,7 +106,7 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
   if (threadIdx.x == 0) {
     deadline = detail::globaltimer_ns() + spin_ns;
     uint64_t header = 0, high = 0;
-    const uint64_t want_high = line(flag, static_cast<uint32_t>((message + 1) >> 32));
+    const uint64_t want_high = line(flag, static_cast<uint32_t>(epoch_of(message + 1)));
     do {
       low_latency_detail::load_pair(lines, header, high);
     } while (((header >> 32) != flag || high != want_high) && detail::globaltimer_ns() < deadline);
