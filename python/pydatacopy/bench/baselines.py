@@ -48,44 +48,36 @@ def local_copy(sweep):
     return sweep.measure(run, sweep.out, local=True)
 
 
-def memcpy(sweep):
-    """A bare cudaMemcpyAsync into the peer's memory: no pydatacopy code on the path (torch's
-    copy_ would add its own host cost: 1-2 ms per call into a peer mapping, measured)."""
+def _into_peer(sweep, copy, op: str):
+    """A bare copy into the peer's memory, `copy(dst, src, bytes, stream)` from _C: no pydatacopy
+    code on the path. `op` names the --ops entry (for the error on a peer beyond load/store)."""
     stream = torch.cuda.current_stream().cuda_stream
 
     def make_run(symmetric):
         peer_memory = pydatacopy.peer_view(symmetric, sweep.peer)
         if peer_memory is None:
-            raise pydatacopy.Error("the memcpy baseline needs a peer reachable by load/store "
-                                   "(NVLink/PCIe): leave memcpy out of --ops")
+            raise pydatacopy.Error(f"the {op} baseline needs a peer reachable by load/store "
+                                   f"(NVLink/PCIe): leave {op} out of --ops")
         peer_address = peer_memory.data_ptr()
 
         def run():
             if sweep.sends:
-                pydatacopy._C.bench_memcpy(peer_address, sweep.src.data_ptr(), sweep.nbytes, stream)
+                copy(peer_address, sweep.src.data_ptr(), sweep.nbytes, stream)
         return run
 
     return sweep._into_symmetric(make_run)
+
+
+def memcpy(sweep):
+    """A bare cudaMemcpyAsync into the peer's memory (torch's copy_ would add its own host cost:
+    1-2 ms per call into a peer mapping, measured)."""
+    return _into_peer(sweep, pydatacopy._C.bench_memcpy, "memcpy")
 
 
 def kernel_copy(sweep):
     """The floor of every kernel path: put's SM copy kernel into the peer's memory, launched bare
     (one launch, no pydatacopy checks or bookkeeping), called as the memcpy row's copy is."""
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def make_run(symmetric):
-        peer_memory = pydatacopy.peer_view(symmetric, sweep.peer)
-        if peer_memory is None:
-            raise pydatacopy.Error("the kernel copy baseline needs a peer reachable by load/store "
-                                   "(NVLink/PCIe): leave kernel_copy out of --ops")
-        peer_address = peer_memory.data_ptr()
-
-        def run():
-            if sweep.sends:
-                pydatacopy._C.bench_kernel_copy(peer_address, sweep.src.data_ptr(), sweep.nbytes, stream)
-        return run
-
-    return sweep._into_symmetric(make_run)
+    return _into_peer(sweep, pydatacopy._C.bench_kernel_copy, "kernel_copy")
 
 
 def torch_symm_mem(sweep):

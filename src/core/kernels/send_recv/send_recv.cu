@@ -245,6 +245,21 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 #include "kernels/send_recv/zero_copy.cuh"
 #include "kernels/send_recv/low_latency.cuh"
 
+// All threads of a send op's block, while it waits on the receiver (a descriptor, a credit): the
+// receiver's refusal word, read by thread 0. When it is set the op is refused (a kChunkCredit
+// record: the receiver's size) and given up; returns whether it was.
+__device__ __forceinline__ bool receiver_refused(const ChunkStreamArgs& a, int64_t& next, int64_t chunks,
+                                                 bool& gave_up) {
+  const uint64_t broken = threadIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(a.broken) : 0;
+  if (!__syncthreads_or(broken != 0)) return false;
+  if (threadIdx.x == 0) {
+    refuse(a, detail::WaitOp::kChunkCredit, broken - 1);
+    next = chunks, gave_up = true;
+  }
+  __syncthreads();
+  return true;
+}
+
 // Once the block is done with a slice (or gave up): the last slice of the op's channel in this
 // launch moves the channel's counters on and clears its failure flag. Every block read the
 // counters at its start, before it counted a slice, so they move only after all read them.
@@ -401,15 +416,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           if (taken < 0) continue;
           if (taken == 0) {
             // Not there yet: the receiver may have refused (its size differs), or the watchdog.
-            const uint64_t broken = threadIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(a.broken) : 0;
-            if (__syncthreads_or(broken != 0)) {
-              if (threadIdx.x == 0) {
-                refuse(a, detail::WaitOp::kChunkCredit, broken - 1);
-                next[i][j] = chunks[i], gave_up[i] = true;
-              }
-              __syncthreads();
-              continue;
-            }
+            if (receiver_refused(a, next[i][j], chunks[i], gave_up[i])) continue;
             if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
               const RendezvousDescriptor* d = a.ring + message[i] % kRendezvousRing;
               detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message[i] + 1,
@@ -431,15 +438,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               continue;
             }
             // Its slot is not credited yet: the receiver may have refused, or the watchdog.
-            const uint64_t broken = threadIdx.x == 0 ? *reinterpret_cast<volatile uint64_t*>(a.broken) : 0;
-            if (__syncthreads_or(broken != 0)) {
-              if (threadIdx.x == 0) {
-                refuse(a, detail::WaitOp::kChunkCredit, broken - 1);
-                next[i][j] = chunks[i], gave_up[i] = true;
-              }
-              __syncthreads();
-              continue;
-            }
+            if (receiver_refused(a, next[i][j], chunks[i], gave_up[i])) continue;
             if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
               detail::record_timeout(a.status, detail::WaitOp::kChunkCredit, a.peer, a.my_pe,
                                      a.ll_filled[message[i] % kLowLatencySlots], detail::load_acquire_sys(a.ll_credit));
