@@ -1,0 +1,151 @@
+"""Kernel timelines of send/recv messages queued back to back (issue 35: where a small message's
+GPU time goes), from torch.profiler's CUDA activity (CUPTI):
+
+    torchrun --nproc_per_node=2 -m pydatacopy.bench.timeline [--sizes 4K,1M] [--calls 64] [--json F]
+
+(on one GPU add PYDATACOPY_RANKS_PER_GPU=2 and run under CUDA MPS, as the bench.) Rank 0 sends,
+rank 1 receives: `calls` messages of each size are queued behind a sleeping kernel on both ranks,
+so that the kernels run back to back with the host out of the way, once per path (default,
+low-latency, staged) and beside bare copy kernels of the same bytes. Per rank and row: the median
+kernel duration, the median gap from one kernel's end to the next one's start, and the median
+start-to-start period (the GPU's time per message). A message's cost beyond the bare kernel's
+period is the protocol's; duration against gap says whether it is inside the kernel or between
+kernels. Checked: the last message's bytes, fresh data into a cleared destination.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+
+from ._cli import _placement, _size
+from ._harness import agree, fill, human, start
+from .send_recv import engine_cuts
+
+#: Kernels whose names contain one of these are the rows' own (the sleep and torch's fills are not).
+KERNEL_NAMES = ("chunk_batch_kernel", "copy_kernel")
+
+
+def kernel_spans(trace: dict, names=KERNEL_NAMES) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of each kernel of a Chrome trace (torch.profiler's
+    export_chrome_trace) whose name contains one of `names`, in start order."""
+    spans = []
+    for event in trace.get("traceEvents", []):
+        if event.get("cat") != "kernel" or event.get("ph") != "X":
+            continue
+        if not any(name in event.get("name", "") for name in names):
+            continue
+        begin = float(event["ts"])
+        spans.append((begin, begin + float(event.get("dur", 0.0))))
+    spans.sort()
+    return spans
+
+
+def summarize(spans: list[tuple[float, float]]) -> dict:
+    """Median duration, end-to-next-start gap and start-to-start period of kernels back to back
+    (microseconds); counts of each. Fewer than two kernels: no gap or period (None)."""
+    durations = [end - begin for begin, end in spans]
+    gaps = [spans[i + 1][0] - spans[i][1] for i in range(len(spans) - 1)]
+    periods = [spans[i + 1][0] - spans[i][0] for i in range(len(spans) - 1)]
+    median = lambda values: statistics.median(values) if values else None  # noqa: E731
+    return {"kernels": len(spans), "duration_us": median(durations), "gap_us": median(gaps),
+            "period_us": median(periods)}
+
+
+def _profile(call, calls: int) -> dict:
+    """`calls` calls queued behind a sleeping kernel, profiled; this rank's kernel summary."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        torch.cuda._sleep(4_000_000)  # about 2 ms: every call below is queued before any runs
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    pydatacopy.check_errors()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    # The first message's kernel waits out the sleep on the other rank: left out.
+    return summarize(kernel_spans(trace)[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pydatacopy.bench.timeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="4K,16K,1M", help="comma-separated message sizes (default 4K,16K,1M)")
+    parser.add_argument("--calls", type=int, default=64, help="messages queued per row (default 64)")
+    parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    args = parser.parse_args(argv)
+    sizes = [_size(text) for text in args.sizes.split(",") if text.strip()]
+    device, per_gpu = _placement()
+    start(device, per_gpu)
+    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
+    cuts = {"default": None,
+            "low-latency": (0, pydatacopy._C.LOW_LATENCY_CAPACITY_BYTES),
+            "staged": (0, 0)}
+    rows = []
+    try:
+        for nbytes in sizes:
+            src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + me)
+            dst = torch.zeros_like(src)
+            stream = torch.cuda.current_stream().cuda_stream
+            def copy():
+                pydatacopy._C.bench_kernel_copy(dst.data_ptr(), src.data_ptr(), nbytes, stream)
+            bare = _profile(copy, args.calls)
+            fill(src, 400 + me)
+            dst.zero_()
+            copy()
+            torch.cuda.synchronize()
+            ok = agree(torch.equal(dst, fill(torch.empty_like(dst), 400 + me)))
+            rows.append({"path": "bare kernel copy", "bytes": nbytes, "rank": me, "ok": ok, **bare})
+            for path, cut in cuts.items():
+                if path == "low-latency" and nbytes > pydatacopy._C.LOW_LATENCY_CAPACITY_BYTES:
+                    continue
+                call = (lambda: pydatacopy.send(src, peer)) if me == 0 else (lambda: pydatacopy.recv(dst, peer))
+                if cut is None:
+                    summary = _profile(call, args.calls)
+                else:
+                    with engine_cuts(*cut):
+                        summary = _profile(call, args.calls)
+                # The check: one more message, fresh bytes, the destination cleared first.
+                fill(src, 500 + nbytes % 97)
+                dst.zero_()
+                torch.cuda.synchronize()
+                dist.barrier()
+                call()
+                torch.cuda.synchronize()
+                ok = agree(me == 0 or torch.equal(dst, fill(torch.empty_like(dst), 500 + nbytes % 97)))
+                rows.append({"path": path, "bytes": nbytes, "rank": me, "ok": ok, **summary})
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, rows)
+        if me == 0:
+            every = [row for part in gathered for row in part]
+            print(f"{'path':<18} {'size':>6} {'rank':>4} {'kernels':>7} {'duration us':>11} {'gap us':>8} "
+                  f"{'period us':>9}  ok")
+            fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+            for row in every:
+                print(f"{row['path']:<18} {human(row['bytes']):>6} {row['rank']:>4} {row['kernels']:>7} "
+                      f"{fmt(row['duration_us']):>11} {fmt(row['gap_us']):>8} {fmt(row['period_us']):>9}  "
+                      f"{'yes' if row.get('ok', True) else 'NO'}")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(every, f, indent=1)
+        ok = all(row.get("ok", True) for row in rows)
+    finally:
+        pydatacopy.finalize()
+        dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""The send/recv timeline tool's trace reading (pydatacopy.bench.timeline), on synthetic Chrome
+traces: which events count as the rows' kernels, and the medians it reports."""
+
+from __future__ import annotations
+
+from pydatacopy.bench.timeline import kernel_spans, summarize
+
+
+def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_only_the_rows_kernels_count_in_start_order():
+    trace = {"traceEvents": [
+        _kernel("void pydatacopy::kernels::(anonymous namespace)::chunk_batch_kernel<2>(...)", 30.0, 4.0),
+        _kernel("at::native::vectorized_elementwise_kernel", 5.0, 1.0),  # torch's fill: not ours
+        _kernel("void pydatacopy::kernels::(anonymous namespace)::copy_kernel(...)", 10.0, 2.0),
+        _kernel("chunk_batch_kernel<2>", 20.0, 3.0, cat="cuda_runtime"),  # the launch, not the kernel
+        {"ph": "i", "cat": "kernel", "name": "chunk_batch_kernel<2>", "ts": 1.0},  # an instant: no span
+    ]}
+    assert kernel_spans(trace) == [(10.0, 12.0), (30.0, 34.0)]
+
+
+def test_the_medians_of_duration_gap_and_period():
+    spans = [(0.0, 2.0), (10.0, 13.0), (20.0, 24.0), (31.0, 33.0)]
+    assert summarize(spans) == {"kernels": 4, "duration_us": 2.5, "gap_us": 7.0, "period_us": 10.0}
+
+
+def test_one_kernel_has_no_gap_and_none_has_nothing():
+    assert summarize([(5.0, 6.0)]) == {"kernels": 1, "duration_us": 1.0, "gap_us": None, "period_us": None}
+    assert summarize([]) == {"kernels": 0, "duration_us": None, "gap_us": None, "period_us": None}
