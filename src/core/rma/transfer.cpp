@@ -2,7 +2,6 @@
 #include "rma/transfer_internal.hpp"
 
 #include <cuda_runtime.h>
-
 #include <nvshmem.h>
 #include <nvshmemx.h>
 

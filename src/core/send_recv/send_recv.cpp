@@ -156,14 +156,13 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
       "SendRecvEngine.init (collective: every PE must set up send/recv)", default_timeout_seconds(),
       (static_cast<uint64_t>(blocks) << 32) | (forced ? kForcedBit : 0) | static_cast<uint32_t>(my_cap));
   int grid_cap = my_cap;
-  for (std::size_t pe = 0; pe < votes.size(); ++pe)
+  for (std::size_t pe = 0; pe < votes.size(); ++pe) {
     PDC_REQUIRE(((votes[pe] & kForcedBit) != 0) == forced,
                 "SendRecvEngine.init: PE " << pe << " runs " << ((votes[pe] & kForcedBit) != 0 ? "with" : "without")
                                            << " PYDATACOPY_FORCE_RMA and this PE "
                                            << (forced ? "with" : "without")
                                            << " it; every PE must set it alike (it decides which path "
                                               "a message takes on both sides). Nothing was allocated on any PE");
-  for (std::size_t pe = 0; pe < votes.size(); ++pe) {
     PDC_REQUIRE(static_cast<int>(votes[pe] >> 32) == blocks,
                 "SendRecvEngine.init: PE " << pe << " set up send/recv with blocks=" << (votes[pe] >> 32)
                                            << " and this PE with blocks=" << blocks
