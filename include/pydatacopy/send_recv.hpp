@@ -70,8 +70,9 @@
 // one store (single-copy atomic: a reader that sees the flag sees its data, so no fence separates
 // them); the flag is the ordinal + 1's low 31 bits with bit 31 set (never 0: a line never written
 // matches nothing), line 0 holds the sender's byte count and line 1 the epoch ((ordinal + 1) >> 31;
-// a slot's first message of an epoch rewrites the whole slot, so no line of the epoch before passes
-// for the current message's). The receiver polls the
+// a slot's first message of an epoch clears the whole slot, fenced before its header, and marks
+// line 1 so that the receiver fences before its data loads: no line of the epoch before passes for
+// the current message's). The receiver polls the
 // lines, copies the data out, and releases a credit (the ordinal + 1) into the sender's memory; the
 // sender waits only when the slot still holds a message not consumed (the ring is credited
 // ahead), and takes no staging chunk (the channel's chunk sequence does not move). One block, no

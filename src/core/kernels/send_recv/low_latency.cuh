@@ -16,13 +16,20 @@ constexpr int64_t kSlotStride = kLowLatencySlotStride;
 // A line's flag: the low 31 bits of the ordinal + 1 with bit 31 set, so never 0 (a ring line never
 // written, zero since the rebuild, matches no message). Flags repeat every 2^31 messages of a
 // channel (its epoch: (ordinal + 1) >> 31, which line 1 carries): the first message of an epoch
-// in a slot rewrites the whole slot (low_latency_send_visit), so a line left from an earlier epoch
+// in a slot clears the whole slot, fenced before its header (low_latency_send_visit), and its
+// receiver fences after the header before reading data, so a line left from an earlier epoch
 // never passes for the current message's.
 constexpr int kEpochShift = 31;
 __device__ __forceinline__ uint64_t flag_of(uint64_t message) {
   return ((message + 1) & ((1ull << kEpochShift) - 1)) | (1ull << kEpochShift);
 }
 __device__ __forceinline__ uint64_t epoch_of(uint64_t ordinal_plus_one) { return ordinal_plus_one >> kEpochShift; }
+// Line 1's data: the epoch, with kRewritten set when the message is its slot's first of an epoch
+// (the sender cleared the slot first: the receiver fences before its data loads).
+constexpr uint32_t kRewritten = 1u << 31;
+__device__ __forceinline__ uint32_t epoch_word(uint64_t message) {
+  return static_cast<uint32_t>(epoch_of(message + 1)) & (kRewritten - 1);
+}
 __device__ __forceinline__ uint64_t line(uint64_t flag, uint32_t data) { return (flag << 32) | data; }
 
 // Four bytes of `src` at `offset` (of `bytes`), zeros past the end; any alignment.
@@ -58,7 +65,8 @@ __device__ bool low_latency_instead(const ChunkStreamArgs& a, uint64_t message) 
   uint64_t header = 0, high = 0;
   load_pair(a.ll_lines + (message % kLowLatencySlots) * kSlotStride, header, high);
   const uint64_t flag = flag_of(message);
-  if ((header >> 32) != flag || high != line(flag, static_cast<uint32_t>(epoch_of(message + 1)))) return false;
+  if ((header >> 32) != flag || (high & ~static_cast<uint64_t>(kRewritten)) != line(flag, epoch_word(message)))
+    return false;
   refuse_from_recv(a, header & 0xffffffffull);
   return true;
 }
@@ -72,14 +80,21 @@ __device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a,
   if (!free) return false;
   uint64_t* lines = a.peer_ll_lines + slot * kSlotStride;
   const uint64_t flag = flag_of(message);
-  // Line 1: the epoch, so that a slot's line 0 from 2^31 messages earlier is no match.
-  if (threadIdx.x == 0)
-    store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)), line(flag, static_cast<uint32_t>(epoch_of(message + 1))));
-  // The slot's first message of an epoch writes every line of the slot (zeros past its bytes):
-  // no line keeps a flag of the epoch before, which this epoch's flags repeat.
+  // The slot's first message of an epoch clears every line of the slot first (0 matches no flag),
+  // fenced before the header: no line keeps a flag of the epoch before, which this epoch's repeat.
   const uint64_t last = a.ll_filled[slot];  // ordinal + 1 of the slot's last message, 0: none
   const bool new_epoch = last != 0 && epoch_of(last) != epoch_of(message + 1);
-  const int64_t pairs = new_epoch ? (kLowLatencySlotLines - 2) / 2 : (a.bytes + 7) / 8;
+  if (new_epoch) {
+    for (int64_t p = threadIdx.x; p < (kLowLatencySlotLines - 2) / 2; p += blockDim.x) store_pair(lines + 2 + 2 * p, 0, 0);
+    __syncthreads();
+    if (threadIdx.x == 0) __threadfence_system();  // cumulative: the block's clears, seen through the barrier
+  }
+  // Line 1: the epoch (and the mark of a cleared slot), so that a slot's line 0 from 2^31
+  // messages earlier is no match.
+  if (threadIdx.x == 0)
+    store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)),
+               line(flag, epoch_word(message) | (new_epoch ? kRewritten : 0u)));
+  const int64_t pairs = (a.bytes + 7) / 8;
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x)
     store_pair(lines + 2 + 2 * p, line(flag, load_word(a.src, 8 * p, a.bytes)),
                line(flag, load_word(a.src, 8 * p + 4, a.bytes)));
@@ -106,12 +121,15 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
   if (threadIdx.x == 0) {
     deadline = detail::globaltimer_ns() + spin_ns;
     uint64_t header = 0, high = 0;
-    const uint64_t want_high = line(flag, static_cast<uint32_t>(epoch_of(message + 1)));
+    const uint64_t want_high = line(flag, epoch_word(message));  // kRewritten aside
+    const uint64_t rewritten = kRewritten;
     do {
       low_latency_detail::load_pair(lines, header, high);
-    } while (((header >> 32) != flag || high != want_high) && detail::globaltimer_ns() < deadline);
+    } while (((header >> 32) != flag || (high & ~rewritten) != want_high) && detail::globaltimer_ns() < deadline);
     verdict = kLowLatencyWaiting;
-    if ((header >> 32) == flag && high == want_high) {
+    if ((header >> 32) == flag && (high & ~rewritten) == want_high) {
+      // A cleared slot: the data loads (after the barrier below) come after the sender's clears.
+      if ((high & rewritten) != 0) __threadfence_system();
       const uint64_t sender_bytes = header & 0xffffffffull;
       if (sender_bytes == static_cast<uint64_t>(a.bytes)) {
         verdict = kLowLatencyDone;  // the header is in: the data lines follow
