@@ -3,10 +3,13 @@
 // refused and the next right one accepted; no listener, a taken name, a closed peer and too many
 // descriptors are false or empty returns within the wait, never a hang or a SIGPIPE.
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstddef>
 #include <csignal>
 #include <cstdint>
 #include <cstring>
@@ -106,6 +109,46 @@ void test_a_wrong_key_is_refused_and_the_next_right_one_accepted() {
   check(wait_child(right) == 0, "the right-key child saw every step");
 }
 
+void test_a_silent_connection_does_not_hold_the_next_one() {
+  const std::string name = zc::fd_listener_name(random_job(), 3);
+  zc::FdListener listener = zc::FdListener::open(name, kKey);
+  int ready_pipe[2];
+  check(pipe(ready_pipe) == 0, "a pipe");
+  const pid_t silent = fork();
+  if (silent == 0) {  // connects at the socket level and says nothing for a second
+    const int socket = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::memcpy(address.sun_path + 1, name.data(), name.size());
+    const int connected = ::connect(socket, reinterpret_cast<const sockaddr*>(&address),
+                                    static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size()));
+    const char byte = connected == 0 ? 1 : 0;
+    if (write(ready_pipe[1], &byte, 1) != 1) _exit(2);
+    sleep(1);
+    _exit(connected == 0 ? 0 : 1);
+  }
+  char byte = 0;
+  check(read(ready_pipe[0], &byte, 1) == 1 && byte == 1, "the silent peer connected first");
+  const pid_t right = fork();
+  if (right == 0) child(name, kKey, "z", true);
+  const auto began = std::chrono::steady_clock::now();
+  std::optional<zc::FdConnection> connection = listener.accept(milliseconds(3000));
+  check(connection.has_value(), "the peer behind the silent one is accepted");
+  check(std::chrono::steady_clock::now() - began < milliseconds(900), "before the silent one gives up");
+  check(listener.refused() == 1, "the silent one counted as refused");
+  if (connection) {
+    Message got{};
+    std::vector<zc::UniqueFd> fds;
+    connection->receive(&got, sizeof(got), &fds, milliseconds(5000));
+    const Message answer{8, 0};
+    connection->send(&answer, sizeof(answer), {}, milliseconds(5000));
+  }
+  check(wait_child(right) == 0, "the peer behind saw every step");
+  check(wait_child(silent) == 0, "the silent peer left");
+  close(ready_pipe[0]);
+  close(ready_pipe[1]);
+}
+
 void test_failures_return_within_the_wait() {
   const std::string name = zc::fd_listener_name(random_job(), 2);
   auto began = std::chrono::steady_clock::now();
@@ -144,6 +187,7 @@ void test_failures_return_within_the_wait() {
 int main() {
   test_a_descriptor_crosses_and_reads_the_same_bytes();
   test_a_wrong_key_is_refused_and_the_next_right_one_accepted();
+  test_a_silent_connection_does_not_hold_the_next_one();
   test_failures_return_within_the_wait();
   std::printf("test_fd_channel: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
   return pydatacopy_test::failed != 0;

@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 #include <cstdio>
@@ -15,6 +16,14 @@ namespace pydatacopy::zero_copy {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr std::chrono::milliseconds kKeyWait(100);  // a connector sends its key at once
+
+// The peer of a connected socket runs as this process's user (the kernel's word, not forgeable).
+bool same_user(int socket) {
+  ucred credentials{};
+  socklen_t size = sizeof(credentials);
+  return ::getsockopt(socket, SOL_SOCKET, SO_PEERCRED, &credentials, &size) == 0 && credentials.uid == ::geteuid();
+}
 
 // The abstract-namespace address of `name` (a leading NUL, no file); false when it is too long.
 bool address_of(const std::string& name, sockaddr_un* address, socklen_t* length) {
@@ -85,15 +94,15 @@ std::optional<FdConnection> FdListener::accept(std::chrono::milliseconds wait) {
       if (!ready(socket_.get(), POLLIN, deadline)) return std::nullopt;
       continue;
     }
-    // The peer's user, from the kernel (it cannot be forged), then the job's key.
-    ucred credentials{};
-    socklen_t size = sizeof(credentials);
-    const bool same_user = ::getsockopt(peer.get(), SOL_SOCKET, SO_PEERCRED, &credentials, &size) == 0 &&
-                           credentials.uid == ::geteuid();
+    // The peer's user, then the job's key.
+    const bool trusted = same_user(peer.get());
     FdConnection connection(std::move(peer));
     uint64_t key = 0;
     std::vector<UniqueFd> none;
-    if (same_user && connection.receive(&key, sizeof(key), &none, std::chrono::milliseconds(left_ms(deadline))) &&
+    // The key is the connector's first act: a connection that says nothing for kKeyWait is
+    // dropped, so that it cannot hold the peers queued behind it for the whole wait.
+    const auto key_wait = std::min(std::chrono::milliseconds(left_ms(deadline)), kKeyWait);
+    if (trusted && connection.receive(&key, sizeof(key), &none, key_wait) &&
         key == key_ && none.empty())
       return connection;
     ++refused_;  // closed as it goes out of scope
@@ -111,6 +120,8 @@ std::optional<FdConnection> FdConnection::connect(const std::string& name, uint6
     UniqueFd socket = new_socket();
     if (!socket.valid()) return std::nullopt;
     if (::connect(socket.get(), reinterpret_cast<const sockaddr*>(&address), length) == 0) {
+      // The listener too must be this user's: the key (and later descriptors) go to no other.
+      if (!same_user(socket.get())) return std::nullopt;
       FdConnection connection(std::move(socket));
       if (!connection.send(&key, sizeof(key), {}, std::chrono::milliseconds(left_ms(deadline)))) return std::nullopt;
       return connection;

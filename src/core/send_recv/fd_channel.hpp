@@ -3,11 +3,13 @@
 // the peer; pidfd_getfd needs ptrace rights that containers often withhold, SCM_RIGHTS does not).
 //
 // A listener binds a Unix-domain socket in the abstract namespace (no file to clean up, gone with
-// the process); a peer connects and, as its first message, sends the job's key (a random word PE 0
-// draws at init and every PE learns through the bootstrap). The listener accepts only a connection
-// whose SO_PEERCRED user is this process's and whose first message is the key: another user's
-// process cannot connect, and one of the same user outside the job does not know the key. Then
-// either side sends messages of a fixed payload with up to kMaxFds descriptors (SCM_RIGHTS).
+// the process); a peer connects and, at once, sends the job's key: a random word PE 0 draws at init
+// and every PE learns through the bootstrap, drawn apart from the word in the socket's name (names
+// are readable by anyone in /proc/net/unix). The listener accepts only a connection whose
+// SO_PEERCRED user is this process's and whose first message is the key within 100 ms; the
+// connector talks only to a listener of its own user. Another user's process cannot connect, and
+// one of the same user outside the job does not know the key. Then either side sends messages of a
+// fixed payload with up to kMaxFds descriptors (SCM_RIGHTS).
 //
 // Nothing blocks beyond the wait a call is given; a failure (no socket, a closed peer, a
 // refused connection) is a false or empty return, never an exception or an exit: the caller
