@@ -297,7 +297,7 @@ if has "$STEPS" bench; then
   if [ "$ONE_GPU" = 1 ]; then
     # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
     # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
-    BENCH_OPS=memcpy,kernel_copy,put_ce,put_sm,put_rma,sendrecv_default,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many
+    BENCH_OPS=memcpy,kernel_copy,ce_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many
     DEFAULT_BENCH="$BENCH_SIZES --ops $BENCH_OPS"
   else
     BENCH_OPS=; DEFAULT_BENCH=$BENCH_SIZES  # every op but compile, NCCL and torch symm_mem too
@@ -317,6 +317,12 @@ print(",".join(op for op in sys.argv[1].split(",") if op in OPS))' "$BENCH_OPS" 
       -m pydatacopy.bench --json "$OUT/bench-before.json" ${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-$BEFORE_BENCH}}
     $PY scripts/bench_compare.py "$OUT/bench-before.json" "$OUT/bench.json" > "$OUT/bench-compare.md" 2>&1
   fi
+fi
+# Kernel timelines of send/recv messages queued back to back (issue 35), asked for by name
+# (ONLY="timeline ..."): 2 PEs, TIMELINE_SIZES (default 4K,1M,4M,16M).
+if [[ " ${ONLY:-} " == *" timeline "* ]]; then
+  step timeline timeout 240 torchrun --nproc_per_node=2 -m pydatacopy.bench.timeline \
+    --sizes "${TIMELINE_SIZES:-4K,1M,4M,16M}" --json "$OUT/timeline.json"
 fi
 # MoE dispatch/combine with N_PES PEs (4: the issue's target shape; N_PES=8 for eight).
 if has "$STEPS" bench-moe; then
@@ -359,6 +365,7 @@ grep -h "^===\|^send/recv" "$OUT/sweep.log" 2>/dev/null
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | sort | uniq -c
 [ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
 [ -s "$OUT/bench-moe.log" ] && sed -n '/^op /,$p' "$OUT/bench-moe.log"
+[ -s "$OUT/timeline.log" ] && sed -n '/^path /,$p' "$OUT/timeline.log"
 for compare in bench-compare bench-moe-compare; do
   [ -s "$OUT/$compare.md" ] && { echo "--- $compare (BEFORE=${BEFORE:-} BEFORE_MOE=$BEFORE_MOE)"; cat "$OUT/$compare.md"; }
 done

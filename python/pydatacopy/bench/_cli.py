@@ -44,7 +44,7 @@ def _int_at_least(minimum: int, meaning: str):
 
 
 #: The size sweep's rows, in the order they run at every size (after the size's local copy).
-SWEEP_OPS = ("memcpy", "kernel_copy", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv_default", "sendrecv",
+SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv_default", "sendrecv",
              "sendrecv_staged", "sendrecv_ll", "nccl")
 OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
@@ -148,6 +148,7 @@ def _placement() -> tuple[int, int]:
 #: (op, path) of each row kind: the row's "op" and "path" fields, which comparisons match on.
 LABELS = {"copy": ("baseline", "local copy"),
           "memcpy": ("baseline", "cudaMemcpyAsync"), "kernel_copy": ("baseline", "bare kernel copy"),
+          "ce_handoff": ("baseline", "copy engine + stream handshake"),
           "put_ce": ("put", "copy_engine"),
           "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
           "torch_symm": ("baseline", "torch symm_mem"),
@@ -155,7 +156,8 @@ LABELS = {"copy": ("baseline", "local copy"),
           "sendrecv_staged": ("send/recv", "staged"), "sendrecv_ll": ("send/recv", "low-latency"),
           "nccl": ("baseline", "NCCL"), "nixl": ("baseline", "NIXL")}
 #: What times and checks each row of the size sweep, given the size's Sweep.
-SWEEP_ROWS = {"memcpy": baselines.memcpy, "kernel_copy": baselines.kernel_copy, "torch_symm": baselines.torch_symm_mem, "nccl": baselines.nccl,
+SWEEP_ROWS = {"memcpy": baselines.memcpy, "kernel_copy": baselines.kernel_copy,
+              "ce_handoff": baselines.copy_engine_handoff, "torch_symm": baselines.torch_symm_mem, "nccl": baselines.nccl,
               **{op: lambda sweep, path=LABELS[op][1]: put.put(sweep, path) for op in ("put_ce", "put_sm", "put_rma")},
               "sendrecv_default": send_recv.sendrecv_default, "sendrecv": send_recv.sendrecv,
               "sendrecv_staged": send_recv.sendrecv_staged, "sendrecv_ll": send_recv.sendrecv_ll}

@@ -80,6 +80,41 @@ def kernel_copy(sweep):
     return _into_peer(sweep, pydatacopy._C.bench_kernel_copy, "kernel_copy")
 
 
+def copy_engine_handoff(sweep):
+    """The floor of a copy-engine send/recv (issue 35 item 2b), in the same run as the rows it
+    judges: each message handed over with stream memory operations around one cudaMemcpyAsync
+    into the peer's memory, no kernel and no pydatacopy logic (the receiver's stream writes its
+    readiness into the sender's word, the sender's stream waits for it, copies and writes the
+    receiver's done word, which the receiver's stream waits for). What a send/recv on the copy
+    engine costs beyond a bare copy when the handshake is all it adds."""
+    stream = torch.cuda.current_stream().cuda_stream
+    words = pydatacopy.empty(2, dtype=torch.int64)  # {ready, done}, written by the peer
+    words.zero_()
+    pydatacopy.barrier()
+    message = [0]
+
+    def make_run(symmetric):
+        peer_memory = pydatacopy.peer_view(symmetric, sweep.peer)
+        peer_words = pydatacopy.peer_view(words, sweep.peer)
+        if peer_memory is None or peer_words is None:
+            raise pydatacopy.Error("the ce_handoff baseline needs a peer reachable by load/store "
+                                   "(NVLink/PCIe): leave ce_handoff out of --ops")
+        peer_address, my_words, their_words = peer_memory.data_ptr(), words.data_ptr(), peer_words.data_ptr()
+
+        def run():
+            message[0] += 1
+            pydatacopy._C.bench_copy_engine_handoff(peer_address, sweep.src.data_ptr(), sweep.nbytes, my_words,
+                                                    their_words, sweep.sends, sweep.receives, message[0], stream)
+        return run
+
+    try:
+        return sweep._into_symmetric(make_run)
+    finally:
+        torch.cuda.synchronize()
+        pydatacopy.barrier()
+        pydatacopy.free(words)
+
+
 def torch_symm_mem(sweep):
     """torch.ops.symm_mem.nvshmem_put: the tensor goes to the same tensor on the peer."""
     import torch.distributed._symmetric_memory as symm_mem

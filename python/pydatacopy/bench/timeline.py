@@ -6,7 +6,7 @@ GPU time goes), from torch.profiler's CUDA activity (CUPTI):
 (on one GPU add PYDATACOPY_RANKS_PER_GPU=2 and run under CUDA MPS, as the bench.) Rank 0 sends,
 rank 1 receives: `calls` messages of each size are queued behind a sleeping kernel on both ranks,
 so that the kernels run back to back with the host out of the way, once per path (default,
-low-latency, staged) and beside bare copy kernels of the same bytes. Per rank and row: the median
+low-latency, staged, zero-copy) and beside bare copy kernels of the same bytes. Per rank and row: the median
 kernel duration, the median gap from one kernel's end to the next one's start, and the median
 start-to-start period (the GPU's time per message). A message's cost beyond the bare kernel's
 period is the protocol's; duration against gap says whether it is inside the kernel or between
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
     cuts = {"default": None,
             "low-latency": (0, pydatacopy._C.LOW_LATENCY_CAPACITY_BYTES),
-            "staged": (0, 0)}
+            "staged": (0, 0),
+            "zero-copy": (1, 0)}
     rows = []
     try:
         for nbytes in sizes:

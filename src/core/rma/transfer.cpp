@@ -8,6 +8,7 @@
 #include <chrono>
 
 #include "common/device_status.cuh"
+#include "common/stream_memops.hpp"
 #include "kernels/api.cuh"
 #include "pydatacopy/error.hpp"
 #include "pydatacopy/registration.hpp"
@@ -225,6 +226,18 @@ void bench_kernel_copy(void* dst, const void* src, std::size_t bytes, cudaStream
   kernels::launch_copy(dst, src, bytes, stream);
 }
 
+void bench_copy_engine_handoff(const CopyEngineHandoff& h, uint64_t message, cudaStream_t stream) {
+  PDC_REQUIRE(message >= 1, "bench_copy_engine_handoff: messages count from 1");
+  constexpr int kReady = 0, kDone = 1;
+  if (h.receives) detail::stream_write_word(stream, h.peer_words + kReady, message);
+  if (h.sends) {
+    detail::stream_wait_at_least(stream, h.my_words + kReady, message);
+    PDC_CHECK_CUDA(cudaMemcpyAsync(h.peer_dst, h.src, h.bytes, cudaMemcpyDeviceToDevice, stream));
+    detail::stream_write_word(stream, h.peer_words + kDone, message);
+  }
+  if (h.receives) detail::stream_wait_at_least(stream, h.my_words + kDone, message);
+}
+
 std::vector<std::pair<std::string, double>> bench_host_call_costs(void* dst, const void* src, std::size_t bytes,
                                                                   cudaStream_t stream, int calls) {
   PDC_REQUIRE(calls > 0, "bench_host_call_costs: calls must be positive, got " << calls);
@@ -244,6 +257,13 @@ std::vector<std::pair<std::string, double>> bench_host_call_costs(void* dst, con
     time("cudaMemcpyAsync", [&] {
       PDC_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
     });
+    // The copy-engine path's two stream memory operations, on a word of dst (the wait is satisfied at
+    // once); before dst is cleared for the kernel's copy, which the caller checks.
+    uint64_t* word = static_cast<uint64_t*>(dst);
+    if (bytes >= sizeof(uint64_t)) {
+      time("cuStreamWriteValue64", [&] { detail::stream_write_word(stream, word, 1); });
+      time("cuStreamWaitValue64 (satisfied)", [&] { detail::stream_wait_at_least(stream, word, 1); });
+    }
     // Cleared between the two copies (off the clock): the caller's check of dst then sees the
     // kernel's bytes, not the memcpy's.
     PDC_CHECK_CUDA(cudaMemsetAsync(dst, 0, bytes, stream));

@@ -26,5 +26,22 @@ void bench_kernel_copy(void* dst, const void* src, std::size_t bytes, cudaStream
 std::vector<std::pair<std::string, double>> bench_host_call_costs(void* dst, const void* src, std::size_t bytes,
                                                                   cudaStream_t stream, int calls);
 
+// The benchmark's floor for a copy-engine send/recv (issue 35, item 2b): one message handed over
+// with a cudaMemcpyAsync and stream memory operations only, no kernel and no pydatacopy logic.
+// `my_words` and `peer_words` are this PE's two symmetric words {ready, done} and the peer's
+// (mapped here), zero before the first message; `message` counts from 1. A receiving PE's stream
+// writes the peer's ready word; a sending PE's stream waits for its own ready word, copies `bytes`
+// from `src` into `peer_dst` and writes the peer's done word; a receiving PE's stream then waits
+// for its own done word. Both at once: a sendrecv. (Benchmark only: a stream wait has no timeout.)
+struct CopyEngineHandoff {
+  void* peer_dst = nullptr;
+  const void* src = nullptr;
+  std::size_t bytes = 0;
+  uint64_t* my_words = nullptr;
+  uint64_t* peer_words = nullptr;
+  bool sends = false, receives = false;
+};
+void bench_copy_engine_handoff(const CopyEngineHandoff& handoff, uint64_t message, cudaStream_t stream);
+
 
 }  // namespace pydatacopy
