@@ -3,7 +3,7 @@ traces: which events count as the rows' kernels, and the medians it reports."""
 
 from __future__ import annotations
 
-from pydatacopy.bench.timeline import kernel_spans, summarize
+from pydatacopy.bench.timeline import PHASES, kernel_spans, phase_summary, summarize
 
 
 def _kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
@@ -29,3 +29,27 @@ def test_the_medians_of_duration_gap_and_period():
 def test_one_kernel_has_no_gap_and_none_has_nothing():
     assert summarize([(5.0, 6.0)]) == {"kernels": 1, "duration_us": 1.0, "gap_us": None, "period_us": None}
     assert summarize([]) == {"kernels": 0, "duration_us": None, "gap_us": None, "period_us": None}
+
+
+def _record(**at_us) -> list[int]:
+    """A launch's stamps, given in us from an origin of 100 us (a stamp of 0 is one not reached)."""
+    return [int((at_us[name] + 100) * 1000) if name in at_us else 0 for name in PHASES] + [3, 1]
+
+
+def test_phase_spans_skip_unreached_stamps_and_measure_between_launches():
+    records = [
+        _record(entered=0, grid_waited=2, prologue_done=3, op_done=5, loop_left=6, counters_done=6.5, ended=7),
+        _record(entered=6, grid_waited=7.5, prologue_done=8, rendezvous=9, op_done=12, loop_left=12, counters_done=13,
+                ended=14),
+    ]
+    out = phase_summary(records)
+    assert out["launches"] == 2
+    assert out["grid_wait"] == 1.75 and out["prologue"] == 0.75
+    assert out["to_rendezvous"] == 1.0 and out["rendezvous_to_done"] == 3.0  # the second launch only
+    assert out["prologue_to_done"] == 3.0 and out["entered_to_ended"] == 7.5
+    assert out["ended_to_next_entered"] == -1.0 and out["ended_to_next_waited"] == 0.5
+
+
+def test_no_launch_gives_no_span():
+    out = phase_summary([])
+    assert out["launches"] == 0 and out["grid_wait"] is None and out["ended_to_next_entered"] is None

@@ -11,7 +11,10 @@ kernel duration, the median gap from one kernel's end to the next one's start, a
 start-to-start period (the GPU's time per message). A message's cost beyond the bare kernel's
 period is the protocol's; duration against gap says whether it is inside the kernel or between
 kernels, except where a programmatic (PDL) launch starts a kernel before the one ahead ends: there
-the gap reads negative or zero and only the period counts. Checked: the last message's bytes, fresh data into a cleared destination.
+the gap reads negative or zero and only the period counts. Then, inside the send/recv kernel, the
+median span between its phases (the engine's phase-stamp test hook: %globaltimer read by thread 0
+of block 0 at entry, after the grid wait, after the prologue, at op 0's rendezvous and end, after
+the loop, the counters and finish_slice), and from one launch's end to the next one's start. Checked: the last message's bytes, fresh data into a cleared destination.
 """
 
 from __future__ import annotations
@@ -63,15 +66,50 @@ def summarize(spans: list[tuple[float, float]]) -> dict:
             "period_us": median(periods)}
 
 
+#: The send/recv kernel's phase stamps, in the order the engine's test hook gives them
+#: (SendRecvEngine.phase_stamps, kernels/api.cuh), then the spans reported between them.
+PHASES = ("entered", "grid_waited", "prologue_done", "rendezvous", "op_done", "loop_left",
+          "counters_done", "ended")
+#: (name, from, to): a span is reported where both of its stamps were reached. `rendezvous` is 0
+#: where the op had none (a low-latency or staged message below the zero-copy cut).
+SPANS = (("grid_wait", "entered", "grid_waited"), ("prologue", "grid_waited", "prologue_done"),
+         ("to_rendezvous", "prologue_done", "rendezvous"), ("rendezvous_to_done", "rendezvous", "op_done"),
+         ("prologue_to_done", "prologue_done", "op_done"), ("loop_tail", "op_done", "loop_left"),
+         ("counters", "loop_left", "counters_done"), ("finish", "counters_done", "ended"),
+         ("entered_to_ended", "entered", "ended"))
+
+
+def phase_summary(records: list[list[int]]) -> dict:
+    """Median microseconds of each span of SPANS over the launches' stamp records (nanoseconds,
+    0: not reached), and between launches back to back: `ended_to_next_entered` (the next
+    launch's start after this one's end; negative where a programmatic launch started early)
+    and `ended_to_next_waited` (the next launch past its grid wait after this one's end)."""
+    stamps = [dict(zip(PHASES, record[:len(PHASES)])) for record in records]
+    out = {}
+    for name, begin, end in SPANS:
+        values = [(s[end] - s[begin]) / 1e3 for s in stamps if s[begin] and s[end]]
+        out[name] = statistics.median(values) if values else None
+    for name, phase in (("ended_to_next_entered", "entered"), ("ended_to_next_waited", "grid_waited")):
+        values = [(after[phase] - before["ended"]) / 1e3 for before, after in zip(stamps, stamps[1:])
+                  if before["ended"] and after[phase]]
+        out[name] = statistics.median(values) if values else None
+    out["launches"] = len(stamps)
+    return out
+
+
 def _profile(call, calls: int) -> dict:
     """`calls` calls queued behind a sleeping kernel, profiled; this rank's kernel summary."""
     torch.cuda.synchronize()
     dist.barrier()
+    pydatacopy._C.SendRecvEngine.set_phase_stamps(True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
         torch.cuda._sleep(4_000_000)  # about 2 ms: every call below is queued before any runs
         for _ in range(calls):
             call()
         torch.cuda.synchronize()
+    pydatacopy._C.SendRecvEngine.set_phase_stamps(False)
+    # The first launch waits out the sleep on the other rank: left out, as in the spans below.
+    phases = phase_summary(pydatacopy._C.SendRecvEngine.phase_stamps()[1:])
     pydatacopy.check_errors()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
@@ -79,7 +117,7 @@ def _profile(call, calls: int) -> dict:
         with open(path) as f:
             trace = json.load(f)
     # The first message's kernel waits out the sleep on the other rank: left out.
-    return summarize(kernel_spans(trace)[1:])
+    return {**summarize(kernel_spans(trace)[1:]), "phases": phases}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,6 +183,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{row['path']:<18} {human(row['bytes']):>6} {row['rank']:>4} {row['kernels']:>7} "
                       f"{fmt(row['duration_us']):>11} {fmt(row['gap_us']):>8} {fmt(row['period_us']):>9}  "
                       f"{'yes' if row.get('ok', True) else 'NO'}")
+            names = [name for name, _, _ in SPANS] + ["ended_to_next_entered", "ended_to_next_waited"]
+            print("\nphases of the send/recv kernel (median us; thread 0 of block 0, op 0):")
+            print(f"{'path':<18} {'size':>6} {'rank':>4} " + " ".join(f"{n[:12]:>12}" for n in names))
+            for row in every:
+                if not row.get("phases", {}).get("launches"):
+                    continue
+                print(f"{row['path']:<18} {human(row['bytes']):>6} {row['rank']:>4} "
+                      + " ".join(f"{fmt(row['phases'].get(n)):>12}" for n in names))
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(every, f, indent=1)

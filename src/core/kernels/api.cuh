@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "common/device_status.cuh"
 #include "pydatacopy/settings.hpp"
@@ -211,6 +212,20 @@ struct ChunkBatch {
 int chunk_batch_resident_blocks(int pes_sharing_gpu);
 // Blocks of the send/recv kernel one SM holds at once (the smaller of its two batch sizes).
 int chunk_batch_blocks_per_sm();
+// The send/recv kernel's phase stamps (issue 35's probe; a test hook, off unless asked for): while
+// on, thread 0 of block 0 of every send/recv launch reads %globaltimer at each phase and stores the
+// launch's record in a ring on the device. Phases: entry, after the wait for the previous grid,
+// after the prologue, op 0's rendezvous (a recv's descriptor posted, a send's taken; 0: none), op 0
+// finished, the loop left, the counters done, the end (after finish_slice).
+constexpr int kPhaseStamps = 8;
+constexpr int kPhaseStampRing = 1024;
+struct PhaseStampRecord {
+  uint64_t at[kPhaseStamps];
+  int32_t mode;     // op 0's: 1 staged, 2 zero-copy, 3 low-latency (0: a send that took no descriptor)
+  int32_t is_send;  // op 0's direction
+};
+void set_phase_stamps(bool on);  // also empties the ring
+std::vector<PhaseStampRecord> read_phase_stamps();  // the last kPhaseStampRing launches, oldest first
 // `programmatic`: launch_kernel's (launch.cuh); callers pass programmatic_launch_enabled() for an
 // eager launch, false while capturing.
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic);

@@ -368,6 +368,19 @@ void SendRecvEngine::service_zero_copy_locked() {
   }
 }
 
+void SendRecvEngine::set_phase_stamps(bool on) { kernels::set_phase_stamps(on); }
+
+std::vector<std::vector<uint64_t>> SendRecvEngine::phase_stamps() {
+  std::vector<std::vector<uint64_t>> rows;
+  for (const kernels::PhaseStampRecord& record : kernels::read_phase_stamps()) {
+    std::vector<uint64_t> row(record.at, record.at + kernels::kPhaseStamps);
+    row.push_back(static_cast<uint64_t>(record.mode));
+    row.push_back(static_cast<uint64_t>(record.is_send));
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
 std::vector<uint64_t> SendRecvEngine::zero_copy_counters_locked() {
   PDC_REQUIRE(base_ != nullptr, "zero_copy_counters: the send/recv engine is not set up");
   // In device memory (a host-mapped atomic at the end of every launch cost a PCIe round trip).

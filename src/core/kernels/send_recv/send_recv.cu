@@ -276,6 +276,12 @@ __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t 
   }
 }
 
+// The phase stamps (api.cuh's probe): off unless set_phase_stamps(true).
+__device__ int g_phase_stamps_on;
+__device__ unsigned long long g_phase_stamp_count;
+__device__ PhaseStampRecord g_phase_stamps[kPhaseStampRing];
+enum Phase { kEntered, kGridWaited, kPrologueDone, kRendezvous, kOpDone, kLoopLeft, kCountersDone, kEnded };
+
 // The batch travels as the kernel's parameter; a one- or two-op batch (send, recv, sendrecv)
 // uses a small copy of it, since a 2 KiB parameter block lengthens every launch.
 template <int kCapacity>
@@ -287,7 +293,15 @@ struct SizedBatch {
 
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
+  // The probe's stamps, thread 0 of block 0 only (its flag is not the previous grid's output).
+  __shared__ uint64_t stamp[kPhaseStamps];
+  const bool stamping = blockIdx.x == 0 && threadIdx.x == 0 && *reinterpret_cast<volatile int*>(&g_phase_stamps_on) != 0;
+  if (stamping) {
+    for (int p = 0; p < kPhaseStamps; ++p) stamp[p] = 0;
+    stamp[kEntered] = detail::globaltimer_ns();
+  }
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
+  if (stamping) stamp[kGridWaited] = detail::globaltimer_ns();
   const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // Per op: the channel's sequence number of the message's first chunk (the device counter,
   // advanced by the previous launch on the channel, plus the chunks of earlier ops of this batch
@@ -343,8 +357,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
+  if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
   for (bool all_done = false; !all_done;) {
     all_done = true;
+    if (stamping && stamp[kOpDone] == 0 && next[0][0] >= chunks[0]) stamp[kOpDone] = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
       const bool send = batch.is_send[i];
@@ -384,6 +400,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           if (threadIdx.x == 0) {
             post_descriptor(a, message[i], first[i]);
             posted[i] = true;
+            if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
           }
           __syncthreads();
         }
@@ -407,6 +424,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               taken = take_descriptor(a, message[i], first[i], slice == 0, &into);
             } while (taken == 0 && detail::globaltimer_ns() < spin_until);
             if (taken > 0) mode[i] = taken, target[i] = into;
+            if (stamping && i == 0 && taken > 0) stamp[kRendezvous] = detail::globaltimer_ns();
             if (taken < 0) next[i][j] = chunks[i], gave_up[i] = true;
             if (taken != 0) {
               moved(a, since[i]);
@@ -554,6 +572,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // still wait on a peer those SMs may be the ones another kernel of this PE (another stream's
   // send that the peer waits for) or a PE sharing the GPU needs: a deadlock until the timeout.
   // Past the loop nothing waits on a peer any more.
+  if (stamping) stamp[kLoopLeft] = detail::globaltimer_ns();
   allow_next_grid();
   // The test hook's counters (block 0 holds every op's first slice): ops finished, by mode.
   if (block == 0 && threadIdx.x == 0) {
@@ -568,9 +587,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       atomicAdd(a.zc_counters + counter, 1ull);
     }
   }
+  if (stamping) stamp[kCountersDone] = detail::globaltimer_ns();
   for (int i = 0; i < batch.count; ++i)
     for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[i].active_blocks; ++j)
       finish_slice(batch.ops[i], first[i], message[i]);
+  if (stamping) {
+    stamp[kEnded] = detail::globaltimer_ns();
+    PhaseStampRecord& record = g_phase_stamps[atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing];
+    for (int p = 0; p < kPhaseStamps; ++p) record.at[p] = stamp[p];
+    record.mode = mode[0];
+    record.is_send = batch.is_send[0] ? 1 : 0;
+  }
 }
 
 }  // namespace
@@ -613,6 +640,24 @@ void set_launch_settings(const LaunchSettings& launch) {
   g_programmatic_wanted.store(launch.programmatic_launch, std::memory_order_relaxed);
   g_ranks_per_gpu.store(launch.ranks_per_gpu, std::memory_order_relaxed);
   g_mps_thread_percentage.store(launch.mps_thread_percentage, std::memory_order_relaxed);
+}
+
+void set_phase_stamps(bool on) {
+  const int flag = on ? 1 : 0;
+  const unsigned long long zero = 0;
+  PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamp_count, &zero, sizeof(zero)));
+  PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamps_on, &flag, sizeof(flag)));
+}
+
+std::vector<PhaseStampRecord> read_phase_stamps() {
+  unsigned long long count = 0;
+  PDC_CHECK_CUDA(cudaMemcpyFromSymbol(&count, g_phase_stamp_count, sizeof(count)));
+  std::vector<PhaseStampRecord> ring(kPhaseStampRing);
+  PDC_CHECK_CUDA(cudaMemcpyFromSymbol(ring.data(), g_phase_stamps, sizeof(PhaseStampRecord) * ring.size()));
+  std::vector<PhaseStampRecord> records;
+  const unsigned long long kept = count < kPhaseStampRing ? count : kPhaseStampRing;
+  for (unsigned long long n = count - kept; n < count; ++n) records.push_back(ring[n % kPhaseStampRing]);
+  return records;
 }
 
 bool programmatic_launch_enabled() {
