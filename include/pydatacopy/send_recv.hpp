@@ -305,7 +305,7 @@ class SendRecvEngine {
   std::vector<uint64_t> zero_copy_counters();
   // Test hook (the timeline's probe, issue 35): while on, every send/recv launch of this process
   // records %globaltimer at its phases (kernels/api.cuh: entry, grid wait, prologue, op 0's
-  // rendezvous, op 0 done, loop left, counters, end). phase_stamps(): the last 1024 launches,
+  // rendezvous, op 0 done, loop left, counters, end); turning it on empties the ring. phase_stamps(): the last 1024 launches,
   // oldest first, each {8 stamps in ns (0: not reached), op 0's mode, op 0 is a send}.
   static void set_phase_stamps(bool on);
   static std::vector<std::vector<uint64_t>> phase_stamps();

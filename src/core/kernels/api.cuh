@@ -224,7 +224,7 @@ struct PhaseStampRecord {
   int32_t mode;     // op 0's: 1 staged, 2 zero-copy, 3 low-latency (0: a send that took no descriptor)
   int32_t is_send;  // op 0's direction
 };
-void set_phase_stamps(bool on);  // also empties the ring
+void set_phase_stamps(bool on);  // on: also empties the ring
 std::vector<PhaseStampRecord> read_phase_stamps();  // the last kPhaseStampRing launches, oldest first
 // `programmatic`: launch_kernel's (launch.cuh); callers pass programmatic_launch_enabled() for an
 // eager launch, false while capturing.

@@ -645,7 +645,7 @@ void set_launch_settings(const LaunchSettings& launch) {
 void set_phase_stamps(bool on) {
   const int flag = on ? 1 : 0;
   const unsigned long long zero = 0;
-  PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamp_count, &zero, sizeof(zero)));
+  if (on) PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamp_count, &zero, sizeof(zero)));
   PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamps_on, &flag, sizeof(flag)));
 }
 
