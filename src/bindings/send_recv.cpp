@@ -136,7 +136,7 @@ void bind_send_recv(py::module_& m) {
       .def("set_low_latency_max_bytes", &SendRecvEngine::set_low_latency_max_bytes, py::arg("bytes"), release_gil(),
            "collective: every PE, the same value (at most LOW_LATENCY_CAPACITY_BYTES), between calls")
       .def_static("set_phase_stamps", &SendRecvEngine::set_phase_stamps, py::arg("on"), release_gil(),
-                  "test hook: every send/recv launch records its phases' %globaltimer (empties the ring)")
+                  "test hook: every send/recv launch records its phases' %globaltimer (on: empties the ring)")
       .def_static("phase_stamps", &SendRecvEngine::phase_stamps, release_gil(),
                   "test hook: the last 1024 launches' [entry, grid wait, prologue, rendezvous, op done, loop "
                   "left, counters, end] in ns (0: not reached), then op 0's mode and whether it is a send")
