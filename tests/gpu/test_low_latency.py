@@ -182,6 +182,36 @@ def test_a_group_mixes_the_protocol_with_staged_messages_on_one_channel(world, p
     outcome.agree("the mixed group")
 
 
+def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, peer):
+    """Ten small messages each way to one peer in one group: one launch of the low-latency kernel
+    (every op within the cut), with more messages on each channel than the ring has slots, so that
+    sends wait for credits inside the launch. Byte-exact and in order, every recv counted
+    low-latency, over three rounds (the channel's counters move on at the launch's end)."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    sizes = [1, 4 * KiB, 3, CUT, 0, 1000, 8, 4 * KiB + 4, 17, CUT - 1]
+    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    for round_ in range(3):
+        with outcome.check(f"round {round_}"):
+            before = _counters()
+            outgoing = [_bytes(rank, 900 + 20 * round_ + n, nbytes) for n, nbytes in enumerate(sizes)]
+            for g in got:
+                g.zero_()
+            with pydatacopy.group():
+                for n in range(len(sizes)):
+                    pydatacopy.send(outgoing[n], peer)
+                    pydatacopy.recv(got[n], peer)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+            for n, nbytes in enumerate(sizes):
+                _assert_bytes(got[n], _bytes(peer, 900 + 20 * round_ + n, nbytes), f"message {n} ({nbytes} bytes)")
+            moved = _counters()["recv_low_latency"] - before["recv_low_latency"]
+            want = len(sizes) if _load_store() else 0
+            assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"
+        _step()
+    outcome.agree("the low-latency group")
+
+
 # A mismatch across paths: one side's size within the cut, the other's over it (staged, or with the
 # zero-copy threshold at 1 MiB zero-copy). Before the receivers watched the other path, the side
 # waiting on its own path saw nothing and timed out; now both PEs raise the mismatch at once.

@@ -109,7 +109,8 @@ def _profile(call, calls: int) -> dict:
         torch.cuda.synchronize()
     pydatacopy._C.SendRecvEngine.set_phase_stamps(False)
     # The first launch waits out the sleep on the other rank: left out, as in the spans below.
-    phases = phase_summary(pydatacopy._C.SendRecvEngine.phase_stamps()[1:])
+    records = pydatacopy._C.SendRecvEngine.phase_stamps()[1:]
+    phases = {**phase_summary(records), "records": records}  # raw: both ranks' stamps share the GPU's clock
     pydatacopy.check_errors()
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "trace.json")
