@@ -911,6 +911,8 @@ void preload_send_recv_kernels() {
   cudaFuncAttributes attributes;
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<2>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<kMaxBatchOps>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, low_latency_batch_kernel<2>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, low_latency_batch_kernel<kMaxBatchOps>));
 }
 
 }  // namespace pydatacopy::kernels
