@@ -37,7 +37,7 @@ from ._harness import agree, fill, human, start
 from .send_recv import engine_cuts
 
 #: Kernels whose names contain one of these are the rows' own (the sleep and torch's fills are not).
-KERNEL_NAMES = ("chunk_batch_kernel", "copy_kernel")
+KERNEL_NAMES = ("chunk_batch_kernel", "low_latency_batch_kernel", "copy_kernel")
 
 
 def kernel_spans(trace: dict, names=KERNEL_NAMES) -> list[tuple[float, float]]:
