@@ -159,6 +159,22 @@ def test_more_messages_in_a_row_than_the_ring_has_slots(world, peer):
     outcome.agree("a ring's worth and more")
 
 
+def _group_both_ways(rank: int, peer: int, sizes: list[int], got: list[torch.Tensor], tag: int) -> None:
+    """One group: message n of sizes[n] bytes sent to and received from `peer`, into got[n]
+    (cleared first); each message checked byte-exact against the peer's data of tag + n."""
+    outgoing = [_bytes(rank, tag + n, nbytes) for n, nbytes in enumerate(sizes)]
+    for g in got:
+        g.zero_()
+    with pydatacopy.group():
+        for n in range(len(sizes)):
+            pydatacopy.send(outgoing[n], peer)
+            pydatacopy.recv(got[n], peer)
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+    for n, nbytes in enumerate(sizes):
+        _assert_bytes(got[n], _bytes(peer, tag + n, nbytes), f"message {n} ({nbytes} bytes)")
+
+
 def test_a_group_mixes_the_protocol_with_staged_messages_on_one_channel(world, peer):
     """Six small sends (more than the ring's slots) and a staged one to the same peer in one
     group, both ways: the channel keeps its order across the two paths."""
@@ -168,16 +184,7 @@ def test_a_group_mixes_the_protocol_with_staged_messages_on_one_channel(world, p
     got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
     for round_ in range(3):
         with outcome.check(f"the group, round {round_}"):
-            outgoing = [_bytes(rank, 400 + 10 * round_ + n, nbytes) for n, nbytes in enumerate(sizes)]
-            for g in got:
-                g.zero_()
-            with pydatacopy.group():
-                for n in range(len(sizes)):
-                    pydatacopy.send(outgoing[n], peer)
-                    pydatacopy.recv(got[n], peer)
-            torch.cuda.synchronize()
-            for n, nbytes in enumerate(sizes):
-                _assert_bytes(got[n], _bytes(peer, 400 + 10 * round_ + n, nbytes), f"message {n} ({nbytes} bytes)")
+            _group_both_ways(rank, peer, sizes, got, 400 + 10 * round_)
         _step()
     outcome.agree("the mixed group")
 
@@ -194,17 +201,7 @@ def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, p
     for round_ in range(3):
         with outcome.check(f"round {round_}"):
             before = _counters()
-            outgoing = [_bytes(rank, 900 + 20 * round_ + n, nbytes) for n, nbytes in enumerate(sizes)]
-            for g in got:
-                g.zero_()
-            with pydatacopy.group():
-                for n in range(len(sizes)):
-                    pydatacopy.send(outgoing[n], peer)
-                    pydatacopy.recv(got[n], peer)
-            torch.cuda.synchronize()
-            pydatacopy.check_errors()
-            for n, nbytes in enumerate(sizes):
-                _assert_bytes(got[n], _bytes(peer, 900 + 20 * round_ + n, nbytes), f"message {n} ({nbytes} bytes)")
+            _group_both_ways(rank, peer, sizes, got, 900 + 20 * round_)
             moved = _counters()["recv_low_latency"] - before["recv_low_latency"]
             want = len(sizes) if _load_store() else 0
             assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"

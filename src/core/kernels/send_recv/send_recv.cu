@@ -266,23 +266,35 @@ __device__ __forceinline__ bool receiver_refused(const ChunkStreamArgs& a, int64
 // A channel with one slice in the launch (a small message, a zero-copy recv) has no other block
 // to count with: the barrier orders the block's reads of the counters before thread 0's stores,
 // and the fence and the count (about 1 us a launch, measured 2026-12-03) are left out.
+// The channel's counters past this launch's ops on it, its failure flag cleared (thread 0 of the
+// block that finishes the channel's last slice). `first`/`message`: this op's, as read at the start.
+__device__ __forceinline__ void move_channel_on(const ChunkStreamArgs& a, uint64_t first, uint64_t message) {
+  *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
+  *reinterpret_cast<volatile uint64_t*>(a.sequence) = first - a.offset_chunks + a.channel_chunks;
+  *reinterpret_cast<volatile uint64_t*>(a.messages) = message - a.offset_messages + a.channel_messages;
+}
 __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t first, uint64_t message) {
   __syncthreads();
   if (threadIdx.x != 0) return;
   if (a.channel_blocks == 1) {
-    *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
-    *reinterpret_cast<volatile uint64_t*>(a.sequence) = first - a.offset_chunks + a.channel_chunks;
-    *reinterpret_cast<volatile uint64_t*>(a.messages) = message - a.offset_messages + a.channel_messages;
+    move_channel_on(a, first, message);
     return;
   }
   __threadfence();
   if (atomicAdd(a.done, 1u) + 1 == static_cast<unsigned>(a.channel_blocks)) {
     *a.done = 0;
-    *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
-    *reinterpret_cast<volatile uint64_t*>(a.sequence) = first - a.offset_chunks + a.channel_chunks;
-    *reinterpret_cast<volatile uint64_t*>(a.messages) = message - a.offset_messages + a.channel_messages;
+    move_channel_on(a, first, message);
     __threadfence();
   }
+}
+
+// An op's place on its channel at the launch's start: the sequence number of its first chunk and
+// its message ordinal (the device counters, advanced by the channel's previous launch, plus the
+// earlier ops of this batch on it), and its progress clock's start.
+__device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& first, uint64_t& message, uint64_t& since) {
+  first = *reinterpret_cast<volatile uint64_t*>(a.sequence) + a.offset_chunks;
+  message = *reinterpret_cast<volatile uint64_t*>(a.messages) + a.offset_messages;
+  since = detail::globaltimer_ns();
 }
 
 // The phase stamps (api.cuh's probe): off unless set_phase_stamps(true).
@@ -290,6 +302,14 @@ __device__ int g_phase_stamps_on;
 __device__ unsigned long long g_phase_stamp_count;
 __device__ PhaseStampRecord g_phase_stamps[kPhaseStampRing];
 enum Phase { kEntered, kGridWaited, kPrologueDone, kRendezvous, kOpDone, kLoopLeft, kCountersDone, kEnded };
+// Thread 0 of the stamping block: the launch's record into the ring.
+__device__ __forceinline__ void record_phase_stamps(const uint64_t* stamp, int mode, bool is_send) {
+  PhaseStampRecord& record = g_phase_stamps[atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing];
+  for (int p = 0; p < kPhaseStamps; ++p) record.at[p] = stamp[p];
+  record.mode = mode;
+  record.is_send = is_send ? 1 : 0;
+}
+__device__ __forceinline__ bool phase_stamps_on() { return *reinterpret_cast<volatile int*>(&g_phase_stamps_on) != 0; }
 
 // The batch travels as the kernel's parameter; a one- or two-op batch (send, recv, sendrecv)
 // uses a small copy of it, since a 2 KiB parameter block lengthens every launch.
@@ -304,7 +324,7 @@ template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
   // The probe's stamps, thread 0 of block 0 only (its flag is not the previous grid's output).
   __shared__ uint64_t stamp[kPhaseStamps];
-  const bool stamping = blockIdx.x == 0 && threadIdx.x == 0 && *reinterpret_cast<volatile int*>(&g_phase_stamps_on) != 0;
+  const bool stamping = blockIdx.x == 0 && threadIdx.x == 0 && phase_stamps_on();
   if (stamping) {
     for (int p = 0; p < kPhaseStamps; ++p) stamp[p] = 0;
     stamp[kEntered] = detail::globaltimer_ns();
@@ -338,9 +358,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
     const ChunkStreamArgs& a = batch.ops[i];
-    first[i] = *reinterpret_cast<volatile uint64_t*>(a.sequence) + a.offset_chunks;
-    message[i] = *reinterpret_cast<volatile uint64_t*>(a.messages) + a.offset_messages;
-    since[i] = detail::globaltimer_ns();
+    op_start(a, first[i], message[i], since[i]);
     const bool send = batch.is_send[i];
     mode[i] = a.low_latency ? low_latency_detail::kModeLowLatency
               : send        ? (a.await_descriptor ? 0 : zero_copy_detail::kModeStaged)
@@ -602,10 +620,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       finish_slice(batch.ops[i], first[i], message[i]);
   if (stamping) {
     stamp[kEnded] = detail::globaltimer_ns();
-    PhaseStampRecord& record = g_phase_stamps[atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing];
-    for (int p = 0; p < kPhaseStamps; ++p) record.at[p] = stamp[p];
-    record.mode = mode[0];
-    record.is_send = batch.is_send[0] ? 1 : 0;
+    record_phase_stamps(stamp, mode[0], batch.is_send[0]);
   }
 }
 
@@ -622,7 +637,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const SizedBatch<kCapacity> batch) {
   __shared__ uint64_t stamp[kPhaseStamps];
-  const bool stamping = threadIdx.x == 0 && *reinterpret_cast<volatile int*>(&g_phase_stamps_on) != 0;
+  const bool stamping = threadIdx.x == 0 && phase_stamps_on();
   if (stamping) {
     for (int p = 0; p < kPhaseStamps; ++p) stamp[p] = 0;
     stamp[kEntered] = detail::globaltimer_ns();
@@ -638,9 +653,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
     const ChunkStreamArgs& a = batch.ops[i];
-    first[i] = *reinterpret_cast<volatile uint64_t*>(a.sequence) + a.offset_chunks;
-    message[i] = *reinterpret_cast<volatile uint64_t*>(a.messages) + a.offset_messages;
-    since[i] = detail::globaltimer_ns();
+    op_start(a, first[i], message[i], since[i]);
     posted[i] = batch.is_send[i] || !a.post_descriptor;
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
@@ -733,16 +746,11 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
       const ChunkStreamArgs& a = batch.ops[i];
       if (a.offset_messages + 1 != a.channel_messages) continue;
       *a.done = 0;
-      *reinterpret_cast<volatile unsigned int*>(a.failed) = 0;
-      *reinterpret_cast<volatile uint64_t*>(a.sequence) = first[i] - a.offset_chunks + a.channel_chunks;
-      *reinterpret_cast<volatile uint64_t*>(a.messages) = message[i] - a.offset_messages + a.channel_messages;
+      move_channel_on(a, first[i], message[i]);
     }
     if (stamping) {
       stamp[kEnded] = detail::globaltimer_ns();
-      PhaseStampRecord& record = g_phase_stamps[atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing];
-      for (int p = 0; p < kPhaseStamps; ++p) record.at[p] = stamp[p];
-      record.mode = low_latency_detail::kModeLowLatency;
-      record.is_send = batch.is_send[0] ? 1 : 0;
+      record_phase_stamps(stamp, low_latency_detail::kModeLowLatency, batch.is_send[0]);
     }
   }
 }
