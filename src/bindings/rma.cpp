@@ -288,20 +288,25 @@ void bind_rma(py::module_& m) {
   m.def("bench_kernel_copy", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream) {
           bench_kernel_copy(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream));
         }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"));
-  m.def("bench_copy_engine_handoff", [](std::uintptr_t peer_dst, std::uintptr_t src, std::size_t bytes,
-                                        std::uintptr_t my_words, std::uintptr_t peer_words, bool sends,
-                                        bool receives, uint64_t message, std::uintptr_t stream) {
-          CopyEngineHandoff handoff;
-          handoff.peer_dst = as_pointer<void>(peer_dst);
-          handoff.src = as_pointer<const void>(src);
-          handoff.bytes = bytes;
-          handoff.my_words = as_pointer<uint64_t>(my_words);
-          handoff.peer_words = as_pointer<uint64_t>(peer_words);
-          handoff.sends = sends;
-          handoff.receives = receives;
-          bench_copy_engine_handoff(handoff, message, as_stream(stream));
-        }, py::arg("peer_dst"), py::arg("src"), py::arg("bytes"), py::arg("my_words"), py::arg("peer_words"),
-        py::arg("sends"), py::arg("receives"), py::arg("message"), py::arg("stream"));
+  // The two handoff floors (rma/transfer_internal.hpp), one signature: the copy engine between stream
+  // memory operations, or one kernel per PE.
+  for (const auto& [name, handoff_fn] : {std::pair{"bench_copy_engine_handoff", &bench_copy_engine_handoff},
+                                         std::pair{"bench_kernel_handoff", &bench_kernel_handoff}}) {
+    m.def(name, [handoff_fn = handoff_fn](std::uintptr_t peer_dst, std::uintptr_t src, std::size_t bytes,
+                                          std::uintptr_t my_words, std::uintptr_t peer_words, bool sends,
+                                          bool receives, uint64_t message, std::uintptr_t stream) {
+            CopyEngineHandoff handoff;
+            handoff.peer_dst = as_pointer<void>(peer_dst);
+            handoff.src = as_pointer<const void>(src);
+            handoff.bytes = bytes;
+            handoff.my_words = as_pointer<uint64_t>(my_words);
+            handoff.peer_words = as_pointer<uint64_t>(peer_words);
+            handoff.sends = sends;
+            handoff.receives = receives;
+            handoff_fn(handoff, message, as_stream(stream));
+          }, py::arg("peer_dst"), py::arg("src"), py::arg("bytes"), py::arg("my_words"), py::arg("peer_words"),
+          py::arg("sends"), py::arg("receives"), py::arg("message"), py::arg("stream"));
+  }
   m.def("bench_host_call_costs", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream,
                                     int calls) {
           return bench_host_call_costs(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream),

@@ -44,7 +44,8 @@ def _int_at_least(minimum: int, meaning: str):
 
 
 #: The size sweep's rows, in the order they run at every size (after the size's local copy).
-SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "put_ce", "put_sm", "put_rma", "torch_symm", "sendrecv_default", "sendrecv",
+SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "kernel_handoff", "put_ce", "put_sm", "put_rma", "torch_symm",
+             "sendrecv_default", "sendrecv",
              "sendrecv_staged", "sendrecv_ll", "nccl")
 OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
@@ -149,6 +150,7 @@ def _placement() -> tuple[int, int]:
 LABELS = {"copy": ("baseline", "local copy"),
           "memcpy": ("baseline", "cudaMemcpyAsync"), "kernel_copy": ("baseline", "bare kernel copy"),
           "ce_handoff": ("baseline", "copy engine + stream handshake"),
+          "kernel_handoff": ("baseline", "kernel + handshake"),
           "put_ce": ("put", "copy_engine"),
           "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
           "torch_symm": ("baseline", "torch symm_mem"),
@@ -157,7 +159,8 @@ LABELS = {"copy": ("baseline", "local copy"),
           "nccl": ("baseline", "NCCL"), "nixl": ("baseline", "NIXL")}
 #: What times and checks each row of the size sweep, given the size's Sweep.
 SWEEP_ROWS = {"memcpy": baselines.memcpy, "kernel_copy": baselines.kernel_copy,
-              "ce_handoff": baselines.copy_engine_handoff, "torch_symm": baselines.torch_symm_mem, "nccl": baselines.nccl,
+              "ce_handoff": baselines.copy_engine_handoff, "kernel_handoff": baselines.kernel_handoff,
+              "torch_symm": baselines.torch_symm_mem, "nccl": baselines.nccl,
               **{op: lambda sweep, path=LABELS[op][1]: put.put(sweep, path) for op in ("put_ce", "put_sm", "put_rma")},
               "sendrecv_default": send_recv.sendrecv_default, "sendrecv": send_recv.sendrecv,
               "sendrecv_staged": send_recv.sendrecv_staged, "sendrecv_ll": send_recv.sendrecv_ll}
@@ -215,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.extend(batched.bench_batched(args))
     if "graph" in ops:
         fixed_rows.extend(put.bench_graph_put(args))
+        fixed_rows.extend(send_recv.bench_graph_sendrecv(args))
     if "compile" in ops:
         fixed_rows.extend(compiled.bench_compiled(args))
     if "torch_symm" in ops and not baselines.torch_symm_mem_ready():

@@ -80,13 +80,10 @@ def kernel_copy(sweep):
     return _into_peer(sweep, pydatacopy._C.bench_kernel_copy, "kernel_copy")
 
 
-def copy_engine_handoff(sweep):
-    """The floor of a copy-engine send/recv (issue 35 item 2b), in the same run as the rows it
-    judges: each message handed over with stream memory operations around one cudaMemcpyAsync
-    into the peer's memory, no kernel and no pydatacopy logic (the receiver's stream writes its
-    readiness into the sender's word, the sender's stream waits for it, copies and writes the
-    receiver's done word, which the receiver's stream waits for). What a send/recv on the copy
-    engine costs beyond a bare copy when the handshake is all it adds."""
+def _handoff(sweep, handoff, op: str):
+    """A message handed over by `handoff` (one of _C's bench_*_handoff: the receiver says it is
+    ready in the sender's word, the sender copies into the receiver's memory and says it is done
+    in the receiver's), no pydatacopy logic on the path; `op` names the --ops entry."""
     stream = torch.cuda.current_stream().cuda_stream
     words = pydatacopy.empty(2, dtype=torch.int64)  # {ready, done}, written by the peer
     words.zero_()
@@ -97,14 +94,14 @@ def copy_engine_handoff(sweep):
         peer_memory = pydatacopy.peer_view(symmetric, sweep.peer)
         peer_words = pydatacopy.peer_view(words, sweep.peer)
         if peer_memory is None or peer_words is None:
-            raise pydatacopy.Error("the ce_handoff baseline needs a peer reachable by load/store "
-                                   "(NVLink/PCIe): leave ce_handoff out of --ops")
+            raise pydatacopy.Error(f"the {op} baseline needs a peer reachable by load/store "
+                                   f"(NVLink/PCIe): leave {op} out of --ops")
         peer_address, my_words, their_words = peer_memory.data_ptr(), words.data_ptr(), peer_words.data_ptr()
 
         def run():
             message[0] += 1
-            pydatacopy._C.bench_copy_engine_handoff(peer_address, sweep.src.data_ptr(), sweep.nbytes, my_words,
-                                                    their_words, sweep.sends, sweep.receives, message[0], stream)
+            handoff(peer_address, sweep.src.data_ptr(), sweep.nbytes, my_words, their_words, sweep.sends,
+                    sweep.receives, message[0], stream)
         return run
 
     try:
@@ -113,6 +110,25 @@ def copy_engine_handoff(sweep):
         torch.cuda.synchronize()
         pydatacopy.barrier()
         pydatacopy.free(words)
+
+
+def copy_engine_handoff(sweep):
+    """The floor of a copy-engine send/recv (issue 35 item 2b), in the same run as the rows it
+    judges: each message handed over with stream memory operations around one cudaMemcpyAsync
+    into the peer's memory, no kernel and no pydatacopy logic (the receiver's stream writes its
+    readiness into the sender's word, the sender's stream waits for it, copies and writes the
+    receiver's done word, which the receiver's stream waits for). What a send/recv on the copy
+    engine costs beyond a bare copy when the handshake is all it adds."""
+    return _handoff(sweep, pydatacopy._C.bench_copy_engine_handoff, "ce_handoff")
+
+
+def kernel_handoff(sweep):
+    """The floor of a zero-copy send/recv made of kernels (issue 35 item 2a), in the same run: one
+    kernel per PE, the receiver's block says it is ready in the sender's word, the sender's blocks
+    wait for it, copy straight into the receiver's memory and each add one to its done word (one
+    system fence a block), for which the receiver's block waits. No descriptor, table, refusal
+    or watchdog: what a rendezvous adds to a kernel's copy when it is all that is added."""
+    return _handoff(sweep, pydatacopy._C.bench_kernel_handoff, "kernel_handoff")
 
 
 def torch_symm_mem(sweep):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
 
-from ._harness import agree, fill, human, reduce_device
+from ._harness import against, agree, fill, human, make_row, reduce_device, time_op
 
 
 @contextlib.contextmanager
@@ -184,4 +184,60 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                 print(f"  host per call, queued: {r['path']} {r['us']:.2f} us ({r['over_base_us']:+.2f} over "
                       f"{base['path']}); the queue ran at {r['gpu_us']:.2f} us a call on the GPU",
                       file=sys.stderr, flush=True)
+    return rows
+
+
+def bench_graph_sendrecv(args, nbytes: int = 4096, calls: int = 100) -> list[dict]:
+    """`calls` sendrecvs of `nbytes` with the peer (both PEs at once, the default path) captured in
+    one CUDA graph and replayed, per call (issue 35's 2 us target); beside `calls` bare
+    cudaMemcpyAsync calls of the same bytes on this GPU captured and replayed alike, on both PEs.
+    Checked: fresh data, the destination cleared, one replay."""
+    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
+    src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + me)
+    out = torch.zeros_like(src)
+    local = torch.zeros_like(src)
+    pydatacopy.sendrecv(src, peer, out, peer)  # first use outside the capture, as a user's loop
+    torch.cuda.synchronize()
+    copies, transfers = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    failure = ""
+    try:
+        with torch.cuda.graph(copies):
+            stream = torch.cuda.current_stream().cuda_stream
+            for _ in range(calls):
+                pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), nbytes, stream)
+        with torch.cuda.graph(transfers):
+            for _ in range(calls):
+                pydatacopy.sendrecv(src, peer, out, peer)
+    except RuntimeError as error:  # pydatacopy.Error too; agreed, so both PEs go on alike
+        failure = f"{type(error).__name__}: {error}"
+    if not agree(not failure):
+        print(f"  graph sendrecv rows skipped: {failure or 'the capture failed on the peer'}",
+              file=sys.stderr, flush=True)
+        return []
+    rows = []
+    for name, graph in (("copies", copies), ("sendrecvs", transfers)):
+        timed = time_op(graph.replay, args.iters, args.warmup, args.repeats).per(calls)
+        seed = 700 if name == "copies" else 800
+        torch.cuda.synchronize()
+        dist.barrier()
+        fill(src, seed + me)
+        (local if name == "copies" else out).zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph.replay()
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+        dist.barrier()
+        if name == "copies":
+            ok = torch.equal(local, src)
+            rows.append(make_row("baseline", f"graph copy {human(nbytes)}", "both", nbytes, timed, agree(ok)))
+        else:
+            ok = torch.equal(out, fill(torch.empty_like(src), seed + peer))
+            rows.append(against(make_row("send/recv", f"graph {human(nbytes)}", "both", nbytes, timed, agree(ok)),
+                                rows[0]))
+        if me == 0:
+            print(f"  graph {name} {human(nbytes)}: {rows[-1]['us']:.2f} us a call", file=sys.stderr, flush=True)
+    del copies, transfers
+    torch.cuda.synchronize()
+    pydatacopy.barrier()
     return rows

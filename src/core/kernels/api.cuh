@@ -54,6 +54,12 @@ void preload_kernels();
 // SM-store copy of `bytes` from src to dst (dst may be a peer's memory through nvshmem_ptr).
 void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 
+// The benchmark's floor for a kernel send/recv with a rendezvous (handoff_copy_kernel in
+// transfer.cu; rma/transfer_internal.hpp's bench_kernel_handoff says what it does).
+void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uint64_t* my_words,
+                         uint64_t* peer_words, bool sends, bool receives, uint64_t message, uint64_t wait_ns,
+                         cudaStream_t stream);
+
 // Many puts to `pe`: direct stores where nvshmem_ptr reaches the peer (unless force_rma), NVSHMEM
 // RMA otherwise. The host table is passed by value in kernel parameters, one launch per
 // kPutManyRowsPerLaunch rows (24 bytes each, under the 32 KiB parameter limit), so it may be

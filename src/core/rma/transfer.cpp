@@ -238,6 +238,13 @@ void bench_copy_engine_handoff(const CopyEngineHandoff& h, uint64_t message, cud
   if (h.receives) detail::stream_wait_at_least(stream, h.my_words + kDone, message);
 }
 
+void bench_kernel_handoff(const CopyEngineHandoff& h, uint64_t message, cudaStream_t stream) {
+  PDC_REQUIRE(message >= 1, "bench_kernel_handoff: messages count from 1");
+  constexpr uint64_t kWaitNs = 5'000'000'000;  // a benchmark's bound: a missed word fails the row's check
+  kernels::launch_handoff_copy(h.peer_dst, h.src, h.bytes, h.my_words, h.peer_words, h.sends, h.receives, message,
+                               kWaitNs, stream);
+}
+
 std::vector<std::pair<std::string, double>> bench_host_call_costs(void* dst, const void* src, std::size_t bytes,
                                                                   cudaStream_t stream, int calls) {
   PDC_REQUIRE(calls > 0, "bench_host_call_costs: calls must be positive, got " << calls);

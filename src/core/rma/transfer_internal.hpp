@@ -42,6 +42,12 @@ struct CopyEngineHandoff {
   bool sends = false, receives = false;
 };
 void bench_copy_engine_handoff(const CopyEngineHandoff& handoff, uint64_t message, cudaStream_t stream);
+// The same handoff made of one kernel per PE (kernels::launch_handoff_copy): the receiver's block
+// writes the peer's ready word, the sender's blocks wait for theirs, copy their spans into
+// `peer_dst` and each add one to the peer's done word (after a system fence), for which the
+// receiver's block waits. The floor of a zero-copy send/recv: what a rendezvous adds to a kernel's
+// copy when it is all that is added. (Benchmark only: a missed word ends the wait after 5 s.)
+void bench_kernel_handoff(const CopyEngineHandoff& handoff, uint64_t message, cudaStream_t stream);
 
 
 }  // namespace pydatacopy

@@ -28,6 +28,39 @@ __global__ void __launch_bounds__(kCopyThreads)
   if (begin < end) copy_bytes(dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
 }
 
+// The benchmark's floor for a one-copy send/recv made of kernels (bench_kernel_handoff): the least
+// a rendezvous can add to a copy. A receiving PE's block 0 says it is ready in the sender's word;
+// each sending block waits for that word, copies its span straight into the receiver's buffer,
+// then (one system fence) adds one to the receiver's done word, which the receiver waits for.
+// No descriptor, no table, no cancellation, no watchdog beyond a deadline that keeps a benchmark
+// from hanging (the row's data check then fails). {ready, done} words, as CopyEngineHandoff.
+__global__ void __launch_bounds__(kCopyThreads)
+    handoff_copy_kernel(uint8_t* peer_dst, const uint8_t* src, int64_t bytes, uint64_t* my_words,
+                        uint64_t* peer_words, bool sends, bool receives, uint64_t message, int sender_blocks,
+                        uint64_t wait_ns) {
+  constexpr int kReady = 0, kDone = 1;
+  const uint64_t deadline = detail::globaltimer_ns() + wait_ns;
+  if (receives && blockIdx.x == 0 && threadIdx.x == 0) store_release_sys(peer_words + kReady, message);
+  if (sends) {
+    if (threadIdx.x == 0)
+      while (detail::load_acquire_sys(my_words + kReady) < message && detail::globaltimer_ns() < deadline) {
+      }
+    __syncthreads();
+    const int64_t span = (bytes + sender_blocks - 1) / sender_blocks;
+    const int64_t begin = span * blockIdx.x, end = begin + span < bytes ? begin + span : bytes;
+    if (begin < end) copy_bytes<8, true>(peer_dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();  // cumulative: the block's stores, seen through the barrier
+      atomicAdd_system(reinterpret_cast<unsigned long long*>(peer_words + kDone), 1ull);
+    }
+  }
+  if (receives && blockIdx.x == 0 && threadIdx.x == 0)
+    while (detail::load_acquire_sys(my_words + kDone) < message * sender_blocks &&
+           detail::globaltimer_ns() < deadline) {
+    }
+}
+
 // A put_many table in kernel parameters, sized by the launch (a short list does not carry the
 // largest table).
 template <int kRows>
@@ -161,6 +194,19 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
+void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uint64_t* my_words,
+                         uint64_t* peer_words, bool sends, bool receives, uint64_t message, uint64_t wait_ns,
+                         cudaStream_t stream) {
+  if (!sends && !receives) return;
+  // As launch_copy's grid: both PEs derive the sender's block count from the bytes alone.
+  const int64_t wanted = (static_cast<int64_t>(std::max<std::size_t>(bytes, 1)) + kBytesPerBlock - 1) / kBytesPerBlock;
+  const int sender_blocks = static_cast<int>(std::min<int64_t>(wanted, multiprocessor_count()));
+  handoff_copy_kernel<<<sends ? sender_blocks : 1, kCopyThreads, 0, stream>>>(
+      static_cast<uint8_t*>(peer_dst), static_cast<const uint8_t*>(src), static_cast<int64_t>(bytes), my_words,
+      peer_words, sends, receives, message, sender_blocks, wait_ns);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
 void launch_put_many(const TransferDescriptor* host_descriptors, int count, int pe, bool force_rma,
                      cudaStream_t stream) {
   for (int first = 0; first < count; first += kPutManyRowsPerLaunch) {
@@ -209,6 +255,7 @@ void preload_moe_layout_large_kernels();
 void preload_kernels() {
   cudaFuncAttributes attributes;
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, copy_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, handoff_copy_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<32>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<256>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, put_many_kernel<kPutManyRowsPerLaunch>));
