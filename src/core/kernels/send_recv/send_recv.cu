@@ -448,7 +448,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             for (int e = 0; e < batch.count && block == 0; ++e) may_spin = may_spin && posted[e];
             const uint64_t spin_until = detail::globaltimer_ns() + (may_spin ? kDescriptorSpinNs : 0);
             do {
-              taken = take_descriptor(a, message[i], first[i], slice == 0, &into);
+              // Block 0 (which drives slice 0) resolves, from whichever of its slices it waits in:
+              // when the resolver was slice 0 alone, block 0 waiting in another slice (slice grid,
+              // a message with more slices than blocks) spun out its 4 us on a target only it could
+              // publish, and every block waited with it (4-16 MiB: 8 us from the descriptor's post
+              // to its take, measured 2026-12-06).
+              taken = take_descriptor(a, message[i], first[i], block == 0, &into);
             } while (taken == 0 && detail::globaltimer_ns() < spin_until);
             if (taken > 0) mode[i] = taken, target[i] = into;
             if (stamping && i == 0 && taken > 0) stamp[kRendezvous] = detail::globaltimer_ns();

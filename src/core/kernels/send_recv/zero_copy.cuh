@@ -5,7 +5,7 @@
 // zero-copy at (index, offset), else staged); a send that awaits a descriptor learns it from the
 // receiver's descriptor, read by each block when it first visits one of the op's slices (every
 // block reads the same descriptor, so all take the same mode; for a zero-copy one the blocks then
-// wait for slice 0's block to look the receiver's allocation up, take_descriptor).
+// wait for block 0 (slice 0's) to look the receiver's allocation up, take_descriptor).
 #pragma once
 
 namespace zero_copy_detail {
@@ -80,12 +80,12 @@ __device__ __forceinline__ bool zero_copy_begin(const ChunkStreamArgs& a, int sl
 // the resolver's, the resolved target) is not there, else the mode (kModeStaged / kModeZeroCopy,
 // with *target set), or -1 after the channel was refused (by this block, or by the resolver).
 //
-// The receiver's allocation is looked up in the sender's table once per message, by the block
-// of slice 0 (`resolver`), which publishes the base it read in the channel's resolved ring: the
-// table is host-mapped (the host changes it at any time, see send_recv.cpp), and 66 blocks each
-// reading it over PCIe cost ~1 us apiece, one after another, on an H200 (a zero-copy message
-// spent 45-80 us in its kernels beyond the copy until 2026-12-02). All blocks thus write through
-// the same mapping, or all give up.
+// The receiver's allocation is looked up in the sender's table once per message, by block 0 (the
+// `resolver`, which drives slice 0; from any of its slices), which publishes the base it read in
+// the channel's resolved ring: the table is host-mapped (the host changes it at any time, see
+// send_recv.cpp), and 66 blocks each reading it over PCIe cost ~1 us apiece, one after another, on
+// an H200 (a zero-copy message spent 45-80 us in its kernels beyond the copy until 2026-12-02).
+// All blocks thus write through the same mapping, or all give up.
 __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
                                                bool resolver, uint8_t** target) {
   RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
