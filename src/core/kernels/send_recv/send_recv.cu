@@ -21,7 +21,7 @@ namespace pydatacopy::kernels {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr uint64_t kDescriptorSpinNs = 4000;  // a send's look for its rendezvous descriptor, per visit
+constexpr uint64_t kDescriptorSpinNs = 4000;  // a visit's bounded spin: a send on its descriptor, a recv on its words
 // kMaxSlicesPerBlock (api.cuh): the grid is cut to what can be resident at once, so a message's
 // slices never wait for blocks that start only when others end.
 
@@ -385,6 +385,15 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   }
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
+  // How long a recv's visit may spin on its words (low-latency lines, zero-copy done words): a
+  // bounded spin while no other op's slice of this block is left to move, none otherwise (the
+  // block's other ops must not wait on it: a sendrecv's send is what the peer's recv waits for).
+  const auto spin_ns = [&](int op) {
+    for (int e = 0; e < batch.count; ++e)
+      for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[e].active_blocks; ++j)
+        if (e != op && next[e][j] < chunks[e]) return uint64_t{0};
+    return kDescriptorSpinNs;
+  };
   for (bool all_done = false; !all_done;) {
     all_done = true;
     if (stamping && stamp[kOpDone] == 0 && next[0][0] >= chunks[0]) stamp[kOpDone] = detail::globaltimer_ns();
@@ -500,11 +509,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A bounded spin on the message while this block has nothing else to move (a spin
           // between the loop's barriers and checks saw a message later than its store).
-          bool alone = true;
-          for (int e = 0; e < batch.count; ++e)
-            for (int s2 = 0; s2 < kMaxSlicesPerBlock && block + s2 * grid < batch.ops[e].active_blocks; ++s2)
-              alone = alone && (e == i || next[e][s2] >= chunks[e]);
-          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], alone ? kDescriptorSpinNs : 0);
+          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], spin_ns(i));
           if (threadIdx.x == 0 && seen != kLowLatencyWaiting) {
             next[i][j] = chunks[i];
             if (seen == kLowLatencyGaveUp) gave_up[i] = true;
@@ -537,7 +542,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A zero-copy recv: its slice 0 watches every sender slice's done word (the recv's
           // other slices are idle from the start), see zero_copy_recv_visit.
-          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i]);
+          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i], spin_ns(i));
           if (threadIdx.x == 0 && seen != kZeroCopyWaiting) {
             next[i][j] = chunks[i];
             if (seen == kZeroCopyGaveUp) gave_up[i] = true;

@@ -200,7 +200,7 @@ __device__ __forceinline__ bool staged_instead(const ChunkStreamArgs& a, uint64_
 constexpr int kZeroCopyWaiting = 0, kZeroCopyDone = 1, kZeroCopyGaveUp = 2;
 __device__ bool low_latency_instead(const ChunkStreamArgs& a, uint64_t message);  // low_latency.cuh
 __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
-                                                    uint64_t& since, uint64_t& landed) {
+                                                    uint64_t& since, uint64_t& landed, uint64_t spin_ns) {
   constexpr unsigned kUnfinished = 1, kCancelled = 2, kInProgress = 4, kSliceZeroUnstarted = 8;
   __shared__ unsigned flags;
   __shared__ unsigned long long sum;
@@ -209,8 +209,13 @@ __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, ui
   __syncthreads();
   unsigned mine = 0;
   unsigned long long progress = 0;
+  // Each thread first spins on its slices' words, for at most spin_ns, until they are final or
+  // cancelled: the last word is seen within a load of its store, not a visit's barriers later.
+  const uint64_t spin_until = spin_ns != 0 ? detail::globaltimer_ns() + spin_ns : 0;
   for (int s = static_cast<int>(threadIdx.x); s < a.zc_slices; s += static_cast<int>(blockDim.x)) {
-    const Landed l = zero_copy_landed(a, s, message);
+    Landed l = zero_copy_landed(a, s, message);
+    while (spin_ns != 0 && !l.final && !l.cancelled && detail::globaltimer_ns() < spin_until)
+      l = zero_copy_landed(a, s, message);
     progress += static_cast<unsigned long long>(l.chunks) + (l.final ? 1 : 0);
     if (l.final) continue;
     mine |= kUnfinished | (l.cancelled ? kCancelled : l.started ? kInProgress : 0u);
