@@ -9,6 +9,7 @@
 #include "rma/symmetric_internal.hpp"
 #include "pydatacopy/transfer.hpp"
 #include "rma/transfer_internal.hpp"
+#include "kernels/api.cuh"
 
 namespace pydatacopy::bindings {
 
@@ -288,25 +289,38 @@ void bind_rma(py::module_& m) {
   m.def("bench_kernel_copy", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream) {
           bench_kernel_copy(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream));
         }, py::arg("dst"), py::arg("src"), py::arg("bytes"), py::arg("stream"));
-  // The two handoff floors (rma/transfer_internal.hpp), one signature: the copy engine between stream
-  // memory operations, or one kernel per PE.
-  for (const auto& [name, handoff_fn] : {std::pair{"bench_copy_engine_handoff", &bench_copy_engine_handoff},
-                                         std::pair{"bench_kernel_handoff", &bench_kernel_handoff}}) {
-    m.def(name, [handoff_fn = handoff_fn](std::uintptr_t peer_dst, std::uintptr_t src, std::size_t bytes,
+  // The two handoff floors (rma/transfer_internal.hpp): the copy engine between stream memory
+  // operations, or one kernel per PE (with a variant: what zero-copy adds, kernels/api.cuh).
+  const auto handoff = [](std::uintptr_t peer_dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t my_words,
+                          std::uintptr_t peer_words, bool sends, bool receives) {
+    CopyEngineHandoff h;
+    h.peer_dst = as_pointer<void>(peer_dst);
+    h.src = as_pointer<const void>(src);
+    h.bytes = bytes;
+    h.my_words = as_pointer<uint64_t>(my_words);
+    h.peer_words = as_pointer<uint64_t>(peer_words);
+    h.sends = sends;
+    h.receives = receives;
+    return h;
+  };
+  m.def("bench_copy_engine_handoff", [handoff](std::uintptr_t peer_dst, std::uintptr_t src, std::size_t bytes,
+                                               std::uintptr_t my_words, std::uintptr_t peer_words, bool sends,
+                                               bool receives, uint64_t message, std::uintptr_t stream) {
+          bench_copy_engine_handoff(handoff(peer_dst, src, bytes, my_words, peer_words, sends, receives), message,
+                                    as_stream(stream));
+        }, py::arg("peer_dst"), py::arg("src"), py::arg("bytes"), py::arg("my_words"), py::arg("peer_words"),
+        py::arg("sends"), py::arg("receives"), py::arg("message"), py::arg("stream"));
+  m.def("bench_kernel_handoff", [handoff](std::uintptr_t peer_dst, std::uintptr_t src, std::size_t bytes,
                                           std::uintptr_t my_words, std::uintptr_t peer_words, bool sends,
-                                          bool receives, uint64_t message, std::uintptr_t stream) {
-            CopyEngineHandoff handoff;
-            handoff.peer_dst = as_pointer<void>(peer_dst);
-            handoff.src = as_pointer<const void>(src);
-            handoff.bytes = bytes;
-            handoff.my_words = as_pointer<uint64_t>(my_words);
-            handoff.peer_words = as_pointer<uint64_t>(peer_words);
-            handoff.sends = sends;
-            handoff.receives = receives;
-            handoff_fn(handoff, message, as_stream(stream));
-          }, py::arg("peer_dst"), py::arg("src"), py::arg("bytes"), py::arg("my_words"), py::arg("peer_words"),
-          py::arg("sends"), py::arg("receives"), py::arg("message"), py::arg("stream"));
-  }
+                                          bool receives, uint64_t message, std::uintptr_t stream, unsigned variant) {
+          bench_kernel_handoff(handoff(peer_dst, src, bytes, my_words, peer_words, sends, receives), message, variant,
+                               as_stream(stream));
+        }, py::arg("peer_dst"), py::arg("src"), py::arg("bytes"), py::arg("my_words"), py::arg("peer_words"),
+        py::arg("sends"), py::arg("receives"), py::arg("message"), py::arg("stream"), py::arg("variant") = 0);
+  m.attr("BENCH_HANDOFF_WORDS") = kernels::kHandoffWords + kernels::kHandoffBeginWords;
+  m.attr("BENCH_HANDOFF_BEGIN") = kernels::kHandoffBegin;
+  m.attr("BENCH_HANDOFF_RESOLVE") = kernels::kHandoffResolve;
+  m.attr("BENCH_HANDOFF_TWO_BLOCKS_PER_SM") = kernels::kHandoffTwoBlocksPerSm;
   m.def("bench_host_call_costs", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream,
                                     int calls) {
           return bench_host_call_costs(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream),

@@ -85,7 +85,7 @@ def _handoff(sweep, handoff, op: str):
     ready in the sender's word, the sender copies into the receiver's memory and says it is done
     in the receiver's), no pydatacopy logic on the path; `op` names the --ops entry."""
     stream = torch.cuda.current_stream().cuda_stream
-    words = pydatacopy.empty(2, dtype=torch.int64)  # {ready, done}, written by the peer
+    words = pydatacopy.empty(pydatacopy._C.BENCH_HANDOFF_WORDS, dtype=torch.int64)  # {ready, done, ...}
     words.zero_()
     pydatacopy.barrier()
     message = [0]

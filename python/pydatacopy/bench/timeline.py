@@ -79,6 +79,10 @@ SPANS = (("grid_wait", "entered", "grid_waited"), ("prologue", "grid_waited", "p
          ("entered_to_ended", "entered", "ended"))
 
 
+#: The record's mode field (kernels/api.cuh PhaseStampRecord): the path op 0 took.
+MODES = {0: "no descriptor", 1: "staged", 2: "zero-copy", 3: "low-latency"}
+
+
 def phase_summary(records: list[list[int]]) -> dict:
     """Median microseconds of each span of SPANS over the launches' stamp records (nanoseconds,
     0: not reached), and between launches back to back: `ended_to_next_entered` (the next
@@ -94,6 +98,10 @@ def phase_summary(records: list[list[int]]) -> dict:
                   if before["ended"] and after[phase]]
         out[name] = statistics.median(values) if values else None
     out["launches"] = len(stamps)
+    # Which path op 0 took, launch by launch (the record's mode): a row's figures are its path's
+    # only where every launch took it.
+    out["modes"] = {name: sum(1 for record in records if len(record) > len(PHASES) and record[len(PHASES)] == code)
+                    for code, name in MODES.items()}
     return out
 
 
@@ -160,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 call = (lambda: pydatacopy.send(src, peer)) if me == 0 else (lambda: pydatacopy.recv(dst, peer))
                 with engine_cuts(*cut) if cut is not None else contextlib.nullcontext():
+                    # Warm-up, one message at a time: a receive buffer's first zero-copy recv asks
+                    # the sender to map it and moves staged (docs/zero-copy.md); a queue issued
+                    # before the answer would time the staged path under the zero-copy row.
+                    for _ in range(3):
+                        call()
+                        torch.cuda.synchronize()
+                        dist.barrier()
                     summary = _profile(call, args.calls)
                     # The check, on the row's path: one more message, fresh bytes, the destination
                     # cleared first.
@@ -190,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             for row in every:
                 if not row.get("phases", {}).get("launches"):
                     continue
+                modes = ", ".join(f"{count} {name}" for name, count in row["phases"].get("modes", {}).items() if count)
                 print(f"{row['path']:<18} {human(row['bytes']):>6} {row['rank']:>4} "
-                      + " ".join(f"{fmt(row['phases'].get(n)):>12}" for n in names))
+                      + " ".join(f"{fmt(row['phases'].get(n)):>12}" for n in names) + f"  ({modes})")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(every, f, indent=1)

@@ -55,10 +55,18 @@ void preload_kernels();
 void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t stream);
 
 // The benchmark's floor for a kernel send/recv with a rendezvous (handoff_copy_kernel in
-// transfer.cu; rma/transfer_internal.hpp's bench_kernel_handoff says what it does).
+// transfer.cu; rma/transfer_internal.hpp's bench_kernel_handoff says what it does). `variant`:
+// 0, or what the zero-copy send/recv adds, each alone priced by scripts/handoff_variants.py:
+// kHandoffBegin (each sending block's store at the receiver, system fence and two looks before it
+// writes: zero_copy_begin), kHandoffResolve (block 0 reads a host-mapped word, `host_word`, and
+// publishes it to the other blocks: take_descriptor's resolver), kHandoffTwoBlocksPerSm (twice the
+// blocks, two a multiprocessor, as the send/recv kernel's grid). {ready, done, resolved,
+// begin[kHandoffBeginWords]} words.
+constexpr unsigned kHandoffBegin = 1, kHandoffResolve = 2, kHandoffTwoBlocksPerSm = 4;
+constexpr int kHandoffWords = 3, kHandoffBeginWords = 256;
 void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uint64_t* my_words,
                          uint64_t* peer_words, bool sends, bool receives, uint64_t message, uint64_t wait_ns,
-                         cudaStream_t stream);
+                         unsigned variant, const uint64_t* host_word, cudaStream_t stream);
 
 // Many puts to `pe`: direct stores where nvshmem_ptr reaches the peer (unless force_rma), NVSHMEM
 // RMA otherwise. The host table is passed by value in kernel parameters, one launch per

@@ -238,11 +238,23 @@ void bench_copy_engine_handoff(const CopyEngineHandoff& h, uint64_t message, cud
   if (h.receives) detail::stream_wait_at_least(stream, h.my_words + kDone, message);
 }
 
-void bench_kernel_handoff(const CopyEngineHandoff& h, uint64_t message, cudaStream_t stream) {
+void bench_kernel_handoff(const CopyEngineHandoff& h, uint64_t message, unsigned variant, cudaStream_t stream) {
   PDC_REQUIRE(message >= 1, "bench_kernel_handoff: messages count from 1");
+  PDC_REQUIRE(variant <= (kernels::kHandoffBegin | kernels::kHandoffResolve | kernels::kHandoffTwoBlocksPerSm),
+              "bench_kernel_handoff: variant " << variant << " is not a combination of the kHandoff* flags");
   constexpr uint64_t kWaitNs = 5'000'000'000;  // a benchmark's bound: a missed word fails the row's check
+  // The word kHandoffResolve reads over the bus: host memory mapped into the device, as the
+  // zero-copy table (made once, kept for the process's life: a benchmark probe's 8 bytes).
+  static uint64_t* host_word = [] {
+    uint64_t* word = nullptr;
+    PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&word), sizeof(uint64_t), cudaHostAllocMapped));
+    *word = 0;
+    return word;
+  }();
+  uint64_t* device_word = nullptr;
+  PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device_word), host_word, 0));
   kernels::launch_handoff_copy(h.peer_dst, h.src, h.bytes, h.my_words, h.peer_words, h.sends, h.receives, message,
-                               kWaitNs, stream);
+                               kWaitNs, variant, device_word, stream);
 }
 
 std::vector<std::pair<std::string, double>> bench_host_call_costs(void* dst, const void* src, std::size_t bytes,

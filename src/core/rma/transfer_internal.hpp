@@ -46,8 +46,10 @@ void bench_copy_engine_handoff(const CopyEngineHandoff& handoff, uint64_t messag
 // writes the peer's ready word, the sender's blocks wait for theirs, copy their spans into
 // `peer_dst` and each add one to the peer's done word (after a system fence), for which the
 // receiver's block waits. The floor of a zero-copy send/recv: what a rendezvous adds to a kernel's
-// copy when it is all that is added. (Benchmark only: a missed word ends the wait after 5 s.)
-void bench_kernel_handoff(const CopyEngineHandoff& handoff, uint64_t message, cudaStream_t stream);
+// copy when it is all that is added (variant 0), or with what the zero-copy send/recv adds
+// (kernels::kHandoff* flags, api.cuh). `my_words`/`peer_words` hold kernels::kHandoffWords +
+// kHandoffBeginWords words each. (Benchmark only: a missed word ends the wait after 5 s.)
+void bench_kernel_handoff(const CopyEngineHandoff& handoff, uint64_t message, unsigned variant, cudaStream_t stream);
 
 
 }  // namespace pydatacopy

@@ -33,20 +33,39 @@ __global__ void __launch_bounds__(kCopyThreads)
 // each sending block waits for that word, copies its span straight into the receiver's buffer,
 // then (one system fence) adds one to the receiver's done word, which the receiver waits for.
 // No descriptor, no table, no cancellation, no watchdog beyond a deadline that keeps a benchmark
-// from hanging (the row's data check then fails). {ready, done} words, as CopyEngineHandoff.
+// from hanging (the row's data check then fails). Words as CopyEngineHandoff: {ready, done,
+// resolved, begin[kHandoffBeginWords]}. `variant` adds, one by one, what the zero-copy send/recv
+// does beyond this (api.cuh, kHandoff*), so that an experiment can price each.
 __global__ void __launch_bounds__(kCopyThreads)
     handoff_copy_kernel(uint8_t* peer_dst, const uint8_t* src, int64_t bytes, uint64_t* my_words,
                         uint64_t* peer_words, bool sends, bool receives, uint64_t message, int sender_blocks,
-                        uint64_t wait_ns) {
-  constexpr int kReady = 0, kDone = 1;
+                        uint64_t wait_ns, unsigned variant, const uint64_t* host_word) {
+  constexpr int kReady = 0, kDone = 1, kResolved = 2, kBegin = 3;
   const uint64_t deadline = detail::globaltimer_ns() + wait_ns;
+  const auto before_deadline = [&] { return detail::globaltimer_ns() < deadline; };
   if (receives && blockIdx.x == 0 && threadIdx.x == 0) store_release_sys(peer_words + kReady, message);
   if (sends) {
-    if (threadIdx.x == 0)
-      while (detail::load_acquire_sys(my_words + kReady) < message && detail::globaltimer_ns() < deadline) {
+    if (threadIdx.x == 0) {
+      while (detail::load_acquire_sys(my_words + kReady) < message && before_deadline()) {
       }
+      if (variant & kHandoffResolve) {  // block 0 reads a host-mapped word, the others wait for it
+        if (blockIdx.x == 0)
+          store_release_gpu(my_words + kResolved,
+                            message + (*reinterpret_cast<const volatile uint64_t*>(host_word) & 0));
+        else
+          while (load_acquire_gpu(my_words + kResolved) < message && before_deadline()) {
+          }
+      }
+      if (variant & kHandoffBegin) {  // zero_copy_begin: a word at the receiver, a fence, two looks
+        *reinterpret_cast<volatile uint64_t*>(peer_words + kBegin + blockIdx.x % kHandoffBeginWords) = message;
+        __threadfence_system();
+        __shared__ volatile uint64_t looked;  // the two looks must happen: kept
+        looked = *reinterpret_cast<volatile uint64_t*>(my_words + kDone) +
+                 *reinterpret_cast<volatile uint64_t*>(my_words + kReady);
+      }
+    }
     __syncthreads();
-    const int64_t span = (bytes + sender_blocks - 1) / sender_blocks;
+    const int64_t span = (bytes + gridDim.x - 1) / gridDim.x;
     const int64_t begin = span * blockIdx.x, end = begin + span < bytes ? begin + span : bytes;
     if (begin < end) copy_bytes<8, true>(peer_dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
     __syncthreads();
@@ -56,8 +75,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
   }
   if (receives && blockIdx.x == 0 && threadIdx.x == 0)
-    while (detail::load_acquire_sys(my_words + kDone) < message * sender_blocks &&
-           detail::globaltimer_ns() < deadline) {
+    while (detail::load_acquire_sys(my_words + kDone) < message * sender_blocks && before_deadline()) {
     }
 }
 
@@ -196,14 +214,15 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 
 void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uint64_t* my_words,
                          uint64_t* peer_words, bool sends, bool receives, uint64_t message, uint64_t wait_ns,
-                         cudaStream_t stream) {
+                         unsigned variant, const uint64_t* host_word, cudaStream_t stream) {
   if (!sends && !receives) return;
   // As launch_copy's grid: both PEs derive the sender's block count from the bytes alone.
   const int64_t wanted = (static_cast<int64_t>(std::max<std::size_t>(bytes, 1)) + kBytesPerBlock - 1) / kBytesPerBlock;
-  const int sender_blocks = static_cast<int>(std::min<int64_t>(wanted, multiprocessor_count()));
+  const int per_sm = (variant & kHandoffTwoBlocksPerSm) ? 2 : 1;
+  const int sender_blocks = static_cast<int>(std::min<int64_t>(wanted * per_sm, per_sm * multiprocessor_count()));
   handoff_copy_kernel<<<sends ? sender_blocks : 1, kCopyThreads, 0, stream>>>(
       static_cast<uint8_t*>(peer_dst), static_cast<const uint8_t*>(src), static_cast<int64_t>(bytes), my_words,
-      peer_words, sends, receives, message, sender_blocks, wait_ns);
+      peer_words, sends, receives, message, sender_blocks, wait_ns, variant, host_word);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
