@@ -256,9 +256,10 @@ def main(argv: list[str] | None = None) -> int:
                 break
             finally:
                 del sweep
-    # The CUDA graph rows after the sweep too: run before it (2026-12-06, one H100, 2 PEs), the
-    # sweep's first send/recv row (4 KiB, default) took 160 us a call against 11 us alone, in the
-    # tree before them as well; what a replayed graph of puts leaves behind is not understood yet.
+    # The CUDA graph rows after the sweep too. They were the one fixed row new in a run (2026-12-06,
+    # one H100, 2 PEs) whose first send/recv row (4 KiB, default) took 160 us a call, in the tree
+    # before this session too, against 8-11 us in a run of a few rows: kept apart from the sweep
+    # until that is understood (a suspect, not a cause shown).
     if "graph" in ops:
         fixed_rows.extend(put.bench_graph_put(args))
         fixed_rows.extend(send_recv.bench_graph_sendrecv(args))
