@@ -97,7 +97,7 @@
 //   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
 //   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous), checks
 //   its bytes, then either writes straight into mapped_base[j] + offset (mapped_base[j] read from
-//   the host-mapped table once per message, by the block of slice 0, which publishes it to the
+//   the host-mapped table once per message by block 0, which drives slice 0 and publishes it to the
 //   launch's other blocks in a device ring per channel; SM stores: slice s of
 //   zc_slices = min(active blocks, resident blocks) copies the s-th contiguous part of the
 //   message; each slice then stores (ordinal + 1) << 24 | visits done into its done word at the
