@@ -137,6 +137,65 @@ def agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def capture_graphs(captures: dict, what: str) -> dict | None:
+    """One CUDA graph per entry of `captures` (name: a callable that issues the graph's calls, or
+    None where this PE captures nothing for it), or None on every PE, with a line saying why, when
+    a capture failed on any PE (agreed, so that every PE goes on alike)."""
+    graphs, failure = {}, ""
+    try:
+        for name, issue in captures.items():
+            graphs[name] = None
+            if issue is not None:
+                graphs[name] = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graphs[name]):
+                    issue()
+    except RuntimeError as error:  # pydatacopy.Error too
+        failure = f"{type(error).__name__}: {error}"
+    if not agree(not failure):
+        print(f"  {what} rows skipped: {failure or 'the capture failed on the peer'}", file=sys.stderr, flush=True)
+        return None
+    return graphs
+
+
+def copies_to_capture(dst: torch.Tensor, src: torch.Tensor, calls: int) -> Callable[[], None]:
+    """What a graph baseline captures: `calls` bare cudaMemcpyAsync calls of src into dst (this
+    GPU, no pydatacopy code) on the current stream."""
+    def issue():
+        stream = torch.cuda.current_stream().cuda_stream
+        for _ in range(calls):
+            pydatacopy._C.bench_memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, stream)
+    return issue
+
+
+def refill(src: torch.Tensor, seed: int, destination: torch.Tensor) -> Callable[[], None]:
+    """time_graph's `prepare`: fresh data into src from `seed`, the destination cleared."""
+    def prepare():
+        fill(src, seed)
+        destination.zero_()
+    return prepare
+
+
+def time_graph(run: Callable[[], None], calls: int, args, prepare: Callable[[], None],
+               check: Callable[[], bool]) -> tuple[Timing, bool]:
+    """A graph's replay `run` of `calls` calls timed (per call), then checked: `prepare` (fresh data,
+    the destination cleared) on every PE, one replay, and `check` on every PE (agreed)."""
+    timed = time_op(run, args.iters, args.warmup, args.repeats).per(calls)
+    torch.cuda.synchronize()
+    dist.barrier()
+    prepare()
+    torch.cuda.synchronize()
+    dist.barrier()
+    run()
+    torch.cuda.synchronize()
+    ok = True
+    try:
+        pydatacopy.check_errors()  # a device-side wait that timed out in the checked replay
+    except pydatacopy.Error as error:  # said here, agreed below: the peer must not wait alone
+        print(f"  rank {pydatacopy.my_pe()}: {error}", file=sys.stderr, flush=True)
+        ok = False
+    return timed, agree(ok and check())
+
+
 def make_row(op: str, path: str, direction: str, nbytes: int, timed: Timing, ok: bool,
              size: str | None = None) -> dict:
     return {"op": op, "path": path, "direction": direction, "bytes": nbytes,

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import pydatacopy
 
-from ._harness import against, agree, fill, gaps, human, make_row, percentile, reduce_device, time_op
+from ._harness import against, agree, capture_graphs, copies_to_capture, fill, gaps, human, make_row, percentile
+from ._harness import reduce_device, refill, time_graph, time_op
 
 
 def put(sweep, path: str):
@@ -147,49 +148,32 @@ def bench_graph_put(args, nbytes: int = 4096, puts: int = 100) -> list[dict]:
             pydatacopy.put(symmetric, src, peer)  # first use (a registration, if any) outside
             pydatacopy.quiet()
         torch.cuda.synchronize()
-        copies, transfers = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        failure = ""
-        try:
-            with torch.cuda.graph(copies):
-                stream = torch.cuda.current_stream().cuda_stream
-                for _ in range(puts):
-                    pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), nbytes, stream)
-            if me == 0:
-                with torch.cuda.graph(transfers):
-                    for _ in range(puts):
-                        pydatacopy.put(symmetric, src, peer)
-                    pydatacopy.quiet()
-        except RuntimeError as error:  # pydatacopy.Error too; agreed, so both PEs go on alike
-            failure = f"{type(error).__name__}: {error}"
-        if not agree(not failure):
-            print(f"  graph rows skipped: {failure or 'the capture failed on the peer'}",
-                  file=sys.stderr, flush=True)
+
+        def transfers():
+            for _ in range(puts):
+                pydatacopy.put(symmetric, src, peer)
+            pydatacopy.quiet()
+
+        graphs = capture_graphs({"copies": copies_to_capture(local, src, puts),
+                                 "puts": transfers if me == 0 else None}, "graph")
+        if graphs is None:
             return []
-        for name, graph in (("copies", copies), ("puts", transfers)):
-            def run():
+        for name, graph in graphs.items():
+            def run(graph=graph):
                 if me == 0:  # one way, as the puts
                     graph.replay()
 
-            timed = time_op(run, args.iters, args.warmup, args.repeats).per(puts)
             # Checked: fresh data from a new seed, the destination cleared, one replay.
             seed = 500 if name == "copies" else 600
-            torch.cuda.synchronize()
-            dist.barrier()
-            fill(src, seed + me)
-            (local if name == "copies" else symmetric).zero_()
-            torch.cuda.synchronize()
-            dist.barrier()
-            run()
-            torch.cuda.synchronize()
-            dist.barrier()
+            prepare = refill(src, seed + me, local if name == "copies" else symmetric)
             if name == "copies":
-                ok = me != 0 or torch.equal(local, src)
-                rows.append(make_row("baseline", f"graph copy {human(nbytes)}", "one", nbytes, timed, agree(ok)))
+                timed, ok = time_graph(run, puts, args, prepare, lambda: me != 0 or torch.equal(local, src))
+                rows.append(make_row("baseline", f"graph copy {human(nbytes)}", "one", nbytes, timed, ok))
             else:
-                ok = me == 0 or torch.equal(symmetric, fill(torch.empty_like(src), seed + peer))
-                rows.append(against(make_row("put", f"graph {human(nbytes)}", "one", nbytes, timed,
-                                          agree(ok)), rows[0]))
-        del copies, transfers
+                timed, ok = time_graph(run, puts, args, prepare, lambda seed=seed: me == 0 or torch.equal(
+                    symmetric, fill(torch.empty_like(src), seed + peer)))
+                rows.append(against(make_row("put", f"graph {human(nbytes)}", "one", nbytes, timed, ok), rows[0]))
+        del graphs
     finally:
         torch.cuda.synchronize()
         pydatacopy.barrier()

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
 
-from ._harness import against, agree, fill, human, make_row, reduce_device, time_op
+from ._harness import against, agree, capture_graphs, copies_to_capture, fill, human, make_row, reduce_device
+from ._harness import refill, time_graph
 
 
 @contextlib.contextmanager
@@ -198,46 +199,29 @@ def bench_graph_sendrecv(args, nbytes: int = 4096, calls: int = 100) -> list[dic
     local = torch.zeros_like(src)
     pydatacopy.sendrecv(src, peer, out, peer)  # first use outside the capture, as a user's loop
     torch.cuda.synchronize()
-    copies, transfers = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    failure = ""
-    try:
-        with torch.cuda.graph(copies):
-            stream = torch.cuda.current_stream().cuda_stream
-            for _ in range(calls):
-                pydatacopy._C.bench_memcpy(local.data_ptr(), src.data_ptr(), nbytes, stream)
-        with torch.cuda.graph(transfers):
-            for _ in range(calls):
-                pydatacopy.sendrecv(src, peer, out, peer)
-    except RuntimeError as error:  # pydatacopy.Error too; agreed, so both PEs go on alike
-        failure = f"{type(error).__name__}: {error}"
-    if not agree(not failure):
-        print(f"  graph sendrecv rows skipped: {failure or 'the capture failed on the peer'}",
-              file=sys.stderr, flush=True)
+
+    def transfers():
+        for _ in range(calls):
+            pydatacopy.sendrecv(src, peer, out, peer)
+
+    graphs = capture_graphs({"copies": copies_to_capture(local, src, calls), "sendrecvs": transfers},
+                            "graph sendrecv")
+    if graphs is None:
         return []
     rows = []
-    for name, graph in (("copies", copies), ("sendrecvs", transfers)):
-        timed = time_op(graph.replay, args.iters, args.warmup, args.repeats).per(calls)
+    for name, graph in graphs.items():
         seed = 700 if name == "copies" else 800
-        torch.cuda.synchronize()
-        dist.barrier()
-        fill(src, seed + me)
-        (local if name == "copies" else out).zero_()
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph.replay()
-        torch.cuda.synchronize()
-        pydatacopy.check_errors()
-        dist.barrier()
+        prepare = refill(src, seed + me, local if name == "copies" else out)
         if name == "copies":
-            ok = torch.equal(local, src)
-            rows.append(make_row("baseline", f"graph copy {human(nbytes)}", "both", nbytes, timed, agree(ok)))
+            timed, ok = time_graph(graph.replay, calls, args, prepare, lambda: torch.equal(local, src))
+            rows.append(make_row("baseline", f"graph copy {human(nbytes)}", "both", nbytes, timed, ok))
         else:
-            ok = torch.equal(out, fill(torch.empty_like(src), seed + peer))
-            rows.append(against(make_row("send/recv", f"graph {human(nbytes)}", "both", nbytes, timed, agree(ok)),
-                                rows[0]))
+            timed, ok = time_graph(graph.replay, calls, args, prepare,
+                                   lambda seed=seed: torch.equal(out, fill(torch.empty_like(src), seed + peer)))
+            rows.append(against(make_row("send/recv", f"graph {human(nbytes)}", "both", nbytes, timed, ok), rows[0]))
         if me == 0:
             print(f"  graph {name} {human(nbytes)}: {rows[-1]['us']:.2f} us a call", file=sys.stderr, flush=True)
-    del copies, transfers
+    del graphs
     torch.cuda.synchronize()
     pydatacopy.barrier()
     return rows
