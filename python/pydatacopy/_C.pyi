@@ -283,6 +283,7 @@ def bench_copy_engine_handoff(peer_dst: int, src: int, bytes: int, my_words: int
 def bench_kernel_handoff(peer_dst: int, src: int, bytes: int, my_words: int, peer_words: int, sends: bool,
                          receives: bool, message: int, stream: int, variant: int = 0) -> None: ...
 BENCH_HANDOFF_WORDS: int
+BENCH_HANDOFF_TIMED_OUT_WORD: int
 BENCH_HANDOFF_BEGIN: int
 BENCH_HANDOFF_RESOLVE: int
 BENCH_HANDOFF_TWO_BLOCKS_PER_SM: int

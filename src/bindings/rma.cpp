@@ -318,6 +318,7 @@ void bind_rma(py::module_& m) {
         }, py::arg("peer_dst"), py::arg("src"), py::arg("bytes"), py::arg("my_words"), py::arg("peer_words"),
         py::arg("sends"), py::arg("receives"), py::arg("message"), py::arg("stream"), py::arg("variant") = 0);
   m.attr("BENCH_HANDOFF_WORDS") = kernels::kHandoffWords + kernels::kHandoffBeginWords;
+  m.attr("BENCH_HANDOFF_TIMED_OUT_WORD") = kernels::kHandoffTimedOutWord;
   m.attr("BENCH_HANDOFF_BEGIN") = kernels::kHandoffBegin;
   m.attr("BENCH_HANDOFF_RESOLVE") = kernels::kHandoffResolve;
   m.attr("BENCH_HANDOFF_TWO_BLOCKS_PER_SM") = kernels::kHandoffTwoBlocksPerSm;

@@ -187,6 +187,7 @@ def time_graph(run: Callable[[], None], calls: int, args, prepare: Callable[[], 
     dist.barrier()
     run()
     torch.cuda.synchronize()
+    dist.barrier()  # every PE's replay is over (a one-way put graph: the peer's puts landed)
     ok = True
     try:
         pydatacopy.check_errors()  # a device-side wait that timed out in the checked replay

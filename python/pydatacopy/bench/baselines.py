@@ -105,7 +105,14 @@ def _handoff(sweep, handoff, op: str):
         return run
 
     try:
-        return sweep._into_symmetric(make_run)
+        timed, ok = sweep._into_symmetric(make_run)
+        # A kernel handoff's wait that reached its deadline (a word never came: the copy skipped, or
+        # the receiver gave up) fails the row, whatever the data say once every PE has synchronised.
+        torch.cuda.synchronize()
+        timed_out = int(words[pydatacopy._C.BENCH_HANDOFF_TIMED_OUT_WORD].item()) != 0
+        if timed_out:
+            print(f"  rank {sweep.me}: the {op} baseline's handshake timed out", file=sys.stderr, flush=True)
+        return timed, agree(ok and not timed_out)
     finally:
         torch.cuda.synchronize()
         pydatacopy.barrier()

@@ -60,10 +60,11 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 // kHandoffBegin (each sending block's store at the receiver, system fence and two looks before it
 // writes: zero_copy_begin), kHandoffResolve (block 0 reads a host-mapped word, `host_word`, and
 // publishes it to the other blocks: take_descriptor's resolver), kHandoffTwoBlocksPerSm (twice the
-// blocks, two a multiprocessor, as the send/recv kernel's grid). {ready, done, resolved,
-// begin[kHandoffBeginWords]} words.
+// blocks; with one 512-thread block a multiprocessor resident, they run in two waves). {ready,
+// done, resolved, timed out, begin[kHandoffBeginWords]} words; the timed-out word is set by a
+// wait that reached its deadline (the row's check reads it).
 constexpr unsigned kHandoffBegin = 1, kHandoffResolve = 2, kHandoffTwoBlocksPerSm = 4;
-constexpr int kHandoffWords = 3, kHandoffBeginWords = 256;
+constexpr int kHandoffWords = 4, kHandoffTimedOutWord = 3, kHandoffBeginWords = 256;
 void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uint64_t* my_words,
                          uint64_t* peer_words, bool sends, bool receives, uint64_t message, uint64_t wait_ns,
                          unsigned variant, const uint64_t* host_word, cudaStream_t stream);

@@ -33,30 +33,38 @@ __global__ void __launch_bounds__(kCopyThreads)
 // each sending block waits for that word, copies its span straight into the receiver's buffer,
 // then (one system fence) adds one to the receiver's done word, which the receiver waits for.
 // No descriptor, no table, no cancellation, no watchdog beyond a deadline that keeps a benchmark
-// from hanging (the row's data check then fails). Words as CopyEngineHandoff: {ready, done,
-// resolved, begin[kHandoffBeginWords]}. `variant` adds, one by one, what the zero-copy send/recv
+// from hanging: a wait that reaches it sets this PE's timed-out word (a sender then copies
+// nothing), which the row's check reads. Words as CopyEngineHandoff: {ready, done, resolved,
+// timed out, begin[kHandoffBeginWords]}. `variant` adds, one by one, what the zero-copy send/recv
 // does beyond this (api.cuh, kHandoff*), so that an experiment can price each.
 __global__ void __launch_bounds__(kCopyThreads)
     handoff_copy_kernel(uint8_t* peer_dst, const uint8_t* src, int64_t bytes, uint64_t* my_words,
                         uint64_t* peer_words, bool sends, bool receives, uint64_t message, int sender_blocks,
                         uint64_t wait_ns, unsigned variant, const uint64_t* host_word) {
-  constexpr int kReady = 0, kDone = 1, kResolved = 2, kBegin = 3;
+  constexpr int kReady = 0, kDone = 1, kResolved = 2, kTimedOut = 3, kBegin = 4;
   const uint64_t deadline = detail::globaltimer_ns() + wait_ns;
-  const auto before_deadline = [&] { return detail::globaltimer_ns() < deadline; };
+  // Thread 0: waits until *word reaches `value`; at the deadline, says so in the timed-out word.
+  const auto wait_for = [&](const uint64_t* word, uint64_t value, bool gpu_scope) {
+    while ((gpu_scope ? load_acquire_gpu(word) : detail::load_acquire_sys(word)) < value)
+      if (detail::globaltimer_ns() > deadline) {
+        *reinterpret_cast<volatile uint64_t*>(my_words + kTimedOut) = 1;
+        return false;
+      }
+    return true;
+  };
   if (receives && blockIdx.x == 0 && threadIdx.x == 0) store_release_sys(peer_words + kReady, message);
   if (sends) {
+    __shared__ bool ready;
     if (threadIdx.x == 0) {
-      while (detail::load_acquire_sys(my_words + kReady) < message && before_deadline()) {
-      }
-      if (variant & kHandoffResolve) {  // block 0 reads a host-mapped word, the others wait for it
+      ready = wait_for(my_words + kReady, message, false);
+      if (ready && (variant & kHandoffResolve)) {  // block 0 reads a host-mapped word, the others wait for it
         if (blockIdx.x == 0)
           store_release_gpu(my_words + kResolved,
                             message + (*reinterpret_cast<const volatile uint64_t*>(host_word) & 0));
         else
-          while (load_acquire_gpu(my_words + kResolved) < message && before_deadline()) {
-          }
+          ready = wait_for(my_words + kResolved, message, true);
       }
-      if (variant & kHandoffBegin) {  // zero_copy_begin: a word at the receiver, a fence, two looks
+      if (ready && (variant & kHandoffBegin)) {  // zero_copy_begin: a word at the receiver, a fence, two looks
         *reinterpret_cast<volatile uint64_t*>(peer_words + kBegin + blockIdx.x % kHandoffBeginWords) = message;
         __threadfence_system();
         __shared__ volatile uint64_t looked;  // the two looks must happen: kept
@@ -65,6 +73,7 @@ __global__ void __launch_bounds__(kCopyThreads)
       }
     }
     __syncthreads();
+    if (!ready) return;  // every thread of the block alike: nothing written, the row fails
     const int64_t span = (bytes + gridDim.x - 1) / gridDim.x;
     const int64_t begin = span * blockIdx.x, end = begin + span < bytes ? begin + span : bytes;
     if (begin < end) copy_bytes<8, true>(peer_dst + begin, src + begin, end - begin, threadIdx.x, blockDim.x);
@@ -74,9 +83,7 @@ __global__ void __launch_bounds__(kCopyThreads)
       atomicAdd_system(reinterpret_cast<unsigned long long*>(peer_words + kDone), 1ull);
     }
   }
-  if (receives && blockIdx.x == 0 && threadIdx.x == 0)
-    while (detail::load_acquire_sys(my_words + kDone) < message * sender_blocks && before_deadline()) {
-    }
+  if (receives && blockIdx.x == 0 && threadIdx.x == 0) wait_for(my_words + kDone, message * sender_blocks, false);
 }
 
 // A put_many table in kernel parameters, sized by the launch (a short list does not carry the
