@@ -174,6 +174,9 @@ struct SlotHeader;
 struct RendezvousDescriptor;
 }
 struct ZeroCopyState;  // send_recv.cpp: the mailboxes and mapping tables
+namespace zero_copy {
+class ProgressThread;  // send_recv/progress_thread.hpp
+}
 
 
 // Reads a few device words from the host (SendRecvEngine::check_refusals, and the test hook's
@@ -330,6 +333,9 @@ class SendRecvEngine {
   void batch_locked(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds);
   void check_refusals_locked();
   void service_zero_copy_locked();
+  // The progress thread's round (PYDATACOPY_ZERO_COPY_PROGRESS): service_zero_copy_locked() when the
+  // engine's lock is free (a call holding it serves its own peers), and whether it moved anything.
+  bool serve_zero_copy_progress();
   std::vector<uint64_t> zero_copy_counters_locked();
   // Local, never blocks: exchanges the whole state (channels, staging, counters), not the lock.
   void swap_state(SendRecvEngine& other) noexcept;
@@ -382,6 +388,12 @@ class SendRecvEngine {
   uint64_t* ll_credits(int dst_pe) const;  // at the sender: the word dst_pe advances
   std::unique_ptr<ZeroCopyState> zero_copy_;
   mutable std::mutex mutex_;  // the engine's lock (see the class comment); never swapped or moved
+  // PYDATACOPY_ZERO_COPY_PROGRESS: a thread that serves the peers' mapping requests between this
+  // process's calls (started by init(), stopped by cleanup() and the destructor, joined outside
+  // mutex_), and whether a recv may wait once for a mapping an earlier call asked for. Belongs to
+  // this object, not to its state: never swapped or moved (the thread calls this engine).
+  std::unique_ptr<zero_copy::ProgressThread> zero_copy_progress_;  // under mutex_
+  bool zero_copy_progress_on_ = false;                              // under mutex_
 };
 
 }  // namespace pydatacopy

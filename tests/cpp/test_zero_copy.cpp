@@ -116,6 +116,30 @@ void test_handshake_then_zero_copy() {
   check(p.exporter.acked(dst), "acked() agrees");
 }
 
+// PYDATACOPY_ZERO_COPY_PROGRESS: a recv may wait once for the answer to a request an earlier call
+// made, never in the call that made it, and never twice for one request.
+void test_a_second_call_may_wait_once() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  const void* dst = at(kBase + 128);
+  p.exporter.begin_call();
+  check(!p.exporter.prepare(dst, 1 << 20, false).zero_copy, "the first call requests the mapping");
+  check(!p.exporter.claim_wait(dst), "the call that requested it does not wait for it");
+  p.exporter.begin_call();
+  check(!p.exporter.prepare(dst, 1 << 20, false).zero_copy, "unanswered: still staged");
+  check(p.exporter.claim_wait(dst), "a later call may wait once");
+  check(!p.exporter.claim_wait(dst), "and only once per request");
+  p.importer.drain();
+  check(p.exporter.acked(dst) && p.exporter.prepare(dst, 1 << 20, false).zero_copy, "answered: zero-copy");
+  check(!p.exporter.claim_wait(dst), "nothing to wait for once answered");
+  const void* other = at(kBase + kBytes + 4096);
+  p.cuda.allocate(kBase + kBytes, kBytes, /*exportable=*/false);
+  p.exporter.begin_call();
+  p.exporter.prepare(other, 1 << 20, false);
+  p.exporter.begin_call();
+  check(!p.exporter.claim_wait(other), "memory that cannot be exported is never waited for");
+}
+
 void test_stale_buffer_id_drops_the_mapping() {
   Pair p;
   p.cuda.allocate(kBase, kBytes);
@@ -382,6 +406,7 @@ void test_shared_memory_mailbox() {
 
 int main() {
   test_handshake_then_zero_copy();
+  test_a_second_call_may_wait_once();
   test_stale_buffer_id_drops_the_mapping();
   test_eviction_waits_for_an_idle_channel();
   test_an_entry_used_in_this_call_is_not_evicted_by_it();

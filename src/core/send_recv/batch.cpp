@@ -125,22 +125,36 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
 // graph's replays move the data once (a capture is not a hot path). Bounded by the call's
 // timeout too; past it the captured recv stays staged (correct, two copies).
 constexpr double kCaptureHandshakeSeconds = 0.5;
+// The same for an eager recv's second call into an allocation (PYDATACOPY_ZERO_COPY_PROGRESS), once
+// per allocation: the sender's progress thread answers within about 1 ms and an open takes 0.4-1.4 ms
+// on an H200; past it the recv stays staged, and later calls take whatever answer has come.
+constexpr double kSecondCallHandshakeSeconds = 0.02;
 
 void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
                                       bool capturing, double timeout_seconds) {
   if (!a.post_descriptor || bytes < zero_copy_min_bytes_) return;
   zero_copy::Exporter& exporter = *zero_copy_->exporters[peer];
   zero_copy::Exporter::Decision d = exporter.prepare(dst, bytes, capturing);
-  if (!d.zero_copy && capturing && exporter.awaiting(dst)) {
-    // Both sides of a captured sendrecv wait here at once: each serves the other's requests.
+  // Waits up to `seconds` (never past the call's timeout) for the sender's answer about dst's
+  // allocation, serving that peer's own requests meanwhile (both sides may wait at once), then
+  // decides again.
+  const auto wait_for_answer = [&](double seconds) {
     const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration<double>(std::min(timeout_seconds, kCaptureHandshakeSeconds));
+                          std::chrono::duration<double>(std::min(timeout_seconds, seconds));
     while (std::chrono::steady_clock::now() < deadline) {
       zero_copy_->importers[peer]->drain();
       if (exporter.acked(dst) || !exporter.awaiting(dst)) break;  // mapped, or refused for good
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
     d = exporter.prepare(dst, bytes, capturing);
+  };
+  if (!d.zero_copy && capturing && exporter.awaiting(dst)) {
+    wait_for_answer(kCaptureHandshakeSeconds);  // a captured recv keeps its mode for the graph's life
+  } else if (!d.zero_copy && !capturing && zero_copy_progress_on_ && exporter.claim_wait(dst)) {
+    // PYDATACOPY_ZERO_COPY_PROGRESS: the second call into an allocation whose mapping the first
+    // one asked for waits once, briefly, for the answer that the sender's progress thread gives
+    // between its own calls: from the second call on, the buffer moves once.
+    wait_for_answer(kSecondCallHandshakeSeconds);
   }
   a.zero_copy = d.zero_copy;
   a.zc_index = d.index;

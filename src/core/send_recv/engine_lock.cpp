@@ -3,28 +3,50 @@
 // state in or out, never across their barriers (send_recv.hpp: the class comment).
 #include "pydatacopy/send_recv.hpp"
 
+#include <chrono>
+#include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
+#include "send_recv/progress_thread.hpp"
 
 namespace pydatacopy {
 
 using Lock = std::lock_guard<std::mutex>;
+
+// The progress thread's pace (PYDATACOPY_ZERO_COPY_PROGRESS): 100 us between rounds while requests
+// come, 1 ms while the mailboxes are empty (an open takes 0.4-1.4 ms on an H200: the wait of a
+// recv's second call, 20 ms at most, covers both).
+constexpr std::chrono::microseconds kProgressBusy{100}, kProgressIdle{1000};
 
 void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
   {
     Lock lock(mutex_);
     PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
   }
+  // Read before anything collective: a bad value throws here, on this PE, before its peers wait.
+  const bool progress = settings::value("PYDATACOPY_ZERO_COPY_PROGRESS").on;
   SendRecvEngine fresh;  // built (collectively) outside the lock, seen by no other thread
   fresh.build(chunk_bytes, num_chunks, blocks);
   bool lost = false;  // another thread's init won the race
   {
     Lock lock(mutex_);
-    if (base_ != nullptr) lost = true;
-    else swap_state(fresh);
+    if (base_ != nullptr) {
+      lost = true;
+    } else {
+      swap_state(fresh);
+      zero_copy_progress_on_ = progress && zero_copy_ != nullptr;
+      if (zero_copy_progress_on_ && zero_copy_progress_ == nullptr) {
+        int device = 0;
+        PDC_CHECK_CUDA(cudaGetDevice(&device));
+        // Its first round finds the lock held (here) and waits its turn; cleanup() stops it.
+        zero_copy_progress_ = std::make_unique<zero_copy::ProgressThread>(
+            [this] { return serve_zero_copy_progress(); }, kProgressBusy, kProgressIdle,
+            [device] { PDC_CHECK_CUDA(cudaSetDevice(device)); });
+      }
+    }
   }
   if (lost) {
     fresh.release();  // collective, like the init every PE made; outside the lock
@@ -33,10 +55,14 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
 }
 
 void SendRecvEngine::cleanup() {
-  SendRecvEngine old = [this] {
+  std::unique_ptr<zero_copy::ProgressThread> progress;
+  SendRecvEngine old = [this, &progress] {
     Lock lock(mutex_);
+    progress = std::move(zero_copy_progress_);
+    zero_copy_progress_on_ = false;
     return detach();
   }();
+  progress.reset();  // joined outside the lock: its round takes the lock only when free
   old.release();  // collective (barrier, symmetric free) outside the lock
 }
 

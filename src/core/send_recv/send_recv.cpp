@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <sstream>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -32,6 +33,7 @@
 #include "pydatacopy/symmetric.hpp"
 #include "rma/symmetric_internal.hpp"
 #include "send_recv/zero_copy.hpp"
+#include "send_recv/progress_thread.hpp"
 #include "send_recv/zero_copy_state.hpp"
 
 namespace pydatacopy {
@@ -285,7 +287,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
 }
 
 SendRecvEngine::SendRecvEngine() = default;
-SendRecvEngine::~SendRecvEngine() = default;
+// Stops the progress thread first (it calls this engine); never collective.
+SendRecvEngine::~SendRecvEngine() { zero_copy_progress_.reset(); }
 
 void SendRecvEngine::agree_zero_copy_min_bytes(std::size_t bytes) { agree_zero_copy_min_bytes(bytes, ""); }
 
@@ -366,6 +369,24 @@ void SendRecvEngine::service_zero_copy_locked() {
     zero_copy_->importers[peer]->drain();
     zero_copy_->exporters[peer]->poll();
   }
+}
+
+bool SendRecvEngine::serve_zero_copy_progress() {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || zero_copy_ == nullptr) return false;
+  // What moved: handles opened, refused, unmapped or closed here; answers read from the peers.
+  const auto activity = [this] {
+    uint64_t sum = 0;
+    for (int peer = 0; peer < n_pes_; ++peer) {
+      const auto& in = zero_copy_->importers[peer]->stats();
+      const auto& out = zero_copy_->exporters[peer]->stats();
+      sum += in.opened + in.open_failed + in.unmapped + in.closed + out.acked + out.refused;
+    }
+    return sum;
+  };
+  const uint64_t before = activity();
+  service_zero_copy_locked();
+  return activity() != before;
 }
 
 void SendRecvEngine::set_phase_stamps(bool on) { kernels::set_phase_stamps(on); }

@@ -150,6 +150,7 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
   e.state = State::kRequested;
   e.index = index;
   e.last_use = ++tick_;
+  e.requested_at = e.last_use;
   e.pinned = capturing;
   in_use_[static_cast<std::size_t>(index)] = true;
   ++stats_.requests;
@@ -171,6 +172,17 @@ bool Exporter::awaiting(const void* dst) {
   const Allocation a = backend_.query(dst);
   auto it = entries_.find(a.base);
   return it != entries_.end() && it->second.buffer_id == a.buffer_id && it->second.state == State::kRequested;
+}
+
+bool Exporter::claim_wait(const void* dst) {
+  if (!usable()) return false;
+  const Allocation a = backend_.query(dst);
+  auto it = entries_.find(a.base);
+  if (it == entries_.end() || it->second.buffer_id != a.buffer_id || it->second.state != State::kRequested ||
+      it->second.waited || it->second.requested_at > call_start_)  // requested by this very call
+    return false;
+  it->second.waited = true;
+  return true;
 }
 
 // ---- importer (the sender's side) -------------------------------------------------------------

@@ -147,6 +147,11 @@ class Exporter {
   bool acked(const void* dst);
   // Requests still waiting for the sender's answer (a capture may wait for them briefly).
   bool awaiting(const void* dst);
+  // Whether an eager recv into dst should wait (briefly, once) for the sender's answer: the
+  // allocation's mapping was requested by an earlier call and is still unanswered, and no call
+  // waited for it yet. True once per request (this marks it), so that a sender that never
+  // answers costs one bounded wait, not one per call.
+  bool claim_wait(const void* dst);
   const Stats& stats() const { return stats_; }
   int live_entries() const { return static_cast<int>(entries_.size()); }
 
@@ -158,7 +163,9 @@ class Exporter {
     State state = State::kRequested;
     int index = -1;
     uint64_t last_use = 0;
+    uint64_t requested_at = 0;  // tick_ of the call that requested the mapping
     bool pinned = false;
+    bool waited = false;  // claim_wait() answered true for this request
   };
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
