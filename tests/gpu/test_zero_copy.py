@@ -338,3 +338,48 @@ def test_captured_sendrecv_replays_zero_copy_with_fresh_data(world, peer, warm):
             assert zero_copy == 0, f"forced RMA went zero-copy: {after}"
     del graph
     outcome.agree("the captured sendrecv")
+
+
+# ---- PYDATACOPY_ZERO_COPY_PROGRESS: zero-copy from the second call, whenever the hosts' calls meet ----
+
+@pytest.fixture
+def progress_thread(monkeypatch):
+    """The engine rebuilt with PYDATACOPY_ZERO_COPY_PROGRESS=1 (read at setup), the threshold at
+    1 MiB; the zero_copy_on fixture rebuilds it without afterwards."""
+    monkeypatch.setenv("PYDATACOPY_ZERO_COPY_PROGRESS", "1")
+    pydatacopy.setup_send_recv()
+    _send_recv.set_zero_copy_min_bytes(THRESHOLD)
+    yield
+    monkeypatch.delenv("PYDATACOPY_ZERO_COPY_PROGRESS")
+
+
+def test_progress_thread_moves_a_buffer_once_from_its_second_recv(world, peer, progress_thread):
+    """One way, calls back to back with no step between them (the hosts never meet on purpose):
+    the receiver's first recv asks for the mapping, the sender's progress thread answers between
+    the sender's own calls, the second recv waits for that answer (once, briefly) and moves once, as
+    every later one. Before PYDATACOPY_ZERO_COPY_PROGRESS, whether they did depended on timing."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes, rounds = 4 * MiB + 3, 4
+    pool = torch.zeros(rounds * (nbytes + 64), dtype=torch.uint8, device="cuda")  # one allocation
+    before = _counters()
+    dist.barrier()
+    with outcome.check("one way, back to back"):
+        for round_ in range(rounds):
+            if rank == 0:
+                pydatacopy.send(_bytes(rank, 5000 + round_, nbytes), peer)
+            else:
+                pydatacopy.recv(pool[round_ * (nbytes + 64):round_ * (nbytes + 64) + nbytes], peer)
+        torch.cuda.synchronize()
+        if rank == 1:
+            for round_ in range(rounds):
+                got = pool[round_ * (nbytes + 64):round_ * (nbytes + 64) + nbytes]
+                _assert_bytes(got, _bytes(peer, 5000 + round_, nbytes), f"round {round_}")
+    after = _counters()
+    with outcome.check("the counters"):
+        if not _load_store():
+            assert after["recv_zero_copy"] == before["recv_zero_copy"], f"forced RMA went zero-copy: {after}"
+        elif rank == 1:
+            zero_copy = after["recv_zero_copy"] - before["recv_zero_copy"]
+            assert zero_copy == rounds - 1, f"{zero_copy} of the {rounds - 1} recvs after the first went zero-copy: {after}"
+    outcome.agree("the progress thread")
