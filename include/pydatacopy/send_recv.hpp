@@ -301,6 +301,12 @@ class SendRecvEngine {
   // when not initialised): every call with a peer does it for that peer; check_errors() does
   // it for all.
   void service_zero_copy();
+  // PYDATACOPY_ZERO_COPY_PROGRESS: how long an eager recv waits, once per mapping request, for its
+  // sender's answer (20 ms by default: the sender's thread answers within about 1 ms, and an open
+  // takes 0.4-1.4 ms on an H200). A test hook sets it to the timeout, so that a test of the protocol
+  // does not rest on a machine's speed (never past the call's own timeout either way).
+  static constexpr double kDefaultZeroCopyWaitSeconds = 0.02;
+  void set_zero_copy_wait_seconds(double seconds);
   // Test hook: ops finished since init, [send staged, send zero-copy, recv staged, recv
   // zero-copy] (counted on the device: synchronise first), and the host's bookkeeping:
   // [map requests, acknowledged, refused by the sender, not exportable, stale dropped, evicted,
@@ -387,6 +393,7 @@ class SendRecvEngine {
   uint64_t* ll_lines(int src_pe) const;    // at the receiver: the ring of src_pe's channel
   uint64_t* ll_credits(int dst_pe) const;  // at the sender: the word dst_pe advances
   std::unique_ptr<ZeroCopyState> zero_copy_;
+  bool zero_copy_progress_wanted_ = false;  // PYDATACOPY_ZERO_COPY_PROGRESS, as every PE voted at build()
   mutable std::mutex mutex_;  // the engine's lock (see the class comment); never swapped or moved
   // PYDATACOPY_ZERO_COPY_PROGRESS: a thread that serves the peers' mapping requests between this
   // process's calls (started by init(), stopped by cleanup() and the destructor, joined outside
@@ -394,6 +401,7 @@ class SendRecvEngine {
   // this object, not to its state: never swapped or moved (the thread calls this engine).
   std::unique_ptr<zero_copy::ProgressThread> zero_copy_progress_;  // under mutex_
   bool zero_copy_progress_on_ = false;                              // under mutex_
+  double zero_copy_wait_seconds_ = kDefaultZeroCopyWaitSeconds;     // under mutex_
 };
 
 }  // namespace pydatacopy

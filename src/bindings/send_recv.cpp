@@ -141,6 +141,10 @@ void bind_send_recv(py::module_& m) {
                   "test hook: the last 1024 launches' [entry, grid wait, prologue, rendezvous, op done, loop "
                   "left, counters, end] in ns (0: not reached), then op 0's mode and whether it is a send")
       .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
+      .def("set_zero_copy_wait_seconds", &SendRecvEngine::set_zero_copy_wait_seconds, py::arg("seconds"),
+           "test hook: how long an eager recv waits once for its mapping (PYDATACOPY_ZERO_COPY_PROGRESS)")
+      .def_property_readonly_static("DEFAULT_ZERO_COPY_WAIT_SECONDS",
+                                    [](py::object) { return SendRecvEngine::kDefaultZeroCopyWaitSeconds; })
       .def("zero_copy_counters", [](SendRecvEngine& self) {
              const std::vector<uint64_t> v = [&self] {
                py::gil_scoped_release release;  // the engine's lock (see without_gil_getter)

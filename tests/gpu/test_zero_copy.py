@@ -349,6 +349,9 @@ def progress_thread(monkeypatch):
     monkeypatch.setenv("PYDATACOPY_ZERO_COPY_PROGRESS", "1")
     pydatacopy.setup_send_recv()
     _send_recv.set_zero_copy_min_bytes(THRESHOLD)
+    # The second call's wait up to the call's timeout (the engine's 20 ms would make the count below
+    # rest on this machine's speed): what is tested is that the answer comes between the sender's calls.
+    _send_recv._require_engine("progress_thread").set_zero_copy_wait_seconds(pydatacopy._C.default_timeout_seconds())
     yield
     monkeypatch.delenv("PYDATACOPY_ZERO_COPY_PROGRESS")
 

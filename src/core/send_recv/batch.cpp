@@ -125,10 +125,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
 // graph's replays move the data once (a capture is not a hot path). Bounded by the call's
 // timeout too; past it the captured recv stays staged (correct, two copies).
 constexpr double kCaptureHandshakeSeconds = 0.5;
-// The same for an eager recv's second call into an allocation (PYDATACOPY_ZERO_COPY_PROGRESS), once
-// per allocation: the sender's progress thread answers within about 1 ms and an open takes 0.4-1.4 ms
-// on an H200; past it the recv stays staged, and later calls take whatever answer has come.
-constexpr double kSecondCallHandshakeSeconds = 0.02;
+
 
 void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
                                       bool capturing, double timeout_seconds) {
@@ -142,7 +139,9 @@ void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, st
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(std::min(timeout_seconds, seconds));
     while (std::chrono::steady_clock::now() < deadline) {
-      zero_copy_->importers[peer]->drain();
+      // Every peer's requests, not only this one's: the lock held here also keeps this process's
+      // progress thread out, and a ring of PEs that each wait here needs each to serve its receiver.
+      service_zero_copy_locked();
       if (exporter.acked(dst) || !exporter.awaiting(dst)) break;  // mapped, or refused for good
       std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
@@ -154,7 +153,7 @@ void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, st
     // PYDATACOPY_ZERO_COPY_PROGRESS: the second call into an allocation whose mapping the first
     // one asked for waits once, briefly, for the answer that the sender's progress thread gives
     // between its own calls: from the second call on, the buffer moves once.
-    wait_for_answer(kSecondCallHandshakeSeconds);
+    wait_for_answer(zero_copy_wait_seconds_);
   }
   a.zero_copy = d.zero_copy;
   a.zc_index = d.index;

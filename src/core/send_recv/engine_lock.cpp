@@ -3,7 +3,10 @@
 // state in or out, never across their barriers (send_recv.hpp: the class comment).
 #include "pydatacopy/send_recv.hpp"
 
+#include <cuda_runtime.h>
+
 #include <chrono>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -26,8 +29,8 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
     Lock lock(mutex_);
     PDC_REQUIRE(base_ == nullptr, "SendRecvEngine.init: already initialised; call cleanup() first");
   }
-  // Read before anything collective: a bad value throws here, on this PE, before its peers wait.
-  const bool progress = settings::value("PYDATACOPY_ZERO_COPY_PROGRESS").on;
+  int device = -1;  // the progress thread's (asked here: nothing may throw once the state is in)
+  if (cudaGetDevice(&device) != cudaSuccess) cudaGetLastError(), device = -1;
   SendRecvEngine fresh;  // built (collectively) outside the lock, seen by no other thread
   fresh.build(chunk_bytes, num_chunks, blocks);
   bool lost = false;  // another thread's init won the race
@@ -37,14 +40,20 @@ void SendRecvEngine::init(std::size_t chunk_bytes, int num_chunks, int blocks) {
       lost = true;
     } else {
       swap_state(fresh);
-      zero_copy_progress_on_ = progress && zero_copy_ != nullptr;
-      if (zero_copy_progress_on_ && zero_copy_progress_ == nullptr) {
-        int device = 0;
-        PDC_CHECK_CUDA(cudaGetDevice(&device));
-        // Its first round finds the lock held (here) and waits its turn; cleanup() stops it.
-        zero_copy_progress_ = std::make_unique<zero_copy::ProgressThread>(
-            [this] { return serve_zero_copy_progress(); }, kProgressBusy, kProgressIdle,
-            [device] { PDC_CHECK_CUDA(cudaSetDevice(device)); });
+      // PYDATACOPY_ZERO_COPY_PROGRESS, voted by every PE at build(). The state is in and this PE's
+      // peers have theirs: a thread that cannot start leaves this PE without it (its recvs wait for
+      // no answer: staged, as before), never an exception here.
+      zero_copy_progress_on_ = false;
+      if (zero_copy_progress_wanted_ && zero_copy_ != nullptr && device >= 0 && zero_copy_progress_ == nullptr) {
+        try {
+          // Its first round finds the lock held (here) and waits its turn; cleanup() stops it.
+          zero_copy_progress_ = std::make_unique<zero_copy::ProgressThread>(
+              [this] { return serve_zero_copy_progress(); }, kProgressBusy, kProgressIdle,
+              [device] { PDC_CHECK_CUDA(cudaSetDevice(device)); });
+          zero_copy_progress_on_ = true;
+        } catch (const std::exception&) {
+          zero_copy_progress_.reset();
+        }
       }
     }
   }
@@ -157,6 +166,13 @@ void SendRecvEngine::set_low_latency_max_bytes(std::size_t bytes) {
   agree_low_latency_max_bytes(bytes, "");  // a blocking barrier: outside the lock, as above
   Lock lock(mutex_);
   low_latency_max_bytes_ = bytes;
+}
+
+void SendRecvEngine::set_zero_copy_wait_seconds(double seconds) {
+  PDC_REQUIRE(seconds >= 0 && seconds <= 3600, "set_zero_copy_wait_seconds: " << seconds
+                                                                              << " s is not between 0 and 3600");
+  Lock lock(mutex_);
+  zero_copy_wait_seconds_ = seconds;
 }
 
 void SendRecvEngine::service_zero_copy() {

@@ -8,17 +8,28 @@ namespace pydatacopy::zero_copy {
 
 ProgressThread::ProgressThread(std::function<bool()> serve, std::chrono::microseconds busy,
                                std::chrono::microseconds idle, std::function<void()> on_start)
-    : busy_(busy), idle_(idle), thread_(&ProgressThread::run, this, std::move(serve), std::move(on_start)) {}
+    : busy_(busy),
+      idle_(idle),
+      thread_(std::make_unique<std::thread>(&ProgressThread::run, this, std::move(serve), std::move(on_start))) {}
 
 ProgressThread::~ProgressThread() { stop(); }
 
 void ProgressThread::stop() {
+  if (thread_ == nullptr) return;
+  if (getpid() != owner_) {  // a forked child: the thread does not exist here
+    static_cast<void>(thread_.release());  // never joined, never destroyed (std::terminate)
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   wake_.notify_all();
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  if (thread_->get_id() == std::this_thread::get_id())
+    thread_->detach();  // stopped from its own round: it ends when that round returns
+  else if (thread_->joinable())
+    thread_->join();
+  thread_.reset();
 }
 
 void ProgressThread::run(std::function<bool()> serve, std::function<void()> on_start) {

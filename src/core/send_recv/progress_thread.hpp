@@ -9,9 +9,13 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+
+#include <sys/types.h>
+#include <unistd.h>
 
 namespace pydatacopy::zero_copy {
 
@@ -26,13 +30,15 @@ class ProgressThread {
   ProgressThread(const ProgressThread&) = delete;
   ProgressThread& operator=(const ProgressThread&) = delete;
 
-  // Ends the thread and joins it: bounded by one call of `serve`, never by a peer. Idempotent.
+  // Ends the thread and joins it: bounded by one call of `serve`, never by a peer. Idempotent. In a
+  // process forked from the one that started it (no such thread there, and its lock may have been
+  // held at the fork), it lets the thread object go without locking or joining.
   void stop();
   // Calls of `serve` so far, and those that did something (tests, the doctor).
   uint64_t rounds() const { return rounds_.load(std::memory_order_relaxed); }
   uint64_t busy_rounds() const { return busy_rounds_.load(std::memory_order_relaxed); }
-  // What ended the thread early ("" while it runs or after stop()): an exception of `serve` or
-  // `on_start`, kept here since a library thread must not end the process.
+  // What ended the thread early ("" if nothing did): an exception of `serve` or `on_start`, kept
+  // here (also after stop()) since a library thread must not end the process.
   std::string failure();
 
  private:
@@ -44,7 +50,9 @@ class ProgressThread {
   bool stopping_ = false;  // under mutex_
   std::string failure_;    // under mutex_
   std::atomic<uint64_t> rounds_{0}, busy_rounds_{0};
-  std::thread thread_;  // last: started once every member above exists
+  const pid_t owner_ = getpid();  // the process the thread runs in
+  // Last: started once every member above exists. On the heap, so that a forked child can let it go.
+  std::unique_ptr<std::thread> thread_;
 };
 
 }  // namespace pydatacopy::zero_copy

@@ -152,13 +152,33 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // PYDATACOPY_FORCE_RMA too: each side decides from it whether a channel is load/store (the
   // low-latency and zero-copy paths), so two PEs that disagree would time out on small messages.
   const int my_cap = kernels::chunk_batch_resident_blocks(pes_sharing_my_gpu());
-  constexpr uint64_t kForcedBit = 1ull << 31;  // a grid cap is far below 2^31
+  // PYDATACOPY_ZERO_COPY_PROGRESS too: a receiver waits for answers that its sender's thread gives,
+  // so PEs that disagree would wait for nothing; a value one PE cannot read refuses on every PE.
+  constexpr uint64_t kForcedBit = 1ull << 31, kProgressBit = 1ull << 30, kProgressUnreadableBit = 1ull << 29;
+  constexpr uint64_t kGridCapMask = kProgressUnreadableBit - 1;  // a grid cap is far below 2^29
   const bool forced = rma_forced();
+  bool progress = false;
+  std::string progress_unreadable;
+  try {
+    progress = settings::value("PYDATACOPY_ZERO_COPY_PROGRESS").on;
+  } catch (const std::exception& error) {
+    progress_unreadable = error.what();
+  }
   const std::vector<uint64_t> votes = barrier_all_blocking(
       "SendRecvEngine.init (collective: every PE must set up send/recv)", default_timeout_seconds(),
-      (static_cast<uint64_t>(blocks) << 32) | (forced ? kForcedBit : 0) | static_cast<uint32_t>(my_cap));
+      (static_cast<uint64_t>(blocks) << 32) | (forced ? kForcedBit : 0) | (progress ? kProgressBit : 0) |
+          (progress_unreadable.empty() ? 0 : kProgressUnreadableBit) | (static_cast<uint32_t>(my_cap) & kGridCapMask));
   int grid_cap = my_cap;
   for (std::size_t pe = 0; pe < votes.size(); ++pe) {
+    PDC_REQUIRE((votes[pe] & kProgressUnreadableBit) == 0,
+                "SendRecvEngine.init: PE " << pe << " cannot read PYDATACOPY_ZERO_COPY_PROGRESS"
+                                           << (progress_unreadable.empty() ? "" : " (here: " + progress_unreadable + ")")
+                                           << "; set it to 0 or 1 on every PE. Nothing was allocated on any PE");
+    PDC_REQUIRE(((votes[pe] & kProgressBit) != 0) == progress,
+                "SendRecvEngine.init: PE " << pe << " runs " << ((votes[pe] & kProgressBit) != 0 ? "with" : "without")
+                                           << " PYDATACOPY_ZERO_COPY_PROGRESS and this PE " << (progress ? "with" : "without")
+                                           << " it; every PE must set it alike (a receiver waits for what its sender's "
+                                              "thread answers). Nothing was allocated on any PE");
     PDC_REQUIRE(((votes[pe] & kForcedBit) != 0) == forced,
                 "SendRecvEngine.init: PE " << pe << " runs " << ((votes[pe] & kForcedBit) != 0 ? "with" : "without")
                                            << " PYDATACOPY_FORCE_RMA and this PE "
@@ -171,8 +191,9 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
                                            << "; every PE must use the same settings "
                                               "(PYDATACOPY_SEND_BLOCKS, setup_send_recv's arguments). "
                                               "Nothing was allocated on any PE");
-    grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & (kForcedBit - 1)));
+    grid_cap = std::min(grid_cap, static_cast<int>(votes[pe] & kGridCapMask));
   }
+  zero_copy_progress_wanted_ = progress;
   // The zero-copy threshold decides, on each side alike, whether a message waits for a
   // rendezvous: every PE must have the same. A value this PE cannot read is voted as such, so
   // that every PE refuses (nothing is allocated yet), not this one alone while its peers wait.
@@ -429,6 +450,7 @@ SendRecvEngine::SendRecvEngine(SendRecvEngine&& other) noexcept {
 
 void SendRecvEngine::swap_state(SendRecvEngine& other) noexcept {
   using std::swap;
+  swap(zero_copy_progress_wanted_, other.zero_copy_progress_wanted_);
   swap(base_, other.base_);
   swap(peer_bases_, other.peer_bases_);
   swap(chunk_bytes_, other.chunk_bytes_);
