@@ -126,15 +126,14 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
 // timeout too; past it the captured recv stays staged (correct, two copies).
 constexpr double kCaptureHandshakeSeconds = 0.5;
 
-
 void SendRecvEngine::decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
                                       bool capturing, double timeout_seconds) {
   if (!a.post_descriptor || bytes < zero_copy_min_bytes_) return;
   zero_copy::Exporter& exporter = *zero_copy_->exporters[peer];
   zero_copy::Exporter::Decision d = exporter.prepare(dst, bytes, capturing);
   // Waits up to `seconds` (never past the call's timeout) for the sender's answer about dst's
-  // allocation, serving that peer's own requests meanwhile (both sides may wait at once), then
-  // decides again.
+  // allocation, serving the peers' requests meanwhile (both sides may wait at once), then decides
+  // again.
   const auto wait_for_answer = [&](double seconds) {
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration<double>(std::min(timeout_seconds, seconds));

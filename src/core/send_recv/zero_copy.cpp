@@ -158,30 +158,33 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
   return staged;
 }
 
+Exporter::Entry* Exporter::entry_of(const void* dst, bool same_size) {
+  const Allocation a = backend_.query(dst);
+  auto it = entries_.find(a.base);
+  if (it == entries_.end() || it->second.buffer_id != a.buffer_id || (same_size && it->second.bytes != a.bytes))
+    return nullptr;
+  return &it->second;
+}
+
 bool Exporter::acked(const void* dst) {
   if (!usable()) return false;
   poll();
-  const Allocation a = backend_.query(dst);
-  auto it = entries_.find(a.base);
-  return it != entries_.end() && it->second.buffer_id == a.buffer_id && it->second.bytes == a.bytes &&
-         it->second.state == State::kAcked;
+  const Entry* e = entry_of(dst, true);
+  return e != nullptr && e->state == State::kAcked;
 }
 
 bool Exporter::awaiting(const void* dst) {
   if (!usable()) return false;
-  const Allocation a = backend_.query(dst);
-  auto it = entries_.find(a.base);
-  return it != entries_.end() && it->second.buffer_id == a.buffer_id && it->second.state == State::kRequested;
+  const Entry* e = entry_of(dst, false);
+  return e != nullptr && e->state == State::kRequested;
 }
 
 bool Exporter::claim_wait(const void* dst) {
   if (!usable()) return false;
-  const Allocation a = backend_.query(dst);
-  auto it = entries_.find(a.base);
-  if (it == entries_.end() || it->second.buffer_id != a.buffer_id || it->second.state != State::kRequested ||
-      it->second.waited || it->second.requested_at > call_start_)  // requested by this very call
-    return false;
-  it->second.waited = true;
+  Entry* e = entry_of(dst, false);
+  if (e == nullptr || e->state != State::kRequested || e->waited || e->requested_at > call_start_)
+    return false;  // (requested_at > call_start_: requested by this very call)
+  e->waited = true;
   return true;
 }
 

@@ -167,6 +167,8 @@ class Exporter {
     bool pinned = false;
     bool waited = false;  // claim_wait() answered true for this request
   };
+  // dst's allocation's entry, if it is the same allocation (buffer ID; and size, with same_size).
+  Entry* entry_of(const void* dst, bool same_size);
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
   void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
