@@ -47,7 +47,7 @@ def _int_at_least(minimum: int, meaning: str):
 SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "kernel_handoff", "put_ce", "put_sm", "put_rma", "torch_symm",
              "sendrecv_default", "sendrecv",
              "sendrecv_staged", "sendrecv_ll", "nccl")
-OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "compile")
+OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "engagement", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
 DEFAULT_OPS = tuple(op for op in OPS if op != "compile")
 
@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # torch's put reads and writes one tensor: one direction only
                 if op == "sendrecv_ll" and not send_recv.low_latency_fits(nbytes):
                     continue  # larger than the low-latency protocol can carry
-                add_row(op, direction, nbytes, *SWEEP_ROWS[op](sweep), base=base)
+                add_row(op, direction, nbytes, *SWEEP_ROWS[op](sweep), base=base).update(sweep.extra)
+                sweep.extra = {}
             del sweep
     # NIXL last, so that UCX (its hooks and progress threads stay once loaded) colours no other
     # row (NIXL is not even imported before); one direction (a WRITE is one-sided). NIXL missing
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if "graph" in ops:
         fixed_rows.extend(put.bench_graph_put(args))
         fixed_rows.extend(send_recv.bench_graph_sendrecv(args))
+    if "engagement" in ops:
+        fixed_rows.extend(send_recv.bench_engagement(args))
     rows.extend(fixed_rows)
     if "tokens" in ops:
         for n_tokens, token_size in args.tokens:

@@ -81,7 +81,8 @@ class Timing:
         return replace(self, seconds=self.host_seconds, p99_seconds=self.host_p99_seconds)
 
 
-def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int) -> Timing:
+def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int,
+            after_warmup: Callable[[], None] | None = None) -> Timing:
     """Times `iterations` calls of `run`, `repeats` times, after `warmup` untimed calls. Each
     repeat is two passes. The first has an event before the first call and after the last only,
     so that nothing stands between two calls on the stream (an event recorded between two kernels
@@ -89,9 +90,13 @@ def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int)
     time per call, median over repeats, is the row's `us`. The second marks the start of every
     call with a CUDA event (and a host timestamp), so that each call has its own time: the 99th
     percentile over every call of every repeat is the row's `p99_us`, a slow call that a loop's
-    average hides."""
+    average hides. `after_warmup` is called once the warm-up calls are done (the GPU idle), before
+    the first timed call."""
     for _ in range(warmup):
         run()
+    if after_warmup is not None:
+        torch.cuda.synchronize()
+        after_warmup()
     # Made once per row and recorded again every repeat: no event is created inside the loop.
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(iterations + 1)]
     stamps = [0.0] * (iterations + 1)
@@ -197,12 +202,32 @@ def time_graph(run: Callable[[], None], calls: int, args, prepare: Callable[[], 
     return timed, agree(ok and check())
 
 
+def allocator_setting(conf: str | None = None) -> str:
+    """The torch allocator the run's tensors come from, as the bench's `alloc` column names it:
+    `cudaMallocAsync` (backend:cudaMallocAsync), `expandable_segments` (expandable_segments:True),
+    or `default`. From PYTORCH_CUDA_ALLOC_CONF (or torch's newer PYTORCH_ALLOC_CONF) unless `conf`
+    is given; the last value of a key wins, as in torch's parser."""
+    import os
+
+    if conf is None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    options = {}
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        options[key.strip()] = value.strip()
+    if options.get("backend") == "cudaMallocAsync":
+        return "cudaMallocAsync"
+    if options.get("expandable_segments", "").lower() == "true":
+        return "expandable_segments"
+    return "default"
+
+
 def make_row(op: str, path: str, direction: str, nbytes: int, timed: Timing, ok: bool,
              size: str | None = None) -> dict:
     return {"op": op, "path": path, "direction": direction, "bytes": nbytes,
             "size": size or human(nbytes), "us": timed.seconds * 1e6, "p99_us": timed.p99_seconds * 1e6,
             "host_us": timed.host_seconds * 1e6, "issue_us": timed.issue_seconds * 1e6,
-            "gbps": nbytes / timed.seconds / 1e9, "ok": ok}
+            "gbps": nbytes / timed.seconds / 1e9, "ok": ok, "alloc": allocator_setting()}
 
 
 def against(row: dict, base: dict) -> dict:
@@ -246,15 +271,21 @@ class Sweep:
         self.src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + self.me)
         self.out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
         self.checked_runs = 0
+        self.extra: dict = {}  # fields a row function adds to its row (the sweep's loop takes them)
 
     def measure(self, run, dst: torch.Tensor, src: torch.Tensor | None = None,
-                local: bool = False) -> tuple[Timing, bool]:
+                local: bool = False, around_timed: Callable[[], None] | None = None) -> tuple[Timing, bool]:
         """Times `run`, then checks one more run of it that must deliver fresh data: the sender
         refills `src` (default self.src) from a new seed, the receiver clears `dst`, and after
         that one run `dst` must hold exactly the sender's new data (a stale, lost or replayed
         delivery fails). `local`: a copy on the sender's own GPU, checked by the sender.
-        Returns (the timing, the check on all PEs)."""
-        timed = time_op(run, self.iterations, self.warmup, self.args.repeats)
+        `around_timed`: called after the warm-up and again after the last timed call (the GPU
+        idle both times), so that a row can count over its timed calls alone. Returns (the
+        timing, the check on all PEs)."""
+        timed = time_op(run, self.iterations, self.warmup, self.args.repeats, after_warmup=around_timed)
+        if around_timed is not None:
+            torch.cuda.synchronize()
+            around_timed()
         src = self.src if src is None else src
         self.checked_runs += 1
         seed = 1000 * self.checked_runs

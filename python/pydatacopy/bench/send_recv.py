@@ -20,8 +20,8 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
 
-from ._harness import against, agree, capture_graphs, copies_to_capture, fill, human, make_row, reduce_device
-from ._harness import refill, time_graph
+from ._harness import against, agree, allocator_setting, capture_graphs, copies_to_capture, fill, human, make_row
+from ._harness import percentile, reduce_device, refill, time_graph
 
 
 @contextlib.contextmanager
@@ -49,13 +49,42 @@ def _run(sweep):
     return run
 
 
+def recv_counts() -> dict[str, int]:
+    """This PE's receives finished so far, by path (the engine's counters, on the device: read
+    after the stream's work is done)."""
+    counters = _send_recv._require_engine("bench").zero_copy_counters()
+    return {path: counters[f"recv_{path}"] for path in ("zero_copy", "staged", "low_latency")}
+
+
+def one_copy_fraction(before: dict[str, int], after: dict[str, int]) -> float | None:
+    """Receives that moved once (zero-copy) over all receives between two recv_counts(); None
+    when none finished in between (a PE that only sent)."""
+    total = sum(after[path] - before[path] for path in after)
+    return (after["zero_copy"] - before["zero_copy"]) / total if total else None
+
+
+def agreed_fraction(fraction: float | None) -> float | None:
+    """The lowest one-copy fraction of the PEs that received (None if none did), the same on every PE."""
+    value = torch.tensor([2.0 if fraction is None else fraction], dtype=torch.float64, device=reduce_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return None if value.item() > 1.0 else value.item()
+
+
+def _measure(sweep):
+    """Time and check the row; the row's `one_copy_fraction`: the receives of its timed calls that
+    moved once, over all of them (the lowest of the PEs that received), in sweep.extra."""
+    counts: list[dict[str, int]] = []
+    result = sweep.measure(_run(sweep), sweep.out, around_timed=lambda: counts.append(recv_counts()))
+    sweep.extra["one_copy_fraction"] = agreed_fraction(one_copy_fraction(counts[0], counts[1]))
+    return result
+
+
 def _measure_counted(sweep, counter: str, path: str, why: str):
-    """Time and check the row, then say so on a receiving PE when the engine's `counter` did not
-    move: the row's figures are then another path's (`why` names the likely causes)."""
-    engine = _send_recv._require_engine("bench")
-    before = engine.zero_copy_counters()[counter]
-    result = sweep.measure(_run(sweep), sweep.out)
-    moved = engine.zero_copy_counters()[counter] - before  # after measure's synchronize
+    """_measure, then say so on a receiving PE when the engine's `counter` did not move: the row's
+    figures are then another path's (`why` names the likely causes)."""
+    before = recv_counts()[counter]
+    result = _measure(sweep)
+    moved = recv_counts()[counter] - before  # after measure's synchronize
     if sweep.receives and moved == 0:
         print(f"  rank {sweep.me}: the {path} row of {sweep.nbytes} bytes moved nothing {path} ({why}): "
               "its figures are the staged path's", file=sys.stderr, flush=True)
@@ -64,21 +93,21 @@ def _measure_counted(sweep, counter: str, path: str, why: str):
 
 def sendrecv_default(sweep):
     """No setting touched: the path each size takes as a user's call does."""
-    return sweep.measure(_run(sweep), sweep.out)
+    return _measure(sweep)
 
 
 def sendrecv(sweep):
     """Zero-copy at every size (the threshold at 1 byte, low-latency off; the warm-up makes the
     handshake, as a user's repeated calls into one buffer do)."""
     with engine_cuts(zero_copy_min_bytes=1, low_latency_max_bytes=0):
-        return _measure_counted(sweep, "recv_zero_copy", "zero-copy", "peer not load/store reachable, "
+        return _measure_counted(sweep, "zero_copy", "zero-copy", "peer not load/store reachable, "
                                 "PYDATACOPY_FORCE_RMA, or memory CUDA IPC cannot export")
 
 
 def sendrecv_staged(sweep):
     """Every message staged (zero-copy and low-latency off): two copies."""
     with engine_cuts(zero_copy_min_bytes=0, low_latency_max_bytes=0):
-        return sweep.measure(_run(sweep), sweep.out)
+        return _measure(sweep)
 
 
 def low_latency_fits(nbytes: int) -> bool:
@@ -90,7 +119,7 @@ def sendrecv_ll(sweep):
     """Every message by the low-latency protocol (its cut at the engine's capacity, zero-copy off);
     only for sizes low_latency_fits."""
     with engine_cuts(zero_copy_min_bytes=0, low_latency_max_bytes=pydatacopy._C.LOW_LATENCY_CAPACITY_BYTES):
-        return _measure_counted(sweep, "recv_low_latency", "low-latency",
+        return _measure_counted(sweep, "low_latency", "low-latency",
                                 "peer not load/store reachable, or PYDATACOPY_FORCE_RMA")
 
 
@@ -222,6 +251,93 @@ def bench_graph_sendrecv(args, nbytes: int = 4096, calls: int = 100) -> list[dic
         if me == 0:
             print(f"  graph {name} {human(nbytes)}: {rows[-1]['us']:.2f} us a call", file=sys.stderr, flush=True)
     del graphs
+    torch.cuda.synchronize()
+    pydatacopy.barrier()
+    return rows
+
+
+#: Issue 36's stability target: runs of sendrecvs at this size, each into buffers allocated afresh.
+ENGAGEMENT_BYTES, ENGAGEMENT_RUNS, ENGAGEMENT_CALLS = 256 << 20, 10, 200
+
+
+def bench_engagement(args, nbytes: int = ENGAGEMENT_BYTES, runs: int = ENGAGEMENT_RUNS,
+                     calls: int = ENGAGEMENT_CALLS) -> list[dict]:
+    """Whether one copy engages by itself, run after run (issue 36): `runs` runs of `calls`
+    sendrecvs of `nbytes` both ways on the default path (no setting touched), each run into send
+    and receive buffers allocated afresh (the last run's freed and torch's cache emptied, so that
+    the memory goes back to the driver and the first call must map it again, as a new buffer's
+    does). A row per run: the median and 99th percentile of one call's time (a CUDA event before
+    every call), over a bare copy of the same bytes timed the same way in the same run, the first
+    call's time, and `one_copy_fraction` (receives that moved once over all the run's receives,
+    the first call included). Then each run's data is checked: fresh data, the destination
+    cleared, one more call. The spread of the runs' medians (the slowest over the fastest) is
+    printed and carried by every row as `spread`."""
+    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
+    stream = torch.cuda.current_stream().cuda_stream
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+
+    def timed_calls(call) -> list[float]:
+        torch.cuda.synchronize()
+        dist.barrier()
+        for index in range(calls):
+            marks[index].record()
+            call()
+        marks[calls].record()
+        marks[calls].synchronize()
+        pydatacopy.check_errors()
+        return [marks[i].elapsed_time(marks[i + 1]) * 1e3 for i in range(calls)]
+
+    def slowest(values: list[float]) -> list[float]:
+        both = torch.tensor(values, dtype=torch.float64, device=reduce_device())
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        return both.tolist()
+
+    src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 21 + me)
+    copy_dst = torch.empty_like(src)
+    copy_samples = timed_calls(lambda: pydatacopy._C.bench_memcpy(copy_dst.data_ptr(), src.data_ptr(), nbytes, stream))
+    copy_median, copy_p99 = slowest([statistics.median(copy_samples), percentile(copy_samples, 99)])
+    del src, copy_dst
+    rows = []
+    for run in range(runs):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the last run's buffers go back to the driver
+        src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 31 + run * 2 + me)
+        out = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        before = recv_counts()
+        samples = timed_calls(lambda: pydatacopy.sendrecv(src, peer, out, peer))
+        fraction = agreed_fraction(one_copy_fraction(before, recv_counts()))
+        median, p99, first = slowest([statistics.median(samples), percentile(samples, 99), samples[0]])
+        seed = 5000 + 10 * run
+        fill(src, seed + me)
+        out.zero_()
+        torch.cuda.synchronize()
+        dist.barrier()
+        pydatacopy.sendrecv(src, peer, out, peer)
+        torch.cuda.synchronize()
+        ok = True
+        try:
+            pydatacopy.check_errors()
+        except pydatacopy.Error as error:
+            print(f"  rank {me}: {error}", file=sys.stderr, flush=True)
+            ok = False
+        ok = agree(ok and torch.equal(out, fill(torch.empty_like(out), seed + peer)))
+        rows.append({"op": "send/recv", "path": f"default, fresh buffers, run {run + 1} of {runs}",
+                     "direction": "both", "bytes": nbytes, "size": human(nbytes), "us": median, "p99_us": p99,
+                     "first_call_us": first, "calls": calls, "gbps": nbytes / median / 1e3, "ok": ok,
+                     "alloc": allocator_setting(), "one_copy_fraction": fraction,
+                     "base": "baseline (cudaMemcpyAsync, per call)", "base_us": copy_median,
+                     "base_p99_us": copy_p99, "xbase": median / copy_median})
+        del src, out
+    medians = [row["us"] for row in rows]
+    spread = max(medians) / min(medians)
+    for row in rows:
+        row["spread"] = spread
+    if me == 0:
+        for row in rows:
+            print(f"  engagement {row['path']}: {row['us']:.1f} us median ({row['xbase']:.2f}x the copy's "
+                  f"{copy_median:.1f}), p99 {row['p99_us']:.1f}, first call {row['first_call_us']:.1f} us, "
+                  f"one copy {row['one_copy_fraction']}", file=sys.stderr, flush=True)
+        print(f"  engagement: the slowest run's median over the fastest's: {spread:.2f}", file=sys.stderr, flush=True)
     torch.cuda.synchronize()
     pydatacopy.barrier()
     return rows
