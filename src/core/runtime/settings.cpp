@@ -240,11 +240,11 @@ const std::vector<Setting>& table() {
        "how many ranks of a node share one GPU: local rank r uses CUDA device r // it", "2"},
       {"PYDATACOPY_ZERO_COPY_MIN_BYTES", Kind::kInt, std::to_string(kDefaultZeroCopyMinBytes), 0, INT64_MAX,
        "the smallest send/recv message that moves zero-copy between load/store peers, 0: off", "1048576"},
-      {"PYDATACOPY_ZERO_COPY_PROGRESS", Kind::kSwitch, "0", 0, 1,
+      {"PYDATACOPY_ZERO_COPY_PROGRESS", Kind::kSwitch, "1", 0, 1,
        "a thread that serves the peers' zero-copy mapping requests between this process's calls, and a "
-       "recv's one bounded wait for its buffer's mapping (zero-copy from the second call; not yet proven "
-       "on a GPU, off by default)",
-       "1"},
+       "recv's one bounded wait for its buffer's mapping (zero-copy from a receive buffer's second call "
+       "whenever the hosts' calls meet; 0: mappings answered only inside calls, as before 2026-12-06)",
+       "0"},
       {"PYDATACOPY_LOW_LATENCY_MAX_BYTES", Kind::kInt, std::to_string(kDefaultLowLatencyMaxBytes), 0,
        kLowLatencyCapacityBytes,
        "the largest send/recv message that moves by the low-latency protocol between load/store peers, 0: off",
