@@ -153,7 +153,9 @@ void bind_send_recv(py::module_& m) {
              static const char* names[] = {"send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy",
                                            "send_low_latency", "recv_low_latency",
                                            "map_requests", "acked", "refused", "not_exportable",
-                                           "stale_dropped", "evicted", "opened", "closed"};
+                                           "stale_dropped", "evicted", "opened", "closed",
+                                           "chunk_requests", "chunks_acked", "chunks_dropped",
+                                           "chunks_mapped", "chunk_failed", "chunks_unmapped"};
              py::dict out;
              for (std::size_t i = 0; i < v.size() && i < sizeof(names) / sizeof(names[0]); ++i)
                out[names[i]] = v[i];

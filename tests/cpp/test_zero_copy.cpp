@@ -85,6 +85,106 @@ class FakeCuda final : public zc::Backend {
   bool channel_idle(bool send, int) override { return send ? send_idle : recv_idle; }
 };
 
+// The driver's virtual memory as both processes of a pair see it: the receiver's reservations
+// and the chunks mapped into them (torch's expandable segments), the descriptors in flight, and
+// the sender's mirrors and the chunks it mapped there.
+class FakeVmm final : public zc::Backend {
+ public:
+  struct Mapped {
+    std::size_t bytes;
+    uint64_t id;
+  };
+  std::map<std::uintptr_t, std::size_t> reservations;  // the receiver's: base -> bytes
+  std::map<std::uintptr_t, Mapped> chunk_map;           // the receiver's chunks: address -> chunk
+  std::map<uint64_t, uint64_t> in_flight;               // sequence -> the chunk id its descriptor holds
+  std::map<int, uint64_t> fds;                          // the sender's descriptors taken: fd -> chunk id
+  std::map<uint64_t, Mapped> sender_map;                // the sender's mapped ranges: address -> chunk
+  std::set<uint64_t> sender_reserved;
+  bool exportable = true, send_idle = true, recv_idle = true;
+  int exports = 0, maps = 0, unmaps = 0, reservations_freed = 0, next_fd = 100;
+  uint64_t next_id = 1, next_reservation = 0x7f00'0000'0000;
+
+  void reserve_at(std::uintptr_t base, std::size_t bytes) { reservations[base] = bytes; }
+  void map_at(std::uintptr_t address, std::size_t bytes) { chunk_map[address] = Mapped{bytes, next_id++}; }
+  void unmap_at(std::uintptr_t address) { chunk_map.erase(address); }
+
+  pydatacopy::Allocation query(const void* ptr) override {
+    pydatacopy::Allocation a;
+    a.queried = ptr;
+    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
+    auto r = reservations.upper_bound(p);
+    if (r == reservations.begin()) return a;
+    --r;
+    std::vector<zc::Chunk> here;
+    if (p >= r->first + r->second || !chunks(ptr, 1, &here)) return a;  // unmapped: CUDA does not know it
+    a.base = r->first;
+    a.bytes = r->second;
+    a.buffer_id = here[0].id;
+    a.cuda_memory = true;
+    a.vmm_fd = true;
+    return a;
+  }
+  bool chunks(const void* ptr, std::size_t bytes, std::vector<zc::Chunk>* out) override {
+    out->clear();
+    const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+    for (std::uintptr_t at = begin; at < begin + (bytes == 0 ? 1 : bytes);) {
+      auto c = chunk_map.upper_bound(at);
+      if (c == chunk_map.begin()) return false;
+      --c;
+      if (at >= c->first + c->second.bytes) return false;
+      out->push_back(zc::Chunk{c->first, c->second.bytes, c->second.id});
+      at = c->first + c->second.bytes;
+    }
+    return true;
+  }
+  bool send_chunk(int, std::uintptr_t chunk_base, uint64_t sequence) override {
+    ++exports;
+    auto c = chunk_map.find(chunk_base);
+    if (!exportable || c == chunk_map.end()) return false;
+    in_flight[sequence] = c->second.id;
+    return true;
+  }
+  int take_chunk_fd(int, uint64_t sequence) override {
+    auto it = in_flight.find(sequence);
+    if (it == in_flight.end()) return -1;
+    fds[next_fd] = it->second;
+    in_flight.erase(it);
+    return next_fd++;
+  }
+  uint64_t reserve(std::size_t bytes) override {
+    const uint64_t address = next_reservation;
+    next_reservation += bytes + (1ull << 30);
+    sender_reserved.insert(address);
+    return address;
+  }
+  void free_reservation(uint64_t address, std::size_t) override {
+    sender_reserved.erase(address);
+    ++reservations_freed;
+  }
+  uint64_t map_chunk(int fd, uint64_t address, std::size_t bytes) override {
+    auto it = fds.find(fd);
+    if (it == fds.end()) return 0;
+    const uint64_t id = it->second;
+    fds.erase(it);  // closed either way
+    if (address == 0) return 0;
+    for (const auto& m : sender_map)
+      check(!(m.first < address + bytes && address < m.first + m.second.bytes),
+            "the driver never maps over an address still mapped");
+    sender_map[address] = Mapped{bytes, id};
+    ++maps;
+    return 0x1000 + id;
+  }
+  void unmap_chunk(uint64_t address, std::size_t, uint64_t) override {
+    check(send_idle, "a chunk is unmapped only while the send channel is idle");
+    sender_map.erase(address);
+    ++unmaps;
+  }
+  void* open_handle(const zc::IpcHandle&) override { return nullptr; }
+  bool export_handle(std::uintptr_t, zc::IpcHandle*) override { return false; }
+  void close_handle(void*) override {}
+  bool channel_idle(bool send, int) override { return send ? send_idle : recv_idle; }
+};
+
 struct Pair {
   FakeCuda cuda;
   std::unique_ptr<zc::Mailbox> mailbox{new zc::Mailbox()};  // value-initialised: empty rings
@@ -402,9 +502,152 @@ void test_shared_memory_mailbox() {
   zc::unmap_mailbox(created);
 }
 
+struct VmmPair {
+  FakeVmm vmm;
+  std::unique_ptr<zc::Mailbox> mailbox{new zc::Mailbox()};
+  uint64_t table[zc::kTableEntries] = {};
+  zc::Exporter exporter{vmm, mailbox.get(), 1};
+  zc::Importer importer{vmm, mailbox.get(), 0, table};
+};
+
+constexpr std::uintptr_t kReservation = 0x2000'0000'0000;
+constexpr std::size_t kReservationBytes = std::size_t(64) << 30;
+constexpr std::size_t kChunk = 20 << 20;  // torch's expandable segments map 20 MiB at a time
+
+void test_expandable_recv_spanning_chunks_moves_once() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  for (int i = 0; i < 4; ++i) p.vmm.map_at(kReservation + i * kChunk, kChunk);
+  const std::size_t offset = 5 << 20, bytes = 50 << 20;  // chunks 0, 1 and 2
+  const void* dst = at(kReservation + offset);
+  zc::Exporter::Decision d = p.exporter.prepare(dst, bytes, false);
+  check(!d.zero_copy, "the first recv into expandable memory is staged");
+  check(p.exporter.stats().chunk_requests == 3 && p.vmm.exports == 3, "each chunk under the recv asked for once");
+  check(p.exporter.awaiting(dst) && !p.exporter.acked(dst), "awaiting the sender's chunks");
+  d = p.exporter.prepare(dst, bytes, false);
+  check(!d.zero_copy && p.vmm.exports == 3, "no second request while unanswered");
+  check(!p.exporter.claim_wait(dst), "the call that asked does not wait for its own request");
+  p.exporter.begin_call();
+  check(p.exporter.claim_wait(dst) && !p.exporter.claim_wait(dst), "the next call may wait once for the chunks");
+  p.importer.drain();
+  check(p.importer.mapped_chunks() == 3 && p.vmm.maps == 3, "the sender mapped the three chunks");
+  d = p.exporter.prepare(dst, bytes, false);
+  check(d.zero_copy, "then the recv moves once");
+  check(d.offset == offset, "at its offset into the reservation");
+  const uint64_t mirror = p.table[d.index];
+  check(mirror != 0 && p.vmm.sender_reserved.count(mirror) == 1, "the table holds the sender's mirror of the reservation");
+  for (int i = 0; i < 3; ++i) {
+    auto m = p.vmm.sender_map.find(mirror + i * kChunk);
+    check(m != p.vmm.sender_map.end() && m->second.id == p.vmm.chunk_map[kReservation + i * kChunk].id,
+          "each chunk at its own offset in the mirror: one contiguous range");
+  }
+  check(p.exporter.acked(dst), "acked() agrees");
+  // A recv that reaches into chunk 3 asks for that chunk alone, at the same index.
+  d = p.exporter.prepare(at(kReservation + 2 * kChunk), 2 * kChunk, false);
+  check(!d.zero_copy && p.vmm.exports == 4, "a new chunk under a recv is asked for");
+  p.importer.drain();
+  d = p.exporter.prepare(at(kReservation + 2 * kChunk), 2 * kChunk, false);
+  check(d.zero_copy && p.table[d.index] == mirror && p.vmm.sender_reserved.size() == 1, "into the same mirror");
+}
+
+void test_expandable_chunk_mapped_again_is_unmapped_first() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  const void* dst = at(kReservation);
+  p.exporter.prepare(dst, 2 * kChunk, false);
+  p.importer.drain();
+  const zc::Exporter::Decision mapped = p.exporter.prepare(dst, 2 * kChunk, false);
+  check(mapped.zero_copy, "mapped");
+  const uint64_t old_id = p.vmm.chunk_map[kReservation + kChunk].id;
+  // torch gives the second chunk back (empty_cache) and maps a new one there as the segment grows.
+  p.vmm.unmap_at(kReservation + kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.vmm.send_idle = false;  // a send to this peer is still in flight
+  zc::Exporter::Decision d = p.exporter.prepare(dst, 2 * kChunk, false);
+  check(!d.zero_copy, "a chunk mapped again is not written through the old mapping");
+  check(p.exporter.stats().chunks_dropped == 1 && p.exporter.stats().chunk_requests == 3, "the old chunk dropped, the new one asked for");
+  p.importer.drain();
+  check(p.vmm.unmaps == 0, "the sender unmaps the old chunk only once its send channel is idle");
+  check(p.vmm.sender_map.size() == 2 && p.vmm.maps == 2, "and does not map the new one over it meanwhile");
+  check(!p.exporter.prepare(dst, 2 * kChunk, false).zero_copy, "staged while the sender waits");
+  p.vmm.send_idle = true;
+  p.importer.drain();
+  check(p.vmm.unmaps == 1 && p.vmm.maps == 3, "once idle: the old chunk unmapped, the new one mapped");
+  const uint64_t mirror = p.table[mapped.index];
+  check(mirror != 0 && p.vmm.sender_map[mirror + kChunk].id != old_id, "the mirror holds the new chunk");
+  check(p.exporter.prepare(dst, 2 * kChunk, false).zero_copy, "then zero-copy again");
+}
+
+void test_expandable_memory_that_cannot_be_exported_stays_staged() {
+  VmmPair p;
+  p.vmm.exportable = false;  // no socket to the sender, or the export refused
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  for (int i = 0; i < 3; ++i) check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "staged");
+  check(p.vmm.exports == 1, "the export is tried once, not at every recv");
+  check(p.exporter.stats().not_exportable == 1, "remembered as not exportable");
+  p.importer.drain();
+  check(p.vmm.maps == 0 && p.vmm.sender_reserved.empty(), "the sender holds nothing");
+}
+
+void test_expandable_recv_over_unmapped_memory_is_staged() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);  // the next chunk is not mapped
+  check(!p.exporter.prepare(at(kReservation), 2 * kChunk, false).zero_copy, "staged");
+  check(p.vmm.exports == 0 && p.exporter.stats().chunk_requests == 0, "nothing asked for");
+}
+
+void test_expandable_reservation_gone_frees_the_mirror() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.importer.drain();
+  zc::Exporter::Decision d = p.exporter.prepare(at(kReservation), kChunk, false);
+  check(d.zero_copy, "mapped");
+  const uint64_t mirror = p.table[d.index];
+  // The reservation goes; ordinary memory comes at its address.
+  p.vmm.unmap_at(kReservation);
+  p.vmm.reservations.erase(kReservation);
+  p.vmm.send_idle = false;
+  // A new reservation elsewhere: a new mapping lets go of what was freed (sweep).
+  p.vmm.reserve_at(kReservation + kReservationBytes, kReservationBytes);
+  p.vmm.map_at(kReservation + kReservationBytes, kChunk);
+  check(!p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "a new reservation is staged first");
+  check(p.exporter.stats().stale_dropped == 1, "the gone reservation is dropped");
+  p.importer.drain();
+  check(p.table[d.index] == 0, "its table entry is cleared at once");
+  check(p.vmm.sender_reserved.count(mirror) == 1 && p.vmm.unmaps == 0, "its mirror goes once the send channel is idle");
+  p.vmm.send_idle = true;
+  p.importer.drain();
+  check(p.vmm.sender_reserved.count(mirror) == 0 && p.vmm.unmaps == 1 && p.vmm.reservations_freed == 1, "then unmapped and freed");
+  check(p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "the new one moves once");
+}
+
+void test_close_all_releases_mirrors() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.importer.drain();
+  p.importer.close_all();
+  check(p.vmm.unmaps == 2 && p.vmm.reservations_freed == 1 && p.vmm.sender_map.empty(), "cleanup unmaps and frees all");
+  for (uint64_t word : p.table) check(word == 0, "and clears the table");
+}
+
 }  // namespace
 
 int main() {
+  test_expandable_recv_spanning_chunks_moves_once();
+  test_expandable_chunk_mapped_again_is_unmapped_first();
+  test_expandable_memory_that_cannot_be_exported_stays_staged();
+  test_expandable_recv_over_unmapped_memory_is_staged();
+  test_expandable_reservation_gone_frees_the_mirror();
+  test_close_all_releases_mirrors();
   test_handshake_then_zero_copy();
   test_a_second_call_may_wait_once();
   test_stale_buffer_id_drops_the_mapping();

@@ -386,3 +386,190 @@ def test_progress_thread_moves_a_buffer_once_from_its_second_recv(world, peer, p
             zero_copy = after["recv_zero_copy"] - before["recv_zero_copy"]
             assert zero_copy == rounds - 1, f"{zero_copy} of the {rounds - 1} recvs after the first went zero-copy: {after}"
     outcome.agree("the progress thread")
+
+
+# ---- virtual-memory memory (torch's expandable segments): moved once, chunk by chunk (issue 36 item 2) ----
+
+class _CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CUmemAllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _CUmemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("compressionType", ctypes.c_ubyte),
+                ("gpuDirectRDMACapable", ctypes.c_ubyte), ("usage", ctypes.c_ushort),
+                ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _CUmemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", _CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class _Reservation:
+    """An address reservation with physical chunks mapped into it through the driver's VMM API,
+    each exportable as a POSIX file descriptor: what torch's expandable segments are, with the
+    chunks under the test's hand (map, give back, map again)."""
+
+    POSIX_FD, PINNED, DEVICE, READ_WRITE = 1, 1, 1, 3
+
+    def __init__(self, cuda, reserve_bytes: int, chunk_bytes: int):
+        self.cuda, self.chunk_bytes, self.reserve_bytes = cuda, chunk_bytes, reserve_bytes
+        self.device = torch.cuda.current_device()
+        self.base = ctypes.c_uint64(0)
+        self._ok(cuda.cuMemAddressReserve(ctypes.byref(self.base), ctypes.c_size_t(reserve_bytes),
+                                          ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0)), "reserve")
+        self.handles: dict[int, ctypes.c_uint64] = {}
+
+    @staticmethod
+    def _ok(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"cuMem {what}: CUDA driver status {status}")
+
+    def map(self, index: int) -> None:
+        prop = _CUmemAllocationProp()
+        prop.type, prop.requestedHandleTypes = self.PINNED, self.POSIX_FD
+        prop.location = _CUmemLocation(self.DEVICE, self.device)
+        handle = ctypes.c_uint64(0)
+        self._ok(self.cuda.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(self.chunk_bytes), ctypes.byref(prop),
+                                       ctypes.c_uint64(0)), "create")
+        address = ctypes.c_uint64(self.base.value + index * self.chunk_bytes)
+        self._ok(self.cuda.cuMemMap(address, ctypes.c_size_t(self.chunk_bytes), ctypes.c_size_t(0), handle,
+                                    ctypes.c_uint64(0)), "map")
+        access = _CUmemAccessDesc(_CUmemLocation(self.DEVICE, self.device), self.READ_WRITE)
+        self._ok(self.cuda.cuMemSetAccess(address, ctypes.c_size_t(self.chunk_bytes), ctypes.byref(access),
+                                          ctypes.c_size_t(1)), "set access")
+        self.handles[index] = handle
+
+    def give_back(self, index: int) -> None:
+        torch.cuda.synchronize()
+        address = ctypes.c_uint64(self.base.value + index * self.chunk_bytes)
+        self._ok(self.cuda.cuMemUnmap(address, ctypes.c_size_t(self.chunk_bytes)), "unmap")
+        self._ok(self.cuda.cuMemRelease(self.handles.pop(index)), "release")
+
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        return tensor_from_address(self.base.value + offset, (nbytes,), torch.uint8, self.device)
+
+    def close(self) -> None:
+        for index in list(self.handles):
+            self.give_back(index)
+        self.cuda.cuMemAddressFree(self.base, ctypes.c_size_t(self.reserve_bytes))
+
+
+def _granularity(cuda) -> int:
+    prop = _CUmemAllocationProp()
+    prop.type, prop.requestedHandleTypes = _Reservation.PINNED, _Reservation.POSIX_FD
+    prop.location = _CUmemLocation(_Reservation.DEVICE, torch.cuda.current_device())
+    granularity = ctypes.c_size_t(0)
+    status = cuda.cuMemGetAllocationGranularity(ctypes.byref(granularity), ctypes.byref(prop), 0)
+    return granularity.value if status == 0 else 0
+
+
+@pytest.fixture
+def answers_waited_for():
+    """A second call's wait for its mapping up to the call's timeout (not 20 ms), so that the
+    counts below do not rest on this machine's speed."""
+    _send_recv._require_engine("answers_waited_for").set_zero_copy_wait_seconds(pydatacopy._C.default_timeout_seconds())
+    yield
+
+
+def test_expandable_memory_moves_once_chunk_by_chunk_and_follows_its_chunks(world, peer, answers_waited_for):
+    """Receive buffers in VMM memory whose chunks export as file descriptors (torch's expandable
+    segments), both ways, spanning four chunks at odd offsets: byte-exact every round; from the
+    second call on they move once. Then a chunk under the buffer is given back and another mapped
+    at its place (a segment shrinking and growing between calls): the next call is staged while
+    the sender unmaps the old chunk and maps the new one, and the data stays exact."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    cuda = _driver()
+    chunk = _granularity(cuda) if cuda is not None else 0
+    every = [None] * world[1]
+    dist.all_gather_object(every, chunk)
+    if not all(every):
+        pytest.skip("the driver's VMM API is not available on some PE")
+    chunk = max(chunk, 2 * MiB)
+    reservation = _Reservation(cuda, 64 * chunk, chunk)
+    rounds = 4
+    try:
+        for index in range(4):
+            reservation.map(index)
+        offset, nbytes = chunk // 2 + 3, 3 * chunk + 5  # over chunks 0 to 3
+        recv = reservation.tensor(offset, nbytes)
+        recv.zero_()
+        for phase in ("fresh", "a chunk mapped again"):
+            before = _counters()
+            for round_ in range(rounds):
+                tag = 6000 + 10 * round_ + (5 if phase != "fresh" else 0)
+                with outcome.check(f"{phase}, round {round_}"):
+                    recv.zero_()
+                    pydatacopy.sendrecv(_bytes(rank, tag, nbytes), peer, recv, peer)
+                    torch.cuda.synchronize()
+                    _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{phase}, round {round_}")
+            after = _counters()
+            with outcome.check(f"the counters ({phase})"):
+                moved = after["recv_zero_copy"] - before["recv_zero_copy"]
+                if not _load_store():
+                    assert moved == 0, f"forced RMA went zero-copy: {after}"
+                else:
+                    assert moved == rounds - 1, f"{moved} of the {rounds - 1} recvs after the first went zero-copy: {after}"
+                    if phase == "fresh":
+                        assert after["chunk_requests"] - before["chunk_requests"] == 4, f"one request per chunk: {after}"
+                    else:
+                        assert after["chunks_dropped"] - before["chunks_dropped"] == 1, f"the old chunk let go: {after}"
+                        assert after["chunks_unmapped"] - before["chunks_unmapped"] == 1, f"the sender unmapped it: {after}"
+            if phase == "fresh":
+                torch.cuda.synchronize()
+                dist.barrier()  # the peer's last send into chunk 2 is over
+                reservation.give_back(2)
+                reservation.map(2)
+    finally:
+        torch.cuda.synchronize()
+        dist.barrier()
+        reservation.close()
+    outcome.agree("expandable memory")
+
+
+def test_torch_expandable_segments_move_once(world, peer, answers_waited_for):
+    """torch's own expandable segments (switched on for this test): a receive buffer over several
+    of its chunks moves once from its second call, byte-exact; freed, the cache emptied and a buffer
+    of another size allocated (the segment shrinks and grows), it stays exact and moves once again."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    cuda = _driver()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        rounds = 4
+        for size_index, nbytes in enumerate((40 * MiB + 7, 56 * MiB + 1)):
+            recv = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")[64:]
+            allowed = ctypes.c_uint64(0)
+            status = cuda.cuPointerGetAttribute(ctypes.byref(allowed), 14, ctypes.c_uint64(recv.data_ptr())) if cuda else 1
+            vmm = status == 0 and (allowed.value & 1) == 1
+            every = [None] * world[1]
+            dist.all_gather_object(every, vmm)
+            if not all(every):
+                pytest.skip("expandable_segments did not give VMM memory with file-descriptor handles on some PE")
+            before = _counters()
+            for round_ in range(rounds):
+                tag = 7000 + 100 * size_index + round_
+                with outcome.check(f"{nbytes} bytes, round {round_}"):
+                    recv.zero_()
+                    pydatacopy.sendrecv(_bytes(rank, tag, nbytes), peer, recv, peer)
+                    torch.cuda.synchronize()
+                    _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{nbytes} bytes, round {round_}")
+            after = _counters()
+            with outcome.check(f"the counters ({nbytes} bytes)"):
+                moved = after["recv_zero_copy"] - before["recv_zero_copy"]
+                if _load_store():
+                    assert moved == rounds - 1, f"{moved} of the {rounds - 1} recvs after the first went zero-copy: {after}"
+                else:
+                    assert moved == 0, f"forced RMA went zero-copy: {after}"
+            del recv
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.empty_cache()  # the segment's chunks go back; the next buffer maps new ones
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    outcome.agree("torch's expandable segments")

@@ -21,6 +21,9 @@ struct Allocation {
   bool cuda_memory = false;          // device or pinned host memory; false: CUDA does not know it
   bool managed = false;              // cudaMallocManaged: NVSHMEM cannot register it
   const void* queried = nullptr;     // the address asked about
+  // Virtual-memory memory whose physical chunks export as POSIX file descriptors (torch's
+  // expandable segments); base and bytes are then its address reservation's (zero-copy only).
+  bool vmm_fd = false;
 
   bool covers(const void* ptr, std::size_t length) const {
     const auto begin = reinterpret_cast<std::uintptr_t>(ptr);

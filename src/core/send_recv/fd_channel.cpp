@@ -100,9 +100,10 @@ std::optional<FdConnection> FdListener::accept(std::chrono::milliseconds wait) {
     uint64_t key = 0;
     std::vector<UniqueFd> none;
     // The key is the connector's first act: a connection that says nothing for kKeyWait is
-    // dropped, so that it cannot hold the peers queued behind it for the whole wait.
-    const auto key_wait = std::min(std::chrono::milliseconds(left_ms(deadline)), kKeyWait);
-    if (trusted && connection.receive(&key, sizeof(key), &none, key_wait) &&
+    // dropped, so that it cannot hold the peers queued behind it for the whole wait. A connection
+    // taken gets that long even past `wait` (accept(0) polls for connections, and one taken just
+    // as its connector is between connect() and sending its key must not be refused for it).
+    if (trusted && connection.receive(&key, sizeof(key), &none, kKeyWait) &&
         key == key_ && none.empty())
       return connection;
     ++refused_;  // closed as it goes out of scope

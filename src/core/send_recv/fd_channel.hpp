@@ -92,7 +92,8 @@ class FdListener {
 
   bool valid() const { return socket_.valid(); }
   // The next connection that passes the checks (this process's user, the key as its first
-  // message) within `wait`; connections that fail them are closed and counted in refused().
+  // message) within `wait`; connections that fail them are closed and counted in refused(). A
+  // connection taken is given 100 ms for its key, past `wait` if need be (so accept(0) polls).
   std::optional<FdConnection> accept(std::chrono::milliseconds wait);
   int refused() const { return refused_; }
 

@@ -212,6 +212,16 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
           (static_cast<uint64_t>(getpid()) << 16);
   }
   job = barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds(), job)[0];
+  // And the key a peer's descriptor socket asks for (fd_channel.hpp), drawn apart from the job's
+  // word, which anyone can read in the socket's name.
+  uint64_t fd_key = 0;
+  if (my_pe() == 0) {
+    std::random_device random;
+    fd_key = (static_cast<uint64_t>(random()) << 32) ^ random();
+  }
+  fd_key = barrier_all_blocking("SendRecvEngine.init", default_timeout_seconds(), fd_key)[0];
+  int device = -1;
+  PDC_CHECK_CUDA(cudaGetDevice(&device));
   page_bytes_ = page_bytes_for(chunk_bytes);
   chunk_bytes = chunk_bytes_for(chunk_bytes);
   // Per channel (send to / receive from each PE): the next chunk's sequence number, the time
@@ -269,6 +279,9 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // live entry at each replay), and a mailbox per load/store peer. A mailbox that cannot be
   // made only keeps that peer's messages staged.
   auto state = std::make_unique<ZeroCopyState>(&order_, pes);
+  // Its senders connect to this listener from their first recv into expandable memory, after the
+  // barriers below (a listener that cannot open keeps that memory staged).
+  state->open_fd_channel(job, fd_key, my_pe(), device);
   const std::size_t table_words = static_cast<std::size_t>(pes) * zero_copy::kTableEntries;
   PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&state->table_host), table_words * sizeof(uint64_t),
                                cudaHostAllocMapped));
@@ -436,9 +449,13 @@ std::vector<uint64_t> SendRecvEngine::zero_copy_counters_locked() {
     const auto& y = zero_copy_->importers[peer]->stats();
     e.requests += x.requests, e.acked += x.acked, e.refused += x.refused;
     e.not_exportable += x.not_exportable, e.stale_dropped += x.stale_dropped, e.evicted += x.evicted;
+    e.chunk_requests += x.chunk_requests, e.chunks_acked += x.chunks_acked, e.chunks_dropped += x.chunks_dropped;
     m.opened += y.opened, m.closed += y.closed;
+    m.chunks_mapped += y.chunks_mapped, m.chunk_failed += y.chunk_failed, m.chunks_unmapped += y.chunks_unmapped;
   }
-  for (uint64_t v : {e.requests, e.acked, e.refused, e.not_exportable, e.stale_dropped, e.evicted, m.opened, m.closed})
+  for (uint64_t v : {e.requests, e.acked, e.refused, e.not_exportable, e.stale_dropped, e.evicted, m.opened, m.closed,
+                     e.chunk_requests, e.chunks_acked, e.chunks_dropped, m.chunks_mapped, m.chunk_failed,
+                     m.chunks_unmapped})
     out.push_back(v);
   return out;
 }

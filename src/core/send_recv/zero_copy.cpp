@@ -29,6 +29,26 @@ void Exporter::poll() {
   Ack ack{};
   while (mailbox_->acks.pop(&ack)) {
     auto it = entries_.find(static_cast<std::uintptr_t>(ack.base));
+    if (ack.chunk != 0) {
+      // A chunk's answer: for the reservation still at that index, the chunk still asked for.
+      if (it == entries_.end() || !it->second.vmm || it->second.index != ack.index) continue;
+      auto chunk = it->second.chunks.find(ack.chunk_offset);
+      if (chunk == it->second.chunks.end() || chunk->second.id != ack.buffer_id || chunk->second.acked) continue;
+      if (ack.mapped != 0) {
+        chunk->second.acked = true;
+        ++stats_.chunks_acked;
+      } else {
+        // The sender could not map it: the reservation stays staged for good.
+        ++stats_.refused;
+        Allocation a;
+        a.base = it->first;
+        a.bytes = it->second.bytes;
+        a.vmm_fd = true;
+        drop(it);
+        remember_not_exportable(a);
+      }
+      continue;
+    }
     // An answer for an entry dropped since (its unmap follows the map in the ring): nothing to do.
     if (it == entries_.end() || it->second.buffer_id != ack.buffer_id || it->second.index != ack.index ||
         it->second.state != State::kRequested)
@@ -70,11 +90,55 @@ void Exporter::drop_overlapping(const Allocation& a) {
 }
 
 void Exporter::sweep() {
-  drop_stale(entries_.begin(), entries_.end(), [&](std::uintptr_t base, const Entry& e) {
+  drop_stale(entries_.begin(), entries_.end(), [&](std::uintptr_t base, Entry& e) {
     if (e.index < 0) return true;  // nothing held at the sender
     const Allocation now = backend_.query(reinterpret_cast<const void*>(base));
-    return now.cuda_memory && now.base == base && now.bytes == e.bytes && now.buffer_id == e.buffer_id;
+    if (!e.vmm) return now.cuda_memory && now.base == base && now.bytes == e.bytes && now.buffer_id == e.buffer_id;
+    if (!now.cuda_memory || !now.vmm_fd || now.base != base || now.bytes != e.bytes) return false;
+    // The reservation is there: let go of the chunks torch unmapped or mapped again since.
+    for (auto chunk = e.chunks.begin(); chunk != e.chunks.end();) {
+      std::vector<Chunk> here;
+      const bool same = backend_.chunks(reinterpret_cast<const void*>(base + chunk->first), 1, &here) &&
+                        here.size() == 1 && here[0].base == base + chunk->first &&
+                        here[0].bytes == chunk->second.bytes && here[0].id == chunk->second.id;
+      if (same) {
+        ++chunk;
+      } else {
+        drop_chunk(base, e, chunk++);
+      }
+    }
+    return true;
   });
+}
+
+void Exporter::drop_chunk(std::uintptr_t base, Entry& e, std::map<uint64_t, ChunkEntry>::iterator chunk) {
+  Request request{kUnmapChunk, e.index, base, 0, e.bytes, IpcHandle{}};
+  request.chunk_offset = chunk->first;
+  request.chunk_bytes = chunk->second.bytes;
+  request.chunk_id = chunk->second.id;
+  send(request);
+  ++stats_.chunks_dropped;
+  e.chunks.erase(chunk);
+}
+
+void Exporter::remember_not_exportable(const Allocation& a) {
+  // Remembered, so that the export is not tried at every recv; bounded, oldest out first.
+  std::size_t remembered = 0;
+  auto oldest = entries_.end();
+  for (auto e = entries_.begin(); e != entries_.end(); ++e) {
+    if (e->second.state != State::kNotExportable) continue;
+    ++remembered;
+    if (oldest == entries_.end() || e->second.last_use < oldest->second.last_use) oldest = e;
+  }
+  if (remembered >= static_cast<std::size_t>(kMaxNotExportable) && oldest != entries_.end()) entries_.erase(oldest);
+  Entry& e = entries_[a.base];
+  e = Entry{};
+  e.bytes = a.bytes;
+  e.buffer_id = a.buffer_id;
+  e.vmm = a.vmm_fd;
+  e.state = State::kNotExportable;
+  e.last_use = ++tick_;
+  ++stats_.not_exportable;
 }
 
 int Exporter::take_index() {
@@ -110,6 +174,7 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
   poll();
   const Allocation a = backend_.query(dst);
   if (!a.covers(dst, bytes) || a.managed) return staged;
+  if (a.vmm_fd) return prepare_vmm(a, dst, bytes, capturing);
   drop_overlapping(a);
   const uint64_t offset = reinterpret_cast<std::uintptr_t>(dst) - a.base;
   auto it = entries_.find(a.base);
@@ -122,21 +187,7 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
   }
   IpcHandle handle{};
   if (!backend_.export_handle(a.base, &handle)) {
-    // Remembered, so that the export is not tried at every recv; bounded, oldest out first.
-    std::size_t remembered = 0;
-    auto oldest = entries_.end();
-    for (auto e = entries_.begin(); e != entries_.end(); ++e) {
-      if (e->second.state != State::kNotExportable) continue;
-      ++remembered;
-      if (oldest == entries_.end() || e->second.last_use < oldest->second.last_use) oldest = e;
-    }
-    if (remembered >= static_cast<std::size_t>(kMaxNotExportable) && oldest != entries_.end()) entries_.erase(oldest);
-    Entry& e = entries_[a.base];
-    e.bytes = a.bytes;
-    e.buffer_id = a.buffer_id;
-    e.state = State::kNotExportable;
-    e.last_use = ++tick_;
-    ++stats_.not_exportable;
+    remember_not_exportable(a);
     return staged;
   }
   // A new mapping: first let go of every mapped entry whose memory was freed since (asked
@@ -158,31 +209,117 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
   return staged;
 }
 
+Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, std::size_t bytes, bool capturing) {
+  Decision staged;
+  // Entries over this reservation's range that are not this reservation: freed memory.
+  auto first = entries_.lower_bound(a.base);
+  if (first != entries_.begin() && std::prev(first)->first + std::prev(first)->second.bytes > a.base) --first;
+  drop_stale(first, entries_.lower_bound(a.base + a.bytes), [&](std::uintptr_t base, const Entry& e) {
+    return base == a.base && e.vmm && e.bytes == a.bytes;
+  });
+  auto it = entries_.find(a.base);
+  if (it != entries_.end() && it->second.state == State::kNotExportable) {
+    it->second.last_use = ++tick_;
+    return staged;
+  }
+  std::vector<Chunk> now;
+  if (!backend_.chunks(dst, bytes, &now) || now.empty() || now.size() > static_cast<std::size_t>(kMaxChunksPerMessage))
+    return staged;
+  if (it == entries_.end()) {
+    sweep();  // a new mapping: let go of what was freed since (as for a new allocation)
+    const int index = take_index();
+    if (index < 0) return staged;
+    Entry& e = entries_[a.base];
+    e.bytes = a.bytes;
+    e.vmm = true;
+    e.state = State::kAcked;  // the mirror is made with the first chunk at the sender
+    e.index = index;
+    in_use_[static_cast<std::size_t>(index)] = true;
+    ++stats_.requests;
+    it = entries_.find(a.base);
+  }
+  Entry& e = it->second;
+  e.last_use = ++tick_;
+  e.pinned = e.pinned || capturing;
+  bool every_chunk_acked = true;
+  for (const Chunk& c : now) {
+    const uint64_t offset = c.base - a.base;
+    // Chunks known over this one's range that are not this one: torch unmapped them (and mapped
+    // another here): the sender unmaps the old one before it may map the new one.
+    auto known = e.chunks.lower_bound(offset);
+    if (known != e.chunks.begin() && std::prev(known)->first + std::prev(known)->second.bytes > offset) --known;
+    while (known != e.chunks.end() && known->first < offset + c.bytes) {
+      if (known->first == offset && known->second.bytes == c.bytes && known->second.id == c.id) {
+        ++known;
+      } else {
+        drop_chunk(a.base, e, known++);
+      }
+    }
+    auto chunk = e.chunks.find(offset);
+    if (chunk != e.chunks.end()) {
+      every_chunk_acked = every_chunk_acked && chunk->second.acked;
+      continue;
+    }
+    every_chunk_acked = false;
+    const uint64_t sequence = ++sequence_;
+    if (!backend_.send_chunk(peer_, c.base, sequence)) {
+      // Not exportable, or no socket to the sender's process: this reservation stays staged.
+      drop(it);
+      remember_not_exportable(a);
+      return staged;
+    }
+    Request request{kMapChunk, e.index, a.base, 0, a.bytes, IpcHandle{}};
+    request.chunk_offset = offset;
+    request.chunk_bytes = c.bytes;
+    request.chunk_id = c.id;
+    request.sequence = sequence;
+    send(request);
+    e.chunks[offset] = ChunkEntry{c.bytes, c.id, false};
+    e.requested_at = e.last_use;
+    e.waited = false;  // a new request may be waited for once
+    ++stats_.chunk_requests;
+  }
+  if (every_chunk_acked) return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
+  return staged;
+}
+
 Exporter::Entry* Exporter::entry_of(const void* dst, bool same_size) {
   const Allocation a = backend_.query(dst);
   auto it = entries_.find(a.base);
-  if (it == entries_.end() || it->second.buffer_id != a.buffer_id || (same_size && it->second.bytes != a.bytes))
-    return nullptr;
+  if (it == entries_.end()) return nullptr;
+  if (a.vmm_fd || it->second.vmm)
+    return a.vmm_fd && it->second.vmm && it->second.bytes == a.bytes ? &it->second : nullptr;
+  if (it->second.buffer_id != a.buffer_id || (same_size && it->second.bytes != a.bytes)) return nullptr;
   return &it->second;
 }
+
+namespace {
+// Whether the entry waits for the sender's answer: a request, or a reservation's chunk.
+template <class Entry>
+bool awaiting_answer(const Entry& e, bool requested) {
+  return e.vmm ? e.index >= 0 && e.awaiting_chunks() : requested;
+}
+}  // namespace
 
 bool Exporter::acked(const void* dst) {
   if (!usable()) return false;
   poll();
   const Entry* e = entry_of(dst, true);
-  return e != nullptr && e->state == State::kAcked;
+  if (e == nullptr || e->state != State::kAcked) return false;
+  return !e->vmm || !e->awaiting_chunks();  // a reservation: every chunk asked for is mapped
 }
 
 bool Exporter::awaiting(const void* dst) {
   if (!usable()) return false;
   const Entry* e = entry_of(dst, false);
-  return e != nullptr && e->state == State::kRequested;
+  return e != nullptr && awaiting_answer(*e, e->state == State::kRequested);
 }
 
 bool Exporter::claim_wait(const void* dst) {
   if (!usable()) return false;
   Entry* e = entry_of(dst, false);
-  if (e == nullptr || e->state != State::kRequested || e->waited || e->requested_at > call_start_)
+  if (e == nullptr || !awaiting_answer(*e, e->state == State::kRequested) || e->waited ||
+      e->requested_at > call_start_)
     return false;  // (requested_at > call_start_: requested by this very call)
   e->waited = true;
   return true;
@@ -198,58 +335,163 @@ void Importer::unmap_index(int index) {
   const Key key = index_key_[static_cast<std::size_t>(index)];
   table_[index] = 0;  // a late post of this index is refused by the kernel, never written through
   index_key_[static_cast<std::size_t>(index)] = Key{0, 0};
-  auto it = mappings_.find(key);
-  if (it != mappings_.end() && it->second.refs > 0) --it->second.refs;  // closed once idle
+  auto mirror = mirrors_.find(index);
+  if (mirror != mirrors_.end()) {
+    // A reservation: its chunks and address space go once the send channel is idle.
+    for (const auto& chunk : mirror->second.chunks)
+      chunk_closing_.push_back(ChunkClose{mirror->second.address + chunk.first, chunk.second.bytes, chunk.second.handle});
+    reservations_closing_.emplace_back(mirror->second.address, mirror->second.bytes);
+    mirrors_.erase(mirror);
+  } else {
+    auto it = mappings_.find(key);
+    if (it != mappings_.end() && it->second.refs > 0) --it->second.refs;  // closed once idle
+  }
   ++stats_.unmapped;
+}
+
+bool Importer::serve(const Request& request) {
+  if (request.index < 0 || request.index >= kTableEntries) return true;  // not from our exporter
+  const std::size_t index = static_cast<std::size_t>(request.index);
+  if (request.kind == kUnmap) {
+    if (index_key_[index] == Key{request.base, request.buffer_id}) unmap_index(request.index);
+    return true;
+  }
+  if (request.kind == kMapChunk) return serve_chunk(request);
+  if (request.kind == kUnmapChunk) {
+    serve_unmap_chunk(request);
+    return true;
+  }
+  if (request.kind != kMap) return true;
+  if (index_key_[index] != Key{0, 0}) unmap_index(request.index);
+  const Key key{request.base, request.buffer_id};
+  Ack ack{request.index, 0, request.base, request.buffer_id};
+  auto it = mappings_.find(key);
+  if (it == mappings_.end()) {
+    // A handle opens once per process: an allocation unmapped but not closed yet is reused.
+    void* mapped = backend_.open_handle(request.handle);
+    if (mapped == nullptr) {
+      ++stats_.open_failed;
+      outgoing_.push_back(ack);
+      return true;
+    }
+    ++stats_.opened;
+    it = mappings_.emplace(key, Mapping{mapped, 0}).first;
+  }
+  ++it->second.refs;
+  table_[request.index] = reinterpret_cast<uint64_t>(it->second.mapped);
+  index_key_[index] = key;
+  ack.mapped = 1;
+  outgoing_.push_back(ack);
+  return true;
+}
+
+bool Importer::serve_chunk(const Request& request) {
+  const std::size_t index = static_cast<std::size_t>(request.index);
+  const Key key{request.base, 0};
+  Ack ack{request.index, 0, request.base, request.chunk_id, request.chunk_offset, 1};
+  const bool fits = request.chunk_bytes != 0 && request.chunk_offset < request.bytes &&
+                    request.chunk_bytes <= request.bytes - request.chunk_offset;
+  auto mirror = mirrors_.find(request.index);
+  if (fits && mirror != mirrors_.end() && index_key_[index] == key && mirror->second.bytes == request.bytes) {
+    // The chunk's range must be free in the mirror, also of chunks unmapped but not closed yet:
+    // those close once the send channel is idle, and until then this request and every later
+    // one wait in the ring (in order).
+    const uint64_t begin = mirror->second.address + request.chunk_offset, end = begin + request.chunk_bytes;
+    for (const ChunkClose& c : chunk_closing_) {
+      if (c.address < end && begin < c.address + c.bytes) {
+        if (!backend_.channel_idle(true, peer_)) return false;
+        close_idle();
+        break;
+      }
+    }
+  }
+  const int fd = backend_.take_chunk_fd(peer_, request.sequence);
+  if (!fits) {
+    if (fd >= 0) backend_.map_chunk(fd, 0, 0);  // closes it (a refused map)
+    ++stats_.chunk_failed;
+    outgoing_.push_back(ack);
+    return true;
+  }
+  if (mirror == mirrors_.end() || index_key_[index] != key || mirror->second.bytes != request.bytes) {
+    // The reservation's first chunk at this index: its mirror.
+    if (index_key_[index] != Key{0, 0}) unmap_index(request.index);
+    const uint64_t address = backend_.reserve(request.bytes);
+    if (address == 0) {
+      if (fd >= 0) backend_.map_chunk(fd, 0, 0);
+      ++stats_.chunk_failed;
+      outgoing_.push_back(ack);
+      return true;
+    }
+    mirror = mirrors_.emplace(request.index, Mirror{address, request.bytes, {}}).first;
+    index_key_[index] = key;
+    table_[request.index] = address;
+  }
+  Mirror& m = mirror->second;
+  // A chunk still mapped over this range (the receiver's unmap not seen: not from our exporter).
+  for (const auto& chunk : m.chunks) {
+    if (chunk.first < request.chunk_offset + request.chunk_bytes &&
+        request.chunk_offset < chunk.first + chunk.second.bytes) {
+      if (fd >= 0) backend_.map_chunk(fd, 0, 0);
+      ++stats_.chunk_failed;
+      outgoing_.push_back(ack);
+      return true;
+    }
+  }
+  const uint64_t handle = fd >= 0 ? backend_.map_chunk(fd, m.address + request.chunk_offset, request.chunk_bytes) : 0;
+  if (handle == 0) {
+    ++stats_.chunk_failed;
+    outgoing_.push_back(ack);
+    return true;
+  }
+  m.chunks[request.chunk_offset] = MappedChunk{request.chunk_bytes, request.chunk_id, handle};
+  ++stats_.chunks_mapped;
+  ack.mapped = 1;
+  outgoing_.push_back(ack);
+  return true;
+}
+
+void Importer::serve_unmap_chunk(const Request& request) {
+  auto mirror = mirrors_.find(request.index);
+  if (mirror == mirrors_.end() || index_key_[static_cast<std::size_t>(request.index)] != Key{request.base, 0}) return;
+  auto chunk = mirror->second.chunks.find(request.chunk_offset);
+  if (chunk == mirror->second.chunks.end() || chunk->second.id != request.chunk_id) return;
+  // Out of the mirror's bookkeeping now; its address range is unmapped once the channel is idle
+  // (a send in flight may still be past its last write into it).
+  chunk_closing_.push_back(ChunkClose{mirror->second.address + chunk->first, chunk->second.bytes, chunk->second.handle});
+  mirror->second.chunks.erase(chunk);
+  ++stats_.chunks_unmapped;
+}
+
+void Importer::close_idle() {
+  for (const ChunkClose& c : chunk_closing_) backend_.unmap_chunk(c.address, c.bytes, c.handle);
+  chunk_closing_.clear();
+  for (const auto& r : reservations_closing_) backend_.free_reservation(r.first, r.second);
+  reservations_closing_.clear();
+  for (auto it = mappings_.begin(); it != mappings_.end();) {
+    if (it->second.refs != 0) {
+      ++it;
+      continue;
+    }
+    backend_.close_handle(it->second.mapped);
+    ++stats_.closed;
+    it = mappings_.erase(it);
+  }
 }
 
 void Importer::drain() {
   if (!usable()) return;
   flush();
   Request request{};
-  while (mailbox_->requests.pop(&request)) {
-    if (request.index < 0 || request.index >= kTableEntries) continue;  // not from our exporter
-    if (request.kind == kUnmap) {
-      if (index_key_[static_cast<std::size_t>(request.index)] != Key{0, 0}) unmap_index(request.index);
-      continue;
-    }
-    if (request.kind != kMap) continue;
-    if (index_key_[static_cast<std::size_t>(request.index)] != Key{0, 0}) unmap_index(request.index);
-    const Key key{request.base, request.buffer_id};
-    Ack ack{request.index, 0, request.base, request.buffer_id};
-    auto it = mappings_.find(key);
-    if (it == mappings_.end()) {
-      // A handle opens once per process: an allocation unmapped but not closed yet is reused.
-      void* mapped = backend_.open_handle(request.handle);
-      if (mapped == nullptr) {
-        ++stats_.open_failed;
-        outgoing_.push_back(ack);
-        continue;
-      }
-      ++stats_.opened;
-      it = mappings_.emplace(key, Mapping{mapped, 0}).first;
-    }
-    ++it->second.refs;
-    table_[request.index] = reinterpret_cast<uint64_t>(it->second.mapped);
-    index_key_[static_cast<std::size_t>(request.index)] = key;
-    ack.mapped = 1;
-    outgoing_.push_back(ack);
+  // In order; a request that must wait for the send channel to be idle stays first in the ring.
+  while (mailbox_->requests.peek(&request)) {
+    if (!serve(request)) break;
+    mailbox_->requests.drop_front();
   }
   flush();
   // Handles no index refers to any more close once no launch of the send channel is in flight.
-  bool any_unused = false;
+  bool any_unused = !chunk_closing_.empty() || !reservations_closing_.empty();
   for (const auto& entry : mappings_) any_unused = any_unused || entry.second.refs == 0;
-  if (any_unused && backend_.channel_idle(true, peer_)) {
-    for (auto it = mappings_.begin(); it != mappings_.end();) {
-      if (it->second.refs != 0) {
-        ++it;
-        continue;
-      }
-      backend_.close_handle(it->second.mapped);
-      ++stats_.closed;
-      it = mappings_.erase(it);
-    }
-  }
+  if (any_unused && backend_.channel_idle(true, peer_)) close_idle();
 }
 
 void Importer::close_all() {
@@ -259,6 +501,16 @@ void Importer::close_all() {
     ++stats_.closed;
   }
   mappings_.clear();
+  for (const auto& mirror : mirrors_) {
+    for (const auto& chunk : mirror.second.chunks)
+      chunk_closing_.push_back(ChunkClose{mirror.second.address + chunk.first, chunk.second.bytes, chunk.second.handle});
+    reservations_closing_.emplace_back(mirror.second.address, mirror.second.bytes);
+  }
+  mirrors_.clear();
+  for (const ChunkClose& c : chunk_closing_) backend_.unmap_chunk(c.address, c.bytes, c.handle);
+  chunk_closing_.clear();
+  for (const auto& r : reservations_closing_) backend_.free_reservation(r.first, r.second);
+  reservations_closing_.clear();
   index_key_.assign(kTableEntries, Key{0, 0});
 }
 

@@ -32,6 +32,18 @@
 //   unmap clears S's table entry); a replay that still posts its index finds the entry empty and
 //   the sender refuses the channel instead of writing anywhere.
 //
+// - Memory made by the CUDA driver's virtual memory API whose physical chunks export as POSIX file
+//   descriptors (torch's expandable segments: one address reservation per segment, 20 MiB chunks
+//   mapped into it as it grows) is mapped chunk by chunk. The unit of an entry is then the whole
+//   reservation: S reserves as much address space (its mirror, at the entry's table index) and
+//   maps each chunk R asks for at the chunk's offset, so that a recv spanning several chunks is
+//   one contiguous range on both sides. R exports a chunk's handle as a file descriptor and passes
+//   it over a Unix socket (fd_channel.hpp) with a sequence number; the request in the ring names
+//   that number, and S takes the descriptor with it. A recv goes zero-copy once every chunk under
+//   it is acknowledged, each known by its physical allocation's ID: a chunk that torch unmapped
+//   and mapped again (another ID) is unmapped at S first (once S's send channel is idle, S stops
+//   reading requests until then, so that the new chunk never lands on an address still mapped).
+//
 // The mailbox is two single-producer single-consumer rings (requests R -> S, acknowledgements
 // S -> R) in POSIX shared memory, one segment per ordered pair of PEs on one node. Pushes that
 // find a ring full wait in a local queue, in order, for the next call.
@@ -52,26 +64,42 @@ namespace pydatacopy::zero_copy {
 constexpr int kTableEntries = 64;   // mappings per peer (the sender's table, the receiver's index space)
 constexpr int kRingEntries = 256;   // messages per mailbox ring
 constexpr int kMaxNotExportable = 256;  // remembered non-exportable allocations per peer
+// Chunks under one recv of virtual-memory (expandable) memory that may move zero-copy: 1,024
+// chunks of torch's 20 MiB are 20 GiB. A larger message stays staged.
+constexpr int kMaxChunksPerMessage = 1024;
 
 struct IpcHandle {
   unsigned char bytes[64];  // cudaIpcMemHandle_t
 };
 
 struct Request {
-  uint32_t kind;  // kMap or kUnmap
+  uint32_t kind;  // kMap, kUnmap, kMapChunk or kUnmapChunk
   int32_t index;
-  uint64_t base;       // the allocation's address in the receiver's process
-  uint64_t buffer_id;  // its CU_POINTER_ATTRIBUTE_BUFFER_ID
+  uint64_t base;       // the allocation's (a reservation's) address in the receiver's process
+  uint64_t buffer_id;  // its CU_POINTER_ATTRIBUTE_BUFFER_ID (0 for a reservation)
   uint64_t bytes;
   IpcHandle handle;    // kMap only
+  // kMapChunk and kUnmapChunk: one physical chunk of the reservation at `base`.
+  uint64_t chunk_offset = 0, chunk_bytes = 0;
+  uint64_t chunk_id = 0;   // CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID
+  uint64_t sequence = 0;   // kMapChunk: the file descriptor's number on the socket
 };
-constexpr uint32_t kMap = 1, kUnmap = 2;
+constexpr uint32_t kMap = 1, kUnmap = 2, kMapChunk = 3, kUnmapChunk = 4;
 
 struct Ack {
   int32_t index;
-  int32_t mapped;  // 1: table[index] holds the allocation; 0: the sender could not open it
+  int32_t mapped;  // 1: table[index] holds the allocation (the chunk); 0: the sender could not open it
   uint64_t base;
-  uint64_t buffer_id;
+  uint64_t buffer_id;  // a chunk's: its chunk_id
+  uint64_t chunk_offset = 0;
+  uint32_t chunk = 0;  // 1: the answer to a kMapChunk
+};
+
+// A physical chunk of virtual-memory memory as the receiver's process maps it.
+struct Chunk {
+  std::uintptr_t base = 0;
+  std::size_t bytes = 0;
+  uint64_t id = 0;  // unique per physical allocation over the process's life
 };
 
 // A single-producer single-consumer ring that lives in shared memory (all zero: empty). The
@@ -92,12 +120,18 @@ struct Ring {
     return true;
   }
   bool pop(T* value) {
+    if (!peek(value)) return false;
+    drop_front();
+    return true;
+  }
+  // The oldest entry, left in the ring (drop_front() takes it out).
+  bool peek(T* value) const {
     const uint64_t h = head.load(std::memory_order_relaxed);
     if (h == tail.load(std::memory_order_acquire)) return false;
     *value = slots[h % N];
-    head.store(h + 1, std::memory_order_release);
     return true;
   }
+  void drop_front() { head.store(head.load(std::memory_order_relaxed) + 1, std::memory_order_release); }
 };
 
 struct Mailbox {
@@ -117,6 +151,23 @@ class Backend {
   virtual void close_handle(void* mapped) = 0;
   // No launch of this PE's channel (send to / receive from `peer`) is in flight (event query).
   virtual bool channel_idle(bool send, int peer) = 0;
+
+  // Virtual-memory (expandable) memory. The defaults: none of it moves zero-copy.
+  // The receiver: the physical chunks mapped over [ptr, ptr + bytes), in address order; false
+  // when a part is not mapped or cannot be asked (the recv stays staged).
+  virtual bool chunks(const void* /*ptr*/, std::size_t /*bytes*/, std::vector<Chunk>* /*out*/) { return false; }
+  // The receiver: exports the chunk mapped at `chunk_base` as a file descriptor and sends it to
+  // `peer`'s process under `sequence`; false when either fails (the reservation stays staged).
+  virtual bool send_chunk(int /*peer*/, std::uintptr_t /*chunk_base*/, uint64_t /*sequence*/) { return false; }
+  // The sender: the descriptor `peer` sent under `sequence` (owned by the caller now), or -1.
+  virtual int take_chunk_fd(int /*peer*/, uint64_t /*sequence*/) { return -1; }
+  // The sender: `bytes` of address space (0 when the driver refuses), and its release.
+  virtual uint64_t reserve(std::size_t /*bytes*/) { return 0; }
+  virtual void free_reservation(uint64_t /*address*/, std::size_t /*bytes*/) {}
+  // The sender: imports `fd` (closed here either way), maps it at [address, address + bytes)
+  // and gives this device access; the imported handle, or 0 when a step fails (undone).
+  virtual uint64_t map_chunk(int /*fd*/, uint64_t /*address*/, std::size_t /*bytes*/) { return 0; }
+  virtual void unmap_chunk(uint64_t /*address*/, std::size_t /*bytes*/, uint64_t /*handle*/) {}
 };
 
 // The receiver's side for one sending peer. Not thread-safe (the engine's lock covers it).
@@ -129,6 +180,7 @@ class Exporter {
   };
   struct Stats {
     uint64_t requests = 0, acked = 0, refused = 0, not_exportable = 0, stale_dropped = 0, evicted = 0;
+    uint64_t chunk_requests = 0, chunks_acked = 0, chunks_dropped = 0;  // virtual-memory chunks
   };
 
   Exporter(Backend& backend, Mailbox* mailbox, int peer) : backend_(backend), mailbox_(mailbox), peer_(peer) {}
@@ -157,18 +209,38 @@ class Exporter {
 
  private:
   enum class State { kRequested, kAcked, kNotExportable };
+  struct ChunkEntry {
+    std::size_t bytes = 0;
+    uint64_t id = 0;
+    bool acked = false;
+  };
   struct Entry {
     std::size_t bytes = 0;
     unsigned long long buffer_id = 0;
     State state = State::kRequested;
     int index = -1;
     uint64_t last_use = 0;
-    uint64_t requested_at = 0;  // tick_ of the call that requested the mapping
+    uint64_t requested_at = 0;  // tick_ of the call that requested the mapping (the last chunk)
     bool pinned = false;
     bool waited = false;  // claim_wait() answered true for this request
+    // A virtual-memory reservation (base, bytes): its state is kAcked while the sender holds its
+    // mirror at `index`, and each chunk asked for is acknowledged by itself (offset -> chunk).
+    bool vmm = false;
+    std::map<uint64_t, ChunkEntry> chunks;
+    bool awaiting_chunks() const {
+      for (const auto& c : chunks)
+        if (!c.second.acked) return true;
+      return false;
+    }
   };
-  // dst's allocation's entry, if it is the same allocation (buffer ID; and size, with same_size).
+  // dst's allocation's entry, if it is the same allocation (buffer ID; and size, with same_size;
+  // a reservation's by its range).
   Entry* entry_of(const void* dst, bool same_size);
+  Decision prepare_vmm(const Allocation& a, const void* dst, std::size_t bytes, bool capturing);
+  // Asks the sender to unmap the chunk at `offset` of the reservation at `base` and forgets it.
+  void drop_chunk(std::uintptr_t base, Entry& e, std::map<uint64_t, ChunkEntry>::iterator chunk);
+  // An entry remembered as staged for good (its memory cannot be exported), oldest out first.
+  void remember_not_exportable(const Allocation& a);
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
   void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
@@ -200,6 +272,7 @@ class Exporter {
   std::deque<Request> outgoing_;
   uint64_t tick_ = 0;
   uint64_t call_start_ = 0;  // tick_ when the current call began (begin_call)
+  uint64_t sequence_ = 0;    // the last chunk descriptor sent to the peer
   Stats stats_;
 };
 
@@ -208,6 +281,7 @@ class Importer {
  public:
   struct Stats {
     uint64_t opened = 0, open_failed = 0, unmapped = 0, closed = 0;
+    uint64_t chunks_mapped = 0, chunk_failed = 0, chunks_unmapped = 0;  // virtual-memory chunks
   };
   // `table`: kTableEntries words that this PE's kernels read (host-mapped memory).
   Importer(Backend& backend, Mailbox* mailbox, int peer, volatile uint64_t* table)
@@ -219,15 +293,41 @@ class Importer {
   void close_all();
   const Stats& stats() const { return stats_; }
   int open_handles() const { return static_cast<int>(mappings_.size()); }
-  int pending_closes() const { return static_cast<int>(closing_.size()); }
+  int pending_closes() const { return static_cast<int>(closing_.size() + chunk_closing_.size()); }
+  int mapped_chunks() const {
+    int n = 0;
+    for (const auto& m : mirrors_) n += static_cast<int>(m.second.chunks.size());
+    return n;
+  }
 
  private:
   struct Mapping {
     void* mapped = nullptr;
     int refs = 0;
   };
-  using Key = std::pair<uint64_t, uint64_t>;  // the receiver's (base, buffer ID)
+  struct MappedChunk {
+    std::size_t bytes = 0;
+    uint64_t id = 0;
+    uint64_t handle = 0;
+  };
+  // The address space mirroring a receiver's reservation, and the chunks mapped into it.
+  struct Mirror {
+    uint64_t address = 0;
+    std::size_t bytes = 0;
+    std::map<uint64_t, MappedChunk> chunks;  // offset -> chunk
+  };
+  struct ChunkClose {
+    uint64_t address = 0;
+    std::size_t bytes = 0;
+    uint64_t handle = 0;
+  };
+  using Key = std::pair<uint64_t, uint64_t>;  // the receiver's (base, buffer ID); a reservation's (base, 0)
   void unmap_index(int index);
+  // A request; false when it must wait for the send channel to be idle (left in the ring).
+  bool serve(const Request& request);
+  bool serve_chunk(const Request& request);
+  void serve_unmap_chunk(const Request& request);
+  void close_idle();
   void flush();
 
   Backend& backend_;
@@ -237,6 +337,9 @@ class Importer {
   std::vector<Key> index_key_ = std::vector<Key>(kTableEntries, Key{0, 0});  // (0, 0): empty
   std::map<Key, Mapping> mappings_;
   std::vector<void*> closing_;  // unmapped, closed once the send channel is idle
+  std::map<int, Mirror> mirrors_;  // table index -> the reservation mapped there
+  std::vector<ChunkClose> chunk_closing_;  // unmapped at once from the table, closed once idle
+  std::vector<std::pair<uint64_t, std::size_t>> reservations_closing_;  // freed once their chunks are
   std::deque<Ack> outgoing_;
   Stats stats_;
 };
