@@ -297,7 +297,7 @@ if has "$STEPS" bench; then
   if [ "$ONE_GPU" = 1 ]; then
     # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
     # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
-    BENCH_OPS=memcpy,kernel_copy,ce_handoff,kernel_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many,graph
+    BENCH_OPS=memcpy,kernel_copy,ce_handoff,kernel_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many,graph,engagement
     DEFAULT_BENCH="$BENCH_SIZES --ops $BENCH_OPS"
   else
     BENCH_OPS=; DEFAULT_BENCH=$BENCH_SIZES  # every op but compile, NCCL and torch symm_mem too
@@ -317,6 +317,10 @@ print(",".join(op for op in sys.argv[1].split(",") if op in OPS))' "$BENCH_OPS" 
       -m pydatacopy.bench --json "$OUT/bench-before.json" ${BENCH_BEFORE_ARGS:-${BENCH_ARGS:-$BEFORE_BENCH}}
     $PY scripts/bench_compare.py "$OUT/bench-before.json" "$OUT/bench.json" > "$OUT/bench-compare.md" 2>&1
   fi
+  # The send/recv rows under torch's other allocator settings (issue 36: `alloc` in each row),
+  # from 64 MiB, and the engagement runs; one JSON ($OUT/bench-alloc.json) for both settings.
+  # The default allocator's rows are the bench's above.
+  step bench-alloc bash scripts/bench-alloc.sh "$OUT/bench-alloc.json"
 fi
 # Kernel timelines of send/recv messages queued back to back (issue 35), asked for by name
 # (ONLY="timeline ..."): 2 PEs, TIMELINE_SIZES (default 4K,1M,4M,16M).

@@ -158,6 +158,7 @@ NEEDS_INIT_ARGS = {
     "register": ((_t,), {}),
     "send": ((_t, 0), {}),
     "sendrecv": ((_t, 0, _t, 0), {}),
+    "stats": ((), {}),
     "setup_send_recv": ((), {}),
     "signal_set": ((_i, 1, 0), {}),
     "signal_wait": ((_i, 1), {}),

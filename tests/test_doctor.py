@@ -186,3 +186,45 @@ def test_doctor_reports_ranks_per_gpu(capsys, monkeypatch):
     assert "PYDATACOPY_RANKS_PER_GPU=2: local rank r uses cuda:r // 2" in out
     assert "CUDA MPS is not running (no daemon listens at /nonexistent-mps/control: nothing there)" in out
     assert "gloo" in out
+
+
+@pytest.mark.parametrize("conf, setting, verdict", [
+    ("", "default", "OK"),
+    ("expandable_segments:True", "expandable_segments", "OK"),
+    ("max_split_size_mb:128,expandable_segments:True", "expandable_segments", "OK"),
+    ("expandable_segments:True,expandable_segments:False", "default", "OK"),  # the last one wins
+    ("backend:cudaMallocAsync", "cudaMallocAsync", "WARN"),
+    ("backend:native", "default", "OK"),
+])
+def test_allocator_setting_and_its_doctor_line(conf, setting, verdict):
+    from pydatacopy._torch_utils import allocator_setting
+    from pydatacopy.doctor import allocator_line
+
+    assert allocator_setting(conf) == setting
+    said, text = allocator_line({"PYTORCH_CUDA_ALLOC_CONF": conf} if conf else {})
+    assert said == verdict and text.startswith(setting)
+    if setting == "cudaMallocAsync":
+        assert "staged" in text
+
+
+def test_one_copy_fraction_counts_receives_only():
+    from pydatacopy.bench.send_recv import one_copy_fraction
+
+    before = {"zero_copy": 10, "staged": 5, "low_latency": 0}
+    assert one_copy_fraction(before, {"zero_copy": 13, "staged": 6, "low_latency": 0}) == 0.75
+    assert one_copy_fraction(before, dict(before)) is None  # a PE that only sent
+    assert one_copy_fraction(before, {"zero_copy": 10, "staged": 9, "low_latency": 0}) == 0.0
+
+
+def test_report_shows_one_copy_and_alloc(capsys):
+    from types import SimpleNamespace
+
+    from pydatacopy.bench._report import report
+
+    row = {"op": "send/recv", "path": "default", "direction": "both", "bytes": 1 << 26, "size": "64M",
+           "us": 100.0, "p99_us": 120.0, "gbps": 671.0, "ok": True, "one_copy_fraction": 0.75,
+           "alloc": "expandable_segments"}
+    report([row], SimpleNamespace(csv=None, markdown=None, plot=None))
+    out = capsys.readouterr().out
+    assert "  0.75  yes expandable_segments" in out
+    assert "expandable_segments" in out

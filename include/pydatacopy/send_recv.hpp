@@ -312,6 +312,19 @@ class SendRecvEngine {
   // [map requests, acknowledged, refused by the sender, not exportable, stale dropped, evicted,
   // handles opened here, closed here].
   std::vector<uint64_t> zero_copy_counters();
+  // What this PE's calls with one peer did since setup (pydatacopy.stats()): ops finished by the
+  // path their bytes took (counted on the device when each op ends: synchronise first), and the
+  // zero-copy mapping bookkeeping with that peer.
+  struct PeerStats {
+    int peer = 0;
+    uint64_t send_one_copy = 0, send_staged = 0, send_low_latency = 0;  // sends to `peer`
+    uint64_t recv_one_copy = 0, recv_staged = 0, recv_low_latency = 0;  // recvs from `peer`
+    uint64_t map_requests = 0;    // receive allocations (or expandable chunks) this PE asked `peer` to map
+    uint64_t not_exportable = 0;  // receive allocations that cannot be exported: staged on purpose
+    uint64_t refused = 0;         // mappings `peer` could not open
+    uint64_t mapped_here = 0;     // `peer`'s allocations (chunks) this process mapped to send into
+  };
+  std::vector<PeerStats> stats();
   // Test hook (the timeline's probe, issue 35): while on, every send/recv launch of this process
   // records %globaltimer at its phases (kernels/api.cuh: entry, grid wait, prologue, op 0's
   // rendezvous, op 0 done, loop left, counters, end); turning it on empties the ring. phase_stamps(): the last 1024 launches,
@@ -343,6 +356,7 @@ class SendRecvEngine {
   // engine's lock is free (a call holding it serves its own peers), and whether it moved anything.
   bool serve_zero_copy_progress();
   std::vector<uint64_t> zero_copy_counters_locked();
+  std::vector<PeerStats> peer_stats_locked();
   // Local, never blocks: exchanges the whole state (channels, staging, counters), not the lock.
   void swap_state(SendRecvEngine& other) noexcept;
   // Moves the state out (this engine is left uninitialised); the caller release()s it.
@@ -386,7 +400,7 @@ class SendRecvEngine {
   bool sends_launched_ = false;   // no send, no refusal to look for
   uint64_t* messages_ = nullptr;   // device [2][n_pes]: next message ordinal of each channel
   uint64_t* zc_resolved_ = nullptr;  // device [n_pes][kRendezvousRing][2]: zero-copy targets per send channel
-  uint64_t* zc_counts_ = nullptr;    // device [kZeroCopyCounters]: ops finished, by mode (test hook)
+  uint64_t* zc_counts_ = nullptr;    // device [n_pes][kZeroCopyCounters]: ops finished, by peer and mode
   std::size_t zero_copy_min_bytes_ = 0;
   std::size_t low_latency_max_bytes_ = 0;
   uint64_t* ll_filled_ = nullptr;  // device [n_pes][kLowLatencySlots]: per send channel, ordinal + 1 that last used each slot

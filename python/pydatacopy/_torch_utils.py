@@ -18,6 +18,39 @@ from ._limits import MAX_TIMEOUT_S
 Error = _C.Error
 
 
+def allocator_setting(conf: str | None = None) -> str:
+    """torch's CUDA allocator setting as zero-copy sees it: ``cudaMallocAsync``
+    (backend:cudaMallocAsync: its pool allows no handle type, so receive buffers stay staged),
+    ``expandable_segments`` (expandable_segments:True: moved once, chunk by chunk) or ``default``
+    (cudaMalloc segments: moved once). From PYTORCH_CUDA_ALLOC_CONF (or torch's newer
+    PYTORCH_ALLOC_CONF) unless `conf` is given; the last value of a key wins, as in torch's parser."""
+    import os
+
+    if conf is None:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    options = {}
+    for item in conf.split(","):
+        key, _, value = item.partition(":")
+        options[key.strip()] = value.strip()
+    if options.get("backend") == "cudaMallocAsync":
+        return "cudaMallocAsync"
+    if options.get("expandable_segments", "").lower() == "true":
+        return "expandable_segments"
+    return "default"
+
+
+#: What each allocator setting means for a send/recv between PEs on one node (doctor, init's warning).
+ALLOCATOR_ZERO_COPY = {
+    "default": "large send/recv messages between PEs on one node move once (CUDA IPC of torch's segments)",
+    "expandable_segments": "large send/recv messages between PEs on one node move once, chunk by chunk "
+                           "(each chunk's handle passed as a file descriptor over a Unix socket); peers on "
+                           "other servers cannot send from expandable memory (the remote path refuses it)",
+    "cudaMallocAsync": "receive buffers from torch's cudaMallocAsync pool cannot be exported (the pool allows "
+                       "no handle type): send/recv into them stays staged, two copies; torch's default "
+                       "allocator or expandable_segments:True move large messages once",
+}
+
+
 class _CudaArray:
     """A device buffer described by __cuda_array_interface__, so torch can view it zero-copy.
 

@@ -192,6 +192,17 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
     return lines
 
 
+def allocator_line(environ=os.environ) -> tuple[str, str]:
+    """What torch's allocator setting (PYTORCH_CUDA_ALLOC_CONF) means for send/recv: WARN where
+    receive buffers stay staged on purpose (cudaMallocAsync)."""
+    from pydatacopy._torch_utils import ALLOCATOR_ZERO_COPY, allocator_setting
+
+    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF") or ""
+    setting = allocator_setting(conf)
+    return ("WARN" if setting == "cudaMallocAsync" else "OK",
+            f"{setting} ({conf or 'PYTORCH_CUDA_ALLOC_CONF unset'}): {ALLOCATOR_ZERO_COPY[setting]}")
+
+
 def _positive_int(text: str) -> int:
     try:
         return _settings.parse_int(text, "--world-size", 1, _settings.INT32_MAX, 2, "the number of PEs")
@@ -302,6 +313,10 @@ def run(argv: list[str] | None = None) -> int:
         per_gpu = _settings.ranks_per_gpu()
     except _settings.SettingError:
         per_gpu = 1  # its FAIL line is in "ranks per GPU"
+
+    r.section("torch's allocator (zero-copy send/recv)")
+    verdict, text = allocator_line()
+    r.line(verdict, text)
 
     r.section("network")
     for verdict, text in _network.remote_transport_report():

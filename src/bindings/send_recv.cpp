@@ -145,6 +145,26 @@ void bind_send_recv(py::module_& m) {
            "test hook: how long an eager recv waits once for its mapping (PYDATACOPY_ZERO_COPY_PROGRESS)")
       .def_property_readonly_static("DEFAULT_ZERO_COPY_WAIT_SECONDS",
                                     [](py::object) { return SendRecvEngine::kDefaultZeroCopyWaitSeconds; })
+      .def("stats", [](SendRecvEngine& self) {
+             const std::vector<SendRecvEngine::PeerStats> all = [&self] {
+               py::gil_scoped_release release;  // the engine's lock
+               return self.stats();
+             }();
+             py::list out;
+             for (const SendRecvEngine::PeerStats& s : all) {
+               py::dict d;
+               d["peer"] = s.peer;
+               d["send_one_copy"] = s.send_one_copy, d["send_staged"] = s.send_staged;
+               d["send_low_latency"] = s.send_low_latency;
+               d["recv_one_copy"] = s.recv_one_copy, d["recv_staged"] = s.recv_staged;
+               d["recv_low_latency"] = s.recv_low_latency;
+               d["map_requests"] = s.map_requests, d["not_exportable"] = s.not_exportable;
+               d["refused"] = s.refused, d["mapped_here"] = s.mapped_here;
+               out.append(d);
+             }
+             return out;
+           }, "per peer: ops finished by path since setup (counted on the device: synchronise first) "
+              "and the zero-copy mapping bookkeeping (pydatacopy.stats())")
       .def("zero_copy_counters", [](SendRecvEngine& self) {
              const std::vector<uint64_t> v = [&self] {
                py::gil_scoped_release release;  // the engine's lock (see without_gil_getter)

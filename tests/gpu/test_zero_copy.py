@@ -532,6 +532,9 @@ def test_torch_expandable_segments_move_once(world, peer, answers_waited_for):
     """torch's own expandable segments (switched on for this test): a receive buffer over several
     of its chunks moves once from its second call, byte-exact; freed, the cache emptied and a buffer
     of another size allocated (the segment shrinks and grows), it stays exact and moves once again."""
+    if not _load_store():
+        pytest.skip("the remote path refuses to send from expandable memory, by design "
+                    "(test_registration.py's test_expandable_segments_are_refused_on_the_remote_path)")
     rank = world[0]
     outcome = _Outcome(world)
     cuda = _driver()
@@ -573,3 +576,37 @@ def test_torch_expandable_segments_move_once(world, peer, answers_waited_for):
         torch.cuda.empty_cache()
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     outcome.agree("torch's expandable segments")
+
+
+def test_stats_count_each_peer_by_path(world, peer, answers_waited_for):
+    """pydatacopy.stats(): per peer, the ops finished by the path their bytes took. Four sendrecvs
+    of 2 MiB into one buffer (above the 1 MiB threshold): the first staged, the next three one copy,
+    on both sides of each message; two of 4 KiB: never one copy. Under forced RMA: all staged."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes, rounds = 2 * MiB + 1, 4
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    small = torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    before = pydatacopy.stats()
+    with outcome.check("the transfers"):
+        for round_ in range(rounds):
+            pydatacopy.sendrecv(_bytes(rank, 8000 + round_, nbytes), peer, recv, peer)
+        for round_ in range(2):
+            pydatacopy.sendrecv(_bytes(rank, 8100 + round_, small.numel()), peer, small, peer)
+        torch.cuda.synchronize()
+        _assert_bytes(recv, _bytes(peer, 8000 + rounds - 1, nbytes), "the last large round")
+        _assert_bytes(small, _bytes(peer, 8101, small.numel()), "the last small round")
+    after = pydatacopy.stats()
+    with outcome.check("the stats"):
+        assert set(after) == {peer}, f"one entry per other PE: {after}"
+        moved = {key: after[peer][key] - before[peer][key] for key in after[peer]}
+        total_recv = moved["recv_one_copy"] + moved["recv_staged"] + moved["recv_low_latency"]
+        total_send = moved["send_one_copy"] + moved["send_staged"] + moved["send_low_latency"]
+        assert total_recv == rounds + 2 and total_send == rounds + 2, f"every op counted once: {moved}"
+        if _load_store():
+            assert moved["recv_one_copy"] == rounds - 1 and moved["send_one_copy"] == rounds - 1, moved
+            assert moved["map_requests"] == 1 and moved["mapped_here"] == 1, f"one mapping each way: {moved}"
+        else:
+            assert moved["recv_one_copy"] == 0 and moved["send_one_copy"] == 0, f"forced RMA went one copy: {moved}"
+    outcome.agree("pydatacopy.stats()")

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
+from pydatacopy._torch_utils import allocator_setting
 
 
 def human(nbytes: int) -> str:
@@ -200,26 +201,6 @@ def time_graph(run: Callable[[], None], calls: int, args, prepare: Callable[[], 
         print(f"  rank {pydatacopy.my_pe()}: {error}", file=sys.stderr, flush=True)
         ok = False
     return timed, agree(ok and check())
-
-
-def allocator_setting(conf: str | None = None) -> str:
-    """The torch allocator the run's tensors come from, as the bench's `alloc` column names it:
-    `cudaMallocAsync` (backend:cudaMallocAsync), `expandable_segments` (expandable_segments:True),
-    or `default`. From PYTORCH_CUDA_ALLOC_CONF (or torch's newer PYTORCH_ALLOC_CONF) unless `conf`
-    is given; the last value of a key wins, as in torch's parser."""
-    import os
-
-    if conf is None:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-    options = {}
-    for item in conf.split(","):
-        key, _, value = item.partition(":")
-        options[key.strip()] = value.strip()
-    if options.get("backend") == "cudaMallocAsync":
-        return "cudaMallocAsync"
-    if options.get("expandable_segments", "").lower() == "true":
-        return "expandable_segments"
-    return "default"
 
 
 def make_row(op: str, path: str, direction: str, nbytes: int, timed: Timing, ok: bool,

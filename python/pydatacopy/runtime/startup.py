@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
 
@@ -85,8 +86,25 @@ def _start(root_unique_id: UniqueIdLike, rank: int, world_size: int, device: Dev
     _C.set_rma_options(*_settings.rma_options())
     pe = _C.init_nvshmem(values, rank, world_size, device, init_timeout)
     _send_recv.setup_send_recv()  # collective, like the init itself
+    _warn_staged_allocator()
     ops.make_order_token(device)  # what the traced calls order themselves by (ops/traced.py)
     return pe
+
+
+def _warn_staged_allocator() -> None:
+    """Said once per process: torch's cudaMallocAsync backend keeps every receive buffer staged
+    (issue 36: the staged path chosen on purpose, and said)."""
+    global _allocator_warned
+    if _allocator_warned or _torch_utils.allocator_setting() != "cudaMallocAsync":
+        return
+    if _send_recv.zero_copy_min_bytes() == 0:
+        return  # zero-copy off: nothing is lost
+    _allocator_warned = True
+    warnings.warn(f"pydatacopy: PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync: "
+                  f"{_torch_utils.ALLOCATOR_ZERO_COPY['cudaMallocAsync']}", RuntimeWarning, stacklevel=3)
+
+
+_allocator_warned = False
 
 
 def init(group=None, *, device: DeviceLike = None, timeout: float | None = None) -> int:

@@ -5,6 +5,6 @@ engine's lifetime (setup_send_recv; runtime.startup sets it up and tears it down
 
 from __future__ import annotations
 
-from .send_recv import group, recv, send, sendrecv, setup_send_recv
+from .send_recv import group, recv, send, sendrecv, setup_send_recv, stats
 
-__all__ = ["group", "recv", "send", "sendrecv", "setup_send_recv"]
+__all__ = ["group", "recv", "send", "sendrecv", "setup_send_recv", "stats"]

@@ -118,6 +118,24 @@ def service_zero_copy() -> None:
         _engine.service_zero_copy()
 
 
+def stats() -> dict[int, dict[str, int]]:
+    """What this PE's send/recv calls did with each other PE since the engine was set up (init()
+    or setup_send_recv()), by peer: ops finished by the path their bytes took
+    (``send_one_copy``/``recv_one_copy``: zero-copy, from the sender's tensor straight into the
+    receiver's; ``*_staged``: through the receiver's staging, two copies; ``*_low_latency``: small
+    messages, data and flags in the same stores), and the zero-copy bookkeeping with that peer:
+    ``map_requests`` (receive allocations, or chunks of torch's expandable segments, this PE asked
+    the peer to map), ``not_exportable`` (receive allocations whose memory cannot be exported,
+    e.g. a cudaMallocAsync pool's: staged on purpose), ``refused`` (mappings the peer could not
+    open), ``mapped_here`` (the peer's allocations or chunks this process mapped to send into).
+    Ops are counted on the GPU when they end: synchronise first. Reads a few words from the GPU
+    on a stream of the engine's own; not for a hot loop."""
+    engine = _require_engine("stats")
+    refuse_capture("stats")
+    me = _C.my_pe()
+    return {row.pop("peer"): row for row in engine.stats() if row["peer"] != me}
+
+
 def zero_copy_min_bytes() -> int:
     """Messages of at least this many bytes between PEs that reach each other by load/store move
     once, from the sender's tensor into the receiver's (PYDATACOPY_ZERO_COPY_MIN_BYTES, default

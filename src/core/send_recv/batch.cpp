@@ -62,7 +62,8 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   // raise active_blocks), so both sides count the same; at most one per resident block, so that
   // a block streams one contiguous part instead of visiting two in turn.
   a.zc_slices = std::min(a.active_blocks, std::max(1, resident_blocks_));
-  a.zc_counters = reinterpret_cast<unsigned long long*>(zc_counts_);
+  a.zc_counters = reinterpret_cast<unsigned long long*>(zc_counts_) +
+                  static_cast<std::size_t>(peer) * kernels::kZeroCopyCounters;  // this peer's
   const bool load_store = load_store_peer(peer);
   a.low_latency = moves_low_latency(peer, bytes);
   if (send) {

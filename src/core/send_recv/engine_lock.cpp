@@ -185,4 +185,9 @@ std::vector<uint64_t> SendRecvEngine::zero_copy_counters() {
   return zero_copy_counters_locked();
 }
 
+std::vector<SendRecvEngine::PeerStats> SendRecvEngine::stats() {
+  Lock lock(mutex_);
+  return peer_stats_locked();
+}
+
 }  // namespace pydatacopy

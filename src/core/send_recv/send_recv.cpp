@@ -144,7 +144,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   ChannelOrder order(2 * pes);  // local, before anything collective can need undoing
   // check_refusals(): a pinned copy of the refusal words and a stream of its own, also local and
   // made before anything collective (a failure here leaves no peer waiting).
-  RefusalPoll poll(std::max<std::size_t>(3 * static_cast<std::size_t>(pes), kernels::kZeroCopyCounters));
+  RefusalPoll poll(static_cast<std::size_t>(pes) * std::max<std::size_t>(3, kernels::kZeroCopyCounters));
   // Both sides of a message must cut it into the same slices: every PE must ask for the same
   // `blocks`, and all take the smallest grid cap (PEs with different SM shares, e.g. other MPS
   // percentages, would otherwise cut messages differently: false size mismatches or stalls).
@@ -233,7 +233,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // test hook's counters of finished ops by mode.
   const std::size_t counter_bytes = 2 * pes * (2 * sizeof(uint64_t) + 2 * sizeof(unsigned int)) +
                                     pes * pages_per_peer * sizeof(uint64_t) + 2 * pes * sizeof(uint64_t) +
-                                    (pes * 2 * kernels::kRendezvousRing + kernels::kZeroCopyCounters) *
+                                    (pes * 2 * kernels::kRendezvousRing + pes * kernels::kZeroCopyCounters) *
                                         sizeof(uint64_t) +
                                     static_cast<std::size_t>(pes) * kernels::kLowLatencySlots * sizeof(uint64_t);
   void* counters = nullptr;
@@ -261,7 +261,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   messages_ = filled_ + pes * pages_per_peer;
   zc_resolved_ = messages_ + 2 * pes;
   zc_counts_ = zc_resolved_ + static_cast<std::size_t>(pes) * 2 * kernels::kRendezvousRing;
-  ll_filled_ = zc_counts_ + kernels::kZeroCopyCounters;
+  ll_filled_ = zc_counts_ + static_cast<std::size_t>(pes) * kernels::kZeroCopyCounters;
   done_ = reinterpret_cast<unsigned int*>(ll_filled_ + static_cast<std::size_t>(pes) * kernels::kLowLatencySlots);
   failed_ = done_ + 2 * pes;
   resident_blocks_ = std::max(1, grid_cap);
@@ -436,12 +436,38 @@ std::vector<std::vector<uint64_t>> SendRecvEngine::phase_stamps() {
   return rows;
 }
 
+std::vector<SendRecvEngine::PeerStats> SendRecvEngine::peer_stats_locked() {
+  PDC_REQUIRE(base_ != nullptr, "stats: the send/recv engine is not set up");
+  // In device memory (a host-mapped atomic at the end of every launch cost a PCIe round trip),
+  // [peer][kZeroCopyCounters].
+  const uint64_t* device_counts =
+      refusal_poll_.read(zc_counts_, static_cast<std::size_t>(n_pes_) * kernels::kZeroCopyCounters);
+  std::vector<PeerStats> out;
+  for (int peer = 0; peer < n_pes_; ++peer) {
+    const uint64_t* c = device_counts + static_cast<std::size_t>(peer) * kernels::kZeroCopyCounters;
+    PeerStats s;
+    s.peer = peer;
+    s.send_one_copy = c[kernels::kSendZeroCopy], s.send_staged = c[kernels::kSendStaged];
+    s.send_low_latency = c[kernels::kSendLowLatency];
+    s.recv_one_copy = c[kernels::kRecvZeroCopy], s.recv_staged = c[kernels::kRecvStaged];
+    s.recv_low_latency = c[kernels::kRecvLowLatency];
+    const auto& x = zero_copy_->exporters[peer]->stats();
+    const auto& y = zero_copy_->importers[peer]->stats();
+    s.map_requests = x.requests + x.chunk_requests, s.not_exportable = x.not_exportable, s.refused = x.refused;
+    s.mapped_here = y.opened + y.chunks_mapped;
+    out.push_back(s);
+  }
+  return out;
+}
+
 std::vector<uint64_t> SendRecvEngine::zero_copy_counters_locked() {
   PDC_REQUIRE(base_ != nullptr, "zero_copy_counters: the send/recv engine is not set up");
-  // In device memory (a host-mapped atomic at the end of every launch cost a PCIe round trip).
-  const uint64_t* device_counts = refusal_poll_.read(zc_counts_, kernels::kZeroCopyCounters);
-  std::vector<uint64_t> out;
-  for (int i = 0; i < kernels::kZeroCopyCounters; ++i) out.push_back(static_cast<uint64_t>(device_counts[i]));
+  const uint64_t* device_counts =
+      refusal_poll_.read(zc_counts_, static_cast<std::size_t>(n_pes_) * kernels::kZeroCopyCounters);
+  std::vector<uint64_t> out(kernels::kZeroCopyCounters, 0);  // every peer's, summed
+  for (int peer = 0; peer < n_pes_; ++peer)
+    for (int i = 0; i < kernels::kZeroCopyCounters; ++i)
+      out[i] += device_counts[static_cast<std::size_t>(peer) * kernels::kZeroCopyCounters + i];
   zero_copy::Exporter::Stats e;
   zero_copy::Importer::Stats m;
   for (int peer = 0; peer < n_pes_; ++peer) {
