@@ -464,6 +464,16 @@ def _granularity(cuda) -> int:
     return granularity.value if status == 0 else 0
 
 
+def _sendrecv_rounds(outcome, rank, peer, recv, tags, what):
+    """A sendrecv into `recv` per tag, both ways, fresh data each, checked byte for byte."""
+    for round_, tag in enumerate(tags):
+        with outcome.check(f"{what}, round {round_}"):
+            recv.zero_()
+            pydatacopy.sendrecv(_bytes(rank, tag, recv.numel()), peer, recv, peer)
+            torch.cuda.synchronize()
+            _assert_bytes(recv, _bytes(peer, tag, recv.numel()), f"{what}, round {round_}")
+
+
 @pytest.fixture
 def answers_waited_for():
     """A second call's wait for its mapping up to the call's timeout (not 20 ms), so that the
@@ -497,13 +507,8 @@ def test_expandable_memory_moves_once_chunk_by_chunk_and_follows_its_chunks(worl
         recv.zero_()
         for phase in ("fresh", "a chunk mapped again"):
             before = _counters()
-            for round_ in range(rounds):
-                tag = 6000 + 10 * round_ + (5 if phase != "fresh" else 0)
-                with outcome.check(f"{phase}, round {round_}"):
-                    recv.zero_()
-                    pydatacopy.sendrecv(_bytes(rank, tag, nbytes), peer, recv, peer)
-                    torch.cuda.synchronize()
-                    _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{phase}, round {round_}")
+            _sendrecv_rounds(outcome, rank, peer, recv, [6000 + 10 * r + (5 if phase != "fresh" else 0)
+                                                         for r in range(rounds)], phase)
             after = _counters()
             with outcome.check(f"the counters ({phase})"):
                 moved = after["recv_zero_copy"] - before["recv_zero_copy"]
@@ -553,13 +558,8 @@ def test_torch_expandable_segments_move_once(world, peer, answers_waited_for):
             if not all(every):
                 pytest.skip("expandable_segments did not give VMM memory with file-descriptor handles on some PE")
             before = _counters()
-            for round_ in range(rounds):
-                tag = 7000 + 100 * size_index + round_
-                with outcome.check(f"{nbytes} bytes, round {round_}"):
-                    recv.zero_()
-                    pydatacopy.sendrecv(_bytes(rank, tag, nbytes), peer, recv, peer)
-                    torch.cuda.synchronize()
-                    _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{nbytes} bytes, round {round_}")
+            _sendrecv_rounds(outcome, rank, peer, recv, [7000 + 100 * size_index + r for r in range(rounds)],
+                             f"{nbytes} bytes")
             after = _counters()
             with outcome.check(f"the counters ({nbytes} bytes)"):
                 moved = after["recv_zero_copy"] - before["recv_zero_copy"]

@@ -137,6 +137,18 @@ def time_op(run: Callable[[], None], iterations: int, warmup: int, repeats: int,
     return Timing(*seconds.tolist())
 
 
+def device_clean() -> bool:
+    """check_errors() as a data check: False (said on stderr) when a device-side wait timed out
+    or a transfer was refused in the checked run. Agree on it afterwards: the peer must not be
+    left waiting alone in a collective."""
+    try:
+        pydatacopy.check_errors()
+    except pydatacopy.Error as error:
+        print(f"  rank {pydatacopy.my_pe()}: {error}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def agree(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], device=reduce_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -194,12 +206,7 @@ def time_graph(run: Callable[[], None], calls: int, args, prepare: Callable[[], 
     run()
     torch.cuda.synchronize()
     dist.barrier()  # every PE's replay is over (a one-way put graph: the peer's puts landed)
-    ok = True
-    try:
-        pydatacopy.check_errors()  # a device-side wait that timed out in the checked replay
-    except pydatacopy.Error as error:  # said here, agreed below: the peer must not wait alone
-        print(f"  rank {pydatacopy.my_pe()}: {error}", file=sys.stderr, flush=True)
-        ok = False
+    ok = device_clean()  # a device-side wait that timed out in the checked replay
     return timed, agree(ok and check())
 
 
@@ -282,12 +289,7 @@ class Sweep:
         run()
         torch.cuda.synchronize()
         dist.barrier()
-        ok = True
-        try:
-            pydatacopy.check_errors()  # a device-side wait that timed out in the checked run
-        except pydatacopy.Error as error:
-            print(f"  rank {self.me}: {error}", file=sys.stderr, flush=True)
-            ok = False
+        ok = device_clean()  # a device-side wait that timed out in the checked run
         if checks:
             ok = ok and torch.equal(dst, fill(torch.empty_like(dst), seed + (self.me if local else self.peer)))
         return timed, agree(ok)

@@ -20,8 +20,8 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
 
-from ._harness import against, agree, allocator_setting, capture_graphs, copies_to_capture, fill, human, make_row
-from ._harness import percentile, reduce_device, refill, time_graph
+from ._harness import against, agree, allocator_setting, capture_graphs, copies_to_capture, device_clean, fill
+from ._harness import human, make_row, percentile, reduce_device, refill, time_graph
 
 
 @contextlib.contextmanager
@@ -314,13 +314,7 @@ def bench_engagement(args, nbytes: int = ENGAGEMENT_BYTES, runs: int = ENGAGEMEN
         dist.barrier()
         pydatacopy.sendrecv(src, peer, out, peer)
         torch.cuda.synchronize()
-        ok = True
-        try:
-            pydatacopy.check_errors()
-        except pydatacopy.Error as error:
-            print(f"  rank {me}: {error}", file=sys.stderr, flush=True)
-            ok = False
-        ok = agree(ok and torch.equal(out, fill(torch.empty_like(out), seed + peer)))
+        ok = agree(device_clean() and torch.equal(out, fill(torch.empty_like(out), seed + peer)))
         rows.append({"op": "send/recv", "path": f"default, fresh buffers, run {run + 1} of {runs}",
                      "direction": "both", "bytes": nbytes, "size": human(nbytes), "us": median, "p99_us": p99,
                      "first_call_us": first, "calls": calls, "gbps": nbytes / median / 1e3, "ok": ok,
