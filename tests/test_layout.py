@@ -189,7 +189,7 @@ PUBLIC = {
     "all_to_all_v",
     "barrier", "empty", "free", "get", "group", "is_registered", "is_symmetric", "peer_view",
     "prepare_put_many", "put", "put_blocks", "put_many", "put_signal", "quiet", "recv", "register",
-    "send", "sendrecv", "setup_send_recv", "signal_set", "signal_wait", "unregister", "Error",
+    "send", "sendrecv", "setup_send_recv", "signal_set", "signal_wait", "stats", "unregister", "Error",
     "TimeoutError", "UNIQUE_ID_BYTES", "check_errors", "choose_device", "finalize", "get_unique_id",
     "init", "init_nvshmem", "is_initialized", "my_pe", "n_pes", "nvshmem_versions", "share_unique_id",
 }

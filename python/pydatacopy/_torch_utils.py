@@ -22,12 +22,14 @@ def allocator_setting(conf: str | None = None) -> str:
     """torch's CUDA allocator setting as zero-copy sees it: ``cudaMallocAsync``
     (backend:cudaMallocAsync: its pool allows no handle type, so receive buffers stay staged),
     ``expandable_segments`` (expandable_segments:True: moved once, chunk by chunk) or ``default``
-    (cudaMalloc segments: moved once). From PYTORCH_CUDA_ALLOC_CONF (or torch's newer
-    PYTORCH_ALLOC_CONF) unless `conf` is given; the last value of a key wins, as in torch's parser."""
+    (cudaMalloc segments: moved once). From torch's PYTORCH_ALLOC_CONF, or else the older
+    PYTORCH_CUDA_ALLOC_CONF (torch's own order), unless `conf` is given; the last value of a key
+    wins, as in torch's parser. A setting changed at run time
+    (torch.cuda.memory._set_allocator_settings) is not seen here."""
     import os
 
     if conf is None:
-        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+        conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     options = {}
     for item in conf.split(","):
         key, _, value = item.partition(":")

@@ -197,7 +197,7 @@ def allocator_line(environ=os.environ) -> tuple[str, str]:
     receive buffers stay staged on purpose (cudaMallocAsync)."""
     from pydatacopy._torch_utils import ALLOCATOR_ZERO_COPY, allocator_setting
 
-    conf = environ.get("PYTORCH_CUDA_ALLOC_CONF") or environ.get("PYTORCH_ALLOC_CONF") or ""
+    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
     setting = allocator_setting(conf)
     return ("WARN" if setting == "cudaMallocAsync" else "OK",
             f"{setting} ({conf or 'PYTORCH_CUDA_ALLOC_CONF unset'}): {ALLOCATOR_ZERO_COPY[setting]}")

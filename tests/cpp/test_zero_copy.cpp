@@ -2,6 +2,7 @@
 // exporter/importer handshake through the mailbox, freed and reused memory (buffer IDs),
 // eviction, closes deferred until the channel is idle, memory that cannot be exported, captures,
 // and the rings' wraparound.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -101,6 +102,7 @@ class FakeVmm final : public zc::Backend {
   std::map<uint64_t, Mapped> sender_map;                // the sender's mapped ranges: address -> chunk
   std::set<uint64_t> sender_reserved;
   bool exportable = true, send_idle = true, recv_idle = true;
+  int fail_maps = 0;  // the next so many map_chunk calls fail
   int exports = 0, maps = 0, unmaps = 0, reservations_freed = 0, next_fd = 100;
   uint64_t next_id = 1, next_reservation = 0x7f00'0000'0000;
 
@@ -167,6 +169,10 @@ class FakeVmm final : public zc::Backend {
     const uint64_t id = it->second;
     fds.erase(it);  // closed either way
     if (address == 0) return 0;
+    if (fail_maps > 0) {
+      --fail_maps;
+      return 0;
+    }
     for (const auto& m : sender_map)
       check(!(m.first < address + bytes && address < m.first + m.second.bytes),
             "the driver never maps over an address still mapped");
@@ -585,9 +591,10 @@ void test_expandable_memory_that_cannot_be_exported_stays_staged() {
   p.vmm.exportable = false;  // no socket to the sender, or the export refused
   p.vmm.reserve_at(kReservation, kReservationBytes);
   p.vmm.map_at(kReservation, kChunk);
-  for (int i = 0; i < 3; ++i) check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "staged");
-  check(p.vmm.exports == 1, "the export is tried once, not at every recv");
-  check(p.exporter.stats().not_exportable == 1, "remembered as not exportable");
+  for (int i = 0; i < 2 * zc::kMaxChunkFailures; ++i)
+    check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "staged");
+  check(p.vmm.exports == zc::kMaxChunkFailures, "the export is tried a few times (a failure may pass), not at every recv");
+  check(p.exporter.stats().not_exportable == 1, "then remembered as not exportable");
   p.importer.drain();
   check(p.vmm.maps == 0 && p.vmm.sender_reserved.empty(), "the sender holds nothing");
 }
@@ -627,6 +634,134 @@ void test_expandable_reservation_gone_frees_the_mirror() {
   check(p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "the new one moves once");
 }
 
+void test_expandable_first_chunk_given_back_keeps_the_rest() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.importer.drain();
+  const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  check(d.zero_copy, "mapped");
+  const uint64_t mirror = p.table[d.index];
+  // torch gives chunk 0 back (the driver then knows nothing at the reservation's base); a recv
+  // into other memory makes the exporter ask afresh.
+  p.vmm.unmap_at(kReservation);
+  p.vmm.reserve_at(kReservation + kReservationBytes, kReservationBytes);
+  p.vmm.map_at(kReservation + kReservationBytes, kChunk);
+  p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false);
+  check(p.exporter.stats().chunks_dropped == 1 && p.exporter.stats().stale_dropped == 0,
+        "only the chunk given back is dropped, not the reservation");
+  p.importer.drain();
+  check(p.table[d.index] == mirror && p.vmm.unmaps == 1, "the mirror stays; the chunk is unmapped there");
+  const zc::Exporter::Decision again = p.exporter.prepare(at(kReservation + kChunk + 7), 4096, false);
+  check(again.zero_copy && again.index == d.index, "a recv into chunk 1 still moves once, at the same index");
+}
+
+void test_expandable_chunk_refused_is_asked_again() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.vmm.fail_maps = 1;  // the sender fails once (out of descriptors, say)
+  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.importer.drain();
+  check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "refused: staged this time");
+  check(p.exporter.stats().refused == 1 && p.exporter.stats().not_exportable == 0, "one failure, not for good");
+  p.importer.drain();
+  check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "asked again and mapped");
+  check(p.vmm.exports == 2, "exported twice");
+}
+
+void test_expandable_chunk_waiting_aside_does_not_hold_the_ring() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.importer.drain();
+  check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "mapped");
+  p.vmm.unmap_at(kReservation);
+  p.vmm.map_at(kReservation, kChunk);  // mapped again: another chunk at the same place
+  p.vmm.send_idle = false;
+  p.exporter.prepare(at(kReservation), kChunk, false);  // unmap the old, map the new (deferred)
+  const std::uintptr_t other = kReservation + kReservationBytes;
+  p.vmm.reserve_at(other, kReservationBytes);
+  p.vmm.map_at(other, kChunk);
+  p.exporter.prepare(at(other), kChunk, false);  // a request behind it
+  p.importer.drain();
+  check(p.importer.deferred_chunks() == 1, "the new chunk waits aside for the idle channel");
+  check(p.exporter.prepare(at(other), kChunk, false).zero_copy, "the request behind it was served meanwhile");
+  check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "the waiting one stays staged");
+  // torch maps yet another chunk there before the channel went idle: the waiting one is forgotten.
+  p.vmm.unmap_at(kReservation);
+  p.vmm.map_at(kReservation, kChunk);
+  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.importer.drain();
+  check(p.importer.deferred_chunks() == 1, "the stale one cancelled, the newest one waiting");
+  check(p.vmm.fds.size() == 1, "the cancelled one's descriptor closed; only the waiting one's held");
+  p.vmm.send_idle = true;
+  p.importer.drain();
+  check(p.importer.deferred_chunks() == 0 && p.exporter.prepare(at(kReservation), kChunk, false).zero_copy,
+        "once idle: the newest chunk mapped and used");
+  check(p.vmm.sender_map.size() == 2, "the mirror holds one chunk per reservation");
+}
+
+void test_expandable_captured_recv_never_meets_a_hole() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  for (int i = 0; i < 3; ++i) p.vmm.map_at(kReservation + i * kChunk, kChunk);
+  p.exporter.prepare(at(kReservation), 3 * kChunk, false);
+  p.importer.drain();
+  const zc::Exporter::Decision captured = p.exporter.prepare(at(kReservation + kChunk), kChunk, true);
+  check(captured.zero_copy, "a capture over chunk 1 moves once");
+  // A chunk outside the captured range changes: only that chunk goes.
+  p.vmm.unmap_at(kReservation);
+  p.vmm.map_at(kReservation, kChunk);
+  p.exporter.prepare(at(kReservation), kChunk, false);
+  check(p.exporter.stats().stale_dropped == 0 && p.exporter.stats().chunks_dropped == 1, "chunk 0 alone");
+  p.importer.drain();
+  check(p.table[captured.index] != 0, "the captured index still maps");
+  // The captured chunk changes: the whole entry goes, its table word cleared, its index never reused.
+  p.vmm.unmap_at(kReservation + kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  check(!d.zero_copy && p.exporter.stats().stale_dropped == 1, "the entry under the capture is dropped");
+  p.importer.drain();
+  check(p.table[captured.index] == 0, "a replay finds the index empty and is refused, never a hole");
+  p.importer.drain();
+  const zc::Exporter::Decision after = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  check(after.zero_copy && after.index != captured.index, "the reservation moves once again at another index");
+}
+
+void test_expandable_captured_chunk_given_back_drops_the_entry_at_the_sweep() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.importer.drain();
+  const zc::Exporter::Decision captured = p.exporter.prepare(at(kReservation + kChunk), kChunk, true);
+  check(captured.zero_copy, "captured over chunk 1");
+  p.vmm.unmap_at(kReservation + kChunk);  // given back, not mapped again: found by the sweep
+  p.exporter.sweep_if_due(std::chrono::steady_clock::now());
+  check(p.exporter.stats().stale_dropped == 1, "the entry under the capture is dropped whole");
+  p.importer.drain();
+  check(p.table[captured.index] == 0, "its table word cleared: a replay is refused");
+}
+
+void test_expandable_descriptors_in_flight_are_bounded() {
+  VmmPair p;
+  const int chunks = zc::kMaxUnansweredChunks + 36;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  for (int i = 0; i < chunks; ++i) p.vmm.map_at(kReservation + i * (2 << 20), 2 << 20);
+  const std::size_t bytes = std::size_t(chunks) * (2 << 20);
+  p.exporter.prepare(at(kReservation), bytes, false);
+  check(p.vmm.exports == zc::kMaxUnansweredChunks, "at most kMaxUnansweredChunks descriptors unanswered");
+  p.importer.drain();
+  check(!p.exporter.prepare(at(kReservation), bytes, false).zero_copy && p.vmm.exports == chunks, "the rest next");
+  p.importer.drain();
+  check(p.exporter.prepare(at(kReservation), bytes, false).zero_copy, "then the whole range moves once");
+}
+
 void test_close_all_releases_mirrors() {
   VmmPair p;
   p.vmm.reserve_at(kReservation, kReservationBytes);
@@ -647,6 +782,12 @@ int main() {
   test_expandable_memory_that_cannot_be_exported_stays_staged();
   test_expandable_recv_over_unmapped_memory_is_staged();
   test_expandable_reservation_gone_frees_the_mirror();
+  test_expandable_first_chunk_given_back_keeps_the_rest();
+  test_expandable_chunk_refused_is_asked_again();
+  test_expandable_chunk_waiting_aside_does_not_hold_the_ring();
+  test_expandable_captured_recv_never_meets_a_hole();
+  test_expandable_captured_chunk_given_back_drops_the_entry_at_the_sweep();
+  test_expandable_descriptors_in_flight_are_bounded();
   test_close_all_releases_mirrors();
   test_handshake_then_zero_copy();
   test_a_second_call_may_wait_once();

@@ -585,6 +585,8 @@ def test_stats_count_each_peer_by_path(world, peer, answers_waited_for):
     rank = world[0]
     outcome = _Outcome(world)
     nbytes, rounds = 2 * MiB + 1, 4
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # a segment of its own for the receive buffer: one mapping request
     recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     small = torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()

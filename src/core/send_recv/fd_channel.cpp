@@ -77,7 +77,7 @@ FdListener FdListener::open(const std::string& name, uint64_t key) {
   UniqueFd socket = new_socket();
   if (!socket.valid()) return listener;
   if (::bind(socket.get(), reinterpret_cast<const sockaddr*>(&address), length) != 0) return listener;
-  if (::listen(socket.get(), 16) != 0) return listener;
+  if (::listen(socket.get(), SOMAXCONN) != 0) return listener;  // a full backlog refuses the job's own peers
   listener.socket_ = std::move(socket);
   listener.key_ = key;
   return listener;

@@ -415,11 +415,17 @@ bool SendRecvEngine::serve_zero_copy_progress() {
       const auto& in = zero_copy_->importers[peer]->stats();
       const auto& out = zero_copy_->exporters[peer]->stats();
       sum += in.opened + in.open_failed + in.unmapped + in.closed + out.acked + out.refused;
+      sum += in.chunks_mapped + in.chunk_failed + in.chunks_unmapped + out.chunks_acked + out.chunks_dropped +
+             out.stale_dropped;
     }
     return sum;
   };
   const uint64_t before = activity();
   service_zero_copy_locked();
+  // Memory given back since (torch's empty_cache): let go of its mappings now, so that the senders
+  // close theirs and it returns to the driver, not at this PE's next new mapping.
+  const auto now = std::chrono::steady_clock::now();
+  for (int peer = 0; peer < n_pes_; ++peer) zero_copy_->exporters[peer]->sweep_if_due(now);
   return activity() != before;
 }
 

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <iterator>
 #include <limits>
+#include <set>
 
 namespace pydatacopy::zero_copy {
 
@@ -38,14 +39,11 @@ void Exporter::poll() {
         chunk->second.acked = true;
         ++stats_.chunks_acked;
       } else {
-        // The sender could not map it: the reservation stays staged for good.
+        // The sender could not map it (out of descriptors, a reservation refused...): asked again
+        // at a later recv, until kMaxChunkFailures such failures make the reservation staged.
         ++stats_.refused;
-        Allocation a;
-        a.base = it->first;
-        a.bytes = it->second.bytes;
-        a.vmm_fd = true;
-        drop(it);
-        remember_not_exportable(a);
+        it->second.chunks.erase(chunk);
+        chunk_failed(it);
       }
       continue;
     }
@@ -92,23 +90,49 @@ void Exporter::drop_overlapping(const Allocation& a) {
 void Exporter::sweep() {
   drop_stale(entries_.begin(), entries_.end(), [&](std::uintptr_t base, Entry& e) {
     if (e.index < 0) return true;  // nothing held at the sender
-    const Allocation now = backend_.query(reinterpret_cast<const void*>(base));
-    if (!e.vmm) return now.cuda_memory && now.base == base && now.bytes == e.bytes && now.buffer_id == e.buffer_id;
-    if (!now.cuda_memory || !now.vmm_fd || now.base != base || now.bytes != e.bytes) return false;
-    // The reservation is there: let go of the chunks torch unmapped or mapped again since.
-    for (auto chunk = e.chunks.begin(); chunk != e.chunks.end();) {
+    if (!e.vmm) {
+      const Allocation now = backend_.query(reinterpret_cast<const void*>(base));
+      return now.cuda_memory && now.base == base && now.bytes == e.bytes && now.buffer_id == e.buffer_id;
+    }
+    // A reservation: first the chunks torch unmapped or mapped again since.
+    std::vector<std::map<uint64_t, ChunkEntry>::iterator> gone;
+    for (auto chunk = e.chunks.begin(); chunk != e.chunks.end(); ++chunk) {
       std::vector<Chunk> here;
       const bool same = backend_.chunks(reinterpret_cast<const void*>(base + chunk->first), 1, &here) &&
                         here.size() == 1 && here[0].base == base + chunk->first &&
                         here[0].bytes == chunk->second.bytes && here[0].id == chunk->second.id;
-      if (same) {
-        ++chunk;
-      } else {
-        drop_chunk(base, e, chunk++);
-      }
+      if (!same) gone.push_back(chunk);
     }
-    return true;
+    // A captured recv keeps its index and offset for the graph's life: a hole under it in the
+    // mirror would be written through (an illegal address), so then the whole entry goes (its
+    // table word cleared: a replay is refused, as for any freed capture buffer).
+    for (auto chunk : gone)
+      if (e.under_capture(chunk->first, chunk->second.bytes)) return false;
+    for (auto chunk : gone) drop_chunk(base, e, chunk);
+    // Then the reservation, asked through a chunk still mapped (the driver knows no unmapped
+    // address, not even inside a reservation). With none left, the entry goes (its mirror too).
+    if (e.chunks.empty()) return false;
+    const Allocation now = backend_.query(reinterpret_cast<const void*>(base + e.chunks.begin()->first));
+    return now.cuda_memory && now.vmm_fd && now.base == base && now.bytes == e.bytes;
   });
+}
+
+void Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
+  if (++it->second.chunk_failures < kMaxChunkFailures) return;
+  Allocation a;
+  a.base = it->first;
+  a.bytes = it->second.bytes;
+  a.vmm_fd = true;
+  drop(it);
+  remember_not_exportable(a);
+}
+
+bool Exporter::sweep_if_due(std::chrono::steady_clock::time_point now) {
+  if (!usable() || now < next_sweep_) return false;
+  next_sweep_ = now + kSweepPeriod;
+  poll();
+  sweep();
+  return true;
 }
 
 void Exporter::drop_chunk(std::uintptr_t base, Entry& e, std::map<uint64_t, ChunkEntry>::iterator chunk) {
@@ -225,6 +249,29 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   std::vector<Chunk> now;
   if (!backend_.chunks(dst, bytes, &now) || now.empty() || now.size() > static_cast<std::size_t>(kMaxChunksPerMessage))
     return staged;
+  // Known chunks over the range of these that are not them: torch unmapped them (and mapped others
+  // there). The sender unmaps the old one before it maps the new one.
+  std::set<uint64_t> gone;  // offsets of known chunks
+  if (it != entries_.end()) {
+    const auto& known = it->second.chunks;
+    for (const Chunk& c : now) {
+      const uint64_t offset = c.base - a.base;
+      auto k = known.lower_bound(offset);
+      if (k != known.begin() && std::prev(k)->first + std::prev(k)->second.bytes > offset) --k;
+      for (; k != known.end() && k->first < offset + c.bytes; ++k)
+        if (k->first != offset || k->second.bytes != c.bytes || k->second.id != c.id) gone.insert(k->first);
+    }
+    bool under_capture = false;
+    for (uint64_t offset : gone) under_capture = under_capture || it->second.under_capture(offset, known.at(offset).bytes);
+    if (under_capture) {
+      // A captured recv may post this index at any replay: no hole may open under it. The whole
+      // entry goes (its index never handed out again); this recv starts a new one.
+      ++stats_.stale_dropped;
+      drop(it);
+      it = entries_.end();
+      gone.clear();
+    }
+  }
   if (it == entries_.end()) {
     sweep();  // a new mapping: let go of what was freed since (as for a new allocation)
     const int index = take_index();
@@ -235,37 +282,33 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     e.state = State::kAcked;  // the mirror is made with the first chunk at the sender
     e.index = index;
     in_use_[static_cast<std::size_t>(index)] = true;
-    ++stats_.requests;
     it = entries_.find(a.base);
   }
   Entry& e = it->second;
   e.last_use = ++tick_;
   e.pinned = e.pinned || capturing;
+  if (capturing) e.captured.emplace_back(reinterpret_cast<std::uintptr_t>(dst) - a.base, bytes);
+  for (uint64_t offset : gone) drop_chunk(a.base, e, e.chunks.find(offset));
+  // Descriptors travel ahead of their requests: a bounded number unanswered per peer, and none
+  // while requests wait for room in the ring, so that the sender's process never holds more than
+  // kMaxUnansweredChunks of this PE's descriptors it cannot serve yet.
+  int unanswered = 0;
+  for (const auto& entry : entries_)
+    for (const auto& c : entry.second.chunks) unanswered += c.second.acked ? 0 : 1;
   bool every_chunk_acked = true;
   for (const Chunk& c : now) {
     const uint64_t offset = c.base - a.base;
-    // Chunks known over this one's range that are not this one: torch unmapped them (and mapped
-    // another here): the sender unmaps the old one before it may map the new one.
-    auto known = e.chunks.lower_bound(offset);
-    if (known != e.chunks.begin() && std::prev(known)->first + std::prev(known)->second.bytes > offset) --known;
-    while (known != e.chunks.end() && known->first < offset + c.bytes) {
-      if (known->first == offset && known->second.bytes == c.bytes && known->second.id == c.id) {
-        ++known;
-      } else {
-        drop_chunk(a.base, e, known++);
-      }
-    }
     auto chunk = e.chunks.find(offset);
     if (chunk != e.chunks.end()) {
       every_chunk_acked = every_chunk_acked && chunk->second.acked;
       continue;
     }
     every_chunk_acked = false;
+    if (unanswered >= kMaxUnansweredChunks || !outgoing_.empty()) break;  // the rest at a later recv
     const uint64_t sequence = ++sequence_;
     if (!backend_.send_chunk(peer_, c.base, sequence)) {
-      // Not exportable, or no socket to the sender's process: this reservation stays staged.
-      drop(it);
-      remember_not_exportable(a);
+      // No descriptor or no socket this time: asked again at a later recv (bounded).
+      chunk_failed(it);
       return staged;
     }
     Request request{kMapChunk, e.index, a.base, 0, a.bytes, IpcHandle{}};
@@ -277,6 +320,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     e.chunks[offset] = ChunkEntry{c.bytes, c.id, false};
     e.requested_at = e.last_use;
     e.waited = false;  // a new request may be waited for once
+    ++unanswered;
     ++stats_.chunk_requests;
   }
   if (every_chunk_acked) return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
@@ -335,6 +379,7 @@ void Importer::unmap_index(int index) {
   const Key key = index_key_[static_cast<std::size_t>(index)];
   table_[index] = 0;  // a late post of this index is refused by the kernel, never written through
   index_key_[static_cast<std::size_t>(index)] = Key{0, 0};
+  cancel_deferred(index, [](const Request&) { return true; });
   auto mirror = mirrors_.find(index);
   if (mirror != mirrors_.end()) {
     // A reservation: its chunks and address space go once the send channel is idle.
@@ -388,69 +433,85 @@ bool Importer::serve(const Request& request) {
 bool Importer::serve_chunk(const Request& request) {
   const std::size_t index = static_cast<std::size_t>(request.index);
   const Key key{request.base, 0};
-  Ack ack{request.index, 0, request.base, request.chunk_id, request.chunk_offset, 1};
-  const bool fits = request.chunk_bytes != 0 && request.chunk_offset < request.bytes &&
-                    request.chunk_bytes <= request.bytes - request.chunk_offset;
+  const int fd = backend_.take_chunk_fd(peer_, request.sequence);
   auto mirror = mirrors_.find(request.index);
-  if (fits && mirror != mirrors_.end() && index_key_[index] == key && mirror->second.bytes == request.bytes) {
+  if (fd >= 0 && mirror != mirrors_.end() && index_key_[index] == key && mirror->second.bytes == request.bytes &&
+      request.chunk_offset < request.bytes && request.chunk_bytes <= request.bytes - request.chunk_offset) {
     // The chunk's range must be free in the mirror, also of chunks unmapped but not closed yet:
-    // those close once the send channel is idle, and until then this request and every later
-    // one wait in the ring (in order).
+    // those close once the send channel is idle. Until then this request waits aside (with its
+    // descriptor), and the requests behind it are served meanwhile.
     const uint64_t begin = mirror->second.address + request.chunk_offset, end = begin + request.chunk_bytes;
     for (const ChunkClose& c : chunk_closing_) {
       if (c.address < end && begin < c.address + c.bytes) {
-        if (!backend_.channel_idle(true, peer_)) return false;
+        if (!backend_.channel_idle(true, peer_)) {
+          deferred_.push_back(Deferred{request, fd});
+          return true;
+        }
         close_idle();
         break;
       }
     }
   }
-  const int fd = backend_.take_chunk_fd(peer_, request.sequence);
-  if (!fits) {
-    if (fd >= 0) backend_.map_chunk(fd, 0, 0);  // closes it (a refused map)
+  map_chunk(request, fd);
+  return true;
+}
+
+void Importer::map_chunk(const Request& request, int fd) {
+  const std::size_t index = static_cast<std::size_t>(request.index);
+  const Key key{request.base, 0};
+  Ack ack{request.index, 0, request.base, request.chunk_id, request.chunk_offset, 1};
+  const auto refuse = [&] {
+    if (fd >= 0) backend_.map_chunk(fd, 0, 0);  // closes it
     ++stats_.chunk_failed;
     outgoing_.push_back(ack);
-    return true;
-  }
+  };
+  const bool fits = request.chunk_bytes != 0 && request.chunk_offset < request.bytes &&
+                    request.chunk_bytes <= request.bytes - request.chunk_offset;
+  if (!fits || fd < 0) return refuse();
+  auto mirror = mirrors_.find(request.index);
   if (mirror == mirrors_.end() || index_key_[index] != key || mirror->second.bytes != request.bytes) {
     // The reservation's first chunk at this index: its mirror.
     if (index_key_[index] != Key{0, 0}) unmap_index(request.index);
     const uint64_t address = backend_.reserve(request.bytes);
-    if (address == 0) {
-      if (fd >= 0) backend_.map_chunk(fd, 0, 0);
-      ++stats_.chunk_failed;
-      outgoing_.push_back(ack);
-      return true;
-    }
+    if (address == 0) return refuse();
     mirror = mirrors_.emplace(request.index, Mirror{address, request.bytes, {}}).first;
     index_key_[index] = key;
     table_[request.index] = address;
   }
   Mirror& m = mirror->second;
   // A chunk still mapped over this range (the receiver's unmap not seen: not from our exporter).
-  for (const auto& chunk : m.chunks) {
-    if (chunk.first < request.chunk_offset + request.chunk_bytes &&
-        request.chunk_offset < chunk.first + chunk.second.bytes) {
-      if (fd >= 0) backend_.map_chunk(fd, 0, 0);
-      ++stats_.chunk_failed;
-      outgoing_.push_back(ack);
-      return true;
-    }
-  }
-  const uint64_t handle = fd >= 0 ? backend_.map_chunk(fd, m.address + request.chunk_offset, request.chunk_bytes) : 0;
+  for (const auto& chunk : m.chunks)
+    if (chunk.first < request.chunk_offset + request.chunk_bytes && request.chunk_offset < chunk.first + chunk.second.bytes)
+      return refuse();
+  const uint64_t handle = backend_.map_chunk(fd, m.address + request.chunk_offset, request.chunk_bytes);
   if (handle == 0) {
-    ++stats_.chunk_failed;
+    ++stats_.chunk_failed;  // (map_chunk closed the descriptor)
     outgoing_.push_back(ack);
-    return true;
+    return;
   }
   m.chunks[request.chunk_offset] = MappedChunk{request.chunk_bytes, request.chunk_id, handle};
   ++stats_.chunks_mapped;
   ack.mapped = 1;
   outgoing_.push_back(ack);
-  return true;
+}
+
+template <class Match>
+void Importer::cancel_deferred(int index, Match match) {
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    if (it->request.index == index && match(it->request)) {
+      if (it->fd >= 0) backend_.map_chunk(it->fd, 0, 0);  // closes it; the receiver dropped the chunk
+      it = deferred_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 void Importer::serve_unmap_chunk(const Request& request) {
+  // A chunk still waiting aside to be mapped is not mapped at all: forgotten with its descriptor.
+  cancel_deferred(request.index, [&](const Request& r) {
+    return r.base == request.base && r.chunk_offset == request.chunk_offset && r.chunk_id == request.chunk_id;
+  });
   auto mirror = mirrors_.find(request.index);
   if (mirror == mirrors_.end() || index_key_[static_cast<std::size_t>(request.index)] != Key{request.base, 0}) return;
   auto chunk = mirror->second.chunks.find(request.chunk_offset);
@@ -481,6 +542,13 @@ void Importer::close_idle() {
 void Importer::drain() {
   if (!usable()) return;
   flush();
+  if (!deferred_.empty() && backend_.channel_idle(true, peer_)) {
+    // The chunks that waited for their ranges: closed now, then mapped, in order.
+    close_idle();
+    std::deque<Deferred> ready;
+    ready.swap(deferred_);
+    for (const Deferred& d : ready) map_chunk(d.request, d.fd);
+  }
   Request request{};
   // In order; a request that must wait for the send channel to be idle stays first in the ring.
   while (mailbox_->requests.peek(&request)) {
@@ -495,6 +563,9 @@ void Importer::drain() {
 }
 
 void Importer::close_all() {
+  for (const Deferred& d : deferred_)
+    if (d.fd >= 0) backend_.map_chunk(d.fd, 0, 0);  // closes it
+  deferred_.clear();
   for (int i = 0; i < kTableEntries; ++i) table_[i] = 0;
   for (const auto& entry : mappings_) {
     backend_.close_handle(entry.second.mapped);

@@ -50,6 +50,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -67,6 +68,12 @@ constexpr int kMaxNotExportable = 256;  // remembered non-exportable allocations
 // Chunks under one recv of virtual-memory (expandable) memory that may move zero-copy: 1,024
 // chunks of torch's 20 MiB are 20 GiB. A larger message stays staged.
 constexpr int kMaxChunksPerMessage = 1024;
+// Chunk descriptors sent to a peer and not answered yet (the sender's process holds them open).
+constexpr int kMaxUnansweredChunks = 64;
+// Failures to export or map chunks of one reservation before it stays staged for good.
+constexpr int kMaxChunkFailures = 8;
+// How often the progress thread asks the driver whether mapped receive memory was given back.
+constexpr std::chrono::milliseconds kSweepPeriod{50};
 
 struct IpcHandle {
   unsigned char bytes[64];  // cudaIpcMemHandle_t
@@ -204,6 +211,11 @@ class Exporter {
   // waited for it yet. True once per request (this marks it), so that a sender that never
   // answers costs one bounded wait, not one per call.
   bool claim_wait(const void* dst);
+  // The progress thread's round: at most every kSweepPeriod, lets go of mapped entries (chunks)
+  // whose memory was given back since (torch's empty_cache), so that the sender closes its
+  // mappings and the memory returns to the driver without waiting for a new mapping. True when
+  // it ran.
+  bool sweep_if_due(std::chrono::steady_clock::time_point now);
   const Stats& stats() const { return stats_; }
   int live_entries() const { return static_cast<int>(entries_.size()); }
 
@@ -227,6 +239,13 @@ class Exporter {
     // mirror at `index`, and each chunk asked for is acknowledged by itself (offset -> chunk).
     bool vmm = false;
     std::map<uint64_t, ChunkEntry> chunks;
+    int chunk_failures = 0;  // chunks the sender could not map, or not sent (kMaxChunkFailures)
+    std::vector<std::pair<uint64_t, std::size_t>> captured;  // (offset, bytes) of captured recvs
+    bool under_capture(uint64_t offset, std::size_t length) const {
+      for (const auto& c : captured)
+        if (c.first < offset + length && offset < c.first + c.second) return true;
+      return false;
+    }
     bool awaiting_chunks() const {
       for (const auto& c : chunks)
         if (!c.second.acked) return true;
@@ -241,6 +260,8 @@ class Exporter {
   void drop_chunk(std::uintptr_t base, Entry& e, std::map<uint64_t, ChunkEntry>::iterator chunk);
   // An entry remembered as staged for good (its memory cannot be exported), oldest out first.
   void remember_not_exportable(const Allocation& a);
+  // One more chunk of the reservation could not be sent or mapped: staged for good at the limit.
+  void chunk_failed(std::map<std::uintptr_t, Entry>::iterator it);
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
   void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
@@ -273,6 +294,7 @@ class Exporter {
   uint64_t tick_ = 0;
   uint64_t call_start_ = 0;  // tick_ when the current call began (begin_call)
   uint64_t sequence_ = 0;    // the last chunk descriptor sent to the peer
+  std::chrono::steady_clock::time_point next_sweep_{};
   Stats stats_;
 };
 
@@ -294,6 +316,7 @@ class Importer {
   const Stats& stats() const { return stats_; }
   int open_handles() const { return static_cast<int>(mappings_.size()); }
   int pending_closes() const { return static_cast<int>(closing_.size() + chunk_closing_.size()); }
+  int deferred_chunks() const { return static_cast<int>(deferred_.size()); }
   int mapped_chunks() const {
     int n = 0;
     for (const auto& m : mirrors_) n += static_cast<int>(m.second.chunks.size());
@@ -323,10 +346,20 @@ class Importer {
   };
   using Key = std::pair<uint64_t, uint64_t>;  // the receiver's (base, buffer ID); a reservation's (base, 0)
   void unmap_index(int index);
-  // A request; false when it must wait for the send channel to be idle (left in the ring).
+  // A chunk whose range in the mirror still holds a chunk unmapped but not closed, waiting aside
+  // (with its descriptor) for the send channel to be idle; the ring is served meanwhile.
+  struct Deferred {
+    Request request;
+    int fd = -1;
+  };
+  // A request (true: taken out of the ring).
   bool serve(const Request& request);
   bool serve_chunk(const Request& request);
+  void map_chunk(const Request& request, int fd);  // answers it; closes fd either way
   void serve_unmap_chunk(const Request& request);
+  // Forgets the deferred chunks of `index` that `match` (their descriptors closed).
+  template <class Match>
+  void cancel_deferred(int index, Match match);
   void close_idle();
   void flush();
 
@@ -340,6 +373,7 @@ class Importer {
   std::map<int, Mirror> mirrors_;  // table index -> the reservation mapped there
   std::vector<ChunkClose> chunk_closing_;  // unmapped at once from the table, closed once idle
   std::vector<std::pair<uint64_t, std::size_t>> reservations_closing_;  // freed once their chunks are
+  std::deque<Deferred> deferred_;
   std::deque<Ack> outgoing_;
   Stats stats_;
 };

@@ -154,7 +154,7 @@ struct ZeroCopyState final : zero_copy::Backend {
     listener_ = zero_copy::FdListener::open(zero_copy::fd_listener_name(job, me), key);
     to_sender_.clear();
     to_sender_.resize(static_cast<std::size_t>(n_pes_));
-    connect_failed_.assign(static_cast<std::size_t>(n_pes_), false);
+    connect_retry_at_.assign(static_cast<std::size_t>(n_pes_), std::chrono::steady_clock::time_point{});
   }
   bool export_handle(std::uintptr_t base, zero_copy::IpcHandle* handle) override {
     detail::RelaxedCaptureMode relaxed;
@@ -193,20 +193,32 @@ struct ZeroCopyState final : zero_copy::Backend {
     uint32_t reserved;
     uint64_t sequence;
   };
-  static constexpr std::chrono::milliseconds kConnectWait{200}, kSendWait{200};
+  static constexpr std::chrono::milliseconds kConnectWait{200}, kSendWait{200}, kConnectRetry{1000};
 
   bool fd_channel_ready(int peer) {
     const auto p = static_cast<std::size_t>(peer);
-    if (p >= to_sender_.size() || connect_failed_[p]) return false;
+    if (p >= to_sender_.size()) return false;
     if (!to_sender_[p]) {
+      // A connection that failed is tried again a while later (a peer's backlog full for a moment);
+      // meanwhile that peer's expandable memory stays staged.
+      const auto now = std::chrono::steady_clock::now();
+      if (now < connect_retry_at_[p]) return false;
       to_sender_[p] = zero_copy::FdConnection::connect(zero_copy::fd_listener_name(job_, peer), key_, kConnectWait);
-      if (!to_sender_[p]) connect_failed_[p] = true;  // that peer's expandable memory stays staged
+      if (!to_sender_[p]) connect_retry_at_[p] = now + kConnectRetry;
     }
     return to_sender_[p].has_value();
   }
   // Takes every connection and descriptor that has come (never waits): descriptors by (PE, number).
   void collect_chunk_fds() {
-    while (auto connection = listener_.accept(std::chrono::milliseconds(0))) incoming_.push_back(std::move(*connection));
+    for (;;) {  // past connections refused (another process of this user, without the key)
+      const int refused = listener_.refused();
+      auto connection = listener_.accept(std::chrono::milliseconds(0));
+      if (connection) {
+        incoming_.push_back(std::move(*connection));
+      } else if (listener_.refused() == refused) {
+        break;
+      }
+    }
     for (zero_copy::FdConnection& connection : incoming_) {
       ChunkMessage message{};
       std::vector<zero_copy::UniqueFd> fds;
@@ -223,7 +235,7 @@ struct ZeroCopyState final : zero_copy::Backend {
   int my_pe_ = -1, device_ = -1;
   zero_copy::FdListener listener_;
   std::vector<std::optional<zero_copy::FdConnection>> to_sender_;
-  std::vector<bool> connect_failed_;
+  std::vector<std::chrono::steady_clock::time_point> connect_retry_at_;
   std::vector<zero_copy::FdConnection> incoming_;
   std::map<std::pair<int, uint64_t>, zero_copy::UniqueFd> chunk_fds_;
   uint64_t* table_host = nullptr;    // cudaHostAlloc'd, mapped: [n_pes][kTableEntries]
