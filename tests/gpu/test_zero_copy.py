@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import ctypes
+import time
 
 import pytest
 import torch
@@ -612,3 +613,54 @@ def test_stats_count_each_peer_by_path(world, peer, answers_waited_for):
         else:
             assert moved["recv_one_copy"] == 0 and moved["send_one_copy"] == 0, f"forced RMA went one copy: {moved}"
     outcome.agree("pydatacopy.stats()")
+
+
+@pytest.mark.parametrize("allocator", ["default", "expandable_segments"])
+def test_memory_given_back_returns_to_the_driver(world, peer, answers_waited_for, allocator):
+    """A receive buffer that moved once, then freed and torch's cache emptied: the sender's process
+    closes its mapping without any further call (the receiver's progress thread notices, the
+    sender's closes once idle), so the GPU's free memory grows back by both PEs' buffers. A mapping
+    kept open would hold the memory: the free memory would not come back (issue 36 item 4)."""
+    if not _load_store():
+        pytest.skip("nothing is mapped on the forced-RMA path")
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes = 256 * MiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if allocator == "expandable_segments":
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    try:
+        source = _bytes(rank, 9000, nbytes)  # kept alive: only the receive buffer goes back
+        recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        _sendrecv_rounds(outcome, rank, peer, recv, [9000, 9001], allocator)
+        after = _counters()
+        with outcome.check("mapped"):
+            assert after["recv_zero_copy"] >= 1, f"the buffer never moved once: {after}"
+        torch.cuda.synchronize()
+        dist.barrier()
+        free_before = torch.cuda.mem_get_info()[0]
+        del recv
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()  # both buffers freed
+        # Both PEs' buffers (2 x 256 MiB on one GPU; on two GPUs, this PE's alone).
+        want = (2 if pydatacopy.n_pes() > torch.cuda.device_count() else 1) * nbytes
+        deadline = time.monotonic() + 10.0
+        grown = 0
+        while time.monotonic() < deadline:
+            grown = torch.cuda.mem_get_info()[0] - free_before
+            if grown >= 0.9 * want:
+                break
+            time.sleep(0.02)
+        with outcome.check("the memory back at the driver"):
+            assert grown >= 0.9 * want, (f"free memory grew by {grown >> 20} MiB within 10 s of freeing the receive "
+                                         f"buffers, not {want >> 20} MiB: a mapping still holds them")
+        dist.barrier()
+        del source
+    finally:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if allocator == "expandable_segments":
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    outcome.agree("memory given back")
