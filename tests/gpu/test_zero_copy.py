@@ -591,7 +591,9 @@ def test_stats_count_each_peer_by_path(world, peer, answers_waited_for):
     recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     small = torch.zeros(4 * KiB, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
+    dist.barrier()  # the peer's first recv must not ask for its mapping (and this PE open it) before this
     before = pydatacopy.stats()
+    dist.barrier()
     with outcome.check("the transfers"):
         for round_ in range(rounds):
             pydatacopy.sendrecv(_bytes(rank, 8000 + round_, nbytes), peer, recv, peer)
@@ -633,7 +635,9 @@ def test_memory_given_back_returns_to_the_driver(world, peer, answers_waited_for
     try:
         source = _bytes(rank, 9000, nbytes)  # kept alive: only the receive buffer goes back
         recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-        _sendrecv_rounds(outcome, rank, peer, recv, [9000, 9001], allocator)
+        for round_ in range(3):  # a step between calls: mapped by the calls alone, thread or not
+            _sendrecv_rounds(outcome, rank, peer, recv, [9000 + round_], f"{allocator}, call {round_}")
+            _step()
         after = _counters()
         with outcome.check("mapped"):
             assert after["recv_zero_copy"] >= 1, f"the buffer never moved once: {after}"
