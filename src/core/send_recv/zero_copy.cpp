@@ -542,13 +542,7 @@ void Importer::close_idle() {
 void Importer::drain() {
   if (!usable()) return;
   flush();
-  if (!deferred_.empty() && backend_.channel_idle(true, peer_)) {
-    // The chunks that waited for their ranges: closed now, then mapped, in order.
-    close_idle();
-    std::deque<Deferred> ready;
-    ready.swap(deferred_);
-    for (const Deferred& d : ready) map_chunk(d.request, d.fd);
-  }
+  if (!deferred_.empty()) serve_deferred(backend_.channel_idle(true, peer_));
   Request request{};
   // In order; a request that must wait for the send channel to be idle stays first in the ring.
   while (mailbox_->requests.peek(&request)) {
@@ -560,6 +554,29 @@ void Importer::drain() {
   bool any_unused = !chunk_closing_.empty() || !reservations_closing_.empty();
   for (const auto& entry : mappings_) any_unused = any_unused || entry.second.refs == 0;
   if (any_unused && backend_.channel_idle(true, peer_)) close_idle();
+  // Chunks that waited for ranges closed just now (the channel went idle during this drain): mapped
+  // now, not at the next idle moment, which a sender streaming back to back may not have for long.
+  if (!deferred_.empty()) serve_deferred(false);
+  flush();
+}
+
+void Importer::serve_deferred(bool idle) {
+  if (idle) close_idle();
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    const auto mirror = mirrors_.find(it->request.index);
+    bool blocked = false;
+    if (mirror != mirrors_.end()) {
+      const uint64_t begin = mirror->second.address + it->request.chunk_offset, end = begin + it->request.chunk_bytes;
+      for (const ChunkClose& c : chunk_closing_) blocked = blocked || (c.address < end && begin < c.address + c.bytes);
+    }
+    if (blocked) {
+      ++it;
+      continue;
+    }
+    const Deferred d = *it;
+    it = deferred_.erase(it);
+    map_chunk(d.request, d.fd);  // in order among those that can go now
+  }
 }
 
 void Importer::close_all() {

@@ -356,6 +356,8 @@ class Importer {
   bool serve(const Request& request);
   bool serve_chunk(const Request& request);
   void map_chunk(const Request& request, int fd);  // answers it; closes fd either way
+  // Maps the deferred chunks whose ranges are free now (`idle`: closes the pending ones first).
+  void serve_deferred(bool idle);
   void serve_unmap_chunk(const Request& request);
   // Forgets the deferred chunks of `index` that `match` (their descriptors closed).
   template <class Match>
