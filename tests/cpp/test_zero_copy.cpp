@@ -567,7 +567,7 @@ void test_expandable_recv_spanning_chunks_moves_once() {
   check(d.zero_copy && p.table[d.index] == mirror && p.vmm.sender_reserved.size() == 1, "into the same mirror");
 }
 
-void test_expandable_chunk_mapped_again_is_unmapped_first() {
+void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
   VmmPair p;
   p.vmm.reserve_at(kReservation, kReservationBytes);
   p.vmm.map_at(kReservation, kChunk);
@@ -577,26 +577,25 @@ void test_expandable_chunk_mapped_again_is_unmapped_first() {
   p.importer.drain();
   const zc::Exporter::Decision mapped = p.exporter.prepare(dst, 2 * kChunk, false);
   check(mapped.zero_copy, "mapped");
-  const uint64_t old_id = p.vmm.chunk_map[kReservation + kChunk].id;
+  const uint64_t old_mirror = p.table[mapped.index];
   // torch gives the second chunk back (empty_cache) and maps a new one there as the segment grows.
   p.vmm.unmap_at(kReservation + kChunk);
   p.vmm.map_at(kReservation + kChunk, kChunk);
-  p.vmm.send_idle = false;  // a send to this peer is still in flight
+  p.vmm.send_idle = false;  // the sender streams: its send channel is never idle for a while
   zc::Exporter::Decision d = p.exporter.prepare(dst, 2 * kChunk, false);
   check(!d.zero_copy, "a chunk mapped again is not written through the old mapping");
-  check(p.exporter.stats().chunks_dropped == 1 && p.exporter.stats().chunk_requests == 3, "the old chunk dropped, the new one asked for");
+  check(p.exporter.stats().stale_dropped == 1 && p.exporter.stats().chunk_requests == 4,
+        "the entry goes; both chunks asked for anew");
   p.importer.drain();
-  check(p.vmm.unmaps == 0, "the sender unmaps the old chunk only once its send channel is idle");
-  check(p.vmm.sender_map.size() == 2 && p.vmm.maps == 2, "and does not map the new one over it meanwhile");
-  check(!p.exporter.prepare(dst, 2 * kChunk, false).zero_copy, "staged while the sender waits");
+  check(p.table[mapped.index] == 0, "the old index cleared at once");
+  check(p.vmm.unmaps == 0 && p.vmm.maps == 4, "the new chunks mapped in a new mirror at once, the old ones kept until idle");
+  d = p.exporter.prepare(dst, 2 * kChunk, false);
+  check(d.zero_copy && d.index != mapped.index && p.table[d.index] != old_mirror, "moves once again, busy sender or not");
   p.vmm.send_idle = true;
   p.importer.drain();
-  check(p.vmm.unmaps == 1 && p.vmm.maps == 3, "once idle: the old chunk unmapped, the new one mapped");
-  const uint64_t mirror = p.table[mapped.index];
-  check(mirror != 0 && p.vmm.sender_map[mirror + kChunk].id != old_id, "the mirror holds the new chunk");
-  check(p.exporter.prepare(dst, 2 * kChunk, false).zero_copy, "then zero-copy again");
+  check(p.vmm.unmaps == 2 && p.vmm.reservations_freed == 1 && p.vmm.sender_reserved.count(old_mirror) == 0,
+        "once idle: the old mirror's chunks unmapped and its address space freed");
 }
-
 void test_expandable_memory_that_cannot_be_exported_stays_staged() {
   VmmPair p;
   p.vmm.exportable = false;  // no socket to the sender, or the export refused
@@ -645,7 +644,7 @@ void test_expandable_reservation_gone_frees_the_mirror() {
   check(p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "the new one moves once");
 }
 
-void test_expandable_first_chunk_given_back_keeps_the_rest() {
+void test_expandable_chunk_given_back_drops_the_entry_at_the_sweep() {
   VmmPair p;
   p.vmm.reserve_at(kReservation, kReservationBytes);
   p.vmm.map_at(kReservation, kChunk);
@@ -654,21 +653,33 @@ void test_expandable_first_chunk_given_back_keeps_the_rest() {
   p.importer.drain();
   const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation), 2 * kChunk, false);
   check(d.zero_copy, "mapped");
-  const uint64_t mirror = p.table[d.index];
-  // torch gives chunk 0 back (the driver then knows nothing at the reservation's base); a recv
-  // into other memory makes the exporter ask afresh.
+  p.vmm.unmap_at(kReservation + kChunk);  // given back (empty_cache), not mapped again yet
+  check(p.exporter.sweep_if_due(std::chrono::steady_clock::now()), "the progress thread's sweep runs");
+  check(p.exporter.stats().stale_dropped == 1, "the entry goes: a chunk mapped there later comes into a new mirror");
+  p.importer.drain();
+  check(p.table[d.index] == 0 && p.vmm.unmaps == 2 && p.vmm.reservations_freed == 1,
+        "the sender lets go of both chunks and the mirror (idle), so the memory can go back");
+}
+
+void test_expandable_chunk_never_used_given_back_keeps_the_entry() {
+  VmmPair p;
+  p.vmm.reserve_at(kReservation, kReservationBytes);
+  p.vmm.map_at(kReservation, kChunk);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.exporter.prepare(at(kReservation + kChunk), kChunk, false);  // chunk 1 only
+  p.importer.drain();
+  const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  check(d.zero_copy, "mapped");
+  // torch gives chunk 0 back: the driver then knows nothing at the reservation's base, but the
+  // reservation is still there (asked through chunk 1). A recv elsewhere makes the exporter sweep.
   p.vmm.unmap_at(kReservation);
   p.vmm.reserve_at(kReservation + kReservationBytes, kReservationBytes);
   p.vmm.map_at(kReservation + kReservationBytes, kChunk);
   p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false);
-  check(p.exporter.stats().chunks_dropped == 1 && p.exporter.stats().stale_dropped == 0,
-        "only the chunk given back is dropped, not the reservation");
-  p.importer.drain();
-  check(p.table[d.index] == mirror && p.vmm.unmaps == 1, "the mirror stays; the chunk is unmapped there");
+  check(p.exporter.stats().stale_dropped == 0, "the reservation is not taken for gone");
   const zc::Exporter::Decision again = p.exporter.prepare(at(kReservation + kChunk + 7), 4096, false);
   check(again.zero_copy && again.index == d.index, "a recv into chunk 1 still moves once, at the same index");
 }
-
 void test_expandable_chunk_refused_is_asked_again() {
   VmmPair p;
   p.vmm.reserve_at(kReservation, kReservationBytes);
@@ -683,15 +694,25 @@ void test_expandable_chunk_refused_is_asked_again() {
   check(p.vmm.exports == 2, "exported twice");
 }
 
-void test_expandable_chunk_waiting_aside_does_not_hold_the_ring() {
-  VmmPair p;
+// A reservation of two chunks, mapped, with a recv over chunk 1 captured (the entry pinned).
+zc::Exporter::Decision captured_over_chunk_1(VmmPair& p) {
   p.vmm.reserve_at(kReservation, kReservationBytes);
   p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
   p.importer.drain();
-  check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "mapped");
+  const zc::Exporter::Decision captured = p.exporter.prepare(at(kReservation + kChunk), kChunk, true);
+  check(captured.zero_copy, "captured over chunk 1, moving once");
+  return captured;
+}
+
+void test_expandable_chunk_waiting_aside_does_not_hold_the_ring() {
+  VmmPair p;
+  const zc::Exporter::Decision captured = captured_over_chunk_1(p);
+  // Chunk 0, outside the capture, mapped again: it goes alone (the captured index stays), and its
+  // successor must wait for the old one's range at the sender.
   p.vmm.unmap_at(kReservation);
-  p.vmm.map_at(kReservation, kChunk);  // mapped again: another chunk at the same place
+  p.vmm.map_at(kReservation, kChunk);
   p.vmm.send_idle = false;
   p.exporter.prepare(at(kReservation), kChunk, false);  // unmap the old, map the new (deferred)
   const std::uintptr_t other = kReservation + kReservationBytes;
@@ -700,6 +721,7 @@ void test_expandable_chunk_waiting_aside_does_not_hold_the_ring() {
   p.exporter.prepare(at(other), kChunk, false);  // a request behind it
   p.importer.drain();
   check(p.importer.deferred_chunks() == 1, "the new chunk waits aside for the idle channel");
+  check(p.table[captured.index] != 0, "the captured index still maps");
   check(p.exporter.prepare(at(other), kChunk, false).zero_copy, "the request behind it was served meanwhile");
   check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "the waiting one stays staged");
   // torch maps yet another chunk there before the channel went idle: the waiting one is forgotten.
@@ -713,21 +735,16 @@ void test_expandable_chunk_waiting_aside_does_not_hold_the_ring() {
   p.importer.drain();
   check(p.importer.deferred_chunks() == 0 && p.exporter.prepare(at(kReservation), kChunk, false).zero_copy,
         "once idle: the newest chunk mapped and used");
-  check(p.vmm.sender_map.size() == 2, "the mirror holds one chunk per reservation");
+  check(p.vmm.sender_map.size() == 3, "the mirrors hold chunks 0 and 1, and the other reservation's");
 }
-
 void test_expandable_chunk_waiting_aside_goes_when_the_channel_idles_mid_drain() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);
-  p.importer.drain();
-  check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "mapped");
+  captured_over_chunk_1(p);
   p.vmm.unmap_at(kReservation);
   p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);  // unmap the old, map the new
+  p.exporter.prepare(at(kReservation), kChunk, false);  // chunk 0 alone: unmap the old, map the new
   // The send channel is busy when the new chunk is looked at, idle by the end of the same drain
-  // (its kernel ended meanwhile); a sender streaming back to back may never be idle at a start.
+  // (its kernel ended meanwhile).
   p.vmm.send_idle = false;
   p.vmm.send_idle_script = {false, true};
   p.importer.drain();
@@ -735,7 +752,6 @@ void test_expandable_chunk_waiting_aside_goes_when_the_channel_idles_mid_drain()
   check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "so the next recv moves once");
   p.vmm.send_idle = true;
 }
-
 void test_expandable_captured_recv_never_meets_a_hole() {
   VmmPair p;
   p.vmm.reserve_at(kReservation, kReservationBytes);
@@ -809,11 +825,12 @@ void test_close_all_releases_mirrors() {
 
 int main() {
   test_expandable_recv_spanning_chunks_moves_once();
-  test_expandable_chunk_mapped_again_is_unmapped_first();
+  test_expandable_chunk_mapped_again_moves_to_a_new_mirror();
   test_expandable_memory_that_cannot_be_exported_stays_staged();
   test_expandable_recv_over_unmapped_memory_is_staged();
   test_expandable_reservation_gone_frees_the_mirror();
-  test_expandable_first_chunk_given_back_keeps_the_rest();
+  test_expandable_chunk_given_back_drops_the_entry_at_the_sweep();
+  test_expandable_chunk_never_used_given_back_keeps_the_entry();
   test_expandable_chunk_refused_is_asked_again();
   test_expandable_chunk_waiting_aside_does_not_hold_the_ring();
   test_expandable_chunk_waiting_aside_goes_when_the_channel_idles_mid_drain();

@@ -106,6 +106,11 @@ void Exporter::sweep() {
     // A captured recv keeps its index and offset for the graph's life: a hole under it in the
     // mirror would be written through (an illegal address), so then the whole entry goes (its
     // table word cleared: a replay is refused, as for any freed capture buffer).
+    // Any other reservation: the whole entry goes too, so that the chunks mapped there next come
+    // into a new mirror (a new index), never onto an address the sender must first unmap, which it
+    // can do only once its send channel is idle (a sender streaming back to back may not be for long).
+    // Only a captured entry keeps its index: there a chunk outside the captured ranges goes alone.
+    if (!gone.empty() && !e.pinned) return false;
     for (auto chunk : gone)
       if (e.under_capture(chunk->first, chunk->second.bytes)) return false;
     for (auto chunk : gone) drop_chunk(base, e, chunk);
@@ -263,9 +268,10 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     }
     bool under_capture = false;
     for (uint64_t offset : gone) under_capture = under_capture || it->second.under_capture(offset, known.at(offset).bytes);
-    if (under_capture) {
-      // A captured recv may post this index at any replay: no hole may open under it. The whole
-      // entry goes (its index never handed out again); this recv starts a new one.
+    if (!gone.empty() && (under_capture || !it->second.pinned)) {
+      // The new chunks go into a new mirror at a new index (see sweep()), and a captured recv, which
+      // may post its index at any replay, never meets a hole: the whole entry goes (a captured
+      // one's index is never handed out again); this recv starts a new one.
       ++stats_.stale_dropped;
       drop(it);
       it = entries_.end();
