@@ -24,6 +24,15 @@ namespace zc = pydatacopy::zero_copy;
 
 const void* at(std::uintptr_t address) { return reinterpret_cast<const void*>(address); }
 
+// The range of `ranges` (start -> a value whose size `bytes_of` gives) holding `address`, or end().
+template <class Map, class BytesOf>
+typename Map::const_iterator holding(const Map& ranges, std::uintptr_t address, BytesOf bytes_of) {
+  auto it = ranges.upper_bound(address);
+  if (it == ranges.begin()) return ranges.end();
+  --it;
+  return address < it->first + bytes_of(it->second) ? it : ranges.end();
+}
+
 // One fake for both processes of a pair: the receiver's allocations (buffer IDs, exportable or
 // not), the sender's opened handles, and each side's channel idle or busy.
 class FakeCuda final : public zc::Backend {
@@ -49,11 +58,8 @@ class FakeCuda final : public zc::Backend {
   pydatacopy::Allocation query(const void* ptr) override {
     pydatacopy::Allocation a;
     a.queried = ptr;
-    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-    auto it = allocations.upper_bound(p);
-    if (it == allocations.begin()) return a;
-    --it;
-    if (p >= it->first + it->second.bytes) return a;
+    const auto it = holding(allocations, reinterpret_cast<std::uintptr_t>(ptr), [](const Live& l) { return l.bytes; });
+    if (it == allocations.end()) return a;
     a.base = it->first;
     a.bytes = it->second.bytes;
     a.buffer_id = it->second.id;
@@ -103,6 +109,7 @@ class FakeVmm final : public zc::Backend {
   std::map<uint64_t, Mapped> sender_map;                // the sender's mapped ranges: address -> chunk
   std::set<uint64_t> sender_reserved;
   bool exportable = true, send_idle = true, recv_idle = true;
+  bool socket_ready = true;  // can_send_chunks
   int fail_maps = 0;  // the next so many map_chunk calls fail
   int exports = 0, maps = 0, unmaps = 0, reservations_freed = 0, next_fd = 100;
   uint64_t next_id = 1, next_reservation = 0x7f00'0000'0000;
@@ -114,12 +121,9 @@ class FakeVmm final : public zc::Backend {
   pydatacopy::Allocation query(const void* ptr) override {
     pydatacopy::Allocation a;
     a.queried = ptr;
-    const auto p = reinterpret_cast<std::uintptr_t>(ptr);
-    auto r = reservations.upper_bound(p);
-    if (r == reservations.begin()) return a;
-    --r;
+    const auto r = holding(reservations, reinterpret_cast<std::uintptr_t>(ptr), [](std::size_t bytes) { return bytes; });
     std::vector<zc::Chunk> here;
-    if (p >= r->first + r->second || !chunks(ptr, 1, &here)) return a;  // unmapped: CUDA does not know it
+    if (r == reservations.end() || !chunks(ptr, 1, &here)) return a;  // unmapped: CUDA does not know it
     a.base = r->first;
     a.bytes = r->second;
     a.buffer_id = here[0].id;
@@ -131,15 +135,14 @@ class FakeVmm final : public zc::Backend {
     out->clear();
     const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
     for (std::uintptr_t at = begin; at < begin + (bytes == 0 ? 1 : bytes);) {
-      auto c = chunk_map.upper_bound(at);
-      if (c == chunk_map.begin()) return false;
-      --c;
-      if (at >= c->first + c->second.bytes) return false;
+      const auto c = holding(chunk_map, at, [](const Mapped& m) { return m.bytes; });
+      if (c == chunk_map.end()) return false;
       out->push_back(zc::Chunk{c->first, c->second.bytes, c->second.id});
       at = c->first + c->second.bytes;
     }
     return true;
   }
+  bool can_send_chunks(int) override { return socket_ready; }
   bool send_chunk(int, std::uintptr_t chunk_base, uint64_t sequence) override {
     ++exports;
     auto c = chunk_map.find(chunk_base);
@@ -525,30 +528,41 @@ struct VmmPair {
   uint64_t table[zc::kTableEntries] = {};
   zc::Exporter exporter{vmm, mailbox.get(), 1};
   zc::Importer importer{vmm, mailbox.get(), 0, table};
+  // The receiver's reservation at kReservation with its first `chunks` chunks mapped.
+  void reservation_with(int chunks, std::size_t chunk_bytes);
+  // A call with one recv, as the engine makes it: the exporter told a call begins, then the recv.
+  zc::Exporter::Decision call(const void* dst, std::size_t bytes, bool capturing = false) {
+    exporter.begin_call();
+    return exporter.prepare(dst, bytes, capturing);
+  }
 };
 
 constexpr std::uintptr_t kReservation = 0x2000'0000'0000;
 constexpr std::size_t kReservationBytes = std::size_t(64) << 30;
 constexpr std::size_t kChunk = 20 << 20;  // torch's expandable segments map 20 MiB at a time
 
+void VmmPair::reservation_with(int chunks, std::size_t chunk_bytes = kChunk) {
+  vmm.reserve_at(kReservation, kReservationBytes);
+  for (int i = 0; i < chunks; ++i) vmm.map_at(kReservation + i * chunk_bytes, chunk_bytes);
+}
+
+
 void test_expandable_recv_spanning_chunks_moves_once() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  for (int i = 0; i < 4; ++i) p.vmm.map_at(kReservation + i * kChunk, kChunk);
+  p.reservation_with(4);
   const std::size_t offset = 5 << 20, bytes = 50 << 20;  // chunks 0, 1 and 2
   const void* dst = at(kReservation + offset);
-  zc::Exporter::Decision d = p.exporter.prepare(dst, bytes, false);
+  zc::Exporter::Decision d = p.call(dst, bytes, false);
   check(!d.zero_copy, "the first recv into expandable memory is staged");
+  check(!p.exporter.claim_wait(dst), "the call that asked does not wait for its own request");
   check(p.exporter.stats().chunk_requests == 3 && p.vmm.exports == 3, "each chunk under the recv asked for once");
   check(p.exporter.awaiting(dst) && !p.exporter.acked(dst), "awaiting the sender's chunks");
-  d = p.exporter.prepare(dst, bytes, false);
+  d = p.call(dst, bytes, false);
   check(!d.zero_copy && p.vmm.exports == 3, "no second request while unanswered");
-  check(!p.exporter.claim_wait(dst), "the call that asked does not wait for its own request");
-  p.exporter.begin_call();
   check(p.exporter.claim_wait(dst) && !p.exporter.claim_wait(dst), "the next call may wait once for the chunks");
   p.importer.drain();
   check(p.importer.mapped_chunks() == 3 && p.vmm.maps == 3, "the sender mapped the three chunks");
-  d = p.exporter.prepare(dst, bytes, false);
+  d = p.call(dst, bytes, false);
   check(d.zero_copy, "then the recv moves once");
   check(d.offset == offset, "at its offset into the reservation");
   const uint64_t mirror = p.table[d.index];
@@ -560,36 +574,34 @@ void test_expandable_recv_spanning_chunks_moves_once() {
   }
   check(p.exporter.acked(dst), "acked() agrees");
   // A recv that reaches into chunk 3 asks for that chunk alone, at the same index.
-  d = p.exporter.prepare(at(kReservation + 2 * kChunk), 2 * kChunk, false);
+  d = p.call(at(kReservation + 2 * kChunk), 2 * kChunk, false);
   check(!d.zero_copy && p.vmm.exports == 4, "a new chunk under a recv is asked for");
   p.importer.drain();
-  d = p.exporter.prepare(at(kReservation + 2 * kChunk), 2 * kChunk, false);
+  d = p.call(at(kReservation + 2 * kChunk), 2 * kChunk, false);
   check(d.zero_copy && p.table[d.index] == mirror && p.vmm.sender_reserved.size() == 1, "into the same mirror");
 }
 
 void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.vmm.map_at(kReservation + kChunk, kChunk);
+  p.reservation_with(2);
   const void* dst = at(kReservation);
-  p.exporter.prepare(dst, 2 * kChunk, false);
+  p.call(dst, 2 * kChunk, false);
   p.importer.drain();
-  const zc::Exporter::Decision mapped = p.exporter.prepare(dst, 2 * kChunk, false);
+  const zc::Exporter::Decision mapped = p.call(dst, 2 * kChunk, false);
   check(mapped.zero_copy, "mapped");
   const uint64_t old_mirror = p.table[mapped.index];
   // torch gives the second chunk back (empty_cache) and maps a new one there as the segment grows.
   p.vmm.unmap_at(kReservation + kChunk);
   p.vmm.map_at(kReservation + kChunk, kChunk);
   p.vmm.send_idle = false;  // the sender streams: its send channel is never idle for a while
-  zc::Exporter::Decision d = p.exporter.prepare(dst, 2 * kChunk, false);
+  zc::Exporter::Decision d = p.call(dst, 2 * kChunk, false);
   check(!d.zero_copy, "a chunk mapped again is not written through the old mapping");
   check(p.exporter.stats().stale_dropped == 1 && p.exporter.stats().chunk_requests == 4,
         "the entry goes; both chunks asked for anew");
   p.importer.drain();
   check(p.table[mapped.index] == 0, "the old index cleared at once");
   check(p.vmm.unmaps == 0 && p.vmm.maps == 4, "the new chunks mapped in a new mirror at once, the old ones kept until idle");
-  d = p.exporter.prepare(dst, 2 * kChunk, false);
+  d = p.call(dst, 2 * kChunk, false);
   check(d.zero_copy && d.index != mapped.index && p.table[d.index] != old_mirror, "moves once again, busy sender or not");
   p.vmm.send_idle = true;
   p.importer.drain();
@@ -599,10 +611,9 @@ void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
 void test_expandable_memory_that_cannot_be_exported_stays_staged() {
   VmmPair p;
   p.vmm.exportable = false;  // no socket to the sender, or the export refused
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
+  p.reservation_with(1);
   for (int i = 0; i < 2 * zc::kMaxChunkFailures; ++i)
-    check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "staged");
+    check(!p.call(at(kReservation), kChunk, false).zero_copy, "staged");
   check(p.vmm.exports == zc::kMaxChunkFailures, "the export is tried a few times (a failure may pass), not at every recv");
   check(p.exporter.stats().not_exportable == 1, "then remembered as not exportable");
   p.importer.drain();
@@ -613,17 +624,16 @@ void test_expandable_recv_over_unmapped_memory_is_staged() {
   VmmPair p;
   p.vmm.reserve_at(kReservation, kReservationBytes);
   p.vmm.map_at(kReservation, kChunk);  // the next chunk is not mapped
-  check(!p.exporter.prepare(at(kReservation), 2 * kChunk, false).zero_copy, "staged");
+  check(!p.call(at(kReservation), 2 * kChunk, false).zero_copy, "staged");
   check(p.vmm.exports == 0 && p.exporter.stats().chunk_requests == 0, "nothing asked for");
 }
 
 void test_expandable_reservation_gone_frees_the_mirror() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.reservation_with(1);
+  p.call(at(kReservation), kChunk, false);
   p.importer.drain();
-  zc::Exporter::Decision d = p.exporter.prepare(at(kReservation), kChunk, false);
+  zc::Exporter::Decision d = p.call(at(kReservation), kChunk, false);
   check(d.zero_copy, "mapped");
   const uint64_t mirror = p.table[d.index];
   // The reservation goes; ordinary memory comes at its address.
@@ -633,7 +643,7 @@ void test_expandable_reservation_gone_frees_the_mirror() {
   // A new reservation elsewhere: a new mapping lets go of what was freed (sweep).
   p.vmm.reserve_at(kReservation + kReservationBytes, kReservationBytes);
   p.vmm.map_at(kReservation + kReservationBytes, kChunk);
-  check(!p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "a new reservation is staged first");
+  check(!p.call(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "a new reservation is staged first");
   check(p.exporter.stats().stale_dropped == 1, "the gone reservation is dropped");
   p.importer.drain();
   check(p.table[d.index] == 0, "its table entry is cleared at once");
@@ -641,17 +651,15 @@ void test_expandable_reservation_gone_frees_the_mirror() {
   p.vmm.send_idle = true;
   p.importer.drain();
   check(p.vmm.sender_reserved.count(mirror) == 0 && p.vmm.unmaps == 1 && p.vmm.reservations_freed == 1, "then unmapped and freed");
-  check(p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "the new one moves once");
+  check(p.call(at(kReservation + kReservationBytes), kChunk, false).zero_copy, "the new one moves once");
 }
 
 void test_expandable_chunk_given_back_drops_the_entry_at_the_sweep() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.vmm.map_at(kReservation + kChunk, kChunk);
-  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.reservation_with(2);
+  p.call(at(kReservation), 2 * kChunk, false);
   p.importer.drain();
-  const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  const zc::Exporter::Decision d = p.call(at(kReservation), 2 * kChunk, false);
   check(d.zero_copy, "mapped");
   p.vmm.unmap_at(kReservation + kChunk);  // given back (empty_cache), not mapped again yet
   check(p.exporter.sweep_if_due(std::chrono::steady_clock::now()), "the progress thread's sweep runs");
@@ -663,45 +671,40 @@ void test_expandable_chunk_given_back_drops_the_entry_at_the_sweep() {
 
 void test_expandable_chunk_never_used_given_back_keeps_the_entry() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.vmm.map_at(kReservation + kChunk, kChunk);
-  p.exporter.prepare(at(kReservation + kChunk), kChunk, false);  // chunk 1 only
+  p.reservation_with(2);
+  p.call(at(kReservation + kChunk), kChunk, false);  // chunk 1 only
   p.importer.drain();
-  const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  const zc::Exporter::Decision d = p.call(at(kReservation + kChunk), kChunk, false);
   check(d.zero_copy, "mapped");
   // torch gives chunk 0 back: the driver then knows nothing at the reservation's base, but the
   // reservation is still there (asked through chunk 1). A recv elsewhere makes the exporter sweep.
   p.vmm.unmap_at(kReservation);
   p.vmm.reserve_at(kReservation + kReservationBytes, kReservationBytes);
   p.vmm.map_at(kReservation + kReservationBytes, kChunk);
-  p.exporter.prepare(at(kReservation + kReservationBytes), kChunk, false);
+  p.call(at(kReservation + kReservationBytes), kChunk, false);
   check(p.exporter.stats().stale_dropped == 0, "the reservation is not taken for gone");
-  const zc::Exporter::Decision again = p.exporter.prepare(at(kReservation + kChunk + 7), 4096, false);
+  const zc::Exporter::Decision again = p.call(at(kReservation + kChunk + 7), 4096, false);
   check(again.zero_copy && again.index == d.index, "a recv into chunk 1 still moves once, at the same index");
 }
 void test_expandable_chunk_refused_is_asked_again() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
+  p.reservation_with(1);
   p.vmm.fail_maps = 1;  // the sender fails once (out of descriptors, say)
-  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.call(at(kReservation), kChunk, false);
   p.importer.drain();
-  check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "refused: staged this time");
+  check(!p.call(at(kReservation), kChunk, false).zero_copy, "refused: staged this time");
   check(p.exporter.stats().refused == 1 && p.exporter.stats().not_exportable == 0, "one failure, not for good");
   p.importer.drain();
-  check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "asked again and mapped");
+  check(p.call(at(kReservation), kChunk, false).zero_copy, "asked again and mapped");
   check(p.vmm.exports == 2, "exported twice");
 }
 
 // A reservation of two chunks, mapped, with a recv over chunk 1 captured (the entry pinned).
 zc::Exporter::Decision captured_over_chunk_1(VmmPair& p) {
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.vmm.map_at(kReservation + kChunk, kChunk);
-  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.reservation_with(2);
+  p.call(at(kReservation), 2 * kChunk, false);
   p.importer.drain();
-  const zc::Exporter::Decision captured = p.exporter.prepare(at(kReservation + kChunk), kChunk, true);
+  const zc::Exporter::Decision captured = p.call(at(kReservation + kChunk), kChunk, true);
   check(captured.zero_copy, "captured over chunk 1, moving once");
   return captured;
 }
@@ -714,26 +717,26 @@ void test_expandable_chunk_waiting_aside_does_not_hold_the_ring() {
   p.vmm.unmap_at(kReservation);
   p.vmm.map_at(kReservation, kChunk);
   p.vmm.send_idle = false;
-  p.exporter.prepare(at(kReservation), kChunk, false);  // unmap the old, map the new (deferred)
+  p.call(at(kReservation), kChunk, false);  // unmap the old, map the new (deferred)
   const std::uintptr_t other = kReservation + kReservationBytes;
   p.vmm.reserve_at(other, kReservationBytes);
   p.vmm.map_at(other, kChunk);
-  p.exporter.prepare(at(other), kChunk, false);  // a request behind it
+  p.call(at(other), kChunk, false);  // a request behind it
   p.importer.drain();
   check(p.importer.deferred_chunks() == 1, "the new chunk waits aside for the idle channel");
   check(p.table[captured.index] != 0, "the captured index still maps");
-  check(p.exporter.prepare(at(other), kChunk, false).zero_copy, "the request behind it was served meanwhile");
-  check(!p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "the waiting one stays staged");
+  check(p.call(at(other), kChunk, false).zero_copy, "the request behind it was served meanwhile");
+  check(!p.call(at(kReservation), kChunk, false).zero_copy, "the waiting one stays staged");
   // torch maps yet another chunk there before the channel went idle: the waiting one is forgotten.
   p.vmm.unmap_at(kReservation);
   p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.call(at(kReservation), kChunk, false);
   p.importer.drain();
   check(p.importer.deferred_chunks() == 1, "the stale one cancelled, the newest one waiting");
   check(p.vmm.fds.size() == 1, "the cancelled one's descriptor closed; only the waiting one's held");
   p.vmm.send_idle = true;
   p.importer.drain();
-  check(p.importer.deferred_chunks() == 0 && p.exporter.prepare(at(kReservation), kChunk, false).zero_copy,
+  check(p.importer.deferred_chunks() == 0 && p.call(at(kReservation), kChunk, false).zero_copy,
         "once idle: the newest chunk mapped and used");
   check(p.vmm.sender_map.size() == 3, "the mirrors hold chunks 0 and 1, and the other reservation's");
 }
@@ -742,51 +745,48 @@ void test_expandable_chunk_waiting_aside_goes_when_the_channel_idles_mid_drain()
   captured_over_chunk_1(p);
   p.vmm.unmap_at(kReservation);
   p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);  // chunk 0 alone: unmap the old, map the new
+  p.call(at(kReservation), kChunk, false);  // chunk 0 alone: unmap the old, map the new
   // The send channel is busy when the new chunk is looked at, idle by the end of the same drain
   // (its kernel ended meanwhile).
   p.vmm.send_idle = false;
   p.vmm.send_idle_script = {false, true};
   p.importer.drain();
   check(p.importer.deferred_chunks() == 0 && p.vmm.unmaps == 1, "the old chunk closed and the new one mapped in that drain");
-  check(p.exporter.prepare(at(kReservation), kChunk, false).zero_copy, "so the next recv moves once");
+  check(p.call(at(kReservation), kChunk, false).zero_copy, "so the next recv moves once");
   p.vmm.send_idle = true;
 }
 void test_expandable_captured_recv_never_meets_a_hole() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  for (int i = 0; i < 3; ++i) p.vmm.map_at(kReservation + i * kChunk, kChunk);
-  p.exporter.prepare(at(kReservation), 3 * kChunk, false);
+  p.reservation_with(3);
+  p.call(at(kReservation), 3 * kChunk, false);
   p.importer.drain();
-  const zc::Exporter::Decision captured = p.exporter.prepare(at(kReservation + kChunk), kChunk, true);
+  const zc::Exporter::Decision captured = p.call(at(kReservation + kChunk), kChunk, true);
   check(captured.zero_copy, "a capture over chunk 1 moves once");
   // A chunk outside the captured range changes: only that chunk goes.
   p.vmm.unmap_at(kReservation);
   p.vmm.map_at(kReservation, kChunk);
-  p.exporter.prepare(at(kReservation), kChunk, false);
+  p.call(at(kReservation), kChunk, false);
   check(p.exporter.stats().stale_dropped == 0 && p.exporter.stats().chunks_dropped == 1, "chunk 0 alone");
   p.importer.drain();
   check(p.table[captured.index] != 0, "the captured index still maps");
   // The captured chunk changes: the whole entry goes, its table word cleared, its index never reused.
   p.vmm.unmap_at(kReservation + kChunk);
   p.vmm.map_at(kReservation + kChunk, kChunk);
-  const zc::Exporter::Decision d = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  const zc::Exporter::Decision d = p.call(at(kReservation + kChunk), kChunk, false);
   check(!d.zero_copy && p.exporter.stats().stale_dropped == 1, "the entry under the capture is dropped");
   p.importer.drain();
   check(p.table[captured.index] == 0, "a replay finds the index empty and is refused, never a hole");
   p.importer.drain();
-  const zc::Exporter::Decision after = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  const zc::Exporter::Decision after = p.call(at(kReservation + kChunk), kChunk, false);
   check(after.zero_copy && after.index != captured.index, "the reservation moves once again at another index");
 }
 
 void test_expandable_captured_chunk_given_back_drops_the_entry_at_the_sweep() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.vmm.map_at(kReservation + kChunk, kChunk);
-  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.reservation_with(2);
+  p.call(at(kReservation), 2 * kChunk, false);
   p.importer.drain();
-  const zc::Exporter::Decision captured = p.exporter.prepare(at(kReservation + kChunk), kChunk, true);
+  const zc::Exporter::Decision captured = p.call(at(kReservation + kChunk), kChunk, true);
   check(captured.zero_copy, "captured over chunk 1");
   p.vmm.unmap_at(kReservation + kChunk);  // given back, not mapped again: found by the sweep
   p.exporter.sweep_if_due(std::chrono::steady_clock::now());
@@ -801,20 +801,94 @@ void test_expandable_descriptors_in_flight_are_bounded() {
   p.vmm.reserve_at(kReservation, kReservationBytes);
   for (int i = 0; i < chunks; ++i) p.vmm.map_at(kReservation + i * (2 << 20), 2 << 20);
   const std::size_t bytes = std::size_t(chunks) * (2 << 20);
-  p.exporter.prepare(at(kReservation), bytes, false);
+  p.call(at(kReservation), bytes, false);
   check(p.vmm.exports == zc::kMaxUnansweredChunks, "at most kMaxUnansweredChunks descriptors unanswered");
   p.importer.drain();
-  check(!p.exporter.prepare(at(kReservation), bytes, false).zero_copy && p.vmm.exports == chunks, "the rest next");
+  check(!p.call(at(kReservation), bytes, false).zero_copy && p.vmm.exports == chunks, "the rest next");
   p.importer.drain();
-  check(p.exporter.prepare(at(kReservation), bytes, false).zero_copy, "then the whole range moves once");
+  check(p.call(at(kReservation), bytes, false).zero_copy, "then the whole range moves once");
+}
+
+void test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped() {
+  VmmPair p;
+  p.reservation_with(4);
+  p.call(at(kReservation), 4 * kChunk);
+  p.importer.drain();
+  check(p.call(at(kReservation), 4 * kChunk).zero_copy, "mapped");
+  p.vmm.unmap_at(kReservation + 3 * kChunk);  // torch replaces chunk 3 between calls
+  p.vmm.map_at(kReservation + 3 * kChunk, kChunk);
+  // One call, two recvs from the peer: the first over chunks 0-1, the second over chunks 2-3.
+  p.exporter.begin_call();
+  const zc::Exporter::Decision first = p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  const zc::Exporter::Decision second = p.exporter.prepare(at(kReservation + 2 * kChunk), 2 * kChunk, false);
+  check(first.zero_copy, "the first op moves once");
+  check(!second.zero_copy && p.exporter.stats().stale_dropped == 0, "the second is staged, nothing dropped under the first");
+  p.importer.drain();
+  check(p.table[first.index] != 0, "the first op's table word stays");
+  // While a launch of the receive channel may still post the index: still nothing dropped.
+  p.vmm.recv_idle = false;
+  check(!p.call(at(kReservation + 2 * kChunk), 2 * kChunk).zero_copy && p.exporter.stats().stale_dropped == 0,
+        "nothing dropped under a launch in flight");
+  check(!p.exporter.sweep_if_due(std::chrono::steady_clock::now()) || p.exporter.stats().stale_dropped == 0,
+        "nor by the progress thread's sweep");
+  p.vmm.recv_idle = true;
+  check(!p.call(at(kReservation + 2 * kChunk), 2 * kChunk).zero_copy && p.exporter.stats().stale_dropped == 1,
+        "the next call, the channel idle: the entry goes");
+  p.importer.drain();
+  check(p.call(at(kReservation + 2 * kChunk), 2 * kChunk).zero_copy, "chunks 2-3 move once again, in a new mirror");
+  p.call(at(kReservation), 4 * kChunk);  // chunks 0-1 asked for there too
+  p.importer.drain();
+  check(p.call(at(kReservation), 4 * kChunk).zero_copy, "then the whole range");
+}
+
+void test_expandable_socket_not_ready_is_no_failure() {
+  VmmPair p;
+  p.reservation_with(1);
+  p.vmm.socket_ready = false;  // a connection waiting to be tried again
+  for (int i = 0; i < 2 * zc::kMaxChunkFailures; ++i) check(!p.call(at(kReservation), kChunk).zero_copy, "staged");
+  check(p.vmm.exports == 0 && p.exporter.stats().not_exportable == 0, "nothing sent, nothing counted against the memory");
+  p.vmm.socket_ready = true;
+  p.call(at(kReservation), kChunk);
+  p.importer.drain();
+  check(p.call(at(kReservation), kChunk).zero_copy, "moves once as soon as the socket is there");
+}
+
+void test_expandable_captured_entry_is_never_dropped_for_failures() {
+  VmmPair p;
+  const zc::Exporter::Decision captured = captured_over_chunk_1(p);
+  p.vmm.map_at(kReservation + 2 * kChunk, kChunk);
+  p.vmm.fail_maps = 1000;  // the sender cannot map anything more
+  for (int i = 0; i < 2 * zc::kMaxChunkFailures; ++i) {
+    p.call(at(kReservation + 2 * kChunk), kChunk);
+    p.importer.drain();
+  }
+  check(p.table[captured.index] != 0, "the captured index still maps: its replays go on");
+  check(p.call(at(kReservation + kChunk), kChunk).zero_copy, "and an eager recv over the captured range moves once");
+  const int exports = p.vmm.exports;
+  check(!p.call(at(kReservation + 2 * kChunk), kChunk).zero_copy && p.vmm.exports == exports,
+        "past the limit, no new chunk is asked for");
+}
+
+void test_expandable_descriptors_bounded_across_dropped_entries() {
+  VmmPair p;
+  p.reservation_with(8);
+  // The sender never serves (its process busy): the receiver remaps, drops, asks again...
+  for (int round = 0; round < 40; ++round) {
+    p.call(at(kReservation), 8 * kChunk);
+    p.vmm.unmap_at(kReservation);
+    p.vmm.map_at(kReservation, kChunk);
+  }
+  check(p.vmm.exports <= zc::kMaxUnansweredChunks, "never more than kMaxUnansweredChunks descriptors unanswered");
+  p.importer.drain();
+  p.call(at(kReservation), 8 * kChunk);
+  p.importer.drain();
+  check(p.call(at(kReservation), 8 * kChunk).zero_copy, "once the sender answers, the range moves once");
 }
 
 void test_close_all_releases_mirrors() {
   VmmPair p;
-  p.vmm.reserve_at(kReservation, kReservationBytes);
-  p.vmm.map_at(kReservation, kChunk);
-  p.vmm.map_at(kReservation + kChunk, kChunk);
-  p.exporter.prepare(at(kReservation), 2 * kChunk, false);
+  p.reservation_with(2);
+  p.call(at(kReservation), 2 * kChunk, false);
   p.importer.drain();
   p.importer.close_all();
   check(p.vmm.unmaps == 2 && p.vmm.reservations_freed == 1 && p.vmm.sender_map.empty(), "cleanup unmaps and frees all");
@@ -837,6 +911,10 @@ int main() {
   test_expandable_captured_recv_never_meets_a_hole();
   test_expandable_captured_chunk_given_back_drops_the_entry_at_the_sweep();
   test_expandable_descriptors_in_flight_are_bounded();
+  test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped();
+  test_expandable_socket_not_ready_is_no_failure();
+  test_expandable_captured_entry_is_never_dropped_for_failures();
+  test_expandable_descriptors_bounded_across_dropped_entries();
   test_close_all_releases_mirrors();
   test_handshake_then_zero_copy();
   test_a_second_call_may_wait_once();

@@ -31,12 +31,17 @@ void Exporter::poll() {
   while (mailbox_->acks.pop(&ack)) {
     auto it = entries_.find(static_cast<std::uintptr_t>(ack.base));
     if (ack.chunk != 0) {
-      // A chunk's answer: for the reservation still at that index, the chunk still asked for.
+      // A chunk's answer: its descriptor is no longer in flight, whatever became of its entry. It
+      // counts for the reservation still at that index, the chunk still asked for by that request.
+      unanswered_.erase(ack.sequence);
       if (it == entries_.end() || !it->second.vmm || it->second.index != ack.index) continue;
       auto chunk = it->second.chunks.find(ack.chunk_offset);
-      if (chunk == it->second.chunks.end() || chunk->second.id != ack.buffer_id || chunk->second.acked) continue;
+      if (chunk == it->second.chunks.end() || chunk->second.id != ack.buffer_id || chunk->second.acked ||
+          chunk->second.sequence != ack.sequence)
+        continue;
       if (ack.mapped != 0) {
         chunk->second.acked = true;
+        it->second.chunk_failures = 0;
         ++stats_.chunks_acked;
       } else {
         // The sender could not map it (out of descriptors, a reservation refused...): asked again
@@ -94,7 +99,11 @@ void Exporter::sweep() {
       const Allocation now = backend_.query(reinterpret_cast<const void*>(base));
       return now.cuda_memory && now.base == base && now.bytes == e.bytes && now.buffer_id == e.buffer_id;
     }
-    // A reservation: first the chunks torch unmapped or mapped again since.
+    // A reservation used by this very call (not launched yet), or while a launch of this PE's
+    // receive channel from the peer may still post its index: left as it is until the next sweep
+    // (dropping it would clear the sender's table word under that launch: a refused channel).
+    if (e.last_use > call_start_ || !backend_.channel_idle(false, peer_)) return true;
+    // First the chunks torch unmapped or mapped again since.
     std::vector<std::map<uint64_t, ChunkEntry>::iterator> gone;
     for (auto chunk = e.chunks.begin(); chunk != e.chunks.end(); ++chunk) {
       std::vector<Chunk> here;
@@ -124,6 +133,12 @@ void Exporter::sweep() {
 
 void Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
   if (++it->second.chunk_failures < kMaxChunkFailures) return;
+  if (it->second.pinned) {
+    // A capture may post its index at any replay: the entry stays (what it maps stays mapped); it
+    // asks for no new chunk, so recvs over chunks not mapped yet stay staged.
+    it->second.given_up = true;
+    return;
+  }
   Allocation a;
   a.base = it->first;
   a.bytes = it->second.bytes;
@@ -135,6 +150,7 @@ void Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
 bool Exporter::sweep_if_due(std::chrono::steady_clock::time_point now) {
   if (!usable() || now < next_sweep_) return false;
   next_sweep_ = now + kSweepPeriod;
+  call_start_ = tick_;  // between calls (the engine's lock): whatever a call was given is launched
   poll();
   sweep();
   return true;
@@ -257,6 +273,15 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   // Known chunks over the range of these that are not them: torch unmapped them (and mapped others
   // there). The sender unmaps the old one before it maps the new one.
   std::set<uint64_t> gone;  // offsets of known chunks
+  if (it != entries_.end() && it->second.given_up) {
+    it->second.last_use = ++tick_;
+    for (const Chunk& c : now) {
+      auto k = it->second.chunks.find(c.base - a.base);
+      if (k == it->second.chunks.end() || !k->second.acked || k->second.id != c.id || k->second.bytes != c.bytes)
+        return staged;
+    }
+    return Decision{true, it->second.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
+  }
   if (it != entries_.end()) {
     const auto& known = it->second.chunks;
     for (const Chunk& c : now) {
@@ -265,6 +290,13 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
       if (k != known.begin() && std::prev(k)->first + std::prev(k)->second.bytes > offset) --k;
       for (; k != known.end() && k->first < offset + c.bytes; ++k)
         if (k->first != offset || k->second.bytes != c.bytes || k->second.id != c.id) gone.insert(k->first);
+    }
+    // A chunk changed under an entry that an earlier op of this call was given, or that a launch
+    // of the receive channel from the peer may still post: this op is staged, nothing dropped yet
+    // (a drop clears the sender's table word, and that op or launch would be refused).
+    if (!gone.empty() && (it->second.last_use > call_start_ || !backend_.channel_idle(false, peer_))) {
+      it->second.last_use = ++tick_;
+      return staged;
     }
     bool under_capture = false;
     for (uint64_t offset : gone) under_capture = under_capture || it->second.under_capture(offset, known.at(offset).bytes);
@@ -295,12 +327,11 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   e.pinned = e.pinned || capturing;
   if (capturing) e.captured.emplace_back(reinterpret_cast<std::uintptr_t>(dst) - a.base, bytes);
   for (uint64_t offset : gone) drop_chunk(a.base, e, e.chunks.find(offset));
-  // Descriptors travel ahead of their requests: a bounded number unanswered per peer, and none
-  // while requests wait for room in the ring, so that the sender's process never holds more than
-  // kMaxUnansweredChunks of this PE's descriptors it cannot serve yet.
-  int unanswered = 0;
-  for (const auto& entry : entries_)
-    for (const auto& c : entry.second.chunks) unanswered += c.second.acked ? 0 : 1;
+  // Descriptors travel ahead of their requests: a bounded number unanswered per peer (counted by
+  // number, also those of entries dropped since), and none while requests wait for room in the
+  // ring, so that the sender's process never holds more than kMaxUnansweredChunks of this PE's
+  // descriptors it cannot serve yet.
+  const bool can_send = backend_.can_send_chunks(peer_);
   bool every_chunk_acked = true;
   for (const Chunk& c : now) {
     const uint64_t offset = c.base - a.base;
@@ -310,7 +341,8 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
       continue;
     }
     every_chunk_acked = false;
-    if (unanswered >= kMaxUnansweredChunks || !outgoing_.empty()) break;  // the rest at a later recv
+    if (!can_send || static_cast<int>(unanswered_.size()) >= kMaxUnansweredChunks || !outgoing_.empty())
+      break;  // the rest at a later recv
     const uint64_t sequence = ++sequence_;
     if (!backend_.send_chunk(peer_, c.base, sequence)) {
       // No descriptor or no socket this time: asked again at a later recv (bounded).
@@ -323,10 +355,10 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     request.chunk_id = c.id;
     request.sequence = sequence;
     send(request);
-    e.chunks[offset] = ChunkEntry{c.bytes, c.id, false};
+    e.chunks[offset] = ChunkEntry{c.bytes, c.id, false, sequence};
+    unanswered_.insert(sequence);
     e.requested_at = e.last_use;
     e.waited = false;  // a new request may be waited for once
-    ++unanswered;
     ++stats_.chunk_requests;
   }
   if (every_chunk_acked) return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
@@ -401,7 +433,14 @@ void Importer::unmap_index(int index) {
 }
 
 bool Importer::serve(const Request& request) {
-  if (request.index < 0 || request.index >= kTableEntries) return true;  // not from our exporter
+  if (request.index < 0 || request.index >= kTableEntries) {  // not from our exporter
+    if (request.kind == kMapChunk) {  // its descriptor closed, its number answered
+      const int fd = backend_.take_chunk_fd(peer_, request.sequence);
+      if (fd >= 0) backend_.map_chunk(fd, 0, 0);
+      outgoing_.push_back(Ack{request.index, 0, request.base, request.chunk_id, request.chunk_offset, 1, request.sequence});
+    }
+    return true;
+  }
   const std::size_t index = static_cast<std::size_t>(request.index);
   if (request.kind == kUnmap) {
     if (index_key_[index] == Key{request.base, request.buffer_id}) unmap_index(request.index);
@@ -465,7 +504,7 @@ bool Importer::serve_chunk(const Request& request) {
 void Importer::map_chunk(const Request& request, int fd) {
   const std::size_t index = static_cast<std::size_t>(request.index);
   const Key key{request.base, 0};
-  Ack ack{request.index, 0, request.base, request.chunk_id, request.chunk_offset, 1};
+  Ack ack{request.index, 0, request.base, request.chunk_id, request.chunk_offset, 1, request.sequence};
   const auto refuse = [&] {
     if (fd >= 0) backend_.map_chunk(fd, 0, 0);  // closes it
     ++stats_.chunk_failed;
@@ -506,6 +545,8 @@ void Importer::cancel_deferred(int index, Match match) {
   for (auto it = deferred_.begin(); it != deferred_.end();) {
     if (it->request.index == index && match(it->request)) {
       if (it->fd >= 0) backend_.map_chunk(it->fd, 0, 0);  // closes it; the receiver dropped the chunk
+      const Request& r = it->request;
+      outgoing_.push_back(Ack{r.index, 0, r.base, r.chunk_id, r.chunk_offset, 1, r.sequence});  // its number answered
       it = deferred_.erase(it);
     } else {
       ++it;
@@ -531,6 +572,7 @@ void Importer::serve_unmap_chunk(const Request& request) {
 
 void Importer::close_idle() {
   for (const ChunkClose& c : chunk_closing_) backend_.unmap_chunk(c.address, c.bytes, c.handle);
+  stats_.closed += chunk_closing_.size();  // a chunk's imported handle is released with its mapping
   chunk_closing_.clear();
   for (const auto& r : reservations_closing_) backend_.free_reservation(r.first, r.second);
   reservations_closing_.clear();
@@ -568,20 +610,20 @@ void Importer::drain() {
 
 void Importer::serve_deferred(bool idle) {
   if (idle) close_idle();
-  for (auto it = deferred_.begin(); it != deferred_.end();) {
-    const auto mirror = mirrors_.find(it->request.index);
+  std::deque<Deferred> waiting;
+  waiting.swap(deferred_);  // (map_chunk may touch deferred_: never while iterating it)
+  for (const Deferred& d : waiting) {
+    const auto mirror = mirrors_.find(d.request.index);
     bool blocked = false;
     if (mirror != mirrors_.end()) {
-      const uint64_t begin = mirror->second.address + it->request.chunk_offset, end = begin + it->request.chunk_bytes;
+      const uint64_t begin = mirror->second.address + d.request.chunk_offset, end = begin + d.request.chunk_bytes;
       for (const ChunkClose& c : chunk_closing_) blocked = blocked || (c.address < end && begin < c.address + c.bytes);
     }
     if (blocked) {
-      ++it;
-      continue;
+      deferred_.push_back(d);
+    } else {
+      map_chunk(d.request, d.fd);  // in order among those that can go now
     }
-    const Deferred d = *it;
-    it = deferred_.erase(it);
-    map_chunk(d.request, d.fd);  // in order among those that can go now
   }
 }
 
@@ -602,6 +644,7 @@ void Importer::close_all() {
   }
   mirrors_.clear();
   for (const ChunkClose& c : chunk_closing_) backend_.unmap_chunk(c.address, c.bytes, c.handle);
+  stats_.closed += chunk_closing_.size();
   chunk_closing_.clear();
   for (const auto& r : reservations_closing_) backend_.free_reservation(r.first, r.second);
   reservations_closing_.clear();

@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <deque>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -100,6 +101,7 @@ struct Ack {
   uint64_t buffer_id;  // a chunk's: its chunk_id
   uint64_t chunk_offset = 0;
   uint32_t chunk = 0;  // 1: the answer to a kMapChunk
+  uint64_t sequence = 0;  // a kMapChunk's: its descriptor's number
 };
 
 // A physical chunk of virtual-memory memory as the receiver's process maps it.
@@ -163,6 +165,9 @@ class Backend {
   // The receiver: the physical chunks mapped over [ptr, ptr + bytes), in address order; false
   // when a part is not mapped or cannot be asked (the recv stays staged).
   virtual bool chunks(const void* /*ptr*/, std::size_t /*bytes*/, std::vector<Chunk>* /*out*/) { return false; }
+  // The receiver: whether a descriptor can be sent to `peer` now (false, for instance, while a
+  // failed connection waits to be tried again: no failure of the chunk's own).
+  virtual bool can_send_chunks(int /*peer*/) { return true; }
   // The receiver: exports the chunk mapped at `chunk_base` as a file descriptor and sends it to
   // `peer`'s process under `sequence`; false when either fails (the reservation stays staged).
   virtual bool send_chunk(int /*peer*/, std::uintptr_t /*chunk_base*/, uint64_t /*sequence*/) { return false; }
@@ -211,7 +216,7 @@ class Exporter {
   // waited for it yet. True once per request (this marks it), so that a sender that never
   // answers costs one bounded wait, not one per call.
   bool claim_wait(const void* dst);
-  // The progress thread's round: at most every kSweepPeriod, lets go of mapped entries (chunks)
+  // The progress thread's round, between calls: at most every kSweepPeriod, lets go of mapped entries (chunks)
   // whose memory was given back since (torch's empty_cache), so that the sender closes its
   // mappings and the memory returns to the driver without waiting for a new mapping. True when
   // it ran.
@@ -225,6 +230,7 @@ class Exporter {
     std::size_t bytes = 0;
     uint64_t id = 0;
     bool acked = false;
+    uint64_t sequence = 0;  // its descriptor's number (the answer names it)
   };
   struct Entry {
     std::size_t bytes = 0;
@@ -240,6 +246,7 @@ class Exporter {
     bool vmm = false;
     std::map<uint64_t, ChunkEntry> chunks;
     int chunk_failures = 0;  // chunks the sender could not map, or not sent (kMaxChunkFailures)
+    bool given_up = false;   // a captured entry past kMaxChunkFailures: no new chunk asked for
     std::vector<std::pair<uint64_t, std::size_t>> captured;  // (offset, bytes) of captured recvs
     bool under_capture(uint64_t offset, std::size_t length) const {
       for (const auto& c : captured)
@@ -294,6 +301,7 @@ class Exporter {
   uint64_t tick_ = 0;
   uint64_t call_start_ = 0;  // tick_ when the current call began (begin_call)
   uint64_t sequence_ = 0;    // the last chunk descriptor sent to the peer
+  std::set<uint64_t> unanswered_;  // descriptors sent and not answered yet, whatever became of their entry
   std::chrono::steady_clock::time_point next_sweep_{};
   Stats stats_;
 };
@@ -302,7 +310,7 @@ class Exporter {
 class Importer {
  public:
   struct Stats {
-    uint64_t opened = 0, open_failed = 0, unmapped = 0, closed = 0;
+    uint64_t opened = 0, open_failed = 0, unmapped = 0, closed = 0;  // closed: IPC handles and chunks
     uint64_t chunks_mapped = 0, chunk_failed = 0, chunks_unmapped = 0;  // virtual-memory chunks
   };
   // `table`: kTableEntries words that this PE's kernels read (host-mapped memory).

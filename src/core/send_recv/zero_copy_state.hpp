@@ -67,6 +67,7 @@ struct ZeroCopyState final : zero_copy::Backend {
     }
     return true;
   }
+  bool can_send_chunks(int peer) override { return fd_channel_ready(peer); }
   bool send_chunk(int peer, std::uintptr_t chunk_base, uint64_t sequence) override {
     detail::RelaxedCaptureMode relaxed;
     if (!fd_channel_ready(peer)) return false;
@@ -95,12 +96,14 @@ struct ZeroCopyState final : zero_copy::Backend {
     return fd;
   }
   uint64_t reserve(std::size_t bytes) override {
+    detail::RelaxedCaptureMode relaxed;  // the progress thread runs it while a user thread may capture
     using Reserve = CUresult (*)(CUdeviceptr*, std::size_t, std::size_t, CUdeviceptr, unsigned long long);
     static const Reserve reserve_range = detail::driver_function<Reserve>("cuMemAddressReserve");
     CUdeviceptr address = 0;
     return reserve_range(&address, bytes, 0, 0, 0) == CUDA_SUCCESS ? static_cast<uint64_t>(address) : 0;
   }
   void free_reservation(uint64_t address, std::size_t bytes) override {
+    detail::RelaxedCaptureMode relaxed;
     using Free = CUresult (*)(CUdeviceptr, std::size_t);
     static const Free free_range = detail::driver_function<Free>("cuMemAddressFree");
     free_range(static_cast<CUdeviceptr>(address), bytes);  // a failure leaks address space only
@@ -108,6 +111,7 @@ struct ZeroCopyState final : zero_copy::Backend {
   uint64_t map_chunk(int fd, uint64_t address, std::size_t bytes) override {
     zero_copy::UniqueFd owned(fd);
     if (address == 0 || bytes == 0 || fd < 0 || device_ < 0) return 0;
+    detail::RelaxedCaptureMode relaxed;
     using Import = CUresult (*)(CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType);
     using Map = CUresult (*)(CUdeviceptr, std::size_t, std::size_t, CUmemGenericAllocationHandle, unsigned long long);
     using Unmap = CUresult (*)(CUdeviceptr, std::size_t);
@@ -139,6 +143,7 @@ struct ZeroCopyState final : zero_copy::Backend {
     return static_cast<uint64_t>(handle);
   }
   void unmap_chunk(uint64_t address, std::size_t bytes, uint64_t handle) override {
+    detail::RelaxedCaptureMode relaxed;
     using Unmap = CUresult (*)(CUdeviceptr, std::size_t);
     using Release = CUresult (*)(CUmemGenericAllocationHandle);
     static const Unmap unmap = detail::driver_function<Unmap>("cuMemUnmap");
