@@ -841,6 +841,26 @@ void test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped() {
   check(p.call(at(kReservation), 4 * kChunk).zero_copy, "then the whole range");
 }
 
+void test_expandable_failures_never_drop_an_entry_given_in_the_call() {
+  VmmPair p;
+  p.reservation_with(2);
+  p.call(at(kReservation), kChunk);  // chunk 0 only
+  p.importer.drain();
+  check(p.call(at(kReservation), kChunk).zero_copy, "chunk 0 mapped");
+  p.vmm.exportable = false;  // from now on chunk 1 cannot be sent
+  for (int i = 0; i < zc::kMaxChunkFailures - 1; ++i) p.call(at(kReservation + kChunk), kChunk);
+  // The last failure comes in a call whose first op was given chunk 0 at the entry's index.
+  p.exporter.begin_call();
+  const zc::Exporter::Decision first = p.exporter.prepare(at(kReservation), kChunk, false);
+  const zc::Exporter::Decision second = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
+  check(first.zero_copy && !second.zero_copy, "the first op moves once, the second is staged");
+  p.importer.drain();
+  check(p.table[first.index] != 0 && p.exporter.stats().not_exportable == 0, "the first op's index is not dropped under it");
+  check(p.call(at(kReservation), kChunk).zero_copy, "chunk 0 keeps moving once");
+  const int exports = p.vmm.exports;
+  check(!p.call(at(kReservation + kChunk), kChunk).zero_copy && p.vmm.exports == exports, "chunk 1 no longer asked for");
+}
+
 void test_expandable_socket_not_ready_is_no_failure() {
   VmmPair p;
   p.reservation_with(1);
@@ -912,6 +932,7 @@ int main() {
   test_expandable_captured_chunk_given_back_drops_the_entry_at_the_sweep();
   test_expandable_descriptors_in_flight_are_bounded();
   test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped();
+  test_expandable_failures_never_drop_an_entry_given_in_the_call();
   test_expandable_socket_not_ready_is_no_failure();
   test_expandable_captured_entry_is_never_dropped_for_failures();
   test_expandable_descriptors_bounded_across_dropped_entries();

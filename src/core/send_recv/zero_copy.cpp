@@ -133,9 +133,10 @@ void Exporter::sweep() {
 
 void Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
   if (++it->second.chunk_failures < kMaxChunkFailures) return;
-  if (it->second.pinned) {
-    // A capture may post its index at any replay: the entry stays (what it maps stays mapped); it
-    // asks for no new chunk, so recvs over chunks not mapped yet stay staged.
+  if (it->second.pinned || it->second.decided_at > call_start_ || !backend_.channel_idle(false, peer_)) {
+    // A capture may post its index at any replay, an earlier op of this call was given it, or a
+    // launch may still post it: the entry stays (what it maps stays mapped) and asks for no new
+    // chunk, so recvs over chunks not mapped yet stay staged.
     it->second.given_up = true;
     return;
   }
@@ -280,6 +281,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
       if (k == it->second.chunks.end() || !k->second.acked || k->second.id != c.id || k->second.bytes != c.bytes)
         return staged;
     }
+    it->second.decided_at = it->second.last_use;
     return Decision{true, it->second.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
   }
   if (it != entries_.end()) {
@@ -361,8 +363,9 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     e.waited = false;  // a new request may be waited for once
     ++stats_.chunk_requests;
   }
-  if (every_chunk_acked) return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
-  return staged;
+  if (!every_chunk_acked) return staged;
+  e.decided_at = e.last_use;
+  return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
 }
 
 Exporter::Entry* Exporter::entry_of(const void* dst, bool same_size) {

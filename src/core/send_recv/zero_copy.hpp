@@ -246,7 +246,8 @@ class Exporter {
     bool vmm = false;
     std::map<uint64_t, ChunkEntry> chunks;
     int chunk_failures = 0;  // chunks the sender could not map, or not sent (kMaxChunkFailures)
-    bool given_up = false;   // a captured entry past kMaxChunkFailures: no new chunk asked for
+    bool given_up = false;   // past kMaxChunkFailures and not droppable then: no new chunk asked for
+    uint64_t decided_at = 0; // tick_ of the last op given ZERO_COPY at this index
     std::vector<std::pair<uint64_t, std::size_t>> captured;  // (offset, bytes) of captured recvs
     bool under_capture(uint64_t offset, std::size_t length) const {
       for (const auto& c : captured)
