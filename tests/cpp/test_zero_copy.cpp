@@ -829,7 +829,7 @@ void test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped() {
   p.vmm.recv_idle = false;
   check(!p.call(at(kReservation + 2 * kChunk), 2 * kChunk).zero_copy && p.exporter.stats().stale_dropped == 0,
         "nothing dropped under a launch in flight");
-  check(!p.exporter.sweep_if_due(std::chrono::steady_clock::now()) || p.exporter.stats().stale_dropped == 0,
+  check(p.exporter.sweep_if_due(std::chrono::steady_clock::now()) && p.exporter.stats().stale_dropped == 0,
         "nor by the progress thread's sweep");
   p.vmm.recv_idle = true;
   check(!p.call(at(kReservation + 2 * kChunk), 2 * kChunk).zero_copy && p.exporter.stats().stale_dropped == 1,
@@ -859,6 +859,39 @@ void test_expandable_failures_never_drop_an_entry_given_in_the_call() {
   check(p.call(at(kReservation), kChunk).zero_copy, "chunk 0 keeps moving once");
   const int exports = p.vmm.exports;
   check(!p.call(at(kReservation + kChunk), kChunk).zero_copy && p.vmm.exports == exports, "chunk 1 no longer asked for");
+}
+
+void test_expandable_capture_into_an_entry_past_its_failures_is_pinned() {
+  VmmPair p;
+  p.reservation_with(2);
+  p.call(at(kReservation), kChunk);
+  p.importer.drain();
+  check(p.call(at(kReservation), kChunk).zero_copy, "chunk 0 mapped");
+  p.vmm.exportable = false;
+  p.vmm.recv_idle = false;  // the failures come while a launch may post the index: the entry stays
+  for (int i = 0; i < zc::kMaxChunkFailures; ++i) p.call(at(kReservation + kChunk), kChunk);
+  p.vmm.recv_idle = true;
+  const zc::Exporter::Decision captured = p.call(at(kReservation), kChunk, true);
+  check(captured.zero_copy, "a capture over chunk 0 moves once");
+  // torch maps chunk 0 again; the sweep must treat the entry as captured.
+  p.vmm.unmap_at(kReservation);
+  p.vmm.map_at(kReservation, kChunk);
+  p.exporter.sweep_if_due(std::chrono::steady_clock::now());
+  p.importer.drain();
+  check(p.table[captured.index] == 0, "the captured entry dropped: a replay is refused");
+  // Its index is never handed out again, however many reservations come (the table cycles).
+  p.vmm.exportable = true;
+  bool reused = false;
+  for (int i = 1; i <= 2 * zc::kTableEntries; ++i) {
+    const std::uintptr_t other = kReservation + i * kReservationBytes;
+    p.vmm.reserve_at(other, kReservationBytes);
+    p.vmm.map_at(other, kChunk);
+    p.call(at(other), kChunk);
+    p.importer.drain();
+    const zc::Exporter::Decision d = p.call(at(other), kChunk);
+    reused = reused || (d.zero_copy && d.index == captured.index);
+  }
+  check(!reused, "the captured index is not reused");
 }
 
 void test_expandable_socket_not_ready_is_no_failure() {
@@ -933,6 +966,7 @@ int main() {
   test_expandable_descriptors_in_flight_are_bounded();
   test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped();
   test_expandable_failures_never_drop_an_entry_given_in_the_call();
+  test_expandable_capture_into_an_entry_past_its_failures_is_pinned();
   test_expandable_socket_not_ready_is_no_failure();
   test_expandable_captured_entry_is_never_dropped_for_failures();
   test_expandable_descriptors_bounded_across_dropped_entries();

@@ -655,19 +655,21 @@ def test_memory_given_back_returns_to_the_driver(world, peer, progress_thread, a
         dist.barrier()  # both buffers freed
         # Both PEs' buffers (2 x 256 MiB on one GPU; on two GPUs, this PE's alone).
         want = (2 if shares_a_gpu() else 1) * nbytes
+        # Until the memory is back and, on this PE, the mechanism is seen: the receiver let go of
+        # its entry (its sweep), and this PE's sender side closed the peer's mapping (a freed
+        # allocation or its chunks) - which waits for the peer's sweep, so it is polled too.
         deadline = time.monotonic() + 10.0
-        grown = 0
+        grown, let_go = 0, after
         while time.monotonic() < deadline:
             grown = torch.cuda.mem_get_info()[0] - free_before
-            if grown >= 0.9 * want:
+            let_go = _send_recv._require_engine("memory test").zero_copy_counters()
+            if (grown >= 0.9 * want and let_go["stale_dropped"] > after["stale_dropped"]
+                    and let_go["closed"] > after["closed"]):
                 break
             time.sleep(0.02)
         with outcome.check("the memory back at the driver"):
             assert grown >= 0.9 * want, (f"free memory grew by {grown >> 20} MiB within 10 s of freeing the receive "
                                          f"buffers, not {want >> 20} MiB: a mapping still holds them")
-            # The mechanism too, on this PE: the receiver let go of its entry (its sweep), and this
-            # PE's sender side closed the peer's mapping (a freed allocation or an unmapped chunk).
-            let_go = _counters()
             assert let_go["stale_dropped"] > after["stale_dropped"], f"the freed buffer's entry was not let go: {let_go}"
             assert let_go["closed"] > after["closed"], f"the peer's mapping was not closed here: {let_go}"
         dist.barrier()

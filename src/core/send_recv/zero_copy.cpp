@@ -102,7 +102,7 @@ void Exporter::sweep() {
     // A reservation used by this very call (not launched yet), or while a launch of this PE's
     // receive channel from the peer may still post its index: left as it is until the next sweep
     // (dropping it would clear the sender's table word under that launch: a refused channel).
-    if (e.last_use > call_start_ || !backend_.channel_idle(false, peer_)) return true;
+    if (e.decided_at > call_start_ || !backend_.channel_idle(false, peer_)) return true;
     // First the chunks torch unmapped or mapped again since.
     std::vector<std::map<uint64_t, ChunkEntry>::iterator> gone;
     for (auto chunk = e.chunks.begin(); chunk != e.chunks.end(); ++chunk) {
@@ -275,14 +275,19 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   // there). The sender unmaps the old one before it maps the new one.
   std::set<uint64_t> gone;  // offsets of known chunks
   if (it != entries_.end() && it->second.given_up) {
-    it->second.last_use = ++tick_;
+    Entry& e = it->second;
+    e.last_use = ++tick_;
     for (const Chunk& c : now) {
       auto k = it->second.chunks.find(c.base - a.base);
       if (k == it->second.chunks.end() || !k->second.acked || k->second.id != c.id || k->second.bytes != c.bytes)
         return staged;
     }
-    it->second.decided_at = it->second.last_use;
-    return Decision{true, it->second.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
+    if (capturing) {  // as below: a capture pins the entry and its range
+      e.pinned = true;
+      e.captured.emplace_back(reinterpret_cast<std::uintptr_t>(dst) - a.base, bytes);
+    }
+    e.decided_at = e.last_use;
+    return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
   }
   if (it != entries_.end()) {
     const auto& known = it->second.chunks;
@@ -296,7 +301,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     // A chunk changed under an entry that an earlier op of this call was given, or that a launch
     // of the receive channel from the peer may still post: this op is staged, nothing dropped yet
     // (a drop clears the sender's table word, and that op or launch would be refused).
-    if (!gone.empty() && (it->second.last_use > call_start_ || !backend_.channel_idle(false, peer_))) {
+    if (!gone.empty() && (it->second.decided_at > call_start_ || !backend_.channel_idle(false, peer_))) {
       it->second.last_use = ++tick_;
       return staged;
     }

@@ -67,7 +67,13 @@ struct ZeroCopyState final : zero_copy::Backend {
     }
     return true;
   }
-  bool can_send_chunks(int peer) override { return fd_channel_ready(peer); }
+  // Not while a failed connection waits to be tried again; the attempt itself is send_chunk's (a
+  // failure there counts against the memory, so that a listener that never comes costs a few
+  // attempts, not one 200 ms connect a second forever).
+  bool can_send_chunks(int peer) override {
+    const auto p = static_cast<std::size_t>(peer);
+    return p < to_sender_.size() && (to_sender_[p].has_value() || std::chrono::steady_clock::now() >= connect_retry_at_[p]);
+  }
   bool send_chunk(int peer, std::uintptr_t chunk_base, uint64_t sequence) override {
     detail::RelaxedCaptureMode relaxed;
     if (!fd_channel_ready(peer)) return false;
