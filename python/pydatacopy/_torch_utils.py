@@ -18,6 +18,15 @@ from ._limits import MAX_TIMEOUT_S
 Error = _C.Error
 
 
+def allocator_conf(environ=None) -> str:
+    """torch's allocator configuration string: PYTORCH_ALLOC_CONF, or else the older
+    PYTORCH_CUDA_ALLOC_CONF (torch's own order); "" when neither is set."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    return environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+
+
 def allocator_setting(conf: str | None = None) -> str:
     """torch's CUDA allocator setting as zero-copy sees it: ``cudaMallocAsync``
     (backend:cudaMallocAsync: its pool allows no handle type, so receive buffers stay staged),
@@ -26,10 +35,8 @@ def allocator_setting(conf: str | None = None) -> str:
     PYTORCH_CUDA_ALLOC_CONF (torch's own order), unless `conf` is given; the last value of a key
     wins, as in torch's parser. A setting changed at run time
     (torch.cuda.memory._set_allocator_settings) is not seen here."""
-    import os
-
     if conf is None:
-        conf = os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+        conf = allocator_conf()
     options = {}
     for item in conf.split(","):
         key, _, value = item.partition(":")

@@ -195,9 +195,9 @@ def shared_gpu_lines(count: int, sms: int | None, environ=os.environ,
 def allocator_line(environ=os.environ) -> tuple[str, str]:
     """What torch's allocator setting (PYTORCH_CUDA_ALLOC_CONF) means for send/recv: WARN where
     receive buffers stay staged on purpose (cudaMallocAsync)."""
-    from pydatacopy._torch_utils import ALLOCATOR_ZERO_COPY, allocator_setting
+    from pydatacopy._torch_utils import ALLOCATOR_ZERO_COPY, allocator_conf, allocator_setting
 
-    conf = environ.get("PYTORCH_ALLOC_CONF") or environ.get("PYTORCH_CUDA_ALLOC_CONF") or ""
+    conf = allocator_conf(environ)
     setting = allocator_setting(conf)
     return ("WARN" if setting == "cudaMallocAsync" else "OK",
             f"{setting} ({conf or 'PYTORCH_CUDA_ALLOC_CONF unset'}): {ALLOCATOR_ZERO_COPY[setting]}")

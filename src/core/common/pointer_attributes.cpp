@@ -8,9 +8,14 @@
 namespace pydatacopy::detail {
 namespace {
 
+using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
+
+GetAttributes get_attributes() {
+  static const GetAttributes function = driver_function<GetAttributes>("cuPointerGetAttributes");
+  return function;
+}
+
 CUresult query(const void* ptr, Ask ask, PointerAttributes& out) {
-  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
-  static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
   void* start = nullptr;
   int managed = 0;
   PointerAttributes a;
@@ -28,9 +33,9 @@ CUresult query(const void* ptr, Ask ask, PointerAttributes& out) {
                                      CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES};
   void* zero_copy_values[] = {&start, &a.bytes, &a.buffer_id, &a.memory_type, &managed, &legacy_ipc, &a.handle_types};
   const auto address = reinterpret_cast<CUdeviceptr>(ptr);
-  const CUresult status = ask == Ask::kIdentity ? get_attributes(5, identity, identity_values, address)
-                          : ask == Ask::kZeroCopy ? get_attributes(7, zero_copy, zero_copy_values, address)
-                                                  : get_attributes(4, device, device_values, address);
+  const CUresult status = ask == Ask::kIdentity ? get_attributes()(5, identity, identity_values, address)
+                          : ask == Ask::kZeroCopy ? get_attributes()(7, zero_copy, zero_copy_values, address)
+                                                  : get_attributes()(4, device, device_values, address);
   if (status != CUDA_SUCCESS) return status;
   a.start = reinterpret_cast<std::uintptr_t>(start);
   a.managed = managed != 0;
@@ -53,8 +58,6 @@ PointerAttributes pointer_attributes(const void* ptr, Ask ask) {
 }
 
 bool mapping_at(const void* ptr, std::uintptr_t* base, std::size_t* bytes, unsigned long long* block_id) {
-  using GetAttributes = CUresult (*)(unsigned int, CUpointer_attribute*, void**, CUdeviceptr);
-  static const GetAttributes get_attributes = driver_function<GetAttributes>("cuPointerGetAttributes");
   void* mapping_base = nullptr;
   std::size_t mapping_bytes = 0;
   unsigned long long id = 0;
@@ -62,7 +65,7 @@ bool mapping_at(const void* ptr, std::uintptr_t* base, std::size_t* bytes, unsig
   CUpointer_attribute asked[] = {CU_POINTER_ATTRIBUTE_MAPPED, CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
                                  CU_POINTER_ATTRIBUTE_MAPPING_SIZE, CU_POINTER_ATTRIBUTE_MEMORY_BLOCK_ID};
   void* values[] = {&mapped, &mapping_base, &mapping_bytes, &id};
-  if (get_attributes(4, asked, values, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS || mapped == 0 ||
+  if (get_attributes()(4, asked, values, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS || mapped == 0 ||
       mapping_base == nullptr || mapping_bytes == 0)
     return false;
   *base = reinterpret_cast<std::uintptr_t>(mapping_base);

@@ -255,6 +255,11 @@ Exporter::Decision Exporter::prepare(const void* dst, std::size_t bytes, bool ca
   return staged;
 }
 
+void Exporter::pin(Entry& e, const Allocation& a, const void* dst, std::size_t bytes) {
+  e.pinned = true;
+  e.captured.emplace_back(reinterpret_cast<std::uintptr_t>(dst) - a.base, bytes);
+}
+
 Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, std::size_t bytes, bool capturing) {
   Decision staged;
   // Entries over this reservation's range that are not this reservation: freed memory.
@@ -282,10 +287,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
       if (k == it->second.chunks.end() || !k->second.acked || k->second.id != c.id || k->second.bytes != c.bytes)
         return staged;
     }
-    if (capturing) {  // as below: a capture pins the entry and its range
-      e.pinned = true;
-      e.captured.emplace_back(reinterpret_cast<std::uintptr_t>(dst) - a.base, bytes);
-    }
+    if (capturing) pin(e, a, dst, bytes);  // as below
     e.decided_at = e.last_use;
     return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
   }
@@ -331,8 +333,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   }
   Entry& e = it->second;
   e.last_use = ++tick_;
-  e.pinned = e.pinned || capturing;
-  if (capturing) e.captured.emplace_back(reinterpret_cast<std::uintptr_t>(dst) - a.base, bytes);
+  if (capturing) pin(e, a, dst, bytes);
   for (uint64_t offset : gone) drop_chunk(a.base, e, e.chunks.find(offset));
   // Descriptors travel ahead of their requests: a bounded number unanswered per peer (counted by
   // number, also those of entries dropped since), and none while requests wait for room in the
@@ -428,10 +429,7 @@ void Importer::unmap_index(int index) {
   cancel_deferred(index, [](const Request&) { return true; });
   auto mirror = mirrors_.find(index);
   if (mirror != mirrors_.end()) {
-    // A reservation: its chunks and address space go once the send channel is idle.
-    for (const auto& chunk : mirror->second.chunks)
-      chunk_closing_.push_back(ChunkClose{mirror->second.address + chunk.first, chunk.second.bytes, chunk.second.handle});
-    reservations_closing_.emplace_back(mirror->second.address, mirror->second.bytes);
+    retire(mirror->second);  // its chunks and address space go once the send channel is idle
     mirrors_.erase(mirror);
   } else {
     auto it = mappings_.find(key);
@@ -578,6 +576,12 @@ void Importer::serve_unmap_chunk(const Request& request) {
   ++stats_.chunks_unmapped;
 }
 
+void Importer::retire(const Mirror& mirror) {
+  for (const auto& chunk : mirror.chunks)
+    chunk_closing_.push_back(ChunkClose{mirror.address + chunk.first, chunk.second.bytes, chunk.second.handle});
+  reservations_closing_.emplace_back(mirror.address, mirror.bytes);
+}
+
 void Importer::close_idle() {
   for (const ChunkClose& c : chunk_closing_) backend_.unmap_chunk(c.address, c.bytes, c.handle);
   stats_.closed += chunk_closing_.size();  // a chunk's imported handle is released with its mapping
@@ -640,22 +644,11 @@ void Importer::close_all() {
     if (d.fd >= 0) backend_.map_chunk(d.fd, 0, 0);  // closes it
   deferred_.clear();
   for (int i = 0; i < kTableEntries; ++i) table_[i] = 0;
-  for (const auto& entry : mappings_) {
-    backend_.close_handle(entry.second.mapped);
-    ++stats_.closed;
-  }
-  mappings_.clear();
-  for (const auto& mirror : mirrors_) {
-    for (const auto& chunk : mirror.second.chunks)
-      chunk_closing_.push_back(ChunkClose{mirror.second.address + chunk.first, chunk.second.bytes, chunk.second.handle});
-    reservations_closing_.emplace_back(mirror.second.address, mirror.second.bytes);
-  }
+  // Everything is unused now (the device is idle at cleanup): closed as close_idle() closes.
+  for (auto& entry : mappings_) entry.second.refs = 0;
+  for (const auto& mirror : mirrors_) retire(mirror.second);
   mirrors_.clear();
-  for (const ChunkClose& c : chunk_closing_) backend_.unmap_chunk(c.address, c.bytes, c.handle);
-  stats_.closed += chunk_closing_.size();
-  chunk_closing_.clear();
-  for (const auto& r : reservations_closing_) backend_.free_reservation(r.first, r.second);
-  reservations_closing_.clear();
+  close_idle();
   index_key_.assign(kTableEntries, Key{0, 0});
 }
 

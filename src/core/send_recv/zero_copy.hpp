@@ -264,6 +264,8 @@ class Exporter {
   // a reservation's by its range).
   Entry* entry_of(const void* dst, bool same_size);
   Decision prepare_vmm(const Allocation& a, const void* dst, std::size_t bytes, bool capturing);
+  // A capture of [dst, dst + bytes) in reservation `a`: the entry pinned, the range recorded.
+  void pin(Entry& e, const Allocation& a, const void* dst, std::size_t bytes);
   // Asks the sender to unmap the chunk at `offset` of the reservation at `base` and forgets it.
   void drop_chunk(std::uintptr_t base, Entry& e, std::map<uint64_t, ChunkEntry>::iterator chunk);
   // An entry remembered as staged for good (its memory cannot be exported), oldest out first.
@@ -371,6 +373,7 @@ class Importer {
   // Forgets the deferred chunks of `index` that `match` (their descriptors closed).
   template <class Match>
   void cancel_deferred(int index, Match match);
+  void retire(const Mirror& mirror);  // its chunks and address space closed at the next close_idle()
   void close_idle();
   void flush();
 
