@@ -42,6 +42,8 @@ constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{32} << 20;
 constexpr int64_t kLowLatencyCapacityBytes = int64_t{64} << 10;
 constexpr int64_t kDefaultLowLatencyMaxBytes = int64_t{16} << 10;
 constexpr uint64_t kNvshmemDefaultSymmetricSize = uint64_t{1} << 30;
+// Sends and recvs of one group() (one kernel launch): kernels::kMaxBatchOps (api.cuh says why).
+constexpr int kMaxGroupOps = 64;
 
 enum class Kind : int {
   kSeconds = 0,      // a positive, finite number of seconds, at most kMaxTimeoutSeconds

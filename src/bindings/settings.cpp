@@ -28,6 +28,7 @@ void bind_settings(py::module_& m) {
   m.attr("MAX_CHUNK_BYTES") = s::kMaxChunkBytes;
   m.attr("MAX_SEND_BLOCKS") = s::kMaxSendBlocks;
   m.attr("MAX_RANKS_PER_GPU") = s::kMaxRanksPerGpu;
+  m.attr("MAX_GROUP_OPS") = s::kMaxGroupOps;
   m.attr("DEFAULT_CHUNK_BYTES") = s::kDefaultChunkBytes;
   m.attr("DEFAULT_NUM_CHUNKS") = s::kDefaultNumChunks;
   m.attr("DEFAULT_SEND_BLOCKS") = s::kDefaultSendBlocks;

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.any_pes
 MiB = 1 << 20
 SIZES = [4096, 3 * MiB + 5, 64 * MiB]
 SIZE_IDS = ["4K", "3M+5", "64M"]
-MAX_GROUP_OPS = 16  # SendRecvEngine::batch's limit (kernels::kMaxBatchOps)
+MAX_GROUP_OPS = pydatacopy._C.MAX_GROUP_OPS  # SendRecvEngine::batch's limit (kernels::kMaxBatchOps)
 TIMEOUT_S = 60.0
 
 
@@ -179,10 +179,10 @@ def _shift_batches(n: int) -> list[list[int]]:
 @pytest.mark.parametrize("nbytes", SIZES, ids=SIZE_IDS)
 def test_all_pairs_in_one_group(world, nbytes):
     """Every PE sends to and receives from every other PE at once, in one group() of
-    2 x (n - 1) operations (more than 9 PEs: several groups of at most 16)."""
+    2 x (n - 1) operations (more than 33 PEs: several groups of at most MAX_GROUP_OPS)."""
     rank, n, _ = world
     batches = _shift_batches(n)
-    assert n > 9 or len(batches) == 1
+    assert 2 * (n - 1) > MAX_GROUP_OPS or len(batches) == 1
     for iteration in range(2):
         tag = 20 * nbytes + iteration
         for batch in batches:

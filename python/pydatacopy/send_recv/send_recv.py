@@ -214,7 +214,7 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
 def group(*, stream=None) -> Iterator[None]:
     """Issue the send()/recv() calls inside together, as one kernel launch, so that they run at
     the same time: a PE that sends and receives at once must group them (as with NCCL's group
-    calls). Up to 16 operations, any peers. The launch goes on the stream the calls were made
+    calls). Up to ``_C.MAX_GROUP_OPS`` (64) operations, any peers. The launch goes on the stream the calls were made
     on: ``stream=`` of group(), else each call's ``stream=``, else torch's current stream at the
     call; all of a group's calls must come to the same stream. Not traceable (torch.compile):
     use sendrecv there."""

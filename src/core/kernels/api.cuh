@@ -116,7 +116,7 @@ struct SlotHeader {
 // Zero-copy rendezvous (send_recv.hpp): per channel, the receiver writes one descriptor per
 // message into a ring at the sender (slot: the message's ordinal modulo the ring), the field
 // `message` last, with a system-scope release.
-constexpr int kRendezvousRing = 16;  // >= kMaxBatchOps (checked in send_recv.cu)
+constexpr int kRendezvousRing = 64;  // >= kMaxBatchOps (checked in send_recv.cpp)
 constexpr uint32_t kPostedStaged = 1, kPostedZeroCopy = 2;
 constexpr int kZeroCopyTableEntries = 64;  // = zero_copy::kTableEntries (checked in send_recv.cpp)
 struct RendezvousDescriptor {
@@ -209,9 +209,13 @@ struct ChunkStreamArgs {
   uint64_t* peer_ll_credit;  // recv: the sender's credit word for this channel (nvshmem_ptr)
 };
 
-// Several sends and recvs in one launch (passed by value: 16 ops stay far under the 32 KiB
-// kernel-parameter limit).
-constexpr int kMaxBatchOps = 16;
+// Several sends and recvs in one launch, passed by value: 64 ops (about 26 KiB of arguments)
+// stay under the 32 KiB kernel-parameter limit; a launch copies only the smallest of the
+// kernel's sizes (2, 16 or 64 ops, launch_chunk_batch) that holds its batch. 64: a batch of
+// torch.distributed's batch_isend_irecv between 8 PEs, 4 messages each way to every peer, is 56
+// ops, and one launch is what keeps such a batch free of deadlock (issue 38).
+constexpr int kMaxBatchOps = settings::kMaxGroupOps;
+constexpr int kMidBatchOps = 16;
 // A block of the send/recv kernel drives at most this many slices of each op: the host keeps
 // every op's slices <= this times the grid cap, so a grid never exceeds what is resident.
 constexpr int kMaxSlicesPerBlock = 32;

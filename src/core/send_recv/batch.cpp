@@ -173,7 +173,10 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
   // launches (its peer waits for it), and the first refusal is raised after the launch: the
   // call that raises has still launched the rest of its ops, so it must not be retried.
   std::exception_ptr refused;
-  kernels::ChunkBatch launch{};
+  // Default-initialised: only the first `count` ops are written and read (prepare() fills each
+  // whole), so a send of one op does not clear the 64 ops' 26 KiB on every call.
+  kernels::ChunkBatch launch;
+  launch.count = 0;
   launch.max_grid = resident_blocks_;
   // Zero-copy's mailboxes of the peers of this call: their requests and answers, without waiting.
   for (std::size_t i = 0; i < ops.size(); ++i) {

@@ -790,8 +790,10 @@ void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool progr
   // slices' peers back until a block ahead of it ends), and no more slices than a block holds.
   const int least = (slices + kMaxSlicesPerBlock - 1) / kMaxSlicesPerBlock;
   const int blocks = max(least, min(slices, max(1, batch.max_grid)));
-  const cudaError_t launched = batch.count <= 2 ? launch_sized<2>(batch, blocks, stream, programmatic)
-                                                : launch_sized<kMaxBatchOps>(batch, blocks, stream, programmatic);
+  const cudaError_t launched =
+      batch.count <= 2             ? launch_sized<2>(batch, blocks, stream, programmatic)
+      : batch.count <= kMidBatchOps ? launch_sized<kMidBatchOps>(batch, blocks, stream, programmatic)
+                                    : launch_sized<kMaxBatchOps>(batch, blocks, stream, programmatic);
   // A failed cudaLaunchKernelEx also leaves the thread's last error set: cleared, or torch's next
   // launch check would report it as its own.
   if (launched != cudaSuccess) cudaGetLastError();
@@ -844,10 +846,11 @@ bool programmatic_launch_enabled() {
     // without such a target (CUDAARCHS=80) runs on an H100 from compute_80 PTX, with no
     // wait_for_previous_grid, and a programmatic launch would then read before its predecessor
     // (a user's kernel that triggers early) has finished.
-    cudaFuncAttributes small{}, large{};
+    cudaFuncAttributes small{}, mid{}, large{};
     PDC_CHECK_CUDA(cudaFuncGetAttributes(&small, chunk_batch_kernel<2>));
+    PDC_CHECK_CUDA(cudaFuncGetAttributes(&mid, chunk_batch_kernel<kMidBatchOps>));
     PDC_CHECK_CUDA(cudaFuncGetAttributes(&large, chunk_batch_kernel<kMaxBatchOps>));
-    answer = major >= 9 && small.ptxVersion >= 90 && large.ptxVersion >= 90 ? 2 : 1;
+    answer = major >= 9 && small.ptxVersion >= 90 && mid.ptxVersion >= 90 && large.ptxVersion >= 90 ? 2 : 1;
     known[device].store(answer, std::memory_order_relaxed);
   }
   return answer == 2;
@@ -912,11 +915,13 @@ int all_to_all_blocks(int pes_sharing_gpu) {
 }
 
 int chunk_batch_blocks_per_sm() {
-  int small = 0, large = 0;
+  int small = 0, mid = 0, large = 0;
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&small, chunk_batch_kernel<2>, kThreads, 0));
+  PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&mid, chunk_batch_kernel<kMidBatchOps>,
+                                                               kThreads, 0));
   PDC_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&large, chunk_batch_kernel<kMaxBatchOps>,
                                                                kThreads, 0));
-  return std::max(1, std::min(small, large));
+  return std::max(1, std::min({small, mid, large}));
 }
 
 int chunk_batch_resident_blocks(int pes_sharing_gpu) {
@@ -928,8 +933,10 @@ int chunk_batch_resident_blocks(int pes_sharing_gpu) {
 void preload_send_recv_kernels() {
   cudaFuncAttributes attributes;
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<2>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<kMidBatchOps>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, chunk_batch_kernel<kMaxBatchOps>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, low_latency_batch_kernel<2>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, low_latency_batch_kernel<kMidBatchOps>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, low_latency_batch_kernel<kMaxBatchOps>));
 }
 
