@@ -335,3 +335,40 @@ def bench_engagement(args, nbytes: int = ENGAGEMENT_BYTES, runs: int = ENGAGEMEN
     torch.cuda.synchronize()
     pydatacopy.barrier()
     return rows
+
+
+_backend_group = None
+
+
+def _distributed_group():
+    """A group of every rank on the pydatacopy torch.distributed backend (issue 38), made once,
+    collectively, the first time the row runs; it shares this process's runtime."""
+    global _backend_group
+    if _backend_group is None:
+        import pydatacopy.distributed  # noqa: F401 - registers the backend
+
+        _backend_group = dist.new_group(backend="pydatacopy")
+    return _backend_group
+
+
+def sendrecv_distributed(sweep):
+    """The default path through torch.distributed's API on the pydatacopy backend: dist.send /
+    dist.recv one way, batch_isend_irecv with both waits both ways; what a user's unchanged
+    torch.distributed code costs beside the direct calls (the `default` row) of the same run."""
+    group = _distributed_group()
+
+    def run():
+        if sweep.both:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, sweep.src, sweep.peer, group),
+                                            dist.P2POp(dist.irecv, sweep.out, sweep.peer, group)])
+            for work in works:
+                work.wait()
+        elif sweep.sends:
+            dist.send(sweep.src, sweep.peer, group=group)
+        else:
+            dist.recv(sweep.out, sweep.peer, group=group)
+
+    counts: list[dict[str, int]] = []
+    result = sweep.measure(run, sweep.out, around_timed=lambda: counts.append(recv_counts()))
+    sweep.extra["one_copy_fraction"] = agreed_fraction(one_copy_fraction(counts[0], counts[1]))
+    return result

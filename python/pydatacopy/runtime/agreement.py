@@ -178,13 +178,18 @@ def _check_shared_gpus(group, ranks: Sequence[RankInfo], call: str) -> None:
     """Refuse (on every rank alike) or warn (on the group's rank 0) per shared_gpu_verdict."""
     import torch.distributed as dist
 
+    check_shared_gpu_verdict(ranks, dist.get_rank(group) == 0, call)
+
+
+def check_shared_gpu_verdict(ranks: Sequence[RankInfo], warn_here: bool, call: str) -> None:
+    """shared_gpu_verdict's refusal raised (every rank alike), its warnings given where `warn_here`."""
     ignore = _settings.nvshmem_bool(os.environ.get("NVSHMEM_IGNORE_CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "0"))
     refusal, notes = shared_gpu_verdict(ranks, ignore)
     if refusal:
         raise Error(f"{call}: NVSHMEM was not started on any rank: {refusal}")
-    if notes and dist.get_rank(group) == 0:
+    if notes and warn_here:
         for note in notes:
-            warnings.warn(f"{call}: {note}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{call}: {note}", RuntimeWarning, stacklevel=4)
 
 
 _gather_attempts: dict[tuple[int, ...], int] = {}
@@ -260,16 +265,69 @@ def _agree_on_preflight(group, world_size: int, nodes: int, call: str) -> None:
     others in NVSHMEM's bootstrap until the init timeout."""
     import torch.distributed as dist
 
+    verdicts: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(verdicts, _preflight_here(world_size, nodes, call), group=group)
+    _refuse_unless_preflight_passed(verdicts, call)
+
+
+def _preflight_here(world_size: int, nodes: int, call: str) -> str | None:
+    """This rank's remote-transport preflight: None, or why it refuses."""
     try:
         _network.check_transport_preconditions(world_size, call=call, nodes=nodes)
-        mine = None
+        return None
     except Error as error:
-        mine = str(error).removeprefix(f"{call}: ")
+        return str(error).removeprefix(f"{call}: ")
     except Exception as error:  # the check itself failed here (sysfs, a loader): still agree
-        mine = f"the remote-transport check failed: {type(error).__name__}: {error}"
-    verdicts: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(verdicts, mine, group=group)
+        return f"the remote-transport check failed: {type(error).__name__}: {error}"
+
+
+def _refuse_unless_preflight_passed(verdicts: Sequence[str | None], call: str) -> None:
     refused = [rank for rank, verdict in enumerate(verdicts) if verdict]
     if refused:
         raise Error(f"{call}: NVSHMEM was not started on any rank, because on rank "
                     f"{', '.join(map(str, refused))} of the group: {verdicts[refused[0]]}")
+
+
+class StoreExchange:
+    """What init() agrees on through its group's collectives, through a c10d store instead: for a
+    process group that is being created (pydatacopy.distributed's backend), which cannot run
+    collectives yet. Keys live under the store's own prefix (torch gives each group's backend a
+    prefix store) and a count of this process's exchanges on it."""
+
+    _exchanges = 0
+
+    def __init__(self, store, rank: int, size: int, timeout_s: float, call: str) -> None:
+        StoreExchange._exchanges += 1
+        self.store, self.rank, self.size, self.timeout_s, self.call = store, rank, size, timeout_s, call
+        self.prefix = f"pydatacopy/start/{StoreExchange._exchanges}/"
+
+    def gather(self, name: str, mine) -> list:
+        """Every rank's `mine`, indexed by rank (collective)."""
+        import pickle
+        from datetime import timedelta
+
+        self.store.set(f"{self.prefix}{name}/{self.rank}", pickle.dumps(mine))
+        keys = [f"{self.prefix}{name}/{rank}" for rank in range(self.size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as error:
+            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise _C.TimeoutError(
+                f"{self.call}: rank(s) {', '.join(map(str, missing)) or '?'} did not come within "
+                f"{self.timeout_s:g} s (PYDATACOPY_INIT_TIMEOUT_S): every rank of the group must "
+                f"create it ({type(error).__name__}: {error})") from None
+        return [pickle.loads(self.store.get(key)) for key in keys]
+
+    def share_unique_id_and_ranks(self) -> tuple[list[int], list[RankInfo]]:
+        """Rank 0's unique ID to every rank, and what each rank is (_share_unique_id_and_ranks)."""
+        unique_id = _id_to_list(self.gather("id", get_unique_id() if self.rank == 0 else None)[0], self.call)
+        digest = hashlib.sha256(bytes(unique_id)).hexdigest()
+        ranks = [RankInfo(*entry) for entry in self.gather("ranks", tuple(_this_rank(digest)))]
+        if len({rank.digest for rank in ranks}) != 1:
+            raise Error(f"{self.call}: ranks received different NVSHMEM unique IDs through the "
+                        "group's store; create the group once on every rank")
+        return unique_id, ranks
+
+    def agree_on_preflight(self, world_size: int, nodes: int) -> None:
+        _refuse_unless_preflight_passed(self.gather("preflight", _preflight_here(world_size, nodes, self.call)),
+                                        self.call)

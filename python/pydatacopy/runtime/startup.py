@@ -163,6 +163,44 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes, preflight_done=True)
 
 
+def start_from_store(store, rank: int, world_size: int, *, timeout: float | None = None,
+                     call: str = "pydatacopy.distributed") -> int:
+    """init() for a process group that is being created (the torch.distributed backend,
+    pydatacopy.distributed): the same checks and agreement as init(), through the group's c10d
+    `store`, since the group cannot run collectives before it exists. Collective over the
+    `world_size` ranks that share `store`; returns this PE (== rank). A process that already
+    started NVSHMEM (pydatacopy.init()) as PE `rank` of `world_size` shares it."""
+    ops.refuse_tracing(call.removeprefix("pydatacopy."))
+    seconds = _init_timeout(timeout, call)
+    if _C.is_initialized():
+        if (_C.my_pe(), _C.n_pes()) != (rank, world_size):
+            raise Error(f"{call}: NVSHMEM already runs in this process as PE {_C.my_pe()} of "
+                        f"{_C.n_pes()}, which is not rank {rank} of {world_size} of this group; "
+                        "create the pydatacopy backend on the default group, or call "
+                        "pydatacopy.finalize() first")
+        return _C.my_pe()
+    ops.refuse_capture(call.removeprefix("pydatacopy."))
+    exchange = _agreement.StoreExchange(store, rank, world_size, seconds, call)
+    problem, per_gpu, gpu, device = None, None, None, None
+    try:
+        _settings.check_environment(call)
+        per_gpu = _settings.ranks_per_gpu()
+        device = _choose_device(rank, call, world_size)
+        torch.cuda.set_device(device)
+        gpu = _agreement._gpu_identity()
+    except (Error, _settings.SettingError) as error:
+        problem = str(error).removeprefix(f"{call}: ")
+    except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
+        problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
+    _agreement._refuse_unless_all_can_start(exchange.gather("facts", (problem, per_gpu, gpu)), False, call)
+    unique_id, ranks = exchange.share_unique_id_and_ranks()
+    nodes = len({r.host for r in ranks})
+    _agreement.check_shared_gpu_verdict(ranks, rank == 0, call)
+    _network.apply_network_settings()
+    exchange.agree_on_preflight(world_size, nodes)
+    return _start(unique_id, rank, world_size, device, timeout, call, nodes=nodes, preflight_done=True)
+
+
 def finalize() -> None:
     """Collective teardown: send/recv staging, tensors from empty(), then NVSHMEM. Harmless when
     not initialised or called twice. DoubleBufferManagers must be cleaned up before.

@@ -1,0 +1,278 @@
+"""The torch.distributed backend "pydatacopy": a process group whose CUDA point-to-point calls
+(send, recv, isend, irecv, batch_isend_irecv), all_to_all_single and barrier move through
+pydatacopy, and whose CPU tensors go to a gloo group made from the same store.
+
+torch.distributed (2.11 on) takes a Python backend only as a whole ProcessGroup (its Backend has
+no Python constructor there), which then replaces the group on every device: so CPU tensors are
+delegated to gloo here, and "cpu:gloo,cuda:pydatacopy" keeps gloo's CPU semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from .._torch_utils import nbytes
+from ..runtime import startup as _startup
+from . import work as _work
+
+Error = _C.Error
+
+BACKEND_NAME = "pydatacopy"
+
+# What each collective a CUDA tensor cannot take on this backend should use instead.
+_REDUCTIONS = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter", "_reduce_scatter_base",
+               "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
+_GATHERS = ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "_allgather_base",
+            "all_gather_single", "all_gather_single_coalesced", "broadcast", "gather", "gather_into_tensor",
+            "gather_single", "scatter", "alltoall")
+_HOST_ONLY = ("monitored_barrier",)
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors_in(item)]
+    return []
+
+
+def _delegate_or_refuse(name: str, alternative: str):
+    """A collective this backend leaves to gloo for CPU tensors and refuses for CUDA ones, with
+    an error that names what to use."""
+
+    def collective(self, *args, **kwargs):
+        _work.flush()
+        tensors = _tensors_in(list(args) + list(kwargs.values()))
+        if any(t.is_cuda for t in tensors):
+            raise Error(f"torch.distributed {name} on CUDA tensors: the pydatacopy backend moves "
+                        f"CUDA tensors with send, recv, isend, irecv, batch_isend_irecv, "
+                        f"all_to_all_single and barrier only; {alternative}")
+        return getattr(self._cpu, name)(*args, **kwargs)
+
+    collective.__name__ = name
+    return collective
+
+
+class ProcessGroupPydatacopy(dist.ProcessGroup):
+    """One torch.distributed group on the pydatacopy backend (made by torch through
+    register_backend; see pydatacopy.distributed)."""
+
+    # batch_isend_irecv asks this of the group's backend (torch 2.12 on): the backend coalesces
+    # by itself (work.py), not through torch's coalescing manager.
+    supports_coalescing = False
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, global_ranks: list[int]) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        # The group's ranks as PEs (the default group's are the PEs themselves).
+        self._pes = list(global_ranks) if global_ranks else list(range(size))
+        self._timeout_s = _timeout_seconds(timeout)
+        # CPU tensors: a gloo group over the same ranks, keyed apart in the group's store.
+        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("pydatacopy-cpu/", store), rank, size, timeout)
+
+    # ---- what torch asks of every group ---------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _get_backend_name(self) -> str:
+        return BACKEND_NAME
+
+    def _get_backend(self, device):
+        return self
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    # ---- point to point ------------------------------------------------------------------
+    def _peer(self, group_rank: int, call: str) -> int:
+        if not isinstance(group_rank, int) or not 0 <= group_rank < self._size:
+            raise Error(f"torch.distributed {call}: rank {group_rank} is not in this group of "
+                        f"{self._size} ranks")
+        if group_rank == self._rank:
+            raise Error(f"torch.distributed {call}: rank {group_rank} is this rank; a rank does not "
+                        "send to or receive from itself (copy the tensor instead)")
+        return self._pes[group_rank]
+
+    def _p2p(self, is_send: bool, tensors: list[torch.Tensor], group_rank: int):
+        call = "send" if is_send else "recv"
+        if len(tensors) != 1:
+            raise Error(f"torch.distributed {call}: one tensor per call on the pydatacopy backend, "
+                        f"got {len(tensors)}")
+        tensor = tensors[0]
+        if not tensor.is_cuda:
+            _work.flush()
+            return (self._cpu.send if is_send else self._cpu.recv)(tensors, group_rank, 0)
+        if tensor.get_device() != _C.cuda_device():
+            raise Error(f"torch.distributed {call}: the tensor is on {tensor.device}, but this "
+                        f"process runs pydatacopy on cuda:{_C.cuda_device()}; move it there first")
+        if not tensor.is_contiguous():
+            raise Error(f"torch.distributed {call}: the tensor must be contiguous (.contiguous())")
+        return _work.queue(is_send, tensor, self._peer(group_rank, call), self._timeout_s)
+
+    def send(self, tensors, dstRank: int, tag: int = 0):  # noqa: N803 - torch's names
+        """Queued, then launched with the others of this thread as one group (work.py). `tag`
+        is accepted and not matched: as with NCCL, messages between two ranks match in order."""
+        return self._p2p(True, tensors, dstRank)
+
+    def recv(self, tensors, srcRank: int, tag: int = 0):  # noqa: N803 - torch's names
+        return self._p2p(False, tensors, srcRank)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        if all(not t.is_cuda for t in tensors):
+            _work.flush()
+            return self._cpu.recv_anysource(tensors, tag)
+        raise Error("torch.distributed recv from any source: the pydatacopy backend receives CUDA "
+                    "tensors from a named rank only (src=...); receive CPU tensors from any "
+                    "source on gloo")
+
+    # ---- all to all ----------------------------------------------------------------------
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes,  # noqa: A002
+                      input_split_sizes, opts=None):
+        """dist.all_to_all_single: rows of `input` (split along dim 0) to every rank, as one
+        pydatacopy group of sends and recvs on the current stream; this rank's own rows by a copy
+        on that stream."""
+        _work.flush()
+        if not (output.is_cuda or input.is_cuda):
+            return self._cpu.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                           opts or dist.AllToAllOptions())
+        call = "all_to_all_single"
+        for name, tensor in (("output", output), ("input", input)):
+            if not tensor.is_cuda or tensor.get_device() != _C.cuda_device():
+                raise Error(f"torch.distributed {call}: {name} is on {tensor.device}; both tensors "
+                            f"must be on cuda:{_C.cuda_device()}, this process's pydatacopy device")
+            if not tensor.is_contiguous():
+                raise Error(f"torch.distributed {call}: {name} must be contiguous (.contiguous())")
+        if output.dtype != input.dtype:
+            raise Error(f"torch.distributed {call}: output is {output.dtype} and input {input.dtype}; "
+                        "use one dtype")
+        send_rows = self._splits(input, list(input_split_sizes or []), call, "input")
+        recv_rows = self._splits(output, list(output_split_sizes or []), call, "output")
+        send_row_bytes = nbytes(input) // max(1, input.shape[0]) if input.dim() else nbytes(input)
+        recv_row_bytes = nbytes(output) // max(1, output.shape[0]) if output.dim() else nbytes(output)
+        if send_row_bytes != recv_row_bytes:
+            raise Error(f"torch.distributed {call}: a row of input is {send_row_bytes} bytes and a "
+                        f"row of output {recv_row_bytes}; rows (dim 0) must have one size")
+        flat_in, flat_out = input.view(-1).view(torch.uint8), output.view(-1).view(torch.uint8)
+        send_at = _offsets(send_rows, send_row_bytes)
+        recv_at = _offsets(recv_rows, recv_row_bytes)
+        me = self._rank
+        if send_rows[me] != recv_rows[me]:
+            raise Error(f"torch.distributed {call}: this rank sends {send_rows[me]} rows to itself "
+                        f"but expects {recv_rows[me]}")
+        if send_rows[me]:
+            flat_out[recv_at[me]:recv_at[me] + recv_rows[me] * recv_row_bytes].copy_(
+                flat_in[send_at[me]:send_at[me] + send_rows[me] * send_row_bytes])
+        # Peers in batches by shift (rank + s sent to, rank - s received from, for s in a batch):
+        # every rank cuts the shifts alike, so no batch waits on a later one of another rank.
+        shifts = list(range(1, self._size))
+        per_batch = max(1, _C.MAX_GROUP_OPS // 2)
+        last = None
+        for first in range(0, len(shifts), per_batch):
+            _work.flush()
+            for shift in shifts[first:first + per_batch]:
+                to, source = (me + shift) % self._size, (me - shift) % self._size
+                _work.queue(True, flat_in[send_at[to]:send_at[to] + send_rows[to] * send_row_bytes],
+                            self._pes[to], self._timeout_s)
+                last = _work.queue(False, flat_out[recv_at[source]:recv_at[source] + recv_rows[source] * recv_row_bytes],
+                                   self._pes[source], self._timeout_s)
+            last.result()  # launches this batch; raises a refusal at once
+        return _work.P2PWork(last._batch, output) if last is not None else _work.done_work([output])
+
+    all_to_all_single = alltoall_base
+
+    def _splits(self, tensor: torch.Tensor, splits: list[int], call: str, name: str) -> list[int]:
+        rows = tensor.shape[0] if tensor.dim() else 1
+        if not splits:
+            if rows % self._size:
+                raise Error(f"torch.distributed {call}: {name} has {rows} rows, not a multiple of "
+                            f"the group's {self._size} ranks; pass {name}_split_sizes")
+            return [rows // self._size] * self._size
+        if len(splits) != self._size or any(s < 0 for s in splits) or sum(splits) != rows:
+            raise Error(f"torch.distributed {call}: {name}_split_sizes {splits} must be {self._size} "
+                        f"sizes >= 0 summing to {name}'s {rows} rows")
+        return splits
+
+    # ---- barrier -------------------------------------------------------------------------
+    def barrier(self, opts=None):
+        """Every rank of the group meets (on the host, through gloo), after this rank's queued
+        operations are launched."""
+        _work.flush()
+        self._cpu.barrier(opts or dist.BarrierOptions()).wait()
+        return _work.done_work()
+
+    # ---- everything else: CPU tensors to gloo, CUDA ones refused with what to use -----------
+    for _name in _REDUCTIONS:
+        locals()[_name] = _delegate_or_refuse(
+            _name, "reductions need NCCL: make a second group for them, "
+                   "dist.new_group(backend='nccl') (or keep this one for the moves and NCCL as the default)")
+    for _name in _GATHERS:
+        locals()[_name] = _delegate_or_refuse(
+            _name, "move the pieces with send/recv or all_to_all_single on this backend, or use NCCL "
+                   "for this collective (dist.new_group(backend='nccl'))")
+    for _name in _HOST_ONLY:
+        locals()[_name] = _delegate_or_refuse(_name, "monitored_barrier runs on gloo's CPU side only")
+    del _name
+
+
+def _offsets(rows: list[int], row_bytes: int) -> list[int]:
+    at, total = [], 0
+    for count in rows:
+        at.append(total)
+        total += count * row_bytes
+    return at
+
+
+def _timeout_seconds(timeout) -> float:
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        seconds = float(timeout) if timeout is not None else _C.default_timeout_seconds()
+    if not math.isfinite(seconds) or seconds <= 0:
+        return _C.default_timeout_seconds()
+    return min(seconds, _C.MAX_TIMEOUT_S)
+
+
+def _start_runtime(store, rank: int, size: int, timeout_s: float) -> None:
+    """NVSHMEM and the send/recv engine, started through the default group's store (a process
+    that already called pydatacopy.init() as this rank keeps its runtime)."""
+    _startup.start_from_store(store, rank, size, timeout=timeout_s, call="pydatacopy.distributed")
+
+
+def create_process_group(options, backend_options=None) -> ProcessGroupPydatacopy:
+    """register_backend's creator (extended_api=True): `options` carries the group's store, rank,
+    size, timeout and global ranks (empty for the default group)."""
+    store, rank, size = options.store, options.group_rank, options.group_size
+    timeout = options.timeout
+    global_ranks = list(getattr(options, "global_ranks_in_group", []) or [])
+    if not _C.is_initialized():
+        # NVSHMEM starts with the default group (torch passes it no global ranks), or with a group
+        # of every rank in the default group's order; never on a part of the job.
+        world = dist.get_world_size() if dist.is_initialized() else size
+        if global_ranks and global_ranks != list(range(world)):
+            raise Error(f"pydatacopy.distributed: a group of ranks {global_ranks} on the pydatacopy "
+                        "backend needs NVSHMEM running on every rank: create the default group on "
+                        "this backend (init_process_group('cpu:gloo,cuda:pydatacopy')) or call "
+                        "pydatacopy.init() on every rank first")
+        _start_runtime(store, rank, size, _timeout_seconds(timeout))
+    elif global_ranks and max(global_ranks) >= _C.n_pes():
+        raise Error(f"pydatacopy.distributed: the group's ranks {global_ranks} are not all PEs of "
+                    f"the running NVSHMEM job ({_C.n_pes()} PEs)")
+    return ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks)
+
+
+def register() -> None:
+    """Register the backend with torch.distributed (import pydatacopy.distributed does it)."""
+    if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cuda"])

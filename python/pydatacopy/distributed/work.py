@@ -1,0 +1,229 @@
+"""The backend's point-to-point operations: queued, then launched together as one group.
+
+torch.distributed hands a Python process group one send()/recv() per operation, with no start or
+end of a batch (batch_isend_irecv coalesces only for torch's own class). Launching each alone
+would deadlock a batch whose sends wait for their receives (a zero-copy send, or one larger than
+the staging): so the operations queue here and the queue is launched as one pydatacopy group (one
+kernel) when its result is first asked for: a Work's wait(), is_completed(), result(),
+get_future() or synchronize(); or when any other call of the backend comes (a collective, a
+barrier), an operation on another stream, or the queue is full (MAX_GROUP_OPS).
+
+The queue is this thread's, shared by every group of the backend (their operations are one
+process's, and its channels to each peer are shared). A launch goes on the stream that was current
+when the first queued operation was called, as NCCL's Work is ordered after the caller's stream:
+the kernel starts after what the caller had issued on that stream by the time of the launch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .. import _C
+from .._torch_utils import keep_alive, nbytes
+from ..send_recv import send_recv as _send_recv
+
+Error = _C.Error
+
+
+class _Batch:
+    """Operations queued on one stream, launched once as one group."""
+
+    __slots__ = ("ops", "tensors", "stream", "device", "timeout_s", "launched", "error", "event", "captured")
+
+    def __init__(self, stream: int, device: int, timeout_s: float, captured: bool) -> None:
+        self.ops: list[tuple[bool, int, int, int]] = []  # (is_send, address, bytes, PE)
+        self.tensors: list[torch.Tensor] = []
+        self.stream, self.device, self.timeout_s = stream, device, timeout_s
+        self.launched = False
+        self.error: BaseException | None = None
+        self.event: torch.cuda.Event | None = None  # recorded after the launch, when asked for
+        self.captured = captured  # queued during a CUDA graph capture: launched inside it, or refused
+
+    def launch(self) -> None:
+        """Launch the batch (once): one kernel for all its operations. A refusal raised by the
+        core (a timed-out peer, an earlier size mismatch) is kept for the Works to raise: the
+        core launched the healthy operations before it raised."""
+        if self.launched:
+            return
+        self.launched = True
+        if _queue.batch is self:
+            _queue.batch = None
+        engine = _send_recv._require_engine("torch.distributed send/recv on the pydatacopy backend")
+        if self.captured and not torch.cuda.is_current_stream_capturing():
+            # Launched now, it would run once, outside the graph its caller captured.
+            self.error = Error("torch.distributed send/recv on the pydatacopy backend: operations "
+                               "queued during a CUDA graph capture were not waited for before the "
+                               "capture ended, so they are not in the graph: call wait() on each "
+                               "Work inside the capture (nothing was sent or received)")
+            return
+        try:
+            if len(self.ops) == 1:
+                is_send, address, size, pe = self.ops[0]
+                (_C.send_fast if is_send else _C.recv_fast)(engine, address, size, pe, self.stream, self.timeout_s)
+            else:
+                engine.batch(self.ops, self.stream, self.timeout_s)
+        except Error as error:
+            self.error = error
+        finally:
+            if self.stream != torch.cuda.current_stream(self.device).cuda_stream:
+                keep_alive(self.stream, *self.tensors)
+
+    def completion(self) -> torch.cuda.Event:
+        """An event after the launch on its stream (recorded when first asked for: later work on
+        that stream, if any, then counts too)."""
+        self.launch()
+        if self.event is None:
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.ExternalStream(self.stream, device=self.device))
+        return self.event
+
+
+class _Queue(threading.local):
+    batch: _Batch | None = None
+
+
+_queue = _Queue()
+
+
+def flush() -> None:
+    """Launch this thread's queued operations, if any (every call of the backend that is not a
+    send or recv does, first)."""
+    batch = _queue.batch
+    if batch is not None:
+        batch.launch()
+
+
+def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2PWork":
+    """Queue one send or recv of a checked, contiguous CUDA tensor on this process's device; the
+    Work that launches it when asked."""
+    device = tensor.get_device()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    batch = _queue.batch
+    if batch is not None and (batch.stream != stream or len(batch.ops) >= _C.MAX_GROUP_OPS):
+        batch.launch()
+        batch = None
+    if batch is None:
+        batch = _queue.batch = _Batch(stream, device, timeout_s, torch.cuda.is_current_stream_capturing())
+    batch.ops.append((is_send, tensor.data_ptr(), nbytes(tensor), pe))
+    batch.tensors.append(tensor)
+    batch.timeout_s = max(batch.timeout_s, timeout_s)
+    return P2PWork(batch, tensor)
+
+
+class P2PWork(dist.Work):
+    """NCCL's Work semantics for one queued send or recv: wait() launches the queue (if not yet)
+    and makes the current stream wait for it, without blocking the host; is_completed() says
+    whether the GPU has finished it. A refusal (a size mismatch, a timed-out peer) is raised by
+    wait(), is_completed() and result(), and also any device-side error already reported."""
+
+    def __init__(self, batch: _Batch, tensor: torch.Tensor) -> None:
+        super().__init__()
+        self._batch, self._tensor = batch, tensor
+
+    def _raise_known(self) -> None:
+        if self._batch.error is not None:
+            raise self._batch.error
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        batch = self._batch
+        batch.launch()
+        self._raise_known()
+        current = torch.cuda.current_stream(batch.device)
+        if current.cuda_stream != batch.stream:
+            current.wait_event(batch.completion())
+        if timeout is not None and timeout.total_seconds() > 0 and not torch.cuda.is_current_stream_capturing():
+            # A bounded wait asked for: the host waits for the GPU, at most `timeout`.
+            event, deadline = batch.completion(), time.monotonic() + timeout.total_seconds()
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise _C.TimeoutError(f"torch.distributed Work.wait: the pydatacopy send/recv did "
+                                          f"not finish within {timeout.total_seconds():g} s")
+                time.sleep(50e-6)
+            _check_errors()
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def is_completed(self) -> bool:
+        batch = self._batch
+        batch.launch()
+        self._raise_known()
+        if torch.cuda.is_current_stream_capturing():
+            raise Error("torch.distributed Work.is_completed() on the pydatacopy backend cannot be "
+                        "asked during a CUDA graph capture (the work runs when the graph is "
+                        "replayed): call wait()")
+        done = batch.completion().query()
+        if done:
+            _check_errors()
+        return done
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._batch.error is None
+
+    def exception(self):
+        return self._batch.error
+
+    def result(self) -> list[torch.Tensor]:
+        self._batch.launch()
+        self._raise_known()
+        return [self._tensor]
+
+    def source_rank(self) -> int:
+        raise Error("torch.distributed Work.source_rank(): the pydatacopy backend receives from a "
+                    "named rank only (no recv from any source), so there is no source to report")
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed once the GPU has run the work (torch's CUDA-aware future: waiting
+        on it orders the current stream after the work)."""
+        batch = self._batch
+        batch.launch()
+        future = torch.futures.Future(devices=[torch.device("cuda", batch.device)])
+        if batch.error is not None:
+            future.set_exception(batch.error)
+            return future
+        with torch.cuda.stream(torch.cuda.ExternalStream(batch.stream, device=batch.device)):
+            future.set_result([self._tensor])
+        return future
+
+
+def _check_errors() -> None:
+    from ..runtime import startup
+
+    startup.check_errors()
+
+
+def done_work(result: list[torch.Tensor] | None = None) -> dist.Work:
+    """A Work already complete (a barrier's, whose wait happened in the call)."""
+    return _DoneWork(result or [])
+
+
+class _DoneWork(dist.Work):
+    def __init__(self, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> torch.futures.Future:
+        future = torch.futures.Future()
+        future.set_result(self._result)
+        return future
