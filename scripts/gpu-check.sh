@@ -142,10 +142,10 @@ counts() {  # what a step's log counts: pytest's last line, the stress rounds, o
 has() { [[ " $1 " == *" $2 "* ]]; }
 
 case "$PART" in
-  quick) STEPS="gpu2-tests gpu2-tests-rma n-pes" ;;
-  a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async" ;;
+  quick) STEPS="gpu2-tests gpu2-tests-rma n-pes distributed" ;;
+  a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes distributed note-test stress stress-rma stress-rma-async" ;;
   b) STEPS="hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
-  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
+  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes distributed note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
 esac
 # On one GPU the stress runs are cut by time (fewer rounds), so that a part fits one call.
 if [ "$ONE_GPU" = 1 ]; then
@@ -213,6 +213,15 @@ if has "$STEPS" n-pes; then
   shared_mps start
   # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
   step n-pes env $(pes "$N_PES") timeout 300 torchrun --nproc_per_node="$N_PES" $SUITE -m any_pes
+  shared_mps stop
+fi
+# The torch.distributed backend as its users start it: the default group on
+# "cpu:gloo,cuda:pydatacopy" (NVSHMEM started through the group's store), with 2 and N PEs.
+if has "$STEPS" distributed; then
+  shared_mps start
+  # shellcheck disable=SC2046
+  step distributed bash -c "env $(pes 2) timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
+    env $(pes "$N_PES") timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py"
   shared_mps stop
 fi
 # The MoE tests with 8 PEs (12% of the SMs each on one GPU): asked for by name (ONLY="moe-8",

@@ -1,0 +1,176 @@
+"""The torch.distributed backend without a GPU (issue 38): its registration, a default group on
+"cpu:gloo,cuda:pydatacopy" made by two real processes (NVSHMEM's start stubbed: no GPU here) whose
+CPU tensors go to gloo, the refusals and their texts, and the store-based agreement that starts
+NVSHMEM for the backend. The CUDA paths are tests/gpu/test_distributed.py."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pydatacopy
+import pydatacopy.distributed
+from pydatacopy.distributed import backend as _backend
+from pydatacopy.runtime import agreement as _agreement
+
+
+def test_import_registers_the_backend_for_cuda():
+    assert dist.Backend.PYDATACOPY == "pydatacopy"
+    assert "pydatacopy" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["pydatacopy"] == ["cuda"]
+    pydatacopy.distributed.register()  # again: harmless
+    assert dist.Backend.backend_list.count("pydatacopy") == 1
+
+
+def _default_group_worker(rank: int, store_file: str, results) -> None:
+    import pydatacopy.distributed  # noqa: F401 - registers, as a user's import does
+    from pydatacopy.distributed import backend
+
+    started = []
+    backend._start_runtime = lambda store, r, size, timeout_s: started.append((r, size, timeout_s))
+    dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=45))
+    out = {"started": started, "backend": dist.get_backend(),
+           "type": type(dist.distributed_c10d._get_default_group()).__name__}
+    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    out["recv"] = t.tolist()
+    x = torch.ones(2) * (rank + 1)
+    dist.all_reduce(x)
+    out["all_reduce"] = x.tolist()
+    y = torch.zeros(3)
+    for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(rank)), 1 - rank),
+                                        dist.P2POp(dist.irecv, y, 1 - rank)]):
+        work.wait()
+    out["batch"] = y.tolist()
+    a2a = torch.zeros(4)
+    dist.all_to_all_single(a2a, torch.arange(4.0) + 10 * rank)
+    out["all_to_all"] = a2a.tolist()
+    dist.barrier()
+    group = dist.new_group([0, 1], backend="pydatacopy")
+    out["subgroup"] = dist.get_backend(group)
+    out["pg_timeout"] = dist.distributed_c10d._get_default_group()._timeout_s
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+def test_default_group_on_the_backend_keeps_gloo_for_cpu_tensors(tmp_path):
+    """init_process_group("cpu:gloo,cuda:pydatacopy") by two processes: the group is the
+    backend's, NVSHMEM's start is asked on every rank with the group's timeout, and CPU tensors
+    take gloo's send/recv, all_reduce, batch_isend_irecv, all_to_all_single and barrier."""
+    results = mp.Manager().dict()
+    mp.spawn(_default_group_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        out = results[rank]
+        assert out["type"] == "ProcessGroupPydatacopy"
+        assert out["backend"] == "cpu:gloo,cuda:pydatacopy"
+        # The default group's timeout; then new_group's (30 minutes: torch gives a new group its own
+        # default, not the default group's), asked again only because the stub started nothing.
+        assert out["started"] == [(rank, 2, 45.0), (rank, 2, 1800.0)]
+        assert out["recv"] == [0.0, 1.0, 2.0, 3.0]
+        assert out["all_reduce"] == [3.0, 3.0]
+        assert out["batch"] == [float(1 - rank)] * 3
+        assert out["all_to_all"] == ([0.0, 1.0, 10.0, 11.0] if rank == 0 else [2.0, 3.0, 12.0, 13.0])
+        assert out["subgroup"] == "pydatacopy"
+        assert out["pg_timeout"] == 45.0
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: the refusals' texts, without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+def _one_rank_group(tmp_path) -> _backend.ProcessGroupPydatacopy:
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    return _backend.ProcessGroupPydatacopy(store, 0, 1, timedelta(seconds=30), [])
+
+
+@pytest.mark.parametrize("call, args, words", [
+    ("allreduce", lambda t: ([t], dist.AllreduceOptions()), "reductions need NCCL"),
+    ("reduce_scatter", lambda t: ([t], [[t]], dist.ReduceScatterOptions()), "reductions need NCCL"),
+    ("broadcast", lambda t: ([t], dist.BroadcastOptions()), "send/recv or all_to_all_single"),
+    ("allgather", lambda t: ([[t]], [t], None), "send/recv or all_to_all_single"),
+])
+def test_cuda_collectives_it_does_not_move_raise_naming_the_alternative(tmp_path, call, args, words):
+    group = _one_rank_group(tmp_path)
+    fake = torch.zeros(2).as_subclass(_CudaLooking)
+    with pytest.raises(pydatacopy.Error, match=words) as error:
+        getattr(group, call)(*args(fake))
+    assert f"torch.distributed {call} on CUDA tensors" in str(error.value)
+    assert "send, recv, isend, irecv, batch_isend_irecv, all_to_all_single and barrier" in str(error.value)
+
+
+def test_recv_from_any_source_of_a_cuda_tensor_is_refused(tmp_path):
+    group = _one_rank_group(tmp_path)
+    with pytest.raises(pydatacopy.Error, match="named rank only"):
+        group.recv_anysource([torch.zeros(2).as_subclass(_CudaLooking)], 0)
+
+
+def test_backend_names_and_coalescing(tmp_path):
+    group = _one_rank_group(tmp_path)
+    assert group.getBackendName() == group.name() == "pydatacopy"
+    assert group._get_backend(torch.device("cuda")).supports_coalescing is False  # it batches itself
+    assert (group.rank(), group.size()) == (0, 1)
+
+
+class _Options:
+    def __init__(self, store, rank, size, global_ranks):
+        self.store, self.group_rank, self.group_size = store, rank, size
+        self.timeout, self.global_ranks_in_group = timedelta(seconds=5), global_ranks
+
+
+def test_a_subgroup_cannot_start_nvshmem(tmp_path, monkeypatch):
+    """A group of part of the job, with NVSHMEM not running: refused with what to do, and
+    NVSHMEM's start is never asked."""
+    monkeypatch.setattr(_backend, "_start_runtime", lambda *a: pytest.fail("must not start"))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(pydatacopy.Error, match=r"ranks \[1\].*default group on\s+this backend|pydatacopy.init\(\)"):
+        _backend.create_process_group(_Options(store, 0, 1, [1]))
+
+
+def test_timeouts_from_torch_become_the_calls(tmp_path):
+    assert _backend._timeout_seconds(timedelta(minutes=30)) == 1800.0
+    assert _backend._timeout_seconds(timedelta(seconds=0)) == pydatacopy._C.default_timeout_seconds()
+    assert _backend._timeout_seconds(timedelta(days=10**6)) == pydatacopy._C.MAX_TIMEOUT_S
+
+
+def test_store_exchange_gathers_every_rank_in_order():
+    """Three ranks (threads here, each its own exchange on one store, as three processes would
+    have): each gets every rank's part, in rank order."""
+    store = dist.HashStore()
+    exchanges = [_agreement.StoreExchange(store, rank, 3, 20.0, "test") for rank in range(3)]
+    for exchange in exchanges:  # one process counts its exchanges: line the prefixes up
+        exchange.prefix = "pydatacopy/start/test/"
+    got: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda e=e: got.__setitem__(e.rank, e.gather("facts", ("mine", e.rank))))
+               for e in exchanges]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert got == {rank: [("mine", 0), ("mine", 1), ("mine", 2)] for rank in range(3)}
+
+
+def test_store_exchange_names_the_ranks_that_did_not_come():
+    store = dist.HashStore()
+    exchange = _agreement.StoreExchange(store, 0, 3, 0.5, "pydatacopy.distributed")
+    with pytest.raises(pydatacopy.TimeoutError, match=r"rank\(s\) 1, 2 did not come within 0.5 s"):
+        exchange.gather("facts", None)
+
+
+def test_a_refusal_on_one_rank_reaches_every_rank():
+    """What one rank cannot start with is raised, with the same text, on every rank."""
+    facts = [(None, 1, "GPU-a"), ("PYDATACOPY_TIMEOUT_S='x' is not a number", 1, "GPU-b")]
+    with pytest.raises(pydatacopy.Error, match="on rank 1 of the group: PYDATACOPY_TIMEOUT_S"):
+        _agreement._refuse_unless_all_can_start(facts, False, "pydatacopy.distributed")
