@@ -84,14 +84,14 @@ def test_the_table_and_csv_show_p99_beside_us(tmp_path, capsys):
 
 
 SEND_RECV_OPS = {"sendrecv_default": "default", "sendrecv": "zero-copy", "sendrecv_staged": "staged",
-                 "sendrecv_ll": "low-latency"}
+                 "sendrecv_ll": "low-latency", "sendrecv_distributed": "torch.distributed"}
 
 
 def test_every_send_recv_path_has_its_op_and_the_default_row_runs_first():
     assert {op: path for op, (kind, path) in _cli.LABELS.items() if kind == "send/recv"} == SEND_RECV_OPS
     assert [op for op in _cli.SWEEP_OPS if op in SEND_RECV_OPS][0] == "sendrecv_default"
     assert set(_cli.SWEEP_ROWS) == set(_cli.SWEEP_OPS) and set(_cli.SWEEP_OPS) <= set(bench.OPS)
-    assert set(SEND_RECV_OPS) <= bench.parse_args([]).ops  # all four by default
+    assert set(SEND_RECV_OPS) <= bench.parse_args([]).ops  # all of them by default
     assert bench.parse_args(["--ops", "sendrecv_default,sendrecv_ll"]).ops == {"sendrecv_default", "sendrecv_ll"}
 
 

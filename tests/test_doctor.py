@@ -85,12 +85,12 @@ def test_bench_help_shows_every_option_with_its_default():
 def test_symmetric_layouts_are_the_cores_own():
     # 2 PEs x 4 chunks x 8 MiB of staging, then arrivals and credits: one uint64 per 32 KiB page,
     # 2 x 4 x 256 each; then incoming and outgoing slot headers, 32 bytes per page, and the
-    # refusal words, 2 x 2 uint64 (256-byte aligned); then zero-copy's rendezvous rings, 16
+    # refusal words, 2 x 2 uint64 (256-byte aligned); then zero-copy's rendezvous rings, 64
     # descriptors of 64 bytes per PE, and its done words, one uint64 per PE and block; then the
     # low-latency rings, 4 slots per PE of 2 + capacity / 4 lines of 8 bytes (rounded up to 16
     # lines), and their credit words, one uint64 per PE (256-byte aligned).
     headers = 2 * (2 * 4 * 256 * 32)
-    rings = 2 * 16 * 64
+    rings = 2 * 64 * 64
     slot_lines = (2 + _C.LOW_LATENCY_CAPACITY_BYTES // 4 + 15) // 16 * 16
     low_latency = 2 * 4 * slot_lines * 8 + 256
     low_latency_one_pe = 4 * slot_lines * 8 + 256
@@ -101,10 +101,10 @@ def test_symmetric_layouts_are_the_cores_own():
     # A chunk under one page is one page of its size rounded to 16 bytes: 1000 -> 1008, so
     # 2 x 1008 bytes of staging and one signal and header per slot, each array 256-byte aligned.
     assert _C.SendRecvEngine.symmetric_bytes_needed(1, 1000, 2, 64) == (
-        2048 + 2 * 256 + 2 * 256 + 256 + 1024 + 512 + low_latency_one_pe)
+        2048 + 2 * 256 + 2 * 256 + 256 + 64 * 64 + 512 + low_latency_one_pe)
     # 33 KiB chunks round up to two 32 KiB pages
     assert _C.SendRecvEngine.symmetric_bytes_needed(1, 33 << 10, 2, 8) == (
-        2 * (64 << 10) + 2 * 256 + 2 * 256 + 256 + 1024 + 256 + low_latency_one_pe)
+        2 * (64 << 10) + 2 * 256 + 2 * 256 + 256 + 64 * 64 + 256 + low_latency_one_pe)
     # 4 token buffers, 2 signal arrays, 2 credit arrays, each 256-byte aligned
     assert _C.DoubleBufferManager.symmetric_bytes_needed(3, 100, 2) == 4 * 512 + 2 * 256 + 2 * 256
     with pytest.raises(pydatacopy.Error, match="must be positive"):
