@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._torch_utils import keep_alive, nbytes
+from .._torch_utils import current_raw_stream, keep_alive, nbytes
 from ..send_recv import send_recv as _send_recv
 
 Error = _C.Error
@@ -70,7 +70,7 @@ class _Batch:
         except Error as error:
             self.error = error
         finally:
-            if self.stream != torch.cuda.current_stream(self.device).cuda_stream:
+            if self.stream != current_raw_stream(self.device):
                 keep_alive(self.stream, *self.tensors)
 
     def completion(self) -> torch.cuda.Event:
@@ -102,7 +102,7 @@ def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2
     """Queue one send or recv of a checked, contiguous CUDA tensor on this process's device; the
     Work that launches it when asked."""
     device = tensor.get_device()
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = current_raw_stream(device)
     batch = _queue.batch
     if batch is not None and (batch.stream != stream or len(batch.ops) >= _C.MAX_GROUP_OPS):
         batch.launch()
@@ -133,9 +133,8 @@ class P2PWork(dist.Work):
         batch = self._batch
         batch.launch()
         self._raise_known()
-        current = torch.cuda.current_stream(batch.device)
-        if current.cuda_stream != batch.stream:
-            current.wait_event(batch.completion())
+        if current_raw_stream(batch.device) != batch.stream:
+            torch.cuda.current_stream(batch.device).wait_event(batch.completion())
         if timeout is not None and timeout.total_seconds() > 0 and not torch.cuda.is_current_stream_capturing():
             # A bounded wait asked for: the host waits for the GPU, at most `timeout`.
             event, deadline = batch.completion(), time.monotonic() + timeout.total_seconds()
