@@ -33,6 +33,7 @@ def _default_group_worker(rank: int, store_file: str, results) -> None:
 
     started = []
     backend._start_runtime = lambda store, r, size, timeout_s: started.append((r, size, timeout_s))
+    backend._this_pe = lambda: (rank, 2)  # what the stubbed start would have made
     dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=45))
     out = {"started": started, "backend": dist.get_backend(),
@@ -137,6 +138,18 @@ def test_a_subgroup_cannot_start_nvshmem(tmp_path, monkeypatch):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     with pytest.raises(pydatacopy.Error, match=r"ranks \[1\].*default group on\s+this backend|pydatacopy.init\(\)"):
         _backend.create_process_group(_Options(store, 0, 1, [1]))
+
+
+def test_a_group_whose_ranks_are_not_the_pes_is_refused(tmp_path, monkeypatch):
+    """NVSHMEM running with another numbering (PE 1 where the group says global rank 0): refused
+    with what to do, never a send to the wrong PE."""
+    monkeypatch.setattr(_backend, "_start_runtime", lambda *a: None)
+    monkeypatch.setattr(_backend, "_this_pe", lambda: (1, 2))
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    with pytest.raises(pydatacopy.Error, match="rank 0 of this group is global rank 0 but runs NVSHMEM as PE 1 of 2"):
+        _backend.create_process_group(_Options(store, 0, 1, []))
+    monkeypatch.setattr(_backend, "_this_pe", lambda: (0, 2))
+    assert isinstance(_backend.create_process_group(_Options(store, 0, 1, [])), _backend.ProcessGroupPydatacopy)
 
 
 def test_timeouts_from_torch_become_the_calls(tmp_path):

@@ -90,7 +90,7 @@
 // at init; 0: off) moves once, from the sender's tensor into the receiver's, inside the same
 // batch kernel (so a sendrecv's zero-copy and staged ops still run in one launch).
 // - Rendezvous: on such a channel EVERY recv (any size) posts a descriptor into the sender's
-//   ring (slot: the message's ordinal on the channel modulo 16, counted on the device like the
+//   ring (slot: the message's ordinal on the channel modulo kRendezvousRing, 64, counted on the device like the
 //   sequences): {ordinal + 1, first chunk's sequence + 1, its bytes, mode, index, offset}, the
 //   ordinal last with a system-scope release, when the op's first slice gets its turn on the
 //   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
@@ -259,7 +259,7 @@ class SendRecvEngine {
     std::size_t bytes;
     int peer;
   };
-  // Up to 16 sends and recvs (any peers) in one launch. An op whose peer is refused (timed out,
+  // Up to settings::kMaxGroupOps (64) sends and recvs (any peers) in one launch. An op whose peer is refused (timed out,
   // or an unreported size mismatch with it) is left out; the others launch, then the first
   // refusal is raised.
   void batch(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds);

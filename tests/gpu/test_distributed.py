@@ -119,15 +119,18 @@ def test_wait_from_another_stream_orders_it(group, world):
     assert works[1].result()[0] is dst
 
 
-@pytest.mark.parametrize("uneven", [False, True], ids=["equal", "uneven"])
-def test_all_to_all_single(group, world, uneven):
-    """all_to_all_single of bf16 rows (equal splits, and uneven ones with empty parts), against
-    what each sender's rows are (regenerated here)."""
+@pytest.mark.parametrize("split", ["equal", "uneven", "empty"])
+def test_all_to_all_single(group, world, split):
+    """all_to_all_single of bf16 rows (equal splits; uneven ones with empty parts; rank 1 sending
+    no row at all and rank 0 receiving none), against what each sender's rows are (regenerated)."""
     rank, n, _ = world
     cols = 96
+    uneven = split != "equal"
 
     def rows(src: int, dst: int) -> int:
-        return ((src * 3 + dst * 5) % 4) * 17 if uneven else 33
+        if split == "empty" and (src == 1 or dst == 0):
+            return 0
+        return ((src * 3 + dst * 5) % 4) * 17 + (split == "empty") if uneven else 33
 
     def block(src: int, dst: int) -> torch.Tensor:
         count = rows(src, dst)
@@ -222,10 +225,9 @@ def test_size_mismatch_errors_on_both_sides_then_group_works_again(group, world)
         work.wait()
     torch.cuda.synchronize()
     dist.barrier()  # the receiver has looked before the sender asks (gloo, the session's group)
-    if work is not None:
+    if work is not None:  # the Work itself says so (not a global check_errors())
         with pytest.raises(pydatacopy.Error, match="4096|8192"):
             work.is_completed()
-            pydatacopy.check_errors()
     dist.barrier()
     pydatacopy.setup_send_recv()  # every rank: the channels rebuilt
     test_blocking_send_recv_pairs(group, world, 4096)
@@ -236,10 +238,10 @@ def test_one_f_one_b_schedule_matches_local_reference(group, world):
     computes y = x * (s + 2) + s on its microbatch; activations go forward, gradients back; the
     last stage's outputs and the first stage's gradients equal a local reference."""
     rank, n, _ = world
-    microbatches, shape = 4, (64, 257)
+    microbatches, shape = 6, (64, 257)
     gen = torch.Generator(device="cuda").manual_seed(1234)
     inputs = [torch.randn(shape, device="cuda", generator=gen) for _ in range(microbatches)]
-    outputs, grads_in = [], []
+    outputs, grads_in, sends = [], [], []
     for mb in range(microbatches):
         x = inputs[mb].clone() if rank == 0 else torch.empty(shape, device="cuda")
         if rank > 0:
@@ -247,10 +249,17 @@ def test_one_f_one_b_schedule_matches_local_reference(group, world):
                 w.wait()
         y = x * (rank + 2) + rank
         if rank < n - 1:
-            for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, y, rank + 1, group)]):
-                w.wait()
+            # Waited one microbatch later, as overlapping schedules do: the send stays queued
+            # while the next microbatch is received and computed on the same stream.
+            sends.append(dist.batch_isend_irecv([dist.P2POp(dist.isend, y, rank + 1, group)]))
+            if len(sends) > 1:
+                for w in sends.pop(0):
+                    w.wait()
         else:
             outputs.append(y)
+    for works in sends:
+        for w in works:
+            w.wait()
     for mb in range(microbatches):
         g = torch.ones(shape, device="cuda") if rank == n - 1 else torch.empty(shape, device="cuda")
         if rank < n - 1:
@@ -275,3 +284,25 @@ def test_one_f_one_b_schedule_matches_local_reference(group, world):
             scale *= s + 2
         for g_in in grads_in:
             assert torch.equal(g_in, torch.full(shape, scale, device="cuda"))
+
+
+def test_a_full_group_of_64_then_the_65th_refused(group, world):
+    """32 sends to the next rank and 32 recvs from the previous one queued at once: one launch of
+    64 operations (32 messages on each channel), byte-exact; a 65th queued before any wait is
+    refused with the limit, and the 64 still run."""
+    rank, n, _ = world
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    limit = pydatacopy._C.MAX_GROUP_OPS
+    nbytes = 64 << 10
+    outgoing = [_payload(rank, nxt, 300 + m, nbytes) for m in range(limit // 2)]
+    received = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(limit // 2)]
+    works = []
+    for m in range(limit // 2):
+        works.append(dist.isend(outgoing[m], nxt, group=group))
+        works.append(dist.irecv(received[m], prv, group=group))
+    with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
+        dist.isend(outgoing[0], nxt, group=group)
+    for work in works:
+        work.wait()
+    for m in range(limit // 2):
+        _check(received[m], _payload(prv, rank, 300 + m, nbytes), f"message {m} from {prv}")

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._torch_utils import nbytes
-from ..runtime import startup as _startup
+from ..runtime import agreement as _agreement, startup as _startup
 from . import work as _work
 
 Error = _C.Error
@@ -65,6 +64,8 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     # batch_isend_irecv asks this of the group's backend (torch 2.12 on): the backend coalesces
     # by itself (work.py), not through torch's coalescing manager.
     supports_coalescing = False
+    # init_process_group(device_id=...) asks this of the group's backend: no split groups.
+    supports_splitting = False
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, global_ranks: list[int]) -> None:
         super().__init__(rank, size)
@@ -158,8 +159,9 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
                         "use one dtype")
         send_rows = self._splits(input, list(input_split_sizes or []), call, "input")
         recv_rows = self._splits(output, list(output_split_sizes or []), call, "output")
-        send_row_bytes = nbytes(input) // max(1, input.shape[0]) if input.dim() else nbytes(input)
-        recv_row_bytes = nbytes(output) // max(1, output.shape[0]) if output.dim() else nbytes(output)
+        # A row's bytes from the shape, not from the size: a rank may send or receive no row.
+        send_row_bytes = input.element_size() * math.prod(input.shape[1:])
+        recv_row_bytes = output.element_size() * math.prod(output.shape[1:])
         if send_row_bytes != recv_row_bytes:
             raise Error(f"torch.distributed {call}: a row of input is {send_row_bytes} bytes and a "
                         f"row of output {recv_row_bytes}; rows (dim 0) must have one size")
@@ -206,8 +208,11 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     # ---- barrier -------------------------------------------------------------------------
     def barrier(self, opts=None):
         """Every rank of the group meets (on the host, through gloo), after this rank's queued
-        operations are launched."""
+        operations are launched and its current stream's work is done (NCCL's barrier blocks the
+        host until then too)."""
         _work.flush()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.current_stream().synchronize()  # as NCCL's barrier: this rank's GPU work done
         self._cpu.barrier(opts or dist.BarrierOptions()).wait()
         return _work.done_work()
 
@@ -249,6 +254,11 @@ def _start_runtime(store, rank: int, size: int, timeout_s: float) -> None:
     _startup.start_from_store(store, rank, size, timeout=timeout_s, call="pydatacopy.distributed")
 
 
+def _this_pe() -> tuple[int, int]:
+    """(this process's PE, the job's PEs) of the running NVSHMEM."""
+    return _C.my_pe(), _C.n_pes()
+
+
 def create_process_group(options, backend_options=None) -> ProcessGroupPydatacopy:
     """register_backend's creator (extended_api=True): `options` carries the group's store, rank,
     size, timeout and global ranks (empty for the default group)."""
@@ -265,9 +275,17 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
                         "this backend (init_process_group('cpu:gloo,cuda:pydatacopy')) or call "
                         "pydatacopy.init() on every rank first")
         _start_runtime(store, rank, size, _timeout_seconds(timeout))
-    elif global_ranks and max(global_ranks) >= _C.n_pes():
-        raise Error(f"pydatacopy.distributed: the group's ranks {global_ranks} are not all PEs of "
-                    f"the running NVSHMEM job ({_C.n_pes()} PEs)")
+    # The group's ranks are PEs: agreed through the group's store, so that a numbering that
+    # differs (NVSHMEM started by init_nvshmem with other ranks) is refused on every rank alike.
+    want = global_ranks or list(range(size))
+    pes = _agreement.StoreExchange(store, rank, size, _timeout_seconds(timeout),
+                                   "pydatacopy.distributed").gather("pes", _this_pe())
+    wrong = [r for r, (pe, n_pes) in enumerate(pes) if pe != want[r] or n_pes <= max(want)]
+    if wrong:
+        raise Error(f"pydatacopy.distributed: rank {wrong[0]} of this group is global rank "
+                    f"{want[wrong[0]]} but runs NVSHMEM as PE {pes[wrong[0]][0]} of {pes[wrong[0]][1]}; "
+                    "the backend needs PE == global rank (start NVSHMEM with pydatacopy.init() on "
+                    "the default group, or let the backend start it)")
     return ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks)
 
 

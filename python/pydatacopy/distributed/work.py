@@ -6,7 +6,9 @@ would deadlock a batch whose sends wait for their receives (a zero-copy send, or
 the staging): so the operations queue here and the queue is launched as one pydatacopy group (one
 kernel) when its result is first asked for: a Work's wait(), is_completed(), result(),
 get_future() or synchronize(); or when any other call of the backend comes (a collective, a
-barrier), an operation on another stream, or the queue is full (MAX_GROUP_OPS).
+barrier), or an operation on another stream. More than MAX_GROUP_OPS (64) operations queued
+without a wait are refused: split at the 64th, the two launches could wait on each other
+across ranks until the timeout.
 
 The queue is this thread's, shared by every group of the backend (their operations are one
 process's, and its channels to each peer are shared). A launch goes on the stream that was current
@@ -33,11 +35,16 @@ Error = _C.Error
 class _Batch:
     """Operations queued on one stream, launched once as one group."""
 
-    __slots__ = ("ops", "tensors", "stream", "device", "timeout_s", "launched", "error", "event", "captured")
+    __slots__ = ("ops", "tensors", "storages", "stream", "device", "timeout_s", "launched", "error", "event",
+                 "captured")
 
     def __init__(self, stream: int, device: int, timeout_s: float, captured: bool) -> None:
         self.ops: list[tuple[bool, int, int, int]] = []  # (is_send, address, bytes, PE)
         self.tensors: list[torch.Tensor] = []
+        # The memory itself, until the batch goes: a caller may swap a queued tensor's storage
+        # out (Megatron's deallocate_output_tensor: out.data = torch.empty(1)) before the launch,
+        # and the allocator would give the old memory to the next kernel on the stream.
+        self.storages: list = []
         self.stream, self.device, self.timeout_s = stream, device, timeout_s
         self.launched = False
         self.error: BaseException | None = None
@@ -48,12 +55,12 @@ class _Batch:
         """Launch the batch (once): one kernel for all its operations. A refusal raised by the
         core (a timed-out peer, an earlier size mismatch) is kept for the Works to raise: the
         core launched the healthy operations before it raised."""
-        if self.launched:
-            return
-        self.launched = True
+        with _launch_lock:  # a Work may be waited on by another thread than the one that queued it
+            if self.launched:
+                return
+            self.launched = True
         if _queue.batch is self:
             _queue.batch = None
-        engine = _send_recv._require_engine("torch.distributed send/recv on the pydatacopy backend")
         if self.captured and not torch.cuda.is_current_stream_capturing():
             # Launched now, it would run once, outside the graph its caller captured.
             self.error = Error("torch.distributed send/recv on the pydatacopy backend: operations "
@@ -62,13 +69,16 @@ class _Batch:
                                "Work inside the capture (nothing was sent or received)")
             return
         try:
+            engine = _send_recv._require_engine("torch.distributed send/recv on the pydatacopy backend")
             if len(self.ops) == 1:
                 is_send, address, size, pe = self.ops[0]
                 (_C.send_fast if is_send else _C.recv_fast)(engine, address, size, pe, self.stream, self.timeout_s)
             else:
                 engine.batch(self.ops, self.stream, self.timeout_s)
-        except Error as error:
+        except BaseException as error:  # every Work of the batch reports it, not only this caller
             self.error = error
+            if not isinstance(error, Exception):
+                raise
         finally:
             if self.stream != current_raw_stream(self.device):
                 keep_alive(self.stream, *self.tensors)
@@ -81,6 +91,9 @@ class _Batch:
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.ExternalStream(self.stream, device=self.device))
         return self.event
+
+
+_launch_lock = threading.Lock()
 
 
 class _Queue(threading.local):
@@ -98,20 +111,38 @@ def flush() -> None:
         batch.launch()
 
 
+_MAX_OPS = _C.MAX_GROUP_OPS
+
+
 def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2PWork":
     """Queue one send or recv of a checked, contiguous CUDA tensor on this process's device; the
     Work that launches it when asked."""
     device = tensor.get_device()
     stream = current_raw_stream(device)
+    capturing = torch.cuda.is_current_stream_capturing()
     batch = _queue.batch
-    if batch is not None and (batch.stream != stream or len(batch.ops) >= _C.MAX_GROUP_OPS):
-        batch.launch()
+    if batch is not None and not batch.launched and batch.stream == stream and capturing and not batch.captured:
+        # Launched now it would enter the capture; launched later, after it: never in order.
+        batch.launched, batch.error, _queue.batch = True, Error(
+            "torch.distributed send/recv on the pydatacopy backend: these operations were queued "
+            "and not waited for before a CUDA graph capture began on their stream, so they were "
+            "not sent or received: wait() on each Work before the capture"), None
+        raise batch.error
+    if batch is not None and (batch.launched or batch.stream != stream or batch.captured != capturing):
+        batch.launch()  # on its own stream (a captured one that its capture left is refused there)
         batch = None
+    if batch is not None and len(batch.ops) >= _MAX_OPS:
+        raise Error(f"torch.distributed send/recv on the pydatacopy backend: more than {_MAX_OPS} "
+                    "operations queued without a wait (a batch launches as one group of at most "
+                    f"{_MAX_OPS}); wait on the Works of the first batch_isend_irecv before issuing "
+                    "more, or split it")
     if batch is None:
-        batch = _queue.batch = _Batch(stream, device, timeout_s, torch.cuda.is_current_stream_capturing())
-    batch.ops.append((is_send, tensor.data_ptr(), nbytes(tensor), pe))
+        batch = _queue.batch = _Batch(stream, device, timeout_s, capturing)
+    batch.ops.append((is_send, tensor.data_ptr(), tensor.nbytes, pe))
     batch.tensors.append(tensor)
-    batch.timeout_s = max(batch.timeout_s, timeout_s)
+    batch.storages.append(tensor.untyped_storage())
+    if timeout_s > batch.timeout_s:
+        batch.timeout_s = timeout_s
     return P2PWork(batch, tensor)
 
 
@@ -133,6 +164,7 @@ class P2PWork(dist.Work):
         batch = self._batch
         batch.launch()
         self._raise_known()
+        _C.check_device_errors()  # what the GPU reported since (a peer that timed out): host memory
         if current_raw_stream(batch.device) != batch.stream:
             torch.cuda.current_stream(batch.device).wait_event(batch.completion())
         if timeout is not None and timeout.total_seconds() > 0 and not torch.cuda.is_current_stream_capturing():
