@@ -145,7 +145,7 @@ case "$PART" in
   quick) STEPS="gpu2-tests gpu2-tests-rma n-pes distributed" ;;
   a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes distributed note-test stress stress-rma stress-rma-async" ;;
   b) STEPS="hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
-  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes distributed note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
+  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma gpu2-tests-expandable n-pes distributed note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
 esac
 # On one GPU the stress runs are cut by time (fewer rounds), so that a part fits one call.
 if [ "$ONE_GPU" = 1 ]; then
@@ -197,6 +197,11 @@ if has "$STEPS" gpu2-tests; then
   # The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer,
   # with every local address handed to NVSHMEM checked to be symmetric or registered.
   step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
+fi
+# The same suite under torch's expandable segments (issue 36: zero-copy into VMM memory, chunks
+# that come and go): asked for by name (ONLY="gpu2-tests-expandable") or with PART=all.
+if has "$STEPS" gpu2-tests-expandable; then
+  step gpu2-tests-expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
 fi
 # 2+ GPUs with more PEs than GPUs (the N-PE steps): MPS for as long as those run.
 SHARED_MPS=0
