@@ -107,6 +107,25 @@ def _warn_staged_allocator() -> None:
 _allocator_warned = False
 
 
+def _facts_before_start(rank: int, world_size: int, device: int | None, call: str) -> tuple:
+    """What this rank checks alone before NVSHMEM starts (its environment, its device, chosen and
+    set here unless given): (problem or None, PYDATACOPY_RANKS_PER_GPU, the GPU's identity, the
+    device). A problem is returned, not raised: every rank must learn it and refuse alike."""
+    problem, per_gpu, gpu = None, None, None
+    try:
+        _settings.check_environment(call)
+        per_gpu = _settings.ranks_per_gpu()
+        if device is None:
+            device = _choose_device(rank, call, world_size)
+        torch.cuda.set_device(device)
+        gpu = _agreement._gpu_identity()
+    except (Error, _settings.SettingError) as error:
+        problem = str(error).removeprefix(f"{call}: ")
+    except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
+        problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
+    return problem, per_gpu, gpu, device
+
+
 def init(group=None, *, device: DeviceLike = None, timeout: float | None = None) -> int:
     """Start NVSHMEM on every rank of a torch.distributed group (collective). Returns this PE.
 
@@ -138,18 +157,7 @@ def init(group=None, *, device: DeviceLike = None, timeout: float | None = None)
     # the ID's broadcast. On an nccl group, NCCL's first collective fails on the ranks that share
     # a GPU only ('Duplicate GPU detected') while the others wait, so there the facts travel
     # through the group's store, and sharing is refused before NCCL is touched.
-    problem, per_gpu, gpu = None, None, None
-    try:
-        _settings.check_environment(call)
-        per_gpu = _settings.ranks_per_gpu()
-        if device is None:
-            device = _choose_device(rank, call, world_size)
-        torch.cuda.set_device(device)
-        gpu = _agreement._gpu_identity()
-    except (Error, _settings.SettingError) as error:
-        problem = str(error).removeprefix(f"{call}: ")
-    except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
-        problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
+    problem, per_gpu, gpu, device = _facts_before_start(rank, world_size, device, call)
     facts = _agreement._gather_before_start(group, (problem, per_gpu, gpu), _init_timeout(timeout, call),
                                             call)
     _agreement._refuse_unless_all_can_start(facts, dist.get_backend(group) == "nccl", call)
@@ -181,17 +189,7 @@ def start_from_store(store, rank: int, world_size: int, *, timeout: float | None
         return _C.my_pe()
     ops.refuse_capture(call.removeprefix("pydatacopy."))
     exchange = _agreement.StoreExchange(store, rank, world_size, seconds, call)
-    problem, per_gpu, gpu, device = None, None, None, None
-    try:
-        _settings.check_environment(call)
-        per_gpu = _settings.ranks_per_gpu()
-        device = _choose_device(rank, call, world_size)
-        torch.cuda.set_device(device)
-        gpu = _agreement._gpu_identity()
-    except (Error, _settings.SettingError) as error:
-        problem = str(error).removeprefix(f"{call}: ")
-    except Exception as error:  # CUDA refused the device here (MPS busy, say): still agree
-        problem = f"selecting the CUDA device failed: {type(error).__name__}: {error}"
+    problem, per_gpu, gpu, device = _facts_before_start(rank, world_size, None, call)
     _agreement._refuse_unless_all_can_start(exchange.gather("facts", (problem, per_gpu, gpu)), False, call)
     unique_id, ranks = exchange.share_unique_id_and_ranks()
     nodes = len({r.host for r in ranks})
