@@ -134,6 +134,7 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
     calls back to back, the host out of the way). Checked afterwards with fresh data into a
     cleared destination."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
+    backend, null = _distributed_group(), _null_group()
     stream = torch.cuda.current_stream().cuda_stream
     sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
     rows = []
@@ -146,6 +147,13 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                                                                         stream),
             "send | recv": (lambda: pydatacopy.send(src, peer)) if me == 0 else (lambda: pydatacopy.recv(dst, peer)),
             "sendrecv": lambda: pydatacopy.sendrecv(src, peer, dst, peer),
+            # The same through torch.distributed on the pydatacopy backend (issue 38), and the floor
+            # of any Python backend: torch's dist.send/dist.recv and a Work, into a group that moves
+            # nothing (its check: the destination stays as cleared).
+            "dist.send | dist.recv": ((lambda: dist.send(src, peer, group=backend)) if me == 0
+                                      else (lambda: dist.recv(dst, peer, group=backend))),
+            "torch.distributed alone: dist.send | dist.recv": (
+                (lambda: dist.send(src, peer, group=null)) if me == 0 else (lambda: dist.recv(dst, peer, group=null))),
         }
         figures, gpu_figures = [], []
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -185,6 +193,8 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
             local = name in ("cudaMemcpyAsync", "bare kernel copy")
             if local:
                 checks.append(torch.equal(dst, fill(torch.empty_like(src), seed + me)))
+            elif name.startswith("torch.distributed alone"):
+                checks.append(int(torch.count_nonzero(dst)) == 0)  # nothing moves through it
             elif name == "sendrecv" or me == 1:
                 checks.append(torch.equal(dst, fill(torch.empty_like(src), seed + peer)))
             else:
@@ -193,15 +203,16 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
         names = list(calls_by_name)
         for index, name in enumerate(names):
             for rank in (0, 1):
-                if name == "send | recv":
-                    label = "send" if rank == 0 else "recv"
+                if " | " in name:  # rank 0's call | rank 1's: a row each
+                    head, _, tail = name.rpartition(": ")
+                    label = (head + ": " if head else "") + tail.split(" | ")[rank]
                 else:
                     label = name
                     if rank == 1:
                         continue  # one row: the slower rank's figure
                 us = both[rank * count + index].item()
                 gpu_us = both[(2 + rank) * count + index].item()
-                if name != "send | recv":
+                if " | " not in name:
                     us = max(us, both[count + index].item())
                     gpu_us = max(gpu_us, both[3 * count + index].item())
                 rows.append({"op": "host_queued", "path": f"{label} {human(nbytes)}", "direction": "one",
@@ -338,6 +349,38 @@ def bench_engagement(args, nbytes: int = ENGAGEMENT_BYTES, runs: int = ENGAGEMEN
 
 
 _backend_group = None
+_null_backend_group = None
+
+
+def _null_group():
+    """A torch.distributed group whose send and recv move nothing and return a finished Work
+    (backend "pydatacopy_bench_null", registered here, for the bench only): what torch's own
+    dist.send/dist.recv and one Python Work cost, the floor of any Python backend's host time."""
+    global _null_backend_group
+    if _null_backend_group is None:
+        from pydatacopy.distributed import work as _work
+
+        class _NullGroup(dist.ProcessGroup):
+            def getBackendName(self) -> str:
+                return "pydatacopy_bench_null"
+
+            def _get_backend(self, device):
+                return self
+
+            supports_coalescing = False
+
+            def send(self, tensors, dst, tag=0):
+                return _work.done_work(tensors)
+
+            def recv(self, tensors, src, tag=0):
+                return _work.done_work(tensors)
+
+        if "PYDATACOPY_BENCH_NULL" not in dist.Backend._plugins:
+            dist.Backend.register_backend("pydatacopy_bench_null",
+                                          lambda store, rank, size, timeout: _NullGroup(rank, size),
+                                          devices=["cuda"])
+        _null_backend_group = dist.new_group(backend="pydatacopy_bench_null")
+    return _null_backend_group
 
 
 def _distributed_group():
