@@ -187,3 +187,124 @@ def test_a_refusal_on_one_rank_reaches_every_rank():
     facts = [(None, 1, "GPU-a"), ("PYDATACOPY_TIMEOUT_S='x' is not a number", 1, "GPU-b")]
     with pytest.raises(pydatacopy.Error, match="on rank 1 of the group: PYDATACOPY_TIMEOUT_S"):
         _agreement._refuse_unless_all_can_start(facts, False, "pydatacopy.distributed")
+
+
+# ---- the queue's rules (work.py), with the engine and CUDA's stream state faked ----------------
+
+class _FakeCuda:
+    """The stream each device call sees, whether it captures, and every launch made."""
+
+    def __init__(self, monkeypatch) -> None:
+        from pydatacopy.distributed import work
+
+        self.stream, self.capturing, self.launches, self.fail_with = 11, False, [], None
+        monkeypatch.setattr(work, "_current_stream", lambda device: self.stream)
+        monkeypatch.setattr(work, "_capturing", lambda: self.capturing)
+        monkeypatch.setattr(work, "_launch_on_engine", self._launch)
+        monkeypatch.setattr(work, "_keep_alive", lambda stream, *tensors: None)
+        monkeypatch.setattr(work, "_check_device_errors", lambda: None)
+        monkeypatch.setattr(work._queue, "batch", None)
+
+    def _launch(self, ops, stream, timeout_s) -> None:
+        self.launches.append((stream, [(is_send, pe) for is_send, _, _, pe in ops]))
+        if self.fail_with is not None:
+            raise self.fail_with
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    return _FakeCuda(monkeypatch)
+
+
+def _queue(is_send: bool, pe: int, nbytes: int = 16):
+    from pydatacopy.distributed import work
+
+    return work.queue(is_send, torch.zeros(nbytes, dtype=torch.uint8), pe, 30.0)
+
+
+def test_queued_operations_launch_together_at_the_first_wait(fake_cuda):
+    send, recv = _queue(True, 1), _queue(False, 1)
+    assert fake_cuda.launches == []  # nothing runs before a result is asked for
+    recv.wait()
+    send.wait()  # the same launch: not launched again
+    assert fake_cuda.launches == [(11, [(True, 1), (False, 1)])]
+    assert recv.result()[0].numel() == 16
+
+
+def test_another_stream_launches_what_was_queued_on_the_first(fake_cuda):
+    first = _queue(True, 1)
+    fake_cuda.stream = 22
+    second = _queue(False, 2)
+    assert fake_cuda.launches == [(11, [(True, 1)])]  # the first stream's batch, on its stream
+    second.wait()
+    fake_cuda.stream = 11  # (a wait from another stream orders it with an event: the GPU tests)
+    first.wait()
+    assert fake_cuda.launches == [(11, [(True, 1)]), (22, [(False, 2)])]
+
+
+def test_a_batch_waited_on_another_thread_takes_no_more_operations(fake_cuda):
+    """A Work waited on by another thread launches its batch; this thread's next operation goes
+    to a new batch and is launched at its own wait (not appended to the launched one and lost)."""
+    first = _queue(True, 1)
+    waiter = threading.Thread(target=first.wait)
+    waiter.start()
+    waiter.join(10)
+    assert fake_cuda.launches == [(11, [(True, 1)])]
+    late = _queue(False, 1)
+    late.wait()
+    assert fake_cuda.launches == [(11, [(True, 1)]), (11, [(False, 1)])]
+
+
+def test_more_than_a_group_queued_without_a_wait_is_refused(fake_cuda):
+    limit = pydatacopy._C.MAX_GROUP_OPS
+    works = [_queue(i % 2 == 0, 1) for i in range(limit)]
+    with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
+        _queue(True, 1)
+    works[-1].wait()
+    assert len(fake_cuda.launches) == 1 and len(fake_cuda.launches[0][1]) == limit
+
+
+def test_operations_queued_in_a_capture_and_waited_after_it_are_refused_not_launched(fake_cuda):
+    fake_cuda.capturing = True
+    work = _queue(False, 1)
+    fake_cuda.capturing = False
+    with pytest.raises(pydatacopy.Error, match="capture"):
+        work.wait()
+    assert fake_cuda.launches == []
+
+
+def test_operations_pending_when_a_capture_begins_on_their_stream_are_refused(fake_cuda):
+    eager = _queue(True, 1)
+    fake_cuda.capturing = True
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        _queue(False, 1)
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
+    assert fake_cuda.launches == []
+    inside = _queue(False, 1)  # the capture's own operations go on
+    inside.wait()
+    assert fake_cuda.launches == [(11, [(False, 1)])]
+
+
+def test_a_refused_launch_reaches_every_work_of_the_batch(fake_cuda):
+    fake_cuda.fail_with = pydatacopy.Error("PE 1 timed out earlier")
+    send, recv = _queue(True, 1), _queue(False, 1)
+    with pytest.raises(pydatacopy.Error, match="timed out earlier"):
+        send.wait()
+    with pytest.raises(pydatacopy.Error, match="timed out earlier"):
+        recv.wait()
+    assert recv.exception() is send.exception()
+
+
+def test_a_queued_tensors_memory_stays_until_the_launch(fake_cuda):
+    """Megatron frees an output after queueing its send (out.data = torch.empty(1)): the batch
+    still holds the old storage, so its memory is not handed out before the send reads it."""
+    from pydatacopy.distributed import work as _work
+
+    out = torch.arange(64, dtype=torch.uint8)
+    address = out.data_ptr()
+    pending = _work.queue(True, out, 1, 30.0)
+    out.data = torch.empty(1, dtype=torch.uint8)
+    held = pending._batch.storages[0]
+    assert held.data_ptr() == address and held.nbytes() == 64
+    pending.wait()

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-from .._torch_utils import current_raw_stream, keep_alive, nbytes
+from .._torch_utils import current_raw_stream, keep_alive
 from ..send_recv import send_recv as _send_recv
 
 Error = _C.Error
@@ -61,7 +61,7 @@ class _Batch:
             self.launched = True
         if _queue.batch is self:
             _queue.batch = None
-        if self.captured and not torch.cuda.is_current_stream_capturing():
+        if self.captured and not _capturing():
             # Launched now, it would run once, outside the graph its caller captured.
             self.error = Error("torch.distributed send/recv on the pydatacopy backend: operations "
                                "queued during a CUDA graph capture were not waited for before the "
@@ -69,19 +69,14 @@ class _Batch:
                                "Work inside the capture (nothing was sent or received)")
             return
         try:
-            engine = _send_recv._require_engine("torch.distributed send/recv on the pydatacopy backend")
-            if len(self.ops) == 1:
-                is_send, address, size, pe = self.ops[0]
-                (_C.send_fast if is_send else _C.recv_fast)(engine, address, size, pe, self.stream, self.timeout_s)
-            else:
-                engine.batch(self.ops, self.stream, self.timeout_s)
+            _launch_on_engine(self.ops, self.stream, self.timeout_s)
         except BaseException as error:  # every Work of the batch reports it, not only this caller
             self.error = error
             if not isinstance(error, Exception):
                 raise
         finally:
-            if self.stream != current_raw_stream(self.device):
-                keep_alive(self.stream, *self.tensors)
+            if self.stream != _current_stream(self.device):
+                _keep_alive(self.stream, *self.tensors)
 
     def completion(self) -> torch.cuda.Event:
         """An event after the launch on its stream (recorded when first asked for: later work on
@@ -94,6 +89,27 @@ class _Batch:
 
 
 _launch_lock = threading.Lock()
+
+
+# What touches CUDA and the engine, in one place (tests/test_distributed_cpu.py replaces these
+# with fakes to check the queue's rules without a GPU).
+def _launch_on_engine(ops: list[tuple[bool, int, int, int]], stream: int, timeout_s: float) -> None:
+    """One launch of `ops` on `stream`: the engine's one-op fast path, else its group."""
+    engine = _send_recv._require_engine("torch.distributed send/recv on the pydatacopy backend")
+    if len(ops) == 1:
+        is_send, address, size, pe = ops[0]
+        (_C.send_fast if is_send else _C.recv_fast)(engine, address, size, pe, stream, timeout_s)
+    else:
+        engine.batch(ops, stream, timeout_s)
+
+
+_current_stream = current_raw_stream  # the current cudaStream_t of a device
+_keep_alive = keep_alive
+_check_device_errors = _C.check_device_errors
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
 
 
 class _Queue(threading.local):
@@ -118,8 +134,8 @@ def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2
     """Queue one send or recv of a checked, contiguous CUDA tensor on this process's device; the
     Work that launches it when asked."""
     device = tensor.get_device()
-    stream = current_raw_stream(device)
-    capturing = torch.cuda.is_current_stream_capturing()
+    stream = _current_stream(device)
+    capturing = _capturing()
     batch = _queue.batch
     if batch is not None and not batch.launched and batch.stream == stream and capturing and not batch.captured:
         # Launched now it would enter the capture; launched later, after it: never in order.
@@ -164,10 +180,10 @@ class P2PWork(dist.Work):
         batch = self._batch
         batch.launch()
         self._raise_known()
-        _C.check_device_errors()  # what the GPU reported since (a peer that timed out): host memory
-        if current_raw_stream(batch.device) != batch.stream:
+        _check_device_errors()  # what the GPU reported since (a peer that timed out): host memory
+        if _current_stream(batch.device) != batch.stream:
             torch.cuda.current_stream(batch.device).wait_event(batch.completion())
-        if timeout is not None and timeout.total_seconds() > 0 and not torch.cuda.is_current_stream_capturing():
+        if timeout is not None and timeout.total_seconds() > 0 and not _capturing():
             # A bounded wait asked for: the host waits for the GPU, at most `timeout`.
             event, deadline = batch.completion(), time.monotonic() + timeout.total_seconds()
             while not event.query():
@@ -185,7 +201,7 @@ class P2PWork(dist.Work):
         batch = self._batch
         batch.launch()
         self._raise_known()
-        if torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise Error("torch.distributed Work.is_completed() on the pydatacopy backend cannot be "
                         "asked during a CUDA graph capture (the work runs when the graph is "
                         "replayed): call wait()")
