@@ -308,3 +308,41 @@ def test_a_queued_tensors_memory_stays_until_the_launch(fake_cuda):
     held = pending._batch.storages[0]
     assert held.data_ptr() == address and held.nbytes() == 64
     pending.wait()
+
+
+def _subgroup_worker(rank: int, store_file: str, results) -> None:
+    import pydatacopy.distributed  # noqa: F401
+    from pydatacopy.distributed import backend
+
+    started = []
+    backend._start_runtime = lambda *a: started.append(True)
+    backend._runtime_running = lambda: bool(started)  # as after the default group's start
+    backend._this_pe = lambda: (rank, 3)
+    dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
+                            world_size=3, timeout=timedelta(seconds=45))
+    group = dist.new_group([1, 2], backend="pydatacopy")  # every rank calls it, as torch asks
+    out = {}
+    if rank in (1, 2):
+        out["pes"] = group._pes
+        out["peer_of_group_rank"] = [group._peer(r, "send") if r != group.rank() else None for r in range(2)]
+        t = torch.full((2,), float(rank))
+        if rank == 1:
+            dist.send(t, 2, group=group)  # global rank 2: group rank 1 (CPU: gloo)
+        else:
+            dist.recv(t, 1, group=group)
+        out["cpu"] = t.tolist()
+    dist.barrier()
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+def test_a_subgroup_maps_its_ranks_to_the_jobs_pes(tmp_path):
+    """new_group([1, 2], backend="pydatacopy") in a job of 3: group rank 0 is PE 1 and group rank
+    1 is PE 2 (the PEs agreed through the group's store); CPU tensors between them through gloo."""
+    results = mp.Manager().dict()
+    mp.spawn(_subgroup_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=3, join=True)
+    assert results[0] == {}
+    assert results[1]["pes"] == [1, 2] and results[2]["pes"] == [1, 2]
+    assert results[1]["peer_of_group_rank"] == [None, 2]
+    assert results[2]["peer_of_group_rank"] == [1, None]
+    assert results[2]["cpu"] == [1.0, 1.0]

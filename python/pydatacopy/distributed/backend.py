@@ -259,13 +259,17 @@ def _this_pe() -> tuple[int, int]:
     return _C.my_pe(), _C.n_pes()
 
 
+def _runtime_running() -> bool:
+    return _C.is_initialized()
+
+
 def create_process_group(options, backend_options=None) -> ProcessGroupPydatacopy:
     """register_backend's creator (extended_api=True): `options` carries the group's store, rank,
     size, timeout and global ranks (empty for the default group)."""
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout
     global_ranks = list(getattr(options, "global_ranks_in_group", []) or [])
-    if not _C.is_initialized():
+    if not _runtime_running():
         # NVSHMEM starts with the default group (torch passes it no global ranks), or with a group
         # of every rank in the default group's order; never on a part of the job.
         world = dist.get_world_size() if dist.is_initialized() else size
