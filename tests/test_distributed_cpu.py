@@ -273,6 +273,17 @@ def test_operations_queued_in_a_capture_and_waited_after_it_are_refused_not_laun
     assert fake_cuda.launches == []
 
 
+def test_an_eager_operation_after_a_capture_ended_unwaited_starts_a_batch_of_its_own(fake_cuda):
+    fake_cuda.capturing = True
+    captured = _queue(True, 1)
+    fake_cuda.capturing = False
+    eager = _queue(False, 1)  # same stream: not appended to the captured batch
+    eager.wait()
+    assert fake_cuda.launches == [(11, [(False, 1)])]
+    with pytest.raises(pydatacopy.Error, match="capture"):
+        captured.wait()
+
+
 def test_operations_pending_when_a_capture_begins_on_their_stream_are_refused(fake_cuda):
     eager = _queue(True, 1)
     fake_cuda.capturing = True

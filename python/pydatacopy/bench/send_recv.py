@@ -201,6 +201,7 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                 checks.append(True)  # rank 0 only sent: rank 1 checks what arrived
         oks = [agree(ok) for ok in checks]
         names = list(calls_by_name)
+        start = len(rows)  # this size's rows begin with cudaMemcpyAsync's
         for index, name in enumerate(names):
             for rank in (0, 1):
                 if " | " in name:  # rank 0's call | rank 1's: a row each
@@ -218,8 +219,8 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                 rows.append({"op": "host_queued", "path": f"{label} {human(nbytes)}", "direction": "one",
                              "bytes": nbytes, "size": human(nbytes), "us": us, "issue_us": us,
                              "gpu_us": gpu_us, "gbps": 0.0, "ok": oks[index]})
-        base = rows[-len(names) - 1]  # this size's cudaMemcpyAsync row
-        for r in rows[-len(names) - 1:]:
+        base = rows[start]  # this size's cudaMemcpyAsync row
+        for r in rows[start:]:
             r["over_base_us"] = r["us"] - base["us"]
             if me == 0:
                 print(f"  host per call, queued: {r['path']} {r['us']:.2f} us ({r['over_base_us']:+.2f} over "
@@ -368,6 +369,7 @@ def _null_group():
                 return self
 
             supports_coalescing = False
+            supports_splitting = False  # new_group on a default group bound to a device asks
 
             def send(self, tensors, dst, tag=0):
                 return _work.done_work(tensors)
