@@ -357,3 +357,42 @@ def test_a_subgroup_maps_its_ranks_to_the_jobs_pes(tmp_path):
     assert results[1]["peer_of_group_rank"] == [None, 2]
     assert results[2]["peer_of_group_rank"] == [1, None]
     assert results[2]["cpu"] == [1.0, 1.0]
+
+
+def _pipelining_worker(rank: int, store_file: str, results) -> None:
+    import pydatacopy.distributed  # noqa: F401
+    from pydatacopy.distributed import backend
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    backend._start_runtime = lambda *a: None
+    backend._this_pe = lambda: (rank, 2)
+    dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=45))
+    out = {"group_name": dist.distributed_c10d._get_default_group().group_name,
+           "torch_name": dist.distributed_c10d._world.pg_names[dist.distributed_c10d._get_default_group()]}
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    stage = PipelineStage(full[0:2] if rank == 0 else full[2:3], rank, 2, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    x, target = torch.randn(8, 16), torch.randn(8, 8)
+    if rank == 0:
+        schedule.step(x)
+    else:
+        losses: list = []
+        y = schedule.step(target=target, losses=losses)
+        out["close"] = bool(torch.allclose(y, full(x), atol=1e-6))
+        out["losses"] = len(losses)
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+def test_a_pipelining_schedule_runs_on_a_group_of_the_backend(tmp_path):
+    """torch.distributed.pipelining's GPipe schedule of two stages over a default group on
+    "cpu:gloo,cuda:pydatacopy" (its CPU tensors: gloo through the backend's group; the same on
+    CUDA tensors is tests/gpu/test_distributed.py): the last stage's output equals the whole
+    model's, and the group answers to its name as torch set it (2.14's schedules key by it)."""
+    results = mp.Manager().dict()
+    mp.spawn(_pipelining_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert results[rank]["group_name"] == results[rank]["torch_name"] != ""
+    assert results[1]["close"] and results[1]["losses"] == 4

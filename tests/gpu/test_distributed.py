@@ -306,3 +306,32 @@ def test_a_full_group_of_64_then_the_65th_refused(group, world):
         work.wait()
     for m in range(limit // 2):
         _check(received[m], _payload(prv, rank, 300 + m, nbytes), f"message {m} from {prv}")
+
+
+def test_a_pipelining_schedule_on_cuda_tensors(group, world):
+    """torch.distributed.pipelining's GPipe schedule, one stage per rank, its activations,
+    gradients and shapes moving through the backend's group: the last stage's output equals the
+    whole model's, computed here on one rank."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank, n, _ = world
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()) for _ in range(n)]
+    full = torch.nn.Sequential(*layers).cuda()
+    stage = PipelineStage(full[rank], rank, n, torch.device("cuda", torch.cuda.current_device()), group=group)
+    schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(16, 64, device="cuda", generator=gen)
+    target = torch.randn(16, 64, device="cuda", generator=gen)
+    if rank == 0:
+        schedule.step(x)
+    elif rank == n - 1:
+        losses: list = []
+        y = schedule.step(target=target, losses=losses)
+        with torch.no_grad():
+            assert torch.allclose(y, full(x), atol=1e-5), "the pipeline's output is not the model's"
+        assert len(losses) == 4
+    else:
+        schedule.step()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)

@@ -89,6 +89,21 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     def _get_backend(self, device):
         return self
 
+    # torch sets a group's name and description on its backends, and a Python group has none:
+    # without these, group.group_name raises "ProcessGroup name not set" (torch 2.14's pipelining
+    # schedules key their batches by it).
+    def setGroupName(self, name: str) -> None:  # noqa: N802 - torch's names
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_group_desc", "")
+
     def rank(self) -> int:
         return self._rank
 
