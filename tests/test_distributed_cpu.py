@@ -59,6 +59,9 @@ def _default_group_worker(rank: int, store_file: str, results) -> None:
     group = dist.new_group([0, 1], backend="pydatacopy")
     out["subgroup"] = dist.get_backend(group)
     out["pg_timeout"] = dist.distributed_c10d._get_default_group()._timeout_s
+    if hasattr(dist, "set_timeout"):  # torch 2.12+
+        dist.set_timeout(timedelta(seconds=33))
+        out["after_set_timeout"] = dist.distributed_c10d._get_default_group()._timeout_s
     dist.destroy_process_group()
     results[rank] = out
 
@@ -82,6 +85,8 @@ def test_default_group_on_the_backend_keeps_gloo_for_cpu_tensors(tmp_path):
         assert out["all_to_all"] == ([0.0, 1.0, 10.0, 11.0] if rank == 0 else [2.0, 3.0, 12.0, 13.0])
         assert out["subgroup"] == "pydatacopy"
         assert out["pg_timeout"] == 45.0
+        if hasattr(dist, "set_timeout"):
+            assert out["after_set_timeout"] == 33.0
 
 
 class _CudaLooking(torch.Tensor):
@@ -150,6 +155,12 @@ def test_a_group_whose_ranks_are_not_the_pes_is_refused(tmp_path, monkeypatch):
         _backend.create_process_group(_Options(store, 0, 1, []))
     monkeypatch.setattr(_backend, "_this_pe", lambda: (0, 2))
     assert isinstance(_backend.create_process_group(_Options(store, 0, 1, [])), _backend.ProcessGroupPydatacopy)
+
+
+def test_set_timeout_changes_the_groups_later_calls(tmp_path):
+    group = _one_rank_group(tmp_path)
+    group.set_timeout(timedelta(seconds=7))
+    assert group._timeout_s == 7.0
 
 
 def test_timeouts_from_torch_become_the_calls(tmp_path):

@@ -104,6 +104,13 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     def getGroupDesc(self) -> str:  # noqa: N802
         return getattr(self, "_group_desc", "")
 
+    def set_timeout(self, timeout: timedelta) -> None:
+        """dist.set_timeout (torch 2.12+): the timeout of this group's later calls, gloo's too."""
+        self._timeout_s = _timeout_seconds(timeout)
+        set_gloo = getattr(self._cpu, "_set_default_timeout", None)
+        if set_gloo is not None:
+            set_gloo(timeout)
+
     def rank(self) -> int:
         return self._rank
 
