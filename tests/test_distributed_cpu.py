@@ -284,6 +284,13 @@ def test_operations_queued_in_a_capture_and_waited_after_it_are_refused_not_laun
     assert fake_cuda.launches == []
 
 
+def test_destroying_a_group_launches_what_was_queued(fake_cuda, tmp_path):
+    group = _one_rank_group(tmp_path)
+    _queue(True, 1)
+    group.shutdown()
+    assert fake_cuda.launches == [(11, [(True, 1)])]
+
+
 def test_an_eager_operation_after_a_capture_ended_unwaited_starts_a_batch_of_its_own(fake_cuda):
     fake_cuda.capturing = True
     captured = _queue(True, 1)

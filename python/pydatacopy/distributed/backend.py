@@ -104,6 +104,11 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     def getGroupDesc(self) -> str:  # noqa: N802
         return getattr(self, "_group_desc", "")
 
+    def shutdown(self) -> None:
+        """destroy_process_group: what this thread queued is launched first (its peers may be
+        waiting for it), as NCCL's operations are in flight before a group goes."""
+        _work.flush()
+
     def set_timeout(self, timeout: timedelta) -> None:
         """dist.set_timeout (torch 2.12+): the timeout of this group's later calls, gloo's too."""
         self._timeout_s = _timeout_seconds(timeout)
