@@ -699,10 +699,10 @@ void test_expandable_chunk_refused_is_asked_again() {
   check(p.vmm.exports == 2, "exported twice");
 }
 
-// A reservation of two chunks, mapped, with a recv over chunk 1 captured (the entry pinned).
-zc::Exporter::Decision captured_over_chunk_1(VmmPair& p) {
-  p.reservation_with(2);
-  p.call(at(kReservation), 2 * kChunk, false);
+// A reservation of `chunks` chunks, mapped, with a recv over chunk 1 captured (the entry pinned).
+zc::Exporter::Decision captured_over_chunk_1(VmmPair& p, int chunks = 2) {
+  p.reservation_with(chunks);
+  p.call(at(kReservation), chunks * kChunk, false);
   p.importer.drain();
   const zc::Exporter::Decision captured = p.call(at(kReservation + kChunk), kChunk, true);
   check(captured.zero_copy, "captured over chunk 1, moving once");
@@ -757,11 +757,7 @@ void test_expandable_chunk_waiting_aside_goes_when_the_channel_idles_mid_drain()
 }
 void test_expandable_captured_recv_never_meets_a_hole() {
   VmmPair p;
-  p.reservation_with(3);
-  p.call(at(kReservation), 3 * kChunk, false);
-  p.importer.drain();
-  const zc::Exporter::Decision captured = p.call(at(kReservation + kChunk), kChunk, true);
-  check(captured.zero_copy, "a capture over chunk 1 moves once");
+  const zc::Exporter::Decision captured = captured_over_chunk_1(p, 3);
   // A chunk outside the captured range changes: only that chunk goes.
   p.vmm.unmap_at(kReservation);
   p.vmm.map_at(kReservation, kChunk);
@@ -783,11 +779,7 @@ void test_expandable_captured_recv_never_meets_a_hole() {
 
 void test_expandable_captured_chunk_given_back_drops_the_entry_at_the_sweep() {
   VmmPair p;
-  p.reservation_with(2);
-  p.call(at(kReservation), 2 * kChunk, false);
-  p.importer.drain();
-  const zc::Exporter::Decision captured = p.call(at(kReservation + kChunk), kChunk, true);
-  check(captured.zero_copy, "captured over chunk 1");
+  const zc::Exporter::Decision captured = captured_over_chunk_1(p);
   p.vmm.unmap_at(kReservation + kChunk);  // given back, not mapped again: found by the sweep
   p.exporter.sweep_if_due(std::chrono::steady_clock::now());
   check(p.exporter.stats().stale_dropped == 1, "the entry under the capture is dropped whole");

@@ -207,8 +207,8 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
         shifts = list(range(1, self._size))
         per_batch = max(1, _C.MAX_GROUP_OPS // 2)
         last = None
+        # (The queue is empty at each batch: flushed above, then each batch launched by result().)
         for first in range(0, len(shifts), per_batch):
-            _work.flush()
             for shift in shifts[first:first + per_batch]:
                 to, source = (me + shift) % self._size, (me - shift) % self._size
                 _work.queue(True, flat_in[send_at[to]:send_at[to] + send_rows[to] * send_row_bytes],

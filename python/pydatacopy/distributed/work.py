@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .. import _C
 from .._torch_utils import current_raw_stream, keep_alive
+from ..runtime import startup as _startup
 from ..send_recv import send_recv as _send_recv
 
 Error = _C.Error
@@ -191,7 +192,7 @@ class P2PWork(dist.Work):
                     raise _C.TimeoutError(f"torch.distributed Work.wait: the pydatacopy send/recv did "
                                           f"not finish within {timeout.total_seconds():g} s")
                 time.sleep(50e-6)
-            _check_errors()
+            _startup.check_errors()
         return True
 
     def synchronize(self) -> None:
@@ -207,7 +208,7 @@ class P2PWork(dist.Work):
                         "replayed): call wait()")
         done = batch.completion().query()
         if done:
-            _check_errors()
+            _startup.check_errors()
         return done
 
     def is_success(self) -> bool:
@@ -237,12 +238,6 @@ class P2PWork(dist.Work):
         with torch.cuda.stream(torch.cuda.ExternalStream(batch.stream, device=batch.device)):
             future.set_result([self._tensor])
         return future
-
-
-def _check_errors() -> None:
-    from ..runtime import startup
-
-    startup.check_errors()
 
 
 def done_work(result: list[torch.Tensor] | None = None) -> dist.Work:

@@ -199,9 +199,6 @@ def _gather_before_start(group, mine: tuple, timeout_s: float, call: str) -> lis
     """Every rank's `mine`, indexed by group rank (collective). Gloo and other backends: an
     all_gather_object. NCCL: through the default store (no NCCL collective), keyed by the group's
     members and a count of these gathers, so that a later init() does not read stale entries."""
-    import pickle
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     size = dist.get_world_size(group)
@@ -220,16 +217,27 @@ def _gather_before_start(group, mine: tuple, timeout_s: float, call: str) -> lis
     _gather_attempts[members] = attempt + 1
     prefix = (f"pydatacopy/init/{hashlib.sha256(repr(members).encode()).hexdigest()[:16]}"
               f"/{attempt}/")
-    store.set(prefix + str(dist.get_rank()), pickle.dumps(mine))
-    keys = [prefix + str(member) for member in members]
+    return _store_gather(
+        store, [prefix + str(member) for member in members], prefix + str(dist.get_rank()), mine, timeout_s,
+        lambda missing, error: (
+            f"{call}: rank(s) {missing} of the group did not reach init within {timeout_s:g} s "
+            f"(PYDATACOPY_INIT_TIMEOUT_S or timeout=): every rank must call pydatacopy.init() "
+            f"({type(error).__name__}: {error})"))
+
+
+def _store_gather(store, keys: list[str], my_key: str, mine, timeout_s: float, late) -> list:
+    """Every key's value once all are set, this rank's `mine` under `my_key` (collective through
+    the c10d `store`). When some do not come within `timeout_s`: TimeoutError with the text
+    late(missing, error), `missing` the late keys' indices in `keys` as text ('?' if none)."""
+    import pickle
+    from datetime import timedelta
+
+    store.set(my_key, pickle.dumps(mine))
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except Exception as error:
         missing = [index for index, key in enumerate(keys) if not store.check([key])]
-        raise _C.TimeoutError(
-            f"{call}: rank(s) {', '.join(map(str, missing)) or '?'} of the group did not reach "
-            f"init within {timeout_s:g} s (PYDATACOPY_INIT_TIMEOUT_S or timeout=): every rank "
-            f"must call pydatacopy.init() ({type(error).__name__}: {error})") from None
+        raise _C.TimeoutError(late(", ".join(map(str, missing)) or "?", error)) from None
     return [pickle.loads(store.get(key)) for key in keys]
 
 
@@ -303,20 +311,13 @@ class StoreExchange:
 
     def gather(self, name: str, mine) -> list:
         """Every rank's `mine`, indexed by rank (collective)."""
-        import pickle
-        from datetime import timedelta
-
-        self.store.set(f"{self.prefix}{name}/{self.rank}", pickle.dumps(mine))
-        keys = [f"{self.prefix}{name}/{rank}" for rank in range(self.size)]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as error:
-            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
-            raise _C.TimeoutError(
-                f"{self.call}: rank(s) {', '.join(map(str, missing)) or '?'} did not come within "
-                f"{self.timeout_s:g} s (PYDATACOPY_INIT_TIMEOUT_S): every rank of the group must "
-                f"create it ({type(error).__name__}: {error})") from None
-        return [pickle.loads(self.store.get(key)) for key in keys]
+        return _store_gather(
+            self.store, [f"{self.prefix}{name}/{rank}" for rank in range(self.size)],
+            f"{self.prefix}{name}/{self.rank}", mine, self.timeout_s,
+            lambda missing, error: (
+                f"{self.call}: rank(s) {missing} did not come within {self.timeout_s:g} s "
+                f"(PYDATACOPY_INIT_TIMEOUT_S): every rank of the group must create it "
+                f"({type(error).__name__}: {error})"))
 
     def share_unique_id_and_ranks(self) -> tuple[list[int], list[RankInfo]]:
         """Rank 0's unique ID to every rank, and what each rank is (_share_unique_id_and_ranks)."""
