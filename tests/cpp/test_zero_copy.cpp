@@ -549,7 +549,7 @@ void VmmPair::reservation_with(int chunks, std::size_t chunk_bytes = kChunk) {
 
 void test_expandable_recv_spanning_chunks_moves_once() {
   VmmPair p;
-  p.reservation_with(4);
+  p.reservation_with(3);  // (a fourth chunk mapped now would be read ahead: see the test below)
   const std::size_t offset = 5 << 20, bytes = 50 << 20;  // chunks 0, 1 and 2
   const void* dst = at(kReservation + offset);
   zc::Exporter::Decision d = p.call(dst, bytes, false);
@@ -573,12 +573,37 @@ void test_expandable_recv_spanning_chunks_moves_once() {
           "each chunk at its own offset in the mirror: one contiguous range");
   }
   check(p.exporter.acked(dst), "acked() agrees");
-  // A recv that reaches into chunk 3 asks for that chunk alone, at the same index.
+  // The segment grows by chunk 3: a recv that reaches into it asks for that chunk alone, at the
+  // same index.
+  p.vmm.map_at(kReservation + 3 * kChunk, kChunk);
   d = p.call(at(kReservation + 2 * kChunk), 2 * kChunk, false);
   check(!d.zero_copy && p.vmm.exports == 4, "a new chunk under a recv is asked for");
   p.importer.drain();
   d = p.call(at(kReservation + 2 * kChunk), 2 * kChunk, false);
   check(d.zero_copy && p.table[d.index] == mirror && p.vmm.sender_reserved.size() == 1, "into the same mirror");
+}
+
+// Receive buffers that walk forward through a segment (slices of one pool, a caching allocator's
+// blocks one after another): the chunk after a recv is asked for with it, so the recv that
+// reaches it moves once (seen on a GPU: 2 of 3 recvs after the first when a pool crossed a chunk).
+void test_expandable_chunk_after_a_recv_is_read_ahead() {
+  VmmPair p;
+  p.reservation_with(3);
+  const std::size_t bytes = 8 << 20;
+  check(!p.call(at(kReservation + 10 * (1 << 20)), bytes).zero_copy, "the first recv (chunk 0) is staged");
+  check(p.exporter.stats().chunk_requests == 2 && p.vmm.exports == 2, "chunk 0 and the chunk after it asked for");
+  p.importer.drain();
+  check(p.call(at(kReservation + 18 * (1 << 20)), bytes).zero_copy, "a recv across chunks 0 and 1 moves once");
+  check(p.exporter.stats().chunk_requests == 3, "chunk 2 read ahead in turn");
+  p.importer.drain();
+  check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy, "and a recv in chunk 2 moves once");
+  check(p.exporter.stats().chunk_requests == 3 && p.vmm.exports == 3, "nothing past the last chunk mapped");
+  p.vmm.socket_ready = false;  // nothing can be asked for: the recv's own chunks decide
+  p.vmm.map_at(kReservation + 3 * kChunk, kChunk);
+  check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy && p.vmm.exports == 3, "no read-ahead, still one copy");
+  p.vmm.socket_ready = true;
+  p.vmm.exportable = false;  // the chunk ahead cannot be sent: counted, the recv still moves once
+  check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy && p.vmm.exports == 4, "a failed read-ahead stages nothing");
 }
 
 void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
@@ -835,13 +860,15 @@ void test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped() {
 
 void test_expandable_failures_never_drop_an_entry_given_in_the_call() {
   VmmPair p;
-  p.reservation_with(2);
+  p.reservation_with(1);
   p.call(at(kReservation), kChunk);  // chunk 0 only
   p.importer.drain();
   check(p.call(at(kReservation), kChunk).zero_copy, "chunk 0 mapped");
+  p.vmm.map_at(kReservation + kChunk, kChunk);  // the segment grows
   p.vmm.exportable = false;  // from now on chunk 1 cannot be sent
   for (int i = 0; i < zc::kMaxChunkFailures - 1; ++i) p.call(at(kReservation + kChunk), kChunk);
-  // The last failure comes in a call whose first op was given chunk 0 at the entry's index.
+  // The last failure comes in a call whose first op was given chunk 0 at the entry's index (its
+  // read-ahead of chunk 1 fails).
   p.exporter.begin_call();
   const zc::Exporter::Decision first = p.exporter.prepare(at(kReservation), kChunk, false);
   const zc::Exporter::Decision second = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
@@ -944,6 +971,7 @@ void test_close_all_releases_mirrors() {
 
 int main() {
   test_expandable_recv_spanning_chunks_moves_once();
+  test_expandable_chunk_after_a_recv_is_read_ahead();
   test_expandable_chunk_mapped_again_moves_to_a_new_mirror();
   test_expandable_memory_that_cannot_be_exported_stays_staged();
   test_expandable_recv_over_unmapped_memory_is_staged();

@@ -271,7 +271,8 @@ class Exporter {
   // An entry remembered as staged for good (its memory cannot be exported), oldest out first.
   void remember_not_exportable(const Allocation& a);
   // One more chunk of the reservation could not be sent or mapped: staged for good at the limit.
-  void chunk_failed(std::map<std::uintptr_t, Entry>::iterator it);
+  // Whether the entry was dropped (its iterator then invalid).
+  bool chunk_failed(std::map<std::uintptr_t, Entry>::iterator it);
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
   void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
