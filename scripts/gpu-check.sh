@@ -201,7 +201,8 @@ fi
 # The same suite under torch's expandable segments (issue 36: zero-copy into VMM memory, chunks
 # that come and go): asked for by name (ONLY="gpu2-tests-expandable") or with PART=all.
 if has "$STEPS" gpu2-tests-expandable; then
-  step gpu2-tests-expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
+  # EXPANDABLE_TEST_ARGS (unquoted words, e.g. --deselect=tests/gpu/test_moe.py): this step's own, else GPU_TEST_ARGS.
+  step gpu2-tests-expandable env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
 fi
 # 2+ GPUs with more PEs than GPUs (the N-PE steps): MPS for as long as those run.
 SHARED_MPS=0
