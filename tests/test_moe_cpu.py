@@ -471,3 +471,68 @@ def test_moe_facts_come_from_the_core():
             for pairs in (0, limits[2] - 1, limits[2], limits[2] + 1):
                 assert _moe_layout._layout_kernels_fit(n_pes, experts, pairs) == \
                     _C.moe_layout_kernels_fit(n_pes, experts, pairs)
+
+
+# ---- a PE's own refusal still takes part in the round (the host side of it) ---------------------
+
+class _RefusingBuffer:
+    """Stands in for an AllToAll: _refuse records the refusal (the round the core would run) and
+    raises it, as AllToAll._refuse does."""
+
+    def __init__(self, number: int) -> None:
+        self.number, self.refused = number, []
+
+    def _refuse(self, error, stream, timeout):
+        self.refused.append(str(error))
+        raise error
+
+
+def _bare_dispatcher(n_pes=2, max_tokens=4, topk=2, hidden=8):
+    d = object.__new__(pydatacopy.MoeDispatcher)
+    d.num_experts, d.hidden, d.topk, d.max_tokens = 2 * n_pes, hidden, topk, max_tokens
+    d.dtype = d.combine_dtype = torch.bfloat16
+    d.n_pes, d.experts_per_pe, d.my_pe = n_pes, 2, 0
+    d._dispatch, d._combine = _RefusingBuffer(7), _RefusingBuffer(8)
+    return d
+
+
+def test_dispatch_refusals_run_the_round_on_the_dispatch_buffer():
+    """More tokens than max_tokens (and another num_experts) on this PE: refused through the
+    dispatch buffer's round (its peers' calls complete), not raised on this host alone."""
+    d = _bare_dispatcher()
+    x = torch.zeros(5, 8, dtype=torch.bfloat16)
+    with pytest.raises(pydatacopy.Error, match="max_tokens"):
+        d.dispatch(x, torch.zeros(5, 2, dtype=torch.int64))
+    with pytest.raises(pydatacopy.Error, match="num_experts"):
+        d.dispatch(x[:2], torch.zeros(2, 2, dtype=torch.int64), 99)
+    assert len(d._dispatch.refused) == 2 and "max_tokens" in d._dispatch.refused[0]
+    assert d._combine.refused == []
+
+
+def test_combine_refuses_another_dispatchers_handle_through_the_round():
+    """A handle tagged by another dispatcher's dispatch buffer, and a y of the wrong shape: refused
+    through the combine buffer's round. The tag names the dispatch buffer and the call."""
+    d = _bare_dispatcher()
+    pairs = d.recv_rows
+    longs = lambda *shape: torch.zeros(*shape, dtype=torch.int64)  # noqa: E731
+    handle = pydatacopy.MoeHandle(longs(2), longs(2), longs(()), longs(pairs), longs(pairs), longs(pairs),
+                                  longs(2), longs(pairs + 1), longs(2), longs(3, 2), longs(3, 2))
+    assert d._tag(5) == (7 << 40) | 6 and d._tag(0) != 0
+    handle.combine_counts._pydatacopy_dispatch = (9 << 40) | 1  # dispatcher 9's
+    y = torch.zeros(pairs, 8, dtype=torch.bfloat16)
+    with pytest.raises(pydatacopy.Error, match="another MoeDispatcher"):
+        d.combine(y, handle, torch.zeros(3, 2))
+    handle.combine_counts._pydatacopy_dispatch = d._tag(3)
+    with pytest.raises(pydatacopy.Error, match="y must be"):
+        d.combine(y[:1], handle, torch.zeros(3, 2))
+    assert len(d._combine.refused) == 2 and d._dispatch.refused == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+def test_zero_past_keeps_the_rows_in_use_and_zeroes_the_rest(dtype):
+    """The traced path's zero_unused_rows: rows [used, ...) zero bytes, rows before bit-exact."""
+    rows = torch.randint(0, 256, (6, 10), dtype=torch.uint8).view(dtype)
+    got = _moe_a2a._zero_past(rows, torch.tensor(4))
+    assert torch.equal(got[:4].view(torch.uint8), rows[:4].view(torch.uint8))
+    assert int(got[4:].view(torch.uint8).ne(0).sum()) == 0
+    assert _moe_a2a._zero_past(rows, torch.tensor(9)).view(torch.uint8).equal(rows.view(torch.uint8))

@@ -20,7 +20,11 @@
 //   nvshmem_ptr where d is reachable (and PYDATACOPY_FORCE_RMA is off), NVSHMEM putmem_signal
 //   otherwise; each piece of rows raises d's arrival counter for this source by the row-field
 //   units it carried (signal ADD). Beside the rows, one meta word per (d, set): the count, the
-//   fields and bytes per row, and a refusal bit, published with the round number as its signal.
+//   fields and bytes per row, and a refusal bit, with the call's tag beside it (one 16-byte
+//   pair, one put), published with the round number as its signal. A receiver drops (and
+//   reports) a source whose tag differs from its own call's.
+// - A PE that refuses its own call runs the round in refuse mode (exchange() says how): no
+//   rows, a call-refused meta to every destination; its peers' calls complete and report it.
 // - A count over capacity (or negative, or past the send rows) is refused by the sender: it
 //   records a device error (pydatacopy.Error at check_errors(), or after the next call's launch)
 //   and sends the meta word with the refusal bit and no rows; the receiver records its side of
@@ -31,8 +35,9 @@
 //   then credits every source: the set's region is free again. A field with no receive tensor
 //   stays in the region (no compaction; the caller's kernels read it there): the credits are
 //   then owed (a per-set pending word per source) and signalled by release(), a one-block
-//   kernel the caller puts on the stream after its readers. A set whose release is owed is
-//   refused on the host by the call that would reuse it (the sources would time out on it).
+//   kernel the caller puts on the stream after its readers. A call that would reuse a set
+//   whose release is owed hands it back and is refused in refuse mode (the sources would time
+//   out on it otherwise).
 // - Send pieces: whole rows, at least 16 KiB and about two pieces per warp of the grid; each
 //   ends with one system-scope fence and one arrival atomic (per piece, not per row). Gathered
 //   rows (an index) load 32 indices per warp at once and copy every field of a row together.
@@ -49,6 +54,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "pydatacopy/detail/channel_order.hpp"
@@ -80,11 +86,25 @@ struct AllToAllLayout {
   int64_t regions(int set) const { return set * n_pes * region_bytes(); }
   int64_t words_bytes() const;  // one [2][n_pes] uint64 array
   int64_t meta_signals(int set) const { return words(0, set); }
-  int64_t metas(int set) const { return words(1, set); }
-  int64_t arrivals(int set) const { return words(2, set); }
-  int64_t credits(int set) const { return words(3, set); }
-  int64_t outgoing(int set) const { return words(4, set); }
-  int64_t total() const { return words(5, 0); }
+  int64_t arrivals(int set) const { return words(1, set); }
+  int64_t credits(int set) const { return words(2, set); }
+  // [n_pes] pairs of words (kMetaBytes each): the meta word, then the call's tag (one put moves
+  // both, so the tag is there when the meta's signal is).
+  int64_t metas(int set) const { return words(3, 0) + set * words_bytes(); }
+  int64_t outgoing(int set) const { return words(3, 0) + (2 + set) * words_bytes(); }
+  int64_t total() const { return words(3, 0) + 4 * words_bytes(); }
+  static constexpr int64_t kMetaBytes = 16;
+
+  // A sender that refuses the whole call (its own arguments or state: AllToAll::exchange) sends
+  // every destination this meta: refused, fields kCallRefusedFields (never a real field count),
+  // the reason (AllToAllRefusal) in the count.
+  static constexpr int kCallRefusedFields = 0x7f;
+  PDC_ALL_TO_ALL_HOST_DEVICE static uint64_t pack_call_refused(int reason) {
+    return pack_meta(reason, 0, kCallRefusedFields, true);
+  }
+  PDC_ALL_TO_ALL_HOST_DEVICE static bool meta_call_refused(uint64_t meta) {
+    return meta_refused(meta) && meta_fields(meta) == kCallRefusedFields;
+  }
 
   // Meta word: count (32 bits, saturated), row bytes of all fields (24), fields (7), refused (1).
   // A count outside [0, 2^32 - 1] is saturated (only a refused one can be).
@@ -112,6 +132,14 @@ struct AllToAllLayout {
   int64_t words(int array, int set) const {
     return regions(2) + array * words_bytes() + set * (words_bytes() / 2);
   }
+};
+
+// Why a PE refused a whole call (the count of its call-refused meta: the peers' message names it).
+enum AllToAllRefusal : int {
+  kRefusedArguments = 1,   // this PE's arguments (fields, counts' tensors, rows, widths)
+  kRefusedSendTensor = 2,  // a send tensor NVSHMEM cannot take as an RMA source
+  kRefusedRelease = 3,     // this PE's call two before was never released
+  kRefusedByCaller = 4,    // the caller's own check (AllToAll::refuse: e.g. MoE's max_tokens)
 };
 
 // One array moved by a call: rows of `row_bytes` bytes; `send` has `send_rows` of them, `recv`
@@ -166,10 +194,28 @@ class AllToAll {
   // lock (one at a time per buffer, whatever the threads); init() and cleanup() do not.
   // region (optional): filled with this call's region addresses and stride, under the lock (what
   // in_region() / region_stride() read afterwards, race-free against other threads' calls).
+  //
+  // A refusal of this PE's own arguments or state (rows, widths, a tensor missing, a send tensor
+  // NVSHMEM cannot take, a release owed) still runs the round, in refuse mode: this PE sends no
+  // rows, sends every destination a call-refused meta, takes and credits what its sources send
+  // (the buffer stays in step for the next call), writes no outputs, and then throws Error with
+  // the reason. Its peers' calls complete (recv_counts[this PE] = 0) and record the refusal:
+  // pydatacopy.Error at their check_errors(), never a timeout. Refused on the host only (no
+  // round) are a buffer not set up and a peer already timed out (no round can be run).
+  //
+  // tag: the call's identity, compared by every receiver with each source's (0 for plain calls):
+  // a source whose tag differs is refused like a layout mismatch (its rows dropped, an Error at
+  // check_errors() on the receiver). MoE combine passes its handle's dispatch, so that PEs that
+  // combine different dispatches are refused on the device instead of summing wrong rows.
   int64_t exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                    const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                    int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                   AllToAllRegion* region = nullptr);
+                   AllToAllRegion* region = nullptr, uint64_t tag = 0);
+
+  // A round in refuse mode (see exchange) for a refusal the caller found itself (MoE dispatch's
+  // max_tokens, a tensor of the wrong shape on this PE): its peers make the call, so this PE
+  // takes part, sending nothing; then throws Error(why) here. Returns only by throwing.
+  [[noreturn]] void refuse(const std::string& why, cudaStream_t stream, double timeout_seconds);
 
   // After a call with a field left in the region (recv null): where field f's rows from source
   // 0 are (device address, this PE), and the bytes from one source's rows to the next. Valid
@@ -181,10 +227,20 @@ class AllToAll {
   // sources, after everything before on `stream`. Every call that left a field in the region
   // needs it, before the same PE's call two later on this buffer (the sources' sends of that
   // round wait for it: a missing release makes them time out). A call without one: no-op.
+  // A call captured in a CUDA graph is released in the same capture; a release owed by a
+  // capture that was invalidated or abandoned is dropped by the next call outside that capture
+  // (its rounds never ran, so nothing is owed on the device).
   void release(int64_t call, cudaStream_t stream);
 
  private:
   void require_initialized(const char* what) const;
+  // The round itself (refusal: 0, or the AllToAllRefusal this PE sends every destination).
+  int64_t launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                       const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                       int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
+                       AllToAllRegion* region, uint64_t tag, int refusal);
+  // Whether set `set` is owed a release that a call in capture state `capture` must see.
+  bool owed(int set, unsigned long long capture) const;
 
   std::mutex mutex_;                   // exchange() and release(): one at a time (their counters)
 
@@ -202,6 +258,9 @@ class AllToAll {
   int64_t last_call_ = -1;
   int64_t last_field_start_[AllToAllLayout::kMaxFields] = {};
   bool release_owed_[2] = {false, false};
+  // The capture_id() of the call that left release_owed_[set] (0: eager). A capture that never
+  // completes leaves its flag behind: only calls in that same capture are held to it.
+  unsigned long long owed_capture_[2] = {0, 0};
 };
 
 // out[i] = src[index[i]] for i < min(*count, rows), rows of `row_bytes` bytes; `count` is a
@@ -210,6 +269,13 @@ class AllToAll {
 // grouping by expert copies only the rows in use this way.
 void gather_rows(void* out, const void* src, const int64_t* index, const int64_t* count, int64_t rows,
                  int64_t src_rows, int64_t row_bytes, cudaStream_t stream);
+
+// Rows [first, rows) of out (rows of row_bytes bytes) set to zero, first = counts[0] + ... +
+// counts[n_counts - 1] (device int64, read by the kernel: no host synchronisation), clamped to
+// [0, rows]: the rows of an exchange's or a dispatch's output past those received, which are
+// otherwise left as the allocator gave them (all_to_all_v / dispatch's zero_unused_rows).
+void zero_rows_past(void* out, int64_t rows, int64_t row_bytes, const int64_t* counts, int n_counts,
+                    cudaStream_t stream);
 
 // gather_rows from an exchange's receive region (AllToAll::in_region): out[i] = received row
 // index[i] for i < min(*count, rows), received rows numbered as a compacted receive tensor

@@ -79,8 +79,9 @@ bool moe_dispatch_fits(int64_t tokens, int64_t topk, int n_pes, int64_t experts_
 // outputs' homes (the caller keeps them while it reads them), scratch free again once the call's
 // work on `stream` is done. Collective like AllToAll::exchange: every PE calls it, in the same
 // order. A failure after the exchange still releases its region (as the Python path did), and the
-// first error is the one thrown.
-void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
+// first error is the one thrown. Returns the exchange's call number on the buffer (the same on
+// every PE for the same dispatch: MoE combine's tag names the dispatch by it).
+int64_t moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
                          int64_t tokens, int64_t topk, int64_t num_experts, void* recv_x, int64_t recv_x_bytes,
                          void* handle, int64_t handle_bytes, void* scratch, int64_t scratch_bytes,
                          cudaStream_t stream, double timeout_seconds);
@@ -91,11 +92,12 @@ void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, con
 // moe_combine_reduce_region into out ([tokens, hidden], y's dtype) with pair_pe / pair_rank /
 // weights ([tokens, topk]) and the region's release. back_counts, back_offsets: device int64
 // [n_pes], the exchange's recv_counts / recv_offsets. Collective like moe_dispatch_region; a
-// failure after the exchange still releases its region.
+// failure after the exchange still releases its region. tag: the exchange's (AllToAll::exchange):
+// the handle's dispatch, so that PEs combining different dispatches are refused on the device.
 void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
                         const int64_t* combine_counts, const int64_t* combine_index, int64_t index_rows,
                         const int64_t* pair_pe, const int64_t* pair_rank, const float* weights, int64_t tokens,
                         int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
-                        double timeout_seconds);
+                        double timeout_seconds, uint64_t tag = 0);
 
 }  // namespace pydatacopy

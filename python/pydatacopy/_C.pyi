@@ -1,7 +1,7 @@
 """Type stubs for the private native module pydatacopy._C (hand-written; keep in sync with
 src/bindings/_C.cpp). Pointers and streams are plain ints (addresses / cudaStream_t)."""
 
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 __version__: str
 UNIQUE_ID_BYTES: int
@@ -92,12 +92,19 @@ class AllToAll:
     def symmetric_bytes_needed(capacity: int, max_row_bytes: int, n_pes: int) -> int: ...
     def exchange(self, fields: list[tuple[int, int, int, int, int]], send_counts: int,
                  send_index: int, index_rows: int, recv_counts: int, recv_offsets: int,
-                 stream: int, timeout: float) -> int:
+                 stream: int, timeout: float, tag: int = 0) -> int:
         """fields: (send, recv, row_bytes, send_rows, recv_rows); send_index 0 for none; recv 0:
-        the rows stay in the receive region (in_region, release)."""
+        the rows stay in the receive region (in_region, release); tag: the call's identity, compared
+        on the device with every source's (a mismatch is refused there)."""
+    def refuse(self, why: str, stream: int, timeout: float) -> NoReturn:
+        """A round in refuse mode (this PE sends nothing; the peers' calls complete and record
+        the refusal for check_errors()), then raise Error(why)."""
     def in_region(self, field: int) -> int: ...
     region_stride: int  # read-only
     def release(self, call: int, stream: int) -> None: ...
+
+def zero_rows_past(out: int, rows: int, row_bytes: int, counts: int, n_counts: int, stream: int) -> None:
+    """Rows [sum(counts[:n_counts]), rows) of out set to zero; counts: device int64, read on the GPU."""
 
 def moe_combine_reduce(out: int, rows: int, row_count: int, slots: int, weights: int, tokens: int,
                        topk: int, hidden: int, dtype: int, stream: int) -> None:
@@ -171,14 +178,15 @@ def moe_dispatch_workspace_bytes(tokens: int, topk: int, n_pes: int, experts_per
 
 def moe_dispatch_region(engine: AllToAll, x: int, row_bytes: int, topk_idx: int, id_bytes: int, tokens: int,
                         topk: int, num_experts: int, recv_x: int, recv_x_bytes: int, handle: int,
-                        handle_bytes: int, scratch: int, scratch_bytes: int, stream: int, timeout: float) -> None:
+                        handle_bytes: int, scratch: int, scratch_bytes: int, stream: int, timeout: float) -> int:
     """MoE dispatch's region path in one call: layouts, exchange, grouping by expert, release;
-    recv_x, handle, scratch: the three regions' device addresses (bytes checked)."""
+    recv_x, handle, scratch: the three regions' device addresses (bytes checked). Returns the
+    exchange's call number."""
 
 def moe_combine_region(engine: AllToAll, y: int, y_rows: int, hidden: int, dtype: int, combine_counts: int,
                        combine_index: int, index_rows: int, pair_pe: int, pair_rank: int, weights: int,
                        tokens: int, topk: int, out: int, back_counts: int, back_offsets: int, stream: int,
-                       timeout: float) -> None:
+                       timeout: float, tag: int = 0) -> None:
     """MoE combine's region path in one call: the exchange back, the reduction, the release."""
 
 def check_all_to_all_refusal() -> None: ...
@@ -291,5 +299,7 @@ BENCH_HANDOFF_TIMED_OUT_WORD: int
 BENCH_HANDOFF_BEGIN: int
 BENCH_HANDOFF_RESOLVE: int
 BENCH_HANDOFF_TWO_BLOCKS_PER_SM: int
+BENCH_HANDOFF_MESSAGE_ON_DEVICE: int
+BENCH_HANDOFF_MESSAGE_ON_DEVICE_MAX_BYTES: int
 def bench_host_call_costs(dst: int, src: int, bytes: int, stream: int, calls: int) -> list[tuple[str, float]]: ...
 def bench_pingpong(signal: int, peer: int, iterations: int, initiator: bool, stream: int, timeout: float) -> None: ...

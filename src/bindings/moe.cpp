@@ -1,6 +1,7 @@
 // Bindings of the all-to-all-v with counts on the GPU and MoE's layouts and reductions (all_to_all.hpp).
 #include "bindings.hpp"
 
+#include <string>
 #include <tuple>
 #include <vector>
 #include "pydatacopy/all_to_all.hpp"
@@ -29,20 +30,27 @@ void bind_moe(py::module_& m) {
               const std::vector<std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t>>& fields,
               std::uintptr_t send_counts, std::uintptr_t send_index, int64_t index_rows,
               std::uintptr_t recv_counts, std::uintptr_t recv_offsets, std::uintptr_t stream,
-              double timeout) {
+              double timeout, uint64_t tag) {
              std::vector<AllToAllField> list;
              for (const auto& [send, recv, row_bytes, send_rows, recv_rows] : fields)
                list.push_back({as_pointer<const void>(send), as_pointer<void>(recv), row_bytes, send_rows, recv_rows});
              return self.exchange(list, as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
                                   index_rows, as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
-                                  as_stream(stream), timeout);  // the call's number (release() takes it)
+                                  as_stream(stream), timeout, nullptr, tag);  // the call's number (release() takes it)
            },
            py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
            py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
-           release_gil(),
+           py::arg("tag") = 0, release_gil(),
            "fields: (send, recv, row_bytes, send_rows, recv_rows) tuples (addresses as ints); "
-           "send_index 0 for none; recv 0: the rows stay in the receive region (in_region, release). "
-           "Returns the call's number")
+           "send_index 0 for none; recv 0: the rows stay in the receive region (in_region, release); "
+           "tag: the call's identity, compared on the device with every source's. Returns the call's number")
+      .def("refuse",
+           [](AllToAll& self, const std::string& why, std::uintptr_t stream, double timeout) {
+             self.refuse(why, as_stream(stream), timeout);
+           },
+           py::arg("why"), py::arg("stream"), py::arg("timeout"), release_gil(),
+           "A round in refuse mode (this PE sends nothing; its peers' calls complete and record the "
+           "refusal), then raise Error(why)")
       .def("in_region",
            [](const AllToAll& self, int field) { return reinterpret_cast<std::uintptr_t>(self.in_region(field)); },
            py::arg("field"), "Device address of field's rows from source 0 in the last call's region")
@@ -51,6 +59,14 @@ void bind_moe(py::module_& m) {
            [](AllToAll& self, int64_t call, std::uintptr_t stream) { self.release(call, as_stream(stream)); },
            py::arg("call"), py::arg("stream"), release_gil(),
            "Hand call's receive regions back to the sources (stream-ordered)");
+  m.def("zero_rows_past",
+        [](std::uintptr_t out, int64_t rows, int64_t row_bytes, std::uintptr_t counts, int n_counts,
+           std::uintptr_t stream) {
+          zero_rows_past(as_pointer<void>(out), rows, row_bytes, as_pointer<const int64_t>(counts), n_counts,
+                         as_stream(stream));
+        },
+        py::arg("out"), py::arg("rows"), py::arg("row_bytes"), py::arg("counts"), py::arg("n_counts"),
+        py::arg("stream"), "Rows [sum(counts), rows) of out set to zero (counts: device int64, read on the GPU)");
   m.def("moe_combine_reduce",
         [](std::uintptr_t out, std::uintptr_t rows, int64_t row_count, std::uintptr_t slots,
            std::uintptr_t weights, int64_t tokens, int64_t topk, int64_t hidden, int dtype,
@@ -192,7 +208,7 @@ void bind_moe(py::module_& m) {
            int64_t tokens, int64_t topk, int64_t num_experts, std::uintptr_t recv_x, int64_t recv_x_bytes,
            std::uintptr_t handle, int64_t handle_bytes, std::uintptr_t scratch, int64_t scratch_bytes,
            std::uintptr_t stream, double timeout) {
-          moe_dispatch_region(engine, as_pointer<const void>(x), row_bytes, as_pointer<const void>(topk_idx), id_bytes,
+          return moe_dispatch_region(engine, as_pointer<const void>(x), row_bytes, as_pointer<const void>(topk_idx), id_bytes,
                               tokens, topk, num_experts, as_pointer<void>(recv_x), recv_x_bytes,
                               as_pointer<void>(handle), handle_bytes, as_pointer<void>(scratch), scratch_bytes,
                               as_stream(stream), timeout);
@@ -201,24 +217,25 @@ void bind_moe(py::module_& m) {
         py::arg("tokens"), py::arg("topk"), py::arg("num_experts"), py::arg("recv_x"), py::arg("recv_x_bytes"),
         py::arg("handle"), py::arg("handle_bytes"), py::arg("scratch"), py::arg("scratch_bytes"),
         py::arg("stream"), py::arg("timeout"), release_gil(),
-        "MoE dispatch's region path in one call (moe.hpp): layouts, exchange, grouping, release");
+        "MoE dispatch's region path in one call (moe.hpp): layouts, exchange, grouping, release; "
+        "returns the exchange's call number");
   m.def("moe_combine_region",
         [](AllToAll& engine, std::uintptr_t y, int64_t y_rows, int64_t hidden, int dtype, std::uintptr_t combine_counts,
            std::uintptr_t combine_index, int64_t index_rows, std::uintptr_t pair_pe, std::uintptr_t pair_rank,
            std::uintptr_t weights, int64_t tokens, int64_t topk, std::uintptr_t out, std::uintptr_t back_counts,
-           std::uintptr_t back_offsets, std::uintptr_t stream, double timeout) {
+           std::uintptr_t back_offsets, std::uintptr_t stream, double timeout, uint64_t tag) {
           moe_combine_region(engine, as_pointer<const void>(y), y_rows, hidden, dtype,
                              as_pointer<const int64_t>(combine_counts), as_pointer<const int64_t>(combine_index),
                              index_rows, as_pointer<const int64_t>(pair_pe), as_pointer<const int64_t>(pair_rank),
                              as_pointer<const float>(weights), tokens, topk, as_pointer<void>(out),
                              as_pointer<int64_t>(back_counts), as_pointer<int64_t>(back_offsets), as_stream(stream),
-                             timeout);
+                             timeout, tag);
         },
         py::arg("engine"), py::arg("y"), py::arg("y_rows"), py::arg("hidden"), py::arg("dtype"),
         py::arg("combine_counts"), py::arg("combine_index"), py::arg("index_rows"), py::arg("pair_pe"),
         py::arg("pair_rank"), py::arg("weights"), py::arg("tokens"), py::arg("topk"), py::arg("out"),
-        py::arg("back_counts"), py::arg("back_offsets"), py::arg("stream"), py::arg("timeout"), release_gil(),
-        "MoE combine's region path in one call (moe.hpp): the exchange back, the reduction, the release");
+        py::arg("back_counts"), py::arg("back_offsets"), py::arg("stream"), py::arg("timeout"), py::arg("tag") = 0,
+        release_gil(), "MoE combine's region path in one call (moe.hpp): the exchange back, the reduction, the release");
   m.attr("MOE_REGION_ROW_ALIGNMENT") = kMoeRegionRowAlignment;
   m.attr("MOE_DISPATCH_WORKSPACE_ALIGNMENT") = MoeDispatchWorkspace::kAlignment;
   m.attr("ALL_TO_ALL_MAX_FIELDS") = AllToAllLayout::kMaxFields;

@@ -33,10 +33,14 @@ void layout_of(int64_t capacity, int64_t row_bytes, int pes) {
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int set = 0; set < 2; ++set) {
     ranges.push_back({layout.regions(set), layout.regions(set) + pes * layout.region_bytes()});
-    for (int64_t start : {layout.meta_signals(set), layout.metas(set), layout.arrivals(set),
-                          layout.credits(set), layout.outgoing(set)}) {
+    for (int64_t start : {layout.meta_signals(set), layout.arrivals(set), layout.credits(set)}) {
       ranges.push_back({start, start + words});
       check(start % 8 == 0, "every word array is 8-byte aligned");
+    }
+    // (meta, tag) pairs: one 16-byte put each.
+    for (int64_t start : {layout.metas(set), layout.outgoing(set)}) {
+      ranges.push_back({start, start + pes * AllToAllLayout::kMetaBytes});
+      check(start % 16 == 0, "every pair array is 16-byte aligned");
     }
   }
   check(disjoint(ranges), "regions and word arrays of both sets do not overlap");
@@ -78,6 +82,14 @@ int main() {
   check(AllToAllLayout::meta_count(refused) == 0xffffffffll, "meta: a huge count saturates");
   check(AllToAllLayout::meta_row_bytes(refused) == AllToAllLayout::kMaxRowBytes, "meta: the widest row");
   check(AllToAllLayout::meta_count(AllToAllLayout::pack_meta(-5, 1, 1, true)) == 0, "meta: a negative count is 0");
+  // A whole call refused: told apart from every per-destination refusal, its reason kept.
+  const uint64_t call_refused = AllToAllLayout::pack_call_refused(pydatacopy::kRefusedSendTensor);
+  check(AllToAllLayout::meta_call_refused(call_refused), "meta: a call refused");
+  check(AllToAllLayout::meta_count(call_refused) == pydatacopy::kRefusedSendTensor, "meta: the refusal's reason");
+  check(!AllToAllLayout::meta_call_refused(refused), "meta: a refused pair is not a refused call");
+  for (int fields = 0; fields <= AllToAllLayout::kMaxFields; ++fields)
+    check(!AllToAllLayout::meta_call_refused(AllToAllLayout::pack_meta(int64_t{1} << 40, 7, fields, true)),
+          "meta: no real field count reads as a refused call");
 
   check_throws([] { AllToAllLayout::check(0, 16, 2); }, "capacity", "capacity 0 refused");
   check_throws([] { AllToAllLayout::check(16, 0, 2); }, "max_row_bytes", "row bytes 0 refused");

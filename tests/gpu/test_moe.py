@@ -300,6 +300,151 @@ def test_all_to_all_v_graph_replays_take_fresh_counts(world, buffer, path):
             break
 
 
+# ---- one PE refuses a call its peers make: every PE gets pydatacopy.Error, none times out --------
+
+def _refused_round_outcome(rank, refuser, error, what, pattern):
+    """After a call that PE `refuser` refused: it raised pydatacopy.Error matching `pattern` from
+    the call; every other PE's call returned and check_errors() raises pydatacopy.Error naming
+    the refuser (never TimeoutError). Recorded in _FAILURES."""
+    torch.cuda.synchronize()
+    if rank == refuser:
+        if error is None:
+            _FAILURES.append(f"{what}: PE {rank} did not raise")
+        elif isinstance(error, pydatacopy.TimeoutError) or not isinstance(error, pydatacopy.Error):
+            _FAILURES.append(f"{what}: PE {rank} raised {type(error).__name__}: {error}")
+        elif not __import__("re").search(pattern, str(error)):
+            _FAILURES.append(f"{what}: PE {rank} raised {error!r}, not matching {pattern!r}")
+        try:
+            pydatacopy.check_errors()
+        except pydatacopy.Error as late:
+            _FAILURES.append(f"{what}: the refusing PE has a device error too: {late}")
+        return
+    if error is not None:
+        _FAILURES.append(f"{what}: PE {rank}'s call raised {type(error).__name__}: {error}")
+    try:
+        pydatacopy.check_errors()
+        _FAILURES.append(f"{what}: PE {rank}: check_errors() did not report PE {refuser}'s refusal")
+    except pydatacopy.TimeoutError as late:
+        _FAILURES.append(f"{what}: PE {rank}: a refusal reported as a timeout: {late}")
+    except pydatacopy.Error as late:
+        if f"PE {refuser} refused" not in str(late):
+            _FAILURES.append(f"{what}: PE {rank}: unexpected error: {late}")
+
+
+def _exact_call_after(rank, n, buffer, seed, what):
+    """Two normal calls (both receive sets) are byte-exact: the buffer stayed usable."""
+    for call in range(2):
+        generator = torch.Generator().manual_seed(seed + 100 * rank + call)
+        counts = _counts("random", rank, n, generator)
+        send = _rows(int(counts.sum()), 5, torch.bfloat16, generator)
+        got = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer, timeout=TIMEOUT_S)
+        every_send, every_counts = zip(*_gather((send, counts)))
+        _check_exchange(rank, every_send, every_counts, *got, f"{what}: call {call} after")
+
+
+def test_a_send_tensor_nvshmem_cannot_take_is_refused_on_every_pe(world, buffer, force_rma):
+    """Forced RMA, PE 0's send tensor unregistered with auto registration off (what an
+    expandable-segments allocation NVSHMEM cannot register does): PE 0 raises from the call and
+    still takes part; PE 1.. get pydatacopy.Error from check_errors() naming PE 0, not a timeout
+    (before the fix PE 0 raised before its launch and the others timed out waiting for its rows).
+    Then the buffer works on every PE."""
+    rank, n, _ = world
+    counts = torch.full((n,), 2, dtype=torch.int64)
+    send = torch.randn(2 * n, 5).to(torch.bfloat16).cuda()
+    before = (pydatacopy._C.rma_check_enabled(), pydatacopy._C.auto_register_enabled())
+    error = None
+    try:
+        if rank == 0:  # a cached registration of that memory must not hide it: the checker refuses it
+            pydatacopy._C.set_rma_options(True, False)
+            pydatacopy._C._refuse_rma_checks("all_to_all: a send tensor")
+        pydatacopy.all_to_all_v(send, counts.cuda(), buffer, timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001 - recorded, judged below
+        error = raised
+    finally:
+        pydatacopy._C._refuse_rma_checks("")
+        pydatacopy._C.set_rma_options(*before)
+    _refused_round_outcome(rank, 0, error, "unregistered send tensor", "registered")
+    dist.barrier()
+    _exact_call_after(rank, n, buffer, 610, "unregistered send tensor")
+
+
+@pytest.mark.parametrize("bad", ["too_wide", "counts_shape"])
+def test_one_pes_bad_arguments_are_refused_on_every_pe(world, buffer, path, bad):
+    """PE n-1 alone passes rows wider than max_row_bytes (the core's check) or send_counts of the
+    wrong shape (the Python layer's): it raises, the others' calls complete and report it."""
+    rank, n, _ = world
+    refuser = n - 1
+    width = 5
+    counts = torch.full((n,), 1, dtype=torch.int64)
+    send = torch.randn(n, width).to(torch.bfloat16)
+    if rank == refuser and bad == "too_wide":
+        send = torch.zeros(n, WIDEST_ROW_BYTES + 2, dtype=torch.uint8)
+    if rank == refuser and bad == "counts_shape":
+        counts = torch.full((n + 1,), 1, dtype=torch.int64)
+    error = None
+    try:
+        pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer, timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    _refused_round_outcome(rank, refuser, error, bad, "max_row_bytes" if bad == "too_wide" else "shape")
+    dist.barrier()
+    _exact_call_after(rank, n, buffer, 620, bad)
+
+
+def test_a_release_owed_is_refused_on_every_pe_and_handed_back(world, buffer):
+    """PE 0 leaves a call's rows in the region without releasing it; its call two later is
+    refused (before: on PE 0's host only, the others timed out on its credits); the region is
+    handed back, every PE gets pydatacopy.Error, and the buffer works afterwards."""
+    rank, n, _ = world
+    counts = torch.full((n,), 1, dtype=torch.int64, device="cuda")
+    send = torch.randn(n, 4).to(torch.bfloat16).cuda()
+    _, _, _, call = buffer._exchange_in_region([send], [True], counts, None, TIMEOUT_S)
+    if rank != 0:
+        buffer._core.release(call, torch.cuda.current_stream().cuda_stream)
+    pydatacopy.all_to_all_v(send, counts, buffer, timeout=TIMEOUT_S)  # the other set
+    error = None
+    try:
+        pydatacopy.all_to_all_v(send, counts, buffer, timeout=TIMEOUT_S)  # the set owed on PE 0
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    _refused_round_outcome(rank, 0, error, "release owed", "never released")
+    dist.barrier()
+    _exact_call_after(rank, n, buffer, 630, "release owed")
+
+
+def test_an_abandoned_capture_leaves_the_buffer_usable(world, buffer):
+    """A call that leaves its rows in the region, captured, then the capture invalidated before
+    its release (an illegal call while capturing) and abandoned, on every PE. The release owed by
+    the capture never ran on the device; before the fix the host still held it, and every later
+    call on that set was refused for good. Now eager calls on both sets are exact."""
+    rank, n, _ = world
+    counts = torch.full((n,), 1, dtype=torch.int64, device="cuda")
+    send = torch.randn(n, 4).to(torch.bfloat16).cuda()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    released = True
+    try:
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            _, _, _, call = buffer._exchange_in_region([send], [True], counts, None, TIMEOUT_S)
+            try:
+                stream.query()  # not allowed while capturing: invalidates the capture
+            except RuntimeError:
+                pass
+            try:
+                buffer._core.release(call, stream.cuda_stream)  # refused: the capture is invalidated
+            except pydatacopy.Error:
+                released = False
+    except Exception:  # noqa: BLE001 - ending the invalidated capture reports it
+        pass
+    if released:
+        _FAILURES.append("the capture was not invalidated before the release: nothing was tested")
+    torch.cuda.synchronize()
+    dist.barrier()
+    _exact_call_after(rank, n, buffer, 640, "after an abandoned capture")
+
+
 # ---- dispatch / combine --------------------------------------------------------------------------
 
 EXPERTS_PER_PE, TOPK, HIDDEN, MAX_TOKENS = 3, 4, 65, 16
@@ -445,13 +590,99 @@ def test_dispatch_and_combine_graph_replays_take_fresh_routing(world, dispatcher
 
 
 def test_dispatch_refuses_bad_arguments_on_every_pe(world, dispatcher):
-    """Host-side checks: raised before anything is launched, the same on every PE."""
+    """Every PE refuses its own arguments (each runs the round in refuse mode): Error on every PE,
+    and no device record left behind (every PE refused: none reports another's)."""
     x = torch.zeros(MAX_TOKENS + 1, HIDDEN, dtype=dispatcher.dtype, device="cuda")
     topk = torch.zeros(MAX_TOKENS + 1, TOPK, dtype=torch.int64, device="cuda")
     with pytest.raises(pydatacopy.Error, match="max_tokens"):
         dispatcher.dispatch(x, topk)
     with pytest.raises(pydatacopy.Error, match="num_experts"):
         dispatcher.dispatch(x[:2], topk[:2], dispatcher.num_experts + 1)
+
+
+def test_too_many_tokens_on_one_pe_is_refused_on_every_pe(world, dispatcher):
+    """PE 0 alone dispatches max_tokens + 1 tokens: it raises from dispatch (max_tokens), and the
+    other PEs' dispatch completes and check_errors() reports PE 0's refusal (before: PE 0 raised
+    on its host only and the others timed out). Then dispatch and combine are exact on every PE."""
+    rank, n, _ = world
+    tokens = MAX_TOKENS + 1 if rank == 0 else 3
+    x = torch.zeros(tokens, HIDDEN, dtype=dispatcher.dtype, device="cuda")
+    ids = torch.zeros(tokens, TOPK, dtype=torch.int64, device="cuda")
+    error = None
+    try:
+        dispatcher.dispatch(x, ids, timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    _refused_round_outcome(rank, 0, error, "too many tokens", "max_tokens")
+    dist.barrier()
+    x, topk, weights = _moe_inputs("random", rank, n, 700 + rank, dispatcher.dtype)
+    recv_x, handle, out = _run_moe(dispatcher, x.cuda(), topk.cuda(), weights.cuda())
+    every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+    _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out, "after the refusal")
+
+
+def test_combine_of_a_stale_handle_on_one_pe_is_refused_on_every_pe(world, dispatcher):
+    """Two dispatches A and B; PE 0 combines with A's handle while the others pass B's (a stale
+    handle on one PE). Before: silent wrong sums. Now every PE gets pydatacopy.Error (the
+    mismatch is found on the device: at check_errors()). Then combining A's handle on every PE
+    (two dispatches in flight, a legitimate micro-batch order) is exact, and so is B's."""
+    rank, n, _ = world
+    inputs = [_moe_inputs("random", rank, n, 800 + 10 * rank + i, dispatcher.dtype, MAX_TOKENS) for i in range(2)]
+    dispatched = []
+    for x, topk, _ in inputs:
+        recv_x, handle = dispatcher.dispatch(x.cuda(), topk.cuda(), timeout=TIMEOUT_S)
+        y = _expert(recv_x, handle.expert_of_row + dispatcher.my_pe * EXPERTS_PER_PE)
+        dispatched.append((recv_x, handle, y))
+    which = 0 if rank == 0 else 1
+    error = None
+    try:
+        _, handle, y = dispatched[which]
+        dispatcher.combine(y, handle, inputs[which][2].cuda(), timeout=TIMEOUT_S)
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    if error is None:
+        _FAILURES.append("a stale handle on PE 0 was not refused")
+    elif isinstance(error, pydatacopy.TimeoutError) or not isinstance(error, pydatacopy.Error):
+        _FAILURES.append(f"a stale handle: {type(error).__name__}: {error}")
+    elif "handle of the same dispatch" not in str(error):
+        _FAILURES.append(f"a stale handle: unexpected error: {error}")
+    dist.barrier()
+    for i in (0, 1):  # A then B, on every PE: both right
+        x, topk, weights = inputs[i]
+        recv_x, handle, y = dispatched[i]
+        out = dispatcher.combine(y, handle, weights.cuda(), timeout=TIMEOUT_S)
+        every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+        _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out,
+                   f"dispatch {'AB'[i]} combined in flight")
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_rows_past_num_rows_are_zeroed_on_request(world, dispatcher, buffer, zero):
+    """recv_x rows past handle.num_rows (and all_to_all_v's past recv_counts.sum()) are zeros
+    with zero_unused_rows=True, whatever the allocator held there (filled with 0xff first); the
+    rows that are data are the same bytes either way."""
+    rank, n, _ = world
+    x, topk, weights = _moe_inputs("one_pe", rank, n, 900 + rank, dispatcher.dtype, 3)
+    garbage = torch.full((dispatcher.recv_rows * 2, HIDDEN), 255, dtype=torch.uint8, device="cuda")
+    del garbage  # the next allocations of that size class may reuse these bytes
+    recv_x, handle = dispatcher.dispatch(x.cuda(), topk.cuda(), timeout=TIMEOUT_S, zero_unused_rows=zero)
+    y = _expert(recv_x, handle.expert_of_row + dispatcher.my_pe * EXPERTS_PER_PE)
+    out = dispatcher.combine(y, handle, weights.cuda(), timeout=TIMEOUT_S)
+    every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+    _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out, f"zero={zero}")
+    used = int(handle.num_rows)
+    if zero and int(recv_x[used:].view(torch.uint8).ne(0).sum()) != 0:
+        _FAILURES.append("dispatch: rows past num_rows are not zero")
+    counts = torch.full((n,), 2, dtype=torch.int64)
+    send = torch.randn(2 * n, 3).to(torch.bfloat16)
+    recv, recv_counts, recv_offsets = pydatacopy.all_to_all_v(send.cuda(), counts.cuda(), buffer,
+                                                              timeout=TIMEOUT_S, zero_unused_rows=zero)
+    every_send, every_counts = zip(*_gather((send, counts)))
+    _check_exchange(rank, every_send, every_counts, recv, recv_counts, recv_offsets, f"all_to_all_v zero={zero}")
+    if zero and int(recv[2 * n:].view(torch.uint8).ne(0).sum()) != 0:
+        _FAILURES.append("all_to_all_v: rows past recv_counts.sum() are not zero")
 
 
 def test_dispatch_and_combine_under_torch_compile(world, dispatcher):

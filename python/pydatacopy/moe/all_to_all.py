@@ -45,6 +45,12 @@ class AllToAll:
     on both PEs concerned: ``pydatacopy.check_errors()`` raises pydatacopy.Error there once the
     GPU has run the call (the receiver's ``recv_counts`` shows 0 rows from that source). Other
     pairs of the same call are delivered; the next call is a fresh round.
+
+    A call that one PE refuses for its own arguments (a tensor of the wrong shape or device, rows
+    wider than ``max_row_bytes``, a send tensor NVSHMEM cannot register on the RMA path) still
+    takes part in the round on that PE, sending nothing: that PE raises pydatacopy.Error from the
+    call, every other PE's call completes (0 rows from it) and its ``check_errors()`` raises
+    pydatacopy.Error naming that PE. No PE is left waiting, and the buffer stays usable.
     """
 
     def __init__(self, capacity: int, max_row_bytes: int) -> None:
@@ -112,9 +118,15 @@ class AllToAll:
 
     # ---- the exchange -------------------------------------------------------------------------
     def all_to_all_v(self, send: torch.Tensor, send_counts: torch.Tensor, *, stream=None,
-                     timeout: float | None = None):
+                     timeout: float | None = None, zero_unused_rows: bool = False):
         """See pydatacopy.all_to_all_v."""
+        if not _traced():
+            recvs, counts, offsets = self._exchange_eager([send], send_counts, None, stream, timeout,
+                                                          zero_unused_rows=zero_unused_rows)
+            return recvs[0], counts, offsets
         recvs, counts, offsets = self.exchange([send], send_counts, stream=stream, timeout=timeout)
+        if zero_unused_rows:
+            recvs[0] = _zero_past(recvs[0], counts.sum())
         return recvs[0], counts, offsets
 
     def exchange(self, sends: Sequence[torch.Tensor], send_counts: torch.Tensor,
@@ -155,8 +167,28 @@ class AllToAll:
                 raise Error("pydatacopy.all_to_all_v: send_index must be a 1-D int64 tensor")
         return send_counts
 
-    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout):
-        send_counts = self._check(sends, send_counts, send_index)
+    def _refuse(self, error: Exception, stream, timeout):
+        """This PE refuses a call its peers make (its own arguments): a round in refuse mode, so
+        that their calls complete and record the refusal, then ``error`` raised here. Not
+        possible on a closed buffer or from a traced call: raised at once there."""
+        if not self._core.initialized or _traced():
+            raise error
+        try:
+            handle, seconds = stream_handle(stream, self._device), timeout_seconds(timeout)
+        except Exception:
+            raise error from None  # no round can be run with these: the first error
+        self._core.refuse(str(error), handle, seconds)
+
+    def _checked(self, sends, send_counts, send_index, stream, timeout) -> torch.Tensor:
+        try:
+            return self._check(sends, send_counts, send_index)
+        except Error as error:
+            self._refuse(error, stream, timeout)
+            raise  # (refuse always raises)
+
+    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout, tag: int = 0,
+                        zero_unused_rows: bool = False):
+        send_counts = self._checked(sends, send_counts, send_index, stream, timeout)
         seconds = timeout_seconds(timeout)
         handle = stream_handle(stream, self._device)
         recv_rows = self.recv_rows
@@ -171,20 +203,24 @@ class AllToAll:
         index = 0 if send_index is None else send_index.data_ptr()
         index_rows = 0 if send_index is None else send_index.shape[0]
         self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
-                            offsets.data_ptr(), handle, seconds)
+                            offsets.data_ptr(), handle, seconds, tag)
+        if zero_unused_rows:  # rows past those received: zeros, not what the allocator held
+            for recv in recvs:
+                _C.zero_rows_past(recv.data_ptr(), recv_rows, _row_bytes(recv), counts.data_ptr(), self._n_pes,
+                                  handle)
         if stream is not None:  # on another stream: the inputs stay allocated until it is done
             from .._torch_utils import keep_alive as _keep_alive
             _keep_alive(stream, *sends, send_counts, *([] if send_index is None else [send_index]))
         return recvs, counts, offsets
 
 
-    def _exchange_in_region(self, sends, in_region, send_counts, send_index, timeout):
+    def _exchange_in_region(self, sends, in_region, send_counts, send_index, timeout, tag: int = 0):
         """_exchange_eager, but the fields with in_region[i] True stay in the receive region
         (None in recvs): the caller reads them with its own kernels (``self._core.in_region(i)``,
         source s's rows ``self._core.region_stride`` bytes after source s - 1's), then MUST call
         ``self._core.release(call, stream)`` on the current stream. Eager only (no op); returns
         (recvs, recv_counts, recv_offsets, call)."""
-        send_counts = self._check(sends, send_counts, send_index)
+        send_counts = self._checked(sends, send_counts, send_index, None, timeout)
         seconds = timeout_seconds(timeout)
         handle = stream_handle(None, self._device)
         recv_rows = self.recv_rows
@@ -199,8 +235,16 @@ class AllToAll:
         index = 0 if send_index is None else send_index.data_ptr()
         index_rows = 0 if send_index is None else send_index.shape[0]
         call = self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
-                                   offsets.data_ptr(), handle, seconds)
+                                   offsets.data_ptr(), handle, seconds, tag)
         return recvs, counts, offsets, call
+
+
+def _zero_past(rows: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """rows with rows [used, ...) zeroed, in torch ops (traced calls: no _C, no host read)."""
+    keep = torch.arange(rows.shape[0], device=rows.device) < used
+    flat = rows.reshape(rows.shape[0], -1).view(torch.uint8)
+    return torch.where(keep[:, None], flat, torch.zeros((), dtype=torch.uint8, device=rows.device)) \
+        .view(rows.dtype).reshape(rows.shape)
 
 
 def _check_cuda(tensor: object, name: str, device: int) -> None:
@@ -215,7 +259,8 @@ def _check_cuda(tensor: object, name: str, device: int) -> None:
 
 
 def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor, buffer: AllToAll, *, stream=None,
-                 timeout: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 timeout: float | None = None,
+                 zero_unused_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-to-all with counts on the GPU (collective, stream-ordered, capturable).
 
     ``send``: ``[rows, ...]``, any dtype, contiguous, on this PE's GPU: the rows for PE 0 first,
@@ -225,7 +270,8 @@ def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor, buffer: AllToAll
     Returns ``(recv, recv_counts, recv_offsets)``: ``recv`` is ``[n_pes * buffer.capacity, ...]``
     of send's dtype with the rows received grouped by source PE (source ``s``'s rows at
     ``recv[recv_offsets[s] : recv_offsets[s] + recv_counts[s]]``, in the order ``s`` sent them;
-    rows past ``recv_counts.sum()`` are unspecified); ``recv_counts`` and ``recv_offsets`` are
+    rows past ``recv_counts.sum()`` are left as the allocator gave them (not data; zeros with
+    ``zero_unused_rows=True``, one small kernel writing those rows)); ``recv_counts`` and ``recv_offsets`` are
     int64 ``[n_pes]``, written on the GPU by the call. Every PE must call it, in the same order,
     with rows of the same width and dtype.
 
@@ -242,7 +288,7 @@ def all_to_all_v(send: torch.Tensor, send_counts: torch.Tensor, buffer: AllToAll
         if not isinstance(buffer, AllToAll):
             raise Error(f"pydatacopy.all_to_all_v: buffer must be a pydatacopy.AllToAll (made once, "
                         f"collectively, with the row capacity), got {type(buffer).__name__}")
-    return buffer.all_to_all_v(send, send_counts, stream=stream, timeout=timeout)
+    return buffer.all_to_all_v(send, send_counts, stream=stream, timeout=timeout, zero_unused_rows=zero_unused_rows)
 
 
 # ---- the ops ----------------------------------------------------------------------------------

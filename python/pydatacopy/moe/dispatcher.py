@@ -95,29 +95,68 @@ class MoeDispatcher:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _tag(self, call: int) -> int:
+        """combine's tag for the dispatch that was call `call` on the dispatch buffer: the same on
+        every PE for the same dispatch (buffers are made, and called, in the same order on every
+        PE), never 0 (a plain exchange's)."""
+        return (self._dispatch.number << 40) | (call + 1)
+
+    def _mark(self, handle: MoeHandle, call: int) -> MoeHandle:
+        """Tags the handle with its dispatch (eager only: the tensor object carries it)."""
+        handle.combine_counts._pydatacopy_dispatch = self._tag(call)
+        return handle
+
+    def _refused(self, buffer: AllToAll, check, timeout) -> None:
+        """Runs `check` (this PE's own argument checks); a refusal of an eager call still takes
+        part in the round on `buffer` (AllToAll._refuse), so that every PE's call ends with
+        pydatacopy.Error instead of its peers timing out."""
+        try:
+            check()
+        except Error as error:
+            buffer._refuse(error, None, timeout)
+            raise
+
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int | None = None,
-                 *, timeout: float | None = None) -> tuple[torch.Tensor, MoeHandle]:
+                 *, timeout: float | None = None, zero_unused_rows: bool = False) -> tuple[torch.Tensor, MoeHandle]:
         """Send each token to the PEs of its experts; returns ``(recv_x, handle)``.
 
         ``x``: ``[tokens, hidden]`` of the dispatcher's dtype (bytes are moved as they are: bf16,
         fp8, anything of that element size), ``tokens <= max_tokens``. ``topk_idx``: integer
         ``[tokens, topk]`` on the GPU, global expert ids; a negative id means "no expert" for
         that slot. ``recv_x``: ``[recv_rows, hidden]``, rows grouped by local expert (see
-        MoeHandle), within an expert by source PE and then by the source's token order; rows
-        past ``handle.num_rows`` are unspecified. Collective: every PE calls it, in the same order.
+        MoeHandle), within an expert by source PE and then by the source's token order. Rows past
+        ``handle.num_rows`` are not data: left as the allocator gave them (their
+        ``handle.expert_of_row`` is ``experts_per_pe`` and ``source_pe`` -1), or zeros with
+        ``zero_unused_rows=True`` (one more small kernel writing those rows; with a large
+        ``max_tokens`` they are most of recv_x). Collective: every PE calls it, in the same order.
+
+        A refusal of this PE's arguments (more tokens than ``max_tokens``, a wrong shape or
+        dtype, another ``num_experts``) still takes part in the exchange, sending nothing: every
+        PE's dispatch ends with pydatacopy.Error (this PE's at once, the others' at their
+        ``check_errors()``), and the dispatcher stays usable.
         """
-        if num_experts is not None and num_experts != self.num_experts:
-            raise Error(f"pydatacopy.MoeDispatcher.dispatch: num_experts={num_experts}, but the "
-                        f"dispatcher was set up for {self.num_experts}")
-        self._check_tokens(x, topk_idx, "dispatch")
+        def check():
+            if num_experts is not None and num_experts != self.num_experts:
+                raise Error(f"pydatacopy.MoeDispatcher.dispatch: num_experts={num_experts}, but the "
+                            f"dispatcher was set up for {self.num_experts}")
+            self._check_tokens(x, topk_idx, "dispatch")
+        self._refused(self._dispatch, check, timeout)
         if not _traced() and IN_REGION:
             native = self._dispatch_native(x, topk_idx, timeout)
             if native is not None:
+                if zero_unused_rows:
+                    self._zero_unused(*native)
                 return native
         plan = dispatch_plan(topk_idx, self.num_experts, self.n_pes)
+        call = None
         if _traced() or not IN_REGION:
-            (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
-                [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
+            if _traced():
+                (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
+                    [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
+            else:
+                (recv_tokens, recv_meta), recv_counts, _ = self._dispatch._exchange_eager(
+                    [x, plan.meta], plan.send_counts, plan.send_index, None, timeout)
+                call = self._dispatch._core.calls - 1
             layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
             recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
         else:
@@ -140,7 +179,20 @@ class MoeDispatcher:
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
                            layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
                            layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)
+        if call is not None:
+            self._mark(handle, call)
+        if zero_unused_rows:
+            if _traced():
+                from .all_to_all import _zero_past
+                recv_x = _zero_past(recv_x, handle.num_rows)
+            else:
+                self._zero_unused(recv_x, handle)
         return recv_x, handle
+
+    def _zero_unused(self, recv_x, handle) -> None:
+        """Rows of recv_x past handle.num_rows set to zero (read on the GPU: no host read)."""
+        _C.zero_rows_past(recv_x.data_ptr(), recv_x.shape[0], _row_bytes(recv_x), handle.num_rows.data_ptr(), 1,
+                          stream_handle(None, self._dispatch._device))
 
     def _dispatch_native(self, x, topk_idx, timeout):
         """The region dispatch in one native call (moe_dispatch_region, include/pydatacopy/moe.hpp):
@@ -174,7 +226,7 @@ class MoeDispatcher:
         # passed), and the caching allocator hands this memory out again only to work queued
         # after them in that stream's order, so nothing later can overwrite it under them.
         scratch = torch.empty(totals["scratch"], dtype=torch.uint8, device=x.device)
-        _C.moe_dispatch_region(buffer._core, x.data_ptr(), row_bytes, topk_idx.data_ptr(), topk_idx.element_size(),
+        call = _C.moe_dispatch_region(buffer._core, x.data_ptr(), row_bytes, topk_idx.data_ptr(), topk_idx.element_size(),
                                tokens, topk, self.num_experts, recv_x.data_ptr(),
                                recv_x.numel() * recv_x.element_size(), kept.data_ptr(), totals["handle"],
                                scratch.data_ptr(), totals["scratch"], stream_handle(None, device), seconds)
@@ -193,7 +245,7 @@ class MoeDispatcher:
                            view("recv_counts", longs, n_pes), view("combine_index", longs, pairs + 1),
                            view("combine_counts", longs, n_pes), view("pair_pe", longs, tokens, topk),
                            view("pair_rank", longs, tokens, topk))
-        return recv_x, handle
+        return recv_x, self._mark(handle, call)
 
     def combine(self, y: torch.Tensor, handle: MoeHandle, topk_weights: torch.Tensor, *,
                 timeout: float | None = None) -> torch.Tensor:
@@ -202,18 +254,46 @@ class MoeDispatcher:
         ``y``: ``[recv_rows, hidden]`` (recv_x's layout; rows past handle.num_rows are not read)
         of combine_dtype. ``topk_weights``: ``[tokens, topk]`` on the GPU (any float dtype, used
         as float32), this PE's tokens as dispatched. Collective, like dispatch.
+
+        ``handle``: from any earlier dispatch of this dispatcher, with ``y`` in that dispatch's
+        recv_x layout (combine reads nothing of the dispatch's receive region: recv_x and the
+        handle are tensors of their own, so two dispatches in flight, e.g. micro-batches, are
+        fine). Every PE must pass the handle of the same dispatch: each eager handle carries its
+        dispatch (the dispatch buffer's call number, the same on every PE), and the exchange
+        compares it on the device. PEs that combine different dispatches (a stale handle on one
+        PE), or a handle of another dispatcher, get pydatacopy.Error on every PE (at once where
+        this PE saw it, at ``check_errors()`` elsewhere; the rows of the mismatched pairs are
+        dropped, never summed into the wrong tokens). Handles made by traced (compiled) calls or
+        by hand carry no dispatch and are not compared.
         """
-        if y.dim() != 2 or y.shape[0] != self.recv_rows or y.shape[1] != self.hidden:
-            raise Error(f"pydatacopy.MoeDispatcher.combine: y must be [{self.recv_rows}, {self.hidden}] "
-                        f"(recv_x's shape), got {tuple(y.shape)}")
-        if y.dtype != self.combine_dtype:
-            raise Error(f"pydatacopy.MoeDispatcher.combine: y must be {self.combine_dtype} (combine_dtype), got {y.dtype}")
-        if tuple(topk_weights.shape) != tuple(handle.pair_pe.shape):
-            raise Error(f"pydatacopy.MoeDispatcher.combine: topk_weights must be {tuple(handle.pair_pe.shape)} "
-                        f"([tokens, topk] as dispatched), got {tuple(topk_weights.shape)}")
+        tag = getattr(getattr(handle, "combine_counts", None), "_pydatacopy_dispatch", 0)
+
+        def check():
+            if not isinstance(handle, MoeHandle):
+                raise Error(f"pydatacopy.MoeDispatcher.combine: handle must be the MoeHandle dispatch() "
+                            f"returned, got {type(handle).__name__}")
+            if tag and tag >> 40 != self._dispatch.number:
+                raise Error("pydatacopy.MoeDispatcher.combine: the handle comes from another MoeDispatcher's "
+                            "dispatch; pass the handle of this dispatcher's dispatch")
+            if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[0] != self.recv_rows \
+                    or y.shape[1] != self.hidden:
+                raise Error(f"pydatacopy.MoeDispatcher.combine: y must be [{self.recv_rows}, {self.hidden}] "
+                            f"(recv_x's shape), got {tuple(getattr(y, 'shape', ()))}")
+            if y.dtype != self.combine_dtype:
+                raise Error(f"pydatacopy.MoeDispatcher.combine: y must be {self.combine_dtype} (combine_dtype), "
+                            f"got {y.dtype}")
+            if not isinstance(topk_weights, torch.Tensor) or \
+                    tuple(topk_weights.shape) != tuple(handle.pair_pe.shape):
+                raise Error(f"pydatacopy.MoeDispatcher.combine: topk_weights must be {tuple(handle.pair_pe.shape)} "
+                            f"([tokens, topk] as dispatched), got {tuple(getattr(topk_weights, 'shape', ()))}")
+        self._refused(self._combine, check, timeout)
         if _traced() or not IN_REGION or not topk_weights.is_cuda:
-            (back,), back_counts, back_offsets = self._combine.exchange(
-                [y], handle.combine_counts, handle.combine_index, timeout=timeout)
+            if _traced():
+                (back,), back_counts, back_offsets = self._combine.exchange(
+                    [y], handle.combine_counts, handle.combine_index, timeout=timeout)
+            else:
+                (back,), back_counts, back_offsets = self._combine._exchange_eager(
+                    [y], handle.combine_counts, handle.combine_index, None, timeout, tag)
             slots = combine_slots(handle.pair_pe, handle.pair_rank, back_counts, back_offsets, self.n_pes)
             return combine_reduce(back, slots, topk_weights)
         # The expert outputs stay in the receive region: the reduction reads each (token, k)'s
@@ -233,10 +313,10 @@ class MoeDispatcher:
                                   handle.combine_counts.data_ptr(), index.data_ptr(), index.shape[0],
                                   pair_pe.data_ptr(), pair_rank.data_ptr(), weights.data_ptr(), tokens, topk,
                                   out.data_ptr(), back.data_ptr(), back[self.n_pes:].data_ptr(),
-                                  stream_handle(None, buffer._device), timeout_seconds(timeout))
+                                  stream_handle(None, buffer._device), timeout_seconds(timeout), tag)
             return out
         (_,), back_counts, _, call = buffer._exchange_in_region(
-            [y], [True], handle.combine_counts, handle.combine_index, timeout)
+            [y], [True], handle.combine_counts, handle.combine_index, timeout, tag)
         try:
             weights = topk_weights.to(torch.float32).contiguous()
             out = torch.empty((tokens, self.hidden), dtype=y.dtype, device=y.device)

@@ -31,6 +31,8 @@ enum class WaitOp : int {
   kAllToAllCount = 16,          // a negative count, or counts past the rows (or index) sent
   kAllToAllIndex = 17,          // a gather index out of range (that row was not sent)
   kAllToAllLayout = 18,         // `peer` sent rows of another width or field count than this PE's
+  kAllToAllRefusedBy = 19,      // `peer` refused the whole call (expected: its AllToAllRefusal)
+  kAllToAllTag = 20,            // `peer`'s call had another tag (MoE: another dispatch's handle)
 };
 
 const char* wait_op_name(WaitOp op);

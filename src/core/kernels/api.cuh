@@ -336,6 +336,11 @@ struct AllToAllArgs {
   uint64_t* consumed;          // device [n_pes]: row-field units taken from each source, this set
   uint64_t* pending;           // device [n_pes]: credit owed to each source (release), this set
   bool defer_credits;          // a field stays in the region: credits wait for release
+  // Refuse mode (nonzero: an AllToAllRefusal): this PE sends no rows and every destination a
+  // call-refused meta, takes and credits its sources' rows without copying them, writes no
+  // output and records nothing (its host throws); send_counts and the outputs may be null.
+  int refusal;
+  uint64_t tag;                // the call's identity: a source whose tag differs is refused
   unsigned int* send_done;     // device: send blocks finished in this launch
   unsigned int* recv_done;     // device: receive blocks finished in this launch
   int my_pe, n_pes;
@@ -343,6 +348,9 @@ struct AllToAllArgs {
   detail::DeviceStatus* status;
 };
 void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream);
+// pydatacopy::zero_rows_past's kernel.
+void launch_zero_rows_past(void* out, int64_t rows, int64_t row_bytes, const int64_t* counts, int n_counts,
+                           int blocks, cudaStream_t stream);
 // The credits a deferred call owes (pending[s], 0: none) signalled to the sources: credits is
 // the symmetric credit array of the call's set.
 void launch_all_to_all_release(uint64_t* pending, uint64_t* credits, int my_pe, int n_pes,

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <sstream>
+#include <string>
 #include <utility>
 
 #include "common/device_status.cuh"
@@ -147,6 +149,7 @@ void AllToAll::init(int64_t capacity, int64_t max_row_bytes) {
   calls_ = 0;
   last_call_ = -1;
   release_owed_[0] = release_owed_[1] = false;
+  owed_capture_[0] = owed_capture_[1] = 0;
 }
 
 void AllToAll::cleanup() {
@@ -157,6 +160,7 @@ void AllToAll::cleanup() {
   capacity_ = max_row_bytes_ = calls_ = 0;
   last_call_ = -1;
   release_owed_[0] = release_owed_[1] = false;
+  owed_capture_[0] = owed_capture_[1] = 0;
   n_pes_ = 0;
   // Settles every PE (bounded barrier) before freeing, after this device's work is done: peers
   // may still be writing into our regions until then.
@@ -169,67 +173,168 @@ void AllToAll::cleanup() {
   order_ = ChannelOrder();
 }
 
+namespace {
+// The first refusal of a call: its reason (AllToAllRefusal) and text; later ones are not kept.
+struct Refusal {
+  int reason = 0;
+  std::string text;
+  void add(int why, const std::string& what) {
+    if (reason == 0) {
+      reason = why;
+      text = what;
+    }
+  }
+};
+#define PDC_REFUSE_UNLESS(refusal, condition, why, message) \
+  do {                                                      \
+    if (!(condition)) {                                     \
+      std::ostringstream pdc_text_;                         \
+      pdc_text_ << message;                                 \
+      (refusal).add(why, pdc_text_.str());                  \
+    }                                                       \
+  } while (0)
+}  // namespace
+
+bool AllToAll::owed(int set, unsigned long long capture) const {
+  return release_owed_[set] && (owed_capture_[set] == 0 || owed_capture_[set] == capture);
+}
+
 int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                            const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                            int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                           AllToAllRegion* region) {
+                           AllToAllRegion* region, uint64_t tag) {
   const std::lock_guard<std::mutex> lock(mutex_);
+  // Host-only refusals: no round can run without the buffer, nor with a peer presumed dead
+  // (check_timeouts refuses every collective; the peers' own calls refuse or time out alike).
   require_initialized("all_to_all");
-  check_timeouts();  // a collective: refused on every PE once any peer is presumed dead
+  check_timeouts();
+  // Everything below is this PE's own arguments or state, which its peers cannot see: a refusal
+  // still runs the round (refuse mode), so that the peers' calls complete and learn of it.
+  Refusal refusal;
   const int count = static_cast<int>(fields.size());
-  PDC_REQUIRE(count >= 1 && count <= AllToAllLayout::kMaxFields,
-              "all_to_all: 1 to " << AllToAllLayout::kMaxFields << " fields per call, got " << count);
-  PDC_REQUIRE(send_counts != nullptr && recv_counts != nullptr && recv_offsets != nullptr,
-              "all_to_all: send_counts, recv_counts and recv_offsets must be device tensors");
-  PDC_REQUIRE(send_index == nullptr ? index_rows == 0 : index_rows >= 0,
-              "all_to_all: index_rows must be 0 without an index and >= 0 with one, got " << index_rows);
+  PDC_REFUSE_UNLESS(refusal, count >= 1 && count <= AllToAllLayout::kMaxFields, kRefusedArguments,
+                    "all_to_all: 1 to " << AllToAllLayout::kMaxFields << " fields per call, got " << count);
+  PDC_REFUSE_UNLESS(refusal, send_counts != nullptr && recv_counts != nullptr && recv_offsets != nullptr,
+                    kRefusedArguments, "all_to_all: send_counts, recv_counts and recv_offsets must be device tensors");
+  PDC_REFUSE_UNLESS(refusal, send_index == nullptr ? index_rows == 0 : index_rows >= 0, kRefusedArguments,
+                    "all_to_all: index_rows must be 0 without an index and >= 0 with one, got " << index_rows);
+  const int64_t send_rows = count >= 1 ? fields[0].send_rows : 0;
+  // (The send kernel's offsets saturate at the send rows: a row count, never negative.)
+  PDC_REFUSE_UNLESS(refusal, send_rows >= 0, kRefusedArguments,
+                    "all_to_all: send tensors must have at least 0 rows, got " << send_rows);
+  int64_t total_width = 0;
+  for (int f = 0; f < count && f < AllToAllLayout::kMaxFields; ++f) {
+    const AllToAllField& field = fields[f];
+    PDC_REFUSE_UNLESS(refusal, field.row_bytes > 0, kRefusedArguments,
+                      "all_to_all: field " << f << " has rows of " << field.row_bytes
+                                           << " bytes; rows must be at least 1 byte");
+    PDC_REFUSE_UNLESS(refusal, field.send_rows == send_rows, kRefusedArguments,
+                      "all_to_all: every field must have the same number of send rows (field 0: "
+                          << send_rows << ", field " << f << ": " << field.send_rows << ")");
+    PDC_REFUSE_UNLESS(refusal, field.recv == nullptr || field.recv_rows >= n_pes_ * capacity_, kRefusedArguments,
+                      "all_to_all: field " << f << "'s receive tensor has " << field.recv_rows
+                          << " rows; it needs n_pes x capacity = " << n_pes_ << " x " << capacity_ << " = "
+                          << n_pes_ * capacity_);
+    PDC_REFUSE_UNLESS(refusal, field.send != nullptr || send_rows == 0, kRefusedArguments,
+                      "all_to_all: field " << f << " has no send tensor");
+    // (Each width clamped: four of them cannot overflow the sum, and any clamped one is refused.)
+    total_width += std::min(std::max<int64_t>(field.row_bytes, 0), AllToAllLayout::kMaxRowBytes + 1);
+  }
+  PDC_REFUSE_UNLESS(refusal, total_width <= max_row_bytes_, kRefusedArguments,
+                    "all_to_all: rows of " << total_width << " bytes (all fields) do not fit the "
+                        << max_row_bytes_ << " bytes per row fixed at setup; set the buffer up with "
+                                             "max_row_bytes >= " << total_width);
+  const int set = static_cast<int>(calls_ % 2);
+  const unsigned long long capture = capture_id(stream);
+  // The sources' sends into this set wait for its previous round's credits: a release owed and
+  // never made would make them time out. The refusal hands the region back first (below).
+  PDC_REFUSE_UNLESS(refusal, !owed(set, capture), kRefusedRelease,
+                    "all_to_all: call " << calls_ - 2 << " on this buffer left rows in its receive region "
+                        "and was never released (AllToAll.release); this call was refused on every PE and "
+                        "that region handed back to its sources (its rows are no longer valid). Release "
+                        "each such call before the call two after it");
+  if (refusal.reason == 0 && (rma_forced() || !every_peer_direct_) && send_rows > 0) {
+    // Some rows leave through NVSHMEM RMA: their sources must be symmetric or registered. A PE
+    // whose tensor cannot be (expandable segments, registration off) refuses: its peers run.
+    for (int f = 0; f < count && refusal.reason == 0; ++f) {
+      try {
+        prepare_rma_local(fields[f].send, static_cast<std::size_t>(send_rows * fields[f].row_bytes),
+                          "all_to_all: a send tensor");
+      } catch (const TimeoutError&) {
+        throw;
+      } catch (const Error& error) {
+        refusal.add(kRefusedSendTensor, error.what());
+      }
+    }
+  }
+  if (refusal.reason == kRefusedRelease) {
+    // Stream-ordered like a call of this buffer: the credits owed, then the refused round.
+    const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
+    order_.order_after_last(0, stream, capture);
+    kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
+                                       reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(), n_pes_,
+                                       stream);
+    order_.record(0, stream, capture);
+    release_owed_[set] = false;
+  }
+  const int64_t call = launch_round(fields, send_counts, send_index, index_rows, recv_counts, recv_offsets, stream,
+                                    timeout_seconds, region, tag, refusal.reason);
+  if (refusal.reason != 0) throw Error(refusal.text);
+  return call;
+}
+
+void AllToAll::refuse(const std::string& why, cudaStream_t stream, double timeout_seconds) {
+  {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    require_initialized("all_to_all");
+    check_timeouts();
+    const int set = static_cast<int>(calls_ % 2);
+    const unsigned long long capture = capture_id(stream);
+    if (owed(set, capture)) {  // the sources wait for these credits (see exchange)
+      const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
+      order_.order_after_last(0, stream, capture);
+      kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
+                                         reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(), n_pes_,
+                                         stream);
+      order_.record(0, stream, capture);
+      release_owed_[set] = false;
+    }
+    launch_round({}, nullptr, nullptr, 0, nullptr, nullptr, stream, timeout_seconds, nullptr, 0, kRefusedByCaller);
+  }
+  throw Error(why);
+}
+
+int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
+                               const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
+                               int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
+                               AllToAllRegion* region, uint64_t tag, int refusal) {
   const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
   kernels::AllToAllArgs args{};
+  // Refuse mode moves no field and reads none of the call's tensors (they may be the reason).
+  const int count = refusal != 0 ? 0 : static_cast<int>(fields.size());
   int64_t widths[AllToAllLayout::kMaxFields] = {};
   int64_t total_width = 0;
-  const int64_t send_rows = fields[0].send_rows;
-  // (The send kernel's offsets saturate at the send rows: a row count, never negative.)
-  PDC_REQUIRE(send_rows >= 0, "all_to_all: send tensors must have at least 0 rows, got " << send_rows);
+  bool defer = false;
   for (int f = 0; f < count; ++f) {
-    const AllToAllField& field = fields[f];
-    PDC_REQUIRE(field.row_bytes > 0, "all_to_all: field " << f << " has rows of " << field.row_bytes
-                                                          << " bytes; rows must be at least 1 byte");
-    PDC_REQUIRE(field.send_rows == send_rows,
-                "all_to_all: every field must have the same number of send rows (field 0: "
-                    << send_rows << ", field " << f << ": " << field.send_rows << ")");
-    PDC_REQUIRE(field.recv == nullptr || field.recv_rows >= n_pes_ * capacity_,
-                "all_to_all: field " << f << "'s receive tensor has " << field.recv_rows
-                    << " rows; it needs n_pes x capacity = " << n_pes_ << " x " << capacity_ << " = "
-                    << n_pes_ * capacity_);
-    PDC_REQUIRE(field.send != nullptr || send_rows == 0,
-                "all_to_all: field " << f << " has no send tensor");
-    widths[f] = field.row_bytes;
-    total_width += field.row_bytes;
-    args.send[f] = static_cast<const uint8_t*>(field.send);
-    args.recv[f] = static_cast<uint8_t*>(field.recv);
-    args.row_bytes[f] = field.row_bytes;
+    widths[f] = fields[f].row_bytes;
+    total_width += fields[f].row_bytes;
+    args.send[f] = static_cast<const uint8_t*>(fields[f].send);
+    args.recv[f] = static_cast<uint8_t*>(fields[f].recv);
+    args.row_bytes[f] = fields[f].row_bytes;
+    defer = defer || fields[f].recv == nullptr;
   }
-  PDC_REQUIRE(total_width <= max_row_bytes_,
-              "all_to_all: rows of " << total_width << " bytes (all fields) do not fit the "
-                  << max_row_bytes_ << " bytes per row fixed at setup; set the buffer up with "
-                                       "max_row_bytes >= " << total_width);
   for (int f = 0; f < count; ++f) args.field_start[f] = AllToAllLayout::field_start(capacity_, widths, f);
   const int set = static_cast<int>(calls_ % 2);
-  // The sources' sends into this set wait for its previous round's credits: a release owed
-  // and never made would make them time out; refused here, on the host, instead.
-  PDC_REQUIRE(!release_owed_[set],
-              "all_to_all: call " << calls_ - 2 << " on this buffer left rows in its receive region "
-                                  "and was never released (AllToAll.release); release it first");
-  bool defer = false;
-  for (int f = 0; f < count; ++f) defer = defer || fields[f].recv == nullptr;
   args.fields = count;
   args.row_bytes_total = total_width;
-  args.send_rows = send_rows;
-  args.send_counts = send_counts;
-  args.send_index = send_index;
-  args.index_rows = index_rows;
-  args.recv_counts = recv_counts;
-  args.recv_offsets = recv_offsets;
+  args.send_rows = count > 0 ? fields[0].send_rows : 0;
+  args.send_counts = refusal != 0 ? nullptr : send_counts;
+  args.send_index = refusal != 0 ? nullptr : send_index;
+  args.index_rows = refusal != 0 ? 0 : index_rows;
+  args.recv_counts = refusal != 0 ? nullptr : recv_counts;
+  args.recv_offsets = refusal != 0 ? nullptr : recv_offsets;
+  args.refusal = refusal;
+  args.tag = tag;
   args.base = base_;
   args.peer_bases = peer_bases_;
   args.direct = !rma_forced();
@@ -252,17 +357,14 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
   args.timeout_ns = timeout_nanoseconds(timeout_seconds);
   args.status = detail::device_status();
   if (!args.direct || !every_peer_direct_) {
-    // Some rows leave through NVSHMEM RMA: their sources must be symmetric or registered, and
-    // PYDATACOPY_CHECK_RMA checks what the kernels hand NVSHMEM.
-    for (int f = 0; f < count; ++f)
-      if (send_rows > 0)
-        prepare_rma_local(fields[f].send, static_cast<std::size_t>(send_rows * fields[f].row_bytes),
-                          "all_to_all: a send tensor");
+    // PYDATACOPY_CHECK_RMA checks what the kernels hand NVSHMEM (the send tensors were
+    // prepared by exchange()). These are this buffer's own symmetric words, the same on every PE.
     const auto words = static_cast<std::size_t>(n_pes_) * sizeof(uint64_t);
-    check_rma_local(base_ + args.outgoing, words, "all_to_all: the meta words put from here");
+    const auto pairs = static_cast<std::size_t>(n_pes_ * AllToAllLayout::kMetaBytes);
+    check_rma_local(base_ + args.outgoing, pairs, "all_to_all: the meta words put from here");
     check_rma_remote(base_ + args.regions, static_cast<std::size_t>(n_pes_ * args.region_bytes),
                      "all_to_all: the receive regions");
-    check_rma_remote(base_ + args.metas, words, "all_to_all: the meta words");
+    check_rma_remote(base_ + args.metas, pairs, "all_to_all: the meta words");
     check_rma_remote(base_ + args.meta_signals, words, "all_to_all: the meta signals");
     check_rma_remote(base_ + args.arrivals, words, "all_to_all: the arrival counters");
   }
@@ -275,6 +377,7 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
   order_.record(0, stream, capture);
   for (int f = 0; f < AllToAllLayout::kMaxFields; ++f) last_field_start_[f] = f < count ? args.field_start[f] : 0;
   release_owed_[set] = defer;
+  owed_capture_[set] = capture;
   last_call_ = calls_;
   if (region != nullptr) {  // this call's, read under the lock (in_region() reads the last call's)
     *region = AllToAllRegion{};
@@ -305,11 +408,12 @@ void AllToAll::release(int64_t call, cudaStream_t stream) {
               "all_to_all: release(" << call << "): only one of the last two calls (" << calls_ - 2
                                      << ", " << calls_ - 1 << ") can be released");
   const int set = static_cast<int>(call % 2);
-  if (!release_owed_[set]) return;
+  const unsigned long long capture = capture_id(stream);
+  // A flag left by a capture that never completed is nothing owed here (its round never ran).
+  if (!owed(set, capture)) return;
   const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
   // Ordered like a call of this buffer: after its exchange (and after what the caller put on
   // `stream` since, the readers of the region), before the next call's kernels.
-  const unsigned long long capture = capture_id(stream);
   order_.order_after_last(0, stream, capture);
   kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
                                      reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(),
@@ -328,6 +432,21 @@ void gather_rows(void* out, const void* src, const int64_t* index, const int64_t
   // Enough warps to keep the copy at full speed; the kernel strides over the rows in use.
   const int blocks = static_cast<int>(std::min<int64_t>((rows + 7) / 8, 4 * multiprocessor_count()));
   kernels::launch_gather_rows(out, src, index, count, rows, src_rows, row_bytes, std::max(blocks, 1), stream);
+}
+
+void zero_rows_past(void* out, int64_t rows, int64_t row_bytes, const int64_t* counts, int n_counts,
+                    cudaStream_t stream) {
+  PDC_REQUIRE(rows >= 0 && row_bytes >= 0 && n_counts >= 0 && n_counts <= AllToAllLayout::kMaxPes,
+              "zero_rows_past: bad sizes (rows " << rows << ", row_bytes " << row_bytes << ", counts " << n_counts
+                                                 << ")");
+  PDC_REQUIRE(rows == 0 || row_bytes == 0 || (out != nullptr && (counts != nullptr || n_counts == 0)),
+              "zero_rows_past: out and counts must be device tensors");
+  PDC_REQUIRE(row_bytes == 0 || rows <= (int64_t{1} << 50) / row_bytes, "zero_rows_past: " << rows << " rows of "
+                                                                        << row_bytes << " bytes is too large");
+  // Enough threads to write at full speed; the kernel strides over what is past the counts.
+  const int64_t vectors = (rows * row_bytes + 15) / 16;
+  const int blocks = static_cast<int>(std::min<int64_t>((vectors + 255) / 256, 4 * multiprocessor_count()));
+  kernels::launch_zero_rows_past(out, rows, row_bytes, counts, n_counts, std::max(blocks, 1), stream);
 }
 
 void gather_region_rows(void* out, const void* region, int64_t stride, const int64_t* recv_offsets,

@@ -3,6 +3,7 @@
 // caller's (recv_x, the handle's tensors, the scratch).
 #include "pydatacopy/moe.hpp"
 
+#include <optional>
 #include <vector>
 
 #include "pydatacopy/error.hpp"
@@ -90,28 +91,37 @@ MoeDispatchWorkspace::MoeDispatchWorkspace(int64_t tokens_, int64_t topk_, int n
   }
 }
 
-void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
+int64_t moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, const void* topk_idx, int id_bytes,
                          int64_t tokens, int64_t topk, int64_t num_experts, void* recv_x_region,
                          int64_t recv_x_bytes, void* handle_region, int64_t handle_bytes, void* scratch_region,
                          int64_t scratch_bytes, cudaStream_t stream, double timeout_seconds) {
   using W = MoeDispatchWorkspace;
   PDC_REQUIRE(engine.initialized(), "moe_dispatch_region: the dispatch buffer is not set up (or was closed)");
   const int pes = n_pes();
-  PDC_REQUIRE(num_experts >= pes && num_experts % pes == 0,
-              "moe_dispatch_region: num_experts=" << num_experts << " must be a multiple of the " << pes << " PEs");
-  const W w(tokens, topk, pes, num_experts / pes, pes * engine.capacity(), row_bytes);
   uint8_t* const bases[W::kRegions] = {static_cast<uint8_t*>(recv_x_region), static_cast<uint8_t*>(handle_region),
                                        static_cast<uint8_t*>(scratch_region)};
   const int64_t given[W::kRegions] = {recv_x_bytes, handle_bytes, scratch_bytes};
-  for (int r = 0; r < W::kRegions; ++r) {
-    const bool empty = w.total(static_cast<W::Region>(r)) == 0;
-    PDC_REQUIRE((bases[r] != nullptr || empty) && (reinterpret_cast<uintptr_t>(bases[r]) % W::kAlignment) == 0 &&
-                    given[r] >= w.total(static_cast<W::Region>(r)),
-                "moe_dispatch_region: the " << W::kRegionNames[r] << " region (" << given[r] << " bytes at "
-                    << static_cast<const void*>(bases[r]) << ") must be " << W::kAlignment
-                    << "-byte aligned and hold " << w.total(static_cast<W::Region>(r))
-                    << " bytes (moe_dispatch_workspace)");
+  // This PE's own checks and the sender's layout: its peers make the exchange, so a refusal here
+  // still runs the round (AllToAll::refuse), and every PE's dispatch ends with an Error.
+  std::optional<W> workspace;
+  try {
+    PDC_REQUIRE(num_experts >= pes && num_experts % pes == 0,
+                "moe_dispatch_region: num_experts=" << num_experts << " must be a multiple of the " << pes << " PEs");
+    workspace.emplace(tokens, topk, pes, num_experts / pes, pes * engine.capacity(), row_bytes);
+    for (int r = 0; r < W::kRegions; ++r) {
+      const int64_t total = workspace->total(static_cast<W::Region>(r));
+      PDC_REQUIRE((bases[r] != nullptr || total == 0) && (reinterpret_cast<uintptr_t>(bases[r]) % W::kAlignment) == 0 &&
+                      given[r] >= total,
+                  "moe_dispatch_region: the " << W::kRegionNames[r] << " region (" << given[r] << " bytes at "
+                      << static_cast<const void*>(bases[r]) << ") must be " << W::kAlignment
+                      << "-byte aligned and hold " << total << " bytes (moe_dispatch_workspace)");
+    }
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error& error) {
+    engine.refuse(error.what(), stream, timeout_seconds);
   }
+  const W& w = *workspace;
   auto at = [&](W::Part p) -> void* { return bases[W::kRegionOf[p]] + w.offset[p]; };
   auto part = [&](W::Part p) -> void* { return w.bytes[p] == 0 ? nullptr : at(p); };
   auto longs = [&](W::Part p) { return static_cast<int64_t*>(part(p)); };
@@ -119,9 +129,15 @@ void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, con
   auto* send_counts = static_cast<int64_t*>(at(W::kSendCounts));
   auto* send_index = static_cast<int64_t*>(at(W::kSendIndex));
   auto* meta = static_cast<int32_t*>(part(W::kMeta));
-  moe_dispatch_layout(topk_idx, id_bytes, tokens, topk, num_experts, pes, send_counts, send_index, meta,
-                      longs(W::kPairPe), longs(W::kPairRank), stream,
-                      part(W::kDispatchScratch), w.bytes[W::kDispatchScratch]);
+  try {
+    moe_dispatch_layout(topk_idx, id_bytes, tokens, topk, num_experts, pes, send_counts, send_index, meta,
+                        longs(W::kPairPe), longs(W::kPairRank), stream,
+                        part(W::kDispatchScratch), w.bytes[W::kDispatchScratch]);
+  } catch (const TimeoutError&) {
+    throw;
+  } catch (const Error& error) {
+    engine.refuse(error.what(), stream, timeout_seconds);
+  }
   // The token rows stay in the receive region (the grouping reads them there); the meta rows
   // are compacted into recv_meta for the receive layout.
   const int64_t recv_rows = w.recv_rows;
@@ -160,23 +176,29 @@ void moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, con
     throw;  // the first error
   }
   engine.release(call, stream);
+  return call;
 }
 
 void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
                         const int64_t* combine_counts, const int64_t* combine_index, int64_t index_rows,
                         const int64_t* pair_pe, const int64_t* pair_rank, const float* weights, int64_t tokens,
                         int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
-                        double timeout_seconds) {
-  PDC_REQUIRE(dtype == kReduceFloat32 || dtype == kReduceBfloat16 || dtype == kReduceFloat16,
-              "moe_combine_region: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
-  PDC_REQUIRE(hidden >= 1 && y_rows >= 0, "moe_combine_region: hidden " << hidden << ", rows " << y_rows);
+                        double timeout_seconds, uint64_t tag) {
+  // This PE's own checks: a refusal still runs the round (AllToAll::refuse), as in dispatch.
+  try {
+    PDC_REQUIRE(dtype == kReduceFloat32 || dtype == kReduceBfloat16 || dtype == kReduceFloat16,
+                "moe_combine_region: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
+    PDC_REQUIRE(hidden >= 1 && y_rows >= 0, "moe_combine_region: hidden " << hidden << ", rows " << y_rows);
+  } catch (const Error& error) {
+    engine.refuse(error.what(), stream, timeout_seconds);
+  }
   const int64_t row_bytes = hidden * (dtype == kReduceFloat32 ? 4 : 2);
   const std::vector<AllToAllField> fields = {{y, nullptr, row_bytes, y_rows, 0}};
   // The expert outputs stay in the receive region: the reduction reads each (token, k)'s row
   // there (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
   AllToAllRegion in_region;  // this call's region, taken under the buffer's lock by exchange()
   const int64_t call = engine.exchange(fields, combine_counts, combine_index, index_rows, back_counts, back_offsets,
-                                       stream, timeout_seconds, &in_region);
+                                       stream, timeout_seconds, &in_region, tag);
   try {
     moe_combine_reduce_region(out, in_region.field[0], in_region.stride, pair_pe, pair_rank, back_counts,
                               n_pes(), weights, tokens, topk, hidden, dtype, stream);

@@ -193,7 +193,9 @@ const char* wait_op_name(WaitOp op) {
     case WaitOp::kAllToAllCapacityFrom:
     case WaitOp::kAllToAllCount:
     case WaitOp::kAllToAllIndex:
-    case WaitOp::kAllToAllLayout: return "all_to_all";
+    case WaitOp::kAllToAllLayout:
+    case WaitOp::kAllToAllRefusedBy:
+    case WaitOp::kAllToAllTag: return "all_to_all";
     default: return "wait";
   }
 }
@@ -758,6 +760,15 @@ void check_all_to_all_refusal() {
       text << "PE " << r.peer << " sent rows of " << asked << " bytes in its fields where this PE "
            << "expects " << limit << "; its rows were dropped (recv_counts[" << r.peer
            << "] = 0). Every PE must move the same fields with the same row widths in each call";
+      break;
+    case detail::WaitOp::kAllToAllRefusedBy:  // (the refusing PE raised the details from its call)
+      text << "PE " << r.peer << " refused that call (reason " << asked << ": 1 arguments, 2 a send tensor, "
+           << "3 a release owed, 4 its caller's check; its own Error says what); it sent no PE anything then "
+           << "(recv_counts[" << r.peer << "] was 0), the buffer stays usable. Fix the call on PE " << r.peer;
+      break;
+    case detail::WaitOp::kAllToAllTag:
+      text << "PE " << r.peer << " made that call with another tag (" << r.expected << ", this PE " << r.seen
+           << "; MoE combine: every PE must pass the handle of the same dispatch); its rows were dropped";
       break;
     default:
       text << "refused a round (op " << r.op << ")";

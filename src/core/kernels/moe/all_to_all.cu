@@ -33,6 +33,11 @@ __device__ __forceinline__ uint64_t* peer_word(uint8_t* peer_base, int64_t array
   return reinterpret_cast<uint64_t*>(peer_base + array) + pe;
 }
 
+// PE pe's (meta, tag) pair in a pair array (AllToAllLayout::metas / outgoing) at `base`.
+__device__ __forceinline__ volatile uint64_t* meta_pair(uint8_t* base, int64_t array, int pe) {
+  return reinterpret_cast<volatile uint64_t*>(base + array + static_cast<int64_t>(pe) * AllToAllLayout::kMetaBytes);
+}
+
 __device__ __forceinline__ int64_t rows_per_piece(int64_t row_bytes) {
   const int64_t rows = kPieceBytes / (row_bytes > 0 ? row_bytes : 1);
   return rows > 0 ? rows : 1;
@@ -175,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
   int64_t rows_before = 0;
   for (int base = 0; base < n; base += blockDim.x) {
     const int d = base + threadIdx.x;
-    const int64_t asked = d < n ? a.send_counts[d] : 0;
+    const int64_t asked = d < n && a.refusal == 0 ? a.send_counts[d] : 0;
     const int64_t term = asked > 0 ? (asked < limit ? asked : limit) : 0;
     int64_t pass_offsets;
     const int64_t offset =
@@ -242,17 +247,23 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
       }
       const int64_t asked = asked_of[d];
       const bool refused = rows_to[d] != asked;
-      const uint64_t meta = AllToAllLayout::pack_meta(asked, a.row_bytes_total, a.fields, refused);
+      const uint64_t meta = a.refusal != 0 ? AllToAllLayout::pack_call_refused(a.refusal)
+                                           : AllToAllLayout::pack_meta(asked, a.row_bytes_total, a.fields, refused);
+      // The meta and the tag side by side (one put moves both), published by the signal.
       uint8_t* peer = a.direct ? a.peer_bases[d] : nullptr;
       if (peer != nullptr) {
-        *reinterpret_cast<volatile uint64_t*>(peer_word(peer, a.metas, a.my_pe)) = meta;
+        volatile uint64_t* at = meta_pair(peer, a.metas, a.my_pe);
+        at[0] = meta;
+        at[1] = a.tag;
         __threadfence_system();
         store_release_sys(peer_word(peer, a.meta_signals, a.my_pe), round);
       } else {
-        uint64_t* outgoing = word(a, a.outgoing, d);  // symmetric: the RMA source
-        *outgoing = meta;
-        nvshmem_putmem_signal(word(a, a.metas, a.my_pe), outgoing, sizeof(uint64_t),
-                              word(a, a.meta_signals, a.my_pe), round, NVSHMEM_SIGNAL_SET, d);
+        uint64_t* outgoing = const_cast<uint64_t*>(meta_pair(a.base, a.outgoing, d));  // symmetric: the RMA source
+        outgoing[0] = meta;
+        outgoing[1] = a.tag;
+        nvshmem_putmem_signal(const_cast<uint64_t*>(meta_pair(a.base, a.metas, a.my_pe)), outgoing,
+                              AllToAllLayout::kMetaBytes, word(a, a.meta_signals, a.my_pe), round,
+                              NVSHMEM_SIGNAL_SET, d);
       }
     }
   }
@@ -367,12 +378,19 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
     int64_t rows = 0;
     uint64_t units = 0;
     if (seen) {
-      const uint64_t meta = *reinterpret_cast<volatile uint64_t*>(word(a, a.metas, s));
+      volatile uint64_t* pair = meta_pair(a.base, a.metas, s);
+      const uint64_t meta = pair[0];
+      const uint64_t tag = pair[1];
       const int64_t count = AllToAllLayout::meta_count(meta);
       const bool refused = AllToAllLayout::meta_refused(meta);
       // What the sender added to our counter for this round, whether we take its rows or not.
       units = refused ? 0 : static_cast<uint64_t>(count) * AllToAllLayout::meta_fields(meta);
-      if (refused) {
+      if (a.refusal != 0) {
+        // This PE refuses the call: it takes no rows (its outputs may be the reason) and records
+        // nothing (its host throws); the units are still awaited and credited below.
+      } else if (AllToAllLayout::meta_call_refused(meta)) {
+        if (blockIdx.x == 0) refuse(a, detail::WaitOp::kAllToAllRefusedBy, s, count, 0);
+      } else if (refused) {
         if (blockIdx.x == 0 && count > a.capacity)
           refuse(a, detail::WaitOp::kAllToAllCapacityFrom, s, count, a.capacity);
       } else if (count < 0 || count > a.capacity) {  // never past this PE's region (init votes alike)
@@ -382,6 +400,8 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
         if (blockIdx.x == 0)
           refuse(a, detail::WaitOp::kAllToAllLayout, s, AllToAllLayout::meta_row_bytes(meta),
                  a.row_bytes_total);
+      } else if (tag != a.tag) {  // another call's rows (MoE: another dispatch's handle)
+        if (blockIdx.x == 0) refuse(a, detail::WaitOp::kAllToAllTag, s, tag, a.tag);
       } else {
         rows = count;
       }
@@ -408,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
   }
   if (threadIdx.x == 0) pieces[n] = pieces_before;
   __syncthreads();
-  if (blockIdx.x == 0) {
+  if (blockIdx.x == 0 && a.refusal == 0) {  // (refuse mode writes no output)
     for (int s = threadIdx.x; s < n; s += blockDim.x) {
       a.recv_counts[s] = rows_from[s];
       a.recv_offsets[s] = offset_of[s];
@@ -1216,6 +1236,37 @@ void launch_gather_rows(void* out, const void* src, const int64_t* index, const 
   if (rows == 0 || row_bytes == 0) return;
   gather_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(out), static_cast<const uint8_t*>(src),
                                                  index, count, rows, src_rows, row_bytes);
+  PDC_CHECK_CUDA(cudaGetLastError());
+}
+
+namespace {
+// Rows [first, rows) of out zeroed, first = the sum of counts[0, n) (device int64: no host read,
+// a captured launch follows it), clamped to [0, rows]. Every block sums the counts itself (n is
+// at most kMaxPes: cheaper than a second launch).
+__global__ void __launch_bounds__(256)
+    zero_rows_past_kernel(uint8_t* out, int64_t rows, int64_t row_bytes, const int64_t* counts, int n) {
+  __shared__ int64_t first_shared;
+  if (threadIdx.x == 0) {
+    int64_t first = 0;
+    for (int i = 0; i < n; ++i) first += max(counts[i], int64_t{0});
+    first_shared = min(first, rows);
+  }
+  __syncthreads();
+  const int64_t begin = first_shared * row_bytes, end = rows * row_bytes;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (((reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(begin) | static_cast<uintptr_t>(end)) & 15) == 0) {
+    for (int64_t v = begin / 16 + tid; v < end / 16; v += step) reinterpret_cast<int4*>(out)[v] = make_int4(0, 0, 0, 0);
+  } else {
+    for (int64_t b = begin + tid; b < end; b += step) out[b] = 0;
+  }
+}
+}  // namespace
+
+void launch_zero_rows_past(void* out, int64_t rows, int64_t row_bytes, const int64_t* counts, int n_counts,
+                           int blocks, cudaStream_t stream) {
+  if (rows == 0 || row_bytes == 0) return;
+  zero_rows_past_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint8_t*>(out), rows, row_bytes, counts, n_counts);
   PDC_CHECK_CUDA(cudaGetLastError());
 }
 
