@@ -322,6 +322,8 @@ void bind_rma(py::module_& m) {
   m.attr("BENCH_HANDOFF_BEGIN") = kernels::kHandoffBegin;
   m.attr("BENCH_HANDOFF_RESOLVE") = kernels::kHandoffResolve;
   m.attr("BENCH_HANDOFF_TWO_BLOCKS_PER_SM") = kernels::kHandoffTwoBlocksPerSm;
+  m.attr("BENCH_HANDOFF_MESSAGE_ON_DEVICE") = kernels::kHandoffMessageOnDevice;
+  m.attr("BENCH_HANDOFF_MESSAGE_ON_DEVICE_MAX_BYTES") = kernels::kHandoffMessageOnDeviceMaxBytes;
   m.def("bench_host_call_costs", [](std::uintptr_t dst, std::uintptr_t src, std::size_t bytes, std::uintptr_t stream,
                                     int calls) {
           return bench_host_call_costs(as_pointer<void>(dst), as_pointer<const void>(src), bytes, as_stream(stream),

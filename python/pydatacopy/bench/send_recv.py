@@ -20,8 +20,7 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
 
-from ._harness import against, agree, allocator_setting, capture_graphs, copies_to_capture, device_clean, fill
-from ._harness import human, make_row, percentile, reduce_device, refill, time_graph
+from ._harness import agree, allocator_setting, device_clean, fill, human, percentile, reduce_device
 
 
 @contextlib.contextmanager
@@ -226,45 +225,6 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                 print(f"  host per call, queued: {r['path']} {r['us']:.2f} us ({r['over_base_us']:+.2f} over "
                       f"{base['path']}); the queue ran at {r['gpu_us']:.2f} us a call on the GPU",
                       file=sys.stderr, flush=True)
-    return rows
-
-
-def bench_graph_sendrecv(args, nbytes: int = 4096, calls: int = 100) -> list[dict]:
-    """`calls` sendrecvs of `nbytes` with the peer (both PEs at once, the default path) captured in
-    one CUDA graph and replayed, per call (issue 35's 2 us target); beside `calls` bare
-    cudaMemcpyAsync calls of the same bytes on this GPU captured and replayed alike, on both PEs.
-    Checked: fresh data, the destination cleared, one replay."""
-    me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
-    src = fill(torch.empty(nbytes, dtype=torch.uint8, device="cuda"), 11 + me)
-    out = torch.zeros_like(src)
-    local = torch.zeros_like(src)
-    pydatacopy.sendrecv(src, peer, out, peer)  # first use outside the capture, as a user's loop
-    torch.cuda.synchronize()
-
-    def transfers():
-        for _ in range(calls):
-            pydatacopy.sendrecv(src, peer, out, peer)
-
-    graphs = capture_graphs({"copies": copies_to_capture(local, src, calls), "sendrecvs": transfers},
-                            "graph sendrecv")
-    if graphs is None:
-        return []
-    rows = []
-    for name, graph in graphs.items():
-        seed = 700 if name == "copies" else 800
-        prepare = refill(src, seed + me, local if name == "copies" else out)
-        if name == "copies":
-            timed, ok = time_graph(graph.replay, calls, args, prepare, lambda: torch.equal(local, src))
-            rows.append(make_row("baseline", f"graph copy {human(nbytes)}", "both", nbytes, timed, ok))
-        else:
-            timed, ok = time_graph(graph.replay, calls, args, prepare,
-                                   lambda seed=seed: torch.equal(out, fill(torch.empty_like(src), seed + peer)))
-            rows.append(against(make_row("send/recv", f"graph {human(nbytes)}", "both", nbytes, timed, ok), rows[0]))
-        if me == 0:
-            print(f"  graph {name} {human(nbytes)}: {rows[-1]['us']:.2f} us a call", file=sys.stderr, flush=True)
-    del graphs
-    torch.cuda.synchronize()
-    pydatacopy.barrier()
     return rows
 
 

@@ -61,10 +61,14 @@ void launch_copy(void* dst, const void* src, std::size_t bytes, cudaStream_t str
 // writes: zero_copy_begin), kHandoffResolve (block 0 reads a host-mapped word, `host_word`, and
 // publishes it to the other blocks: take_descriptor's resolver), kHandoffTwoBlocksPerSm (twice the
 // blocks; with one 512-thread block a multiprocessor resident, they run in two waves). {ready,
-// done, resolved, timed out, begin[kHandoffBeginWords]} words; the timed-out word is set by a
-// wait that reached its deadline (the row's check reads it).
-constexpr unsigned kHandoffBegin = 1, kHandoffResolve = 2, kHandoffTwoBlocksPerSm = 4;
-constexpr int kHandoffWords = 4, kHandoffTimedOutWord = 3, kHandoffBeginWords = 256;
+// done, resolved, timed out, message, begin[kHandoffBeginWords]} words; the timed-out word is set
+// by a wait that reached its deadline (the row's check reads it). kHandoffMessageOnDevice: the
+// message number is the message word + 1, which the kernel then stores there (`message` is not
+// read), so that a CUDA graph of handoffs moves a new message at every replay: the floor of a
+// graph-replayed send/recv (one block: at most kHandoffMessageOnDeviceMaxBytes).
+constexpr unsigned kHandoffBegin = 1, kHandoffResolve = 2, kHandoffTwoBlocksPerSm = 4, kHandoffMessageOnDevice = 8;
+constexpr int kHandoffWords = 5, kHandoffTimedOutWord = 3, kHandoffMessageWord = 4, kHandoffBeginWords = 256;
+constexpr std::size_t kHandoffMessageOnDeviceMaxBytes = 64 << 10;
 void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uint64_t* my_words,
                          uint64_t* peer_words, bool sends, bool receives, uint64_t message, uint64_t wait_ns,
                          unsigned variant, const uint64_t* host_word, cudaStream_t stream);

@@ -240,7 +240,8 @@ void bench_copy_engine_handoff(const CopyEngineHandoff& h, uint64_t message, cud
 
 void bench_kernel_handoff(const CopyEngineHandoff& h, uint64_t message, unsigned variant, cudaStream_t stream) {
   PDC_REQUIRE(message >= 1, "bench_kernel_handoff: messages count from 1");
-  PDC_REQUIRE(variant <= (kernels::kHandoffBegin | kernels::kHandoffResolve | kernels::kHandoffTwoBlocksPerSm),
+  PDC_REQUIRE(variant <= (kernels::kHandoffBegin | kernels::kHandoffResolve | kernels::kHandoffTwoBlocksPerSm |
+                          kernels::kHandoffMessageOnDevice),
               "bench_kernel_handoff: variant " << variant << " is not a combination of the kHandoff* flags");
   // A benchmark's bound: a wait that reaches it sets the timed-out word, which fails the row's check.
   constexpr uint64_t kWaitNs = 5'000'000'000;

@@ -18,6 +18,7 @@ namespace {
 
 constexpr int kCopyThreads = 512;
 constexpr int64_t kBytesPerBlock = 64 << 10;  // below this a block would idle on launch overhead
+static_assert(kHandoffMessageOnDeviceMaxBytes == kBytesPerBlock, "a device-numbered handoff: one block");
 
 __global__ void __launch_bounds__(kCopyThreads)
     copy_kernel(uint8_t* dst, const uint8_t* src, int64_t bytes) {
@@ -41,8 +42,15 @@ __global__ void __launch_bounds__(kCopyThreads)
     handoff_copy_kernel(uint8_t* peer_dst, const uint8_t* src, int64_t bytes, uint64_t* my_words,
                         uint64_t* peer_words, bool sends, bool receives, uint64_t message, int sender_blocks,
                         uint64_t wait_ns, unsigned variant, const uint64_t* host_word) {
-  constexpr int kReady = 0, kDone = 1, kResolved = 2, kTimedOut = 3, kBegin = 4;
+  constexpr int kReady = 0, kDone = 1, kResolved = 2, kTimedOut = 3, kMessage = kHandoffMessageWord,
+                kBegin = kHandoffWords;
   const uint64_t deadline = detail::globaltimer_ns() + wait_ns;
+  if (variant & kHandoffMessageOnDevice) {  // one block (the launcher's): the last kernel's word, in stream order
+    __shared__ uint64_t next;
+    if (threadIdx.x == 0) next = *reinterpret_cast<volatile uint64_t*>(my_words + kMessage) + 1;
+    __syncthreads();
+    message = next;
+  }
   // Thread 0: waits until *word reaches `value`; at the deadline, says so in the timed-out word.
   const auto wait_for = [&](const uint64_t* word, uint64_t value, bool gpu_scope) {
     while ((gpu_scope ? load_acquire_gpu(word) : detail::load_acquire_sys(word)) < value)
@@ -84,6 +92,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     }
   }
   if (receives && blockIdx.x == 0 && threadIdx.x == 0) wait_for(my_words + kDone, message * sender_blocks, false);
+  if ((variant & kHandoffMessageOnDevice) && threadIdx.x == 0) my_words[kMessage] = message;
 }
 
 // A put_many table in kernel parameters, sized by the launch (a short list does not carry the
@@ -227,6 +236,9 @@ void launch_handoff_copy(void* peer_dst, const void* src, std::size_t bytes, uin
   const int64_t wanted = (static_cast<int64_t>(std::max<std::size_t>(bytes, 1)) + kBytesPerBlock - 1) / kBytesPerBlock;
   const int per_sm = (variant & kHandoffTwoBlocksPerSm) ? 2 : 1;
   const int sender_blocks = static_cast<int>(std::min<int64_t>(wanted * per_sm, per_sm * multiprocessor_count()));
+  PDC_REQUIRE(!(variant & kHandoffMessageOnDevice) || sender_blocks == 1,
+              "handoff: a message number on the device needs one block (at most "
+                  << kHandoffMessageOnDeviceMaxBytes << " bytes, one block a multiprocessor)");
   handoff_copy_kernel<<<sends ? sender_blocks : 1, kCopyThreads, 0, stream>>>(
       static_cast<uint8_t*>(peer_dst), static_cast<const uint8_t*>(src), static_cast<int64_t>(bytes), my_words,
       peer_words, sends, receives, message, sender_blocks, wait_ns, variant, host_word);
