@@ -24,7 +24,11 @@
 //   pair, one put), published with the round number as its signal. A receiver drops (and
 //   reports) a source whose tag differs from its own call's.
 // - A PE that refuses its own call runs the round in refuse mode (exchange() says how): no
-//   rows, a call-refused meta to every destination; its peers' calls complete and report it.
+//   rows, a call-refused meta to every destination; its peers' calls complete and report it
+//   (pydatacopy.Error at their check_errors(): a peer that goes on to its next collective without
+//   looking meets this PE there, as after any error). Not while capturing: a refused round
+//   recorded into one PE's graph reaches its peers only if every PE replays, so nothing is
+//   recorded and the error says to abandon the capture on every PE.
 // - A count over capacity (or negative, or past the send rows) is refused by the sender: it
 //   records a device error (pydatacopy.Error at check_errors(), or after the next call's launch)
 //   and sends the meta word with the refusal bit and no rows; the receiver records its side of
@@ -241,6 +245,10 @@ class AllToAll {
                        AllToAllRegion* region, uint64_t tag, int refusal);
   // Whether set `set` is owed a release that a call in capture state `capture` must see.
   bool owed(int set, unsigned long long capture) const;
+  // A refusal's hand-back: set `set`'s owed credits released on `stream` (ordered as a call).
+  void hand_back_owed(int set, cudaStream_t stream, unsigned long long capture);
+  // A refusal while capturing: throws Error(why + advice), recording and changing nothing.
+  [[noreturn]] static void refuse_while_capturing(const std::string& why);
 
   std::mutex mutex_;                   // exchange() and release(): one at a time (their counters)
 

@@ -267,16 +267,10 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
       }
     }
   }
-  if (refusal.reason == kRefusedRelease) {
-    // Stream-ordered like a call of this buffer: the credits owed, then the refused round.
-    const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
-    order_.order_after_last(0, stream, capture);
-    kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
-                                       reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(), n_pes_,
-                                       stream);
-    order_.record(0, stream, capture);
-    release_owed_[set] = false;
-  }
+  if (refusal.reason != 0 && capture != 0) refuse_while_capturing(refusal.text);
+  // The credits owed, whatever the first reason was (the sources wait for them before they send
+  // this round), then the refused round.
+  if (refusal.reason != 0 && owed(set, capture)) hand_back_owed(set, stream, capture);
   const int64_t call = launch_round(fields, send_counts, send_index, index_rows, recv_counts, recv_offsets, stream,
                                     timeout_seconds, region, tag, refusal.reason);
   if (refusal.reason != 0) throw Error(refusal.text);
@@ -290,18 +284,31 @@ void AllToAll::refuse(const std::string& why, cudaStream_t stream, double timeou
     check_timeouts();
     const int set = static_cast<int>(calls_ % 2);
     const unsigned long long capture = capture_id(stream);
-    if (owed(set, capture)) {  // the sources wait for these credits (see exchange)
-      const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
-      order_.order_after_last(0, stream, capture);
-      kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
-                                         reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(), n_pes_,
-                                         stream);
-      order_.record(0, stream, capture);
-      release_owed_[set] = false;
-    }
+    if (capture != 0) refuse_while_capturing(why);
+    if (owed(set, capture)) hand_back_owed(set, stream, capture);  // the sources wait for these credits
     launch_round({}, nullptr, nullptr, 0, nullptr, nullptr, stream, timeout_seconds, nullptr, 0, kRefusedByCaller);
   }
   throw Error(why);
+}
+
+void AllToAll::hand_back_owed(int set, cudaStream_t stream, unsigned long long capture) {
+  // Stream-ordered like a call of this buffer.
+  const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
+  order_.order_after_last(0, stream, capture);
+  kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
+                                     reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(), n_pes_,
+                                     stream);
+  order_.record(0, stream, capture);
+  release_owed_[set] = false;
+}
+
+void AllToAll::refuse_while_capturing(const std::string& why) {
+  // A refused round recorded into this PE's graph would reach the peers only if every PE
+  // completed and replayed its capture, and this PE's capture ends here with the error; an
+  // eager release owed must not be recorded into it either (it would be lost with the graph).
+  // So nothing is recorded or changed: the peers' captures of this call cannot be replayed.
+  throw Error(why + " (refused while capturing a CUDA graph: nothing was recorded on this PE; abandon "
+                    "this capture on every PE, since the peers' graphs would wait for this PE's rows)");
 }
 
 int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
