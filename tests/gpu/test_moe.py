@@ -391,10 +391,13 @@ def test_one_pes_bad_arguments_are_refused_on_every_pe(world, buffer, path, bad)
     _exact_call_after(rank, n, buffer, 620, bad)
 
 
-def test_a_release_owed_is_refused_on_every_pe_and_handed_back(world, buffer):
+@pytest.mark.parametrize("also", ["nothing", "too_wide"])
+def test_a_release_owed_is_refused_on_every_pe_and_handed_back(world, buffer, also):
     """PE 0 leaves a call's rows in the region without releasing it; its call two later is
     refused (before: on PE 0's host only, the others timed out on its credits); the region is
-    handed back, every PE gets pydatacopy.Error, and the buffer works afterwards."""
+    handed back, every PE gets pydatacopy.Error, and the buffer works afterwards. `too_wide`:
+    that call is also refused for its own arguments first (a review found the release then not
+    handed back, and the peers waiting for its credits)."""
     rank, n, _ = world
     counts = torch.full((n,), 1, dtype=torch.int64, device="cuda")
     send = torch.randn(n, 4).to(torch.bfloat16).cuda()
@@ -403,11 +406,14 @@ def test_a_release_owed_is_refused_on_every_pe_and_handed_back(world, buffer):
         buffer._core.release(call, torch.cuda.current_stream().cuda_stream)
     pydatacopy.all_to_all_v(send, counts, buffer, timeout=TIMEOUT_S)  # the other set
     error = None
+    refused_send = send
+    if rank == 0 and also == "too_wide":
+        refused_send = torch.zeros(n, WIDEST_ROW_BYTES + 2, dtype=torch.uint8, device="cuda")
     try:
-        pydatacopy.all_to_all_v(send, counts, buffer, timeout=TIMEOUT_S)  # the set owed on PE 0
+        pydatacopy.all_to_all_v(refused_send, counts, buffer, timeout=TIMEOUT_S)  # the set owed on PE 0
     except Exception as raised:  # noqa: BLE001
         error = raised
-    _refused_round_outcome(rank, 0, error, "release owed", "never released")
+    _refused_round_outcome(rank, 0, error, "release owed", "never released" if also == "nothing" else "max_row_bytes")
     dist.barrier()
     _exact_call_after(rank, n, buffer, 630, "release owed")
 
