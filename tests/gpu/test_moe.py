@@ -368,6 +368,34 @@ def test_a_send_tensor_nvshmem_cannot_take_is_refused_on_every_pe(world, buffer,
     _exact_call_after(rank, n, buffer, 610, "unregistered send tensor")
 
 
+def test_receive_tensors_this_pe_cannot_allocate_are_refused_on_every_pe(world, buffer, monkeypatch):
+    """PE n-1 runs out of memory for its receive tensors (torch.empty raises, as under memory
+    pressure on one PE): it raises, the others' calls complete and report it (a review found the
+    allocation after the checks, so the peers timed out)."""
+    rank, n, _ = world
+    refuser = n - 1
+    counts = torch.full((n,), 1, dtype=torch.int64, device="cuda")
+    send = torch.randn(n, 4).to(torch.bfloat16).cuda()
+    if rank == refuser:
+        real_empty = torch.empty
+
+        def empty(*args, **kwargs):
+            if args and isinstance(args[0], tuple) and args[0] and args[0][0] == buffer.recv_rows:
+                raise torch.OutOfMemoryError("CUDA out of memory (the test's)")
+            return real_empty(*args, **kwargs)
+        monkeypatch.setattr(torch, "empty", empty)
+    error = None
+    try:
+        pydatacopy.all_to_all_v(send, counts, buffer, timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    finally:
+        monkeypatch.undo()
+    _refused_round_outcome(rank, refuser, error, "out of memory", "could not be allocated")
+    dist.barrier()
+    _exact_call_after(rank, n, buffer, 620, "out of memory")
+
+
 @pytest.mark.parametrize("bad", ["too_wide", "counts_shape"])
 def test_one_pes_bad_arguments_are_refused_on_every_pe(world, buffer, path, bad):
     """PE n-1 alone passes rows wider than max_row_bytes (the core's check) or send_counts of the

@@ -192,12 +192,16 @@ class AllToAll:
         seconds = timeout_seconds(timeout)
         handle = stream_handle(stream, self._device)
         recv_rows = self.recv_rows
-        with _on_stream(stream):  # the call's stream: the conversion and outputs are ordered there
-            if send_counts.dtype != torch.int64:
-                send_counts = send_counts.to(torch.int64)
-            recvs = [torch.empty((recv_rows, *s.shape[1:]), dtype=s.dtype, device=s.device) for s in sends]
-            counts = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
-            offsets = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
+        try:
+            with _on_stream(stream):  # the call's stream: the conversion and outputs are ordered there
+                if send_counts.dtype != torch.int64:
+                    send_counts = send_counts.to(torch.int64)
+                recvs = [torch.empty((recv_rows, *s.shape[1:]), dtype=s.dtype, device=s.device) for s in sends]
+                counts = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
+                offsets = torch.empty(self._n_pes, dtype=torch.int64, device=send_counts.device)
+        except torch.OutOfMemoryError as error:  # this PE alone, maybe: its peers still get the round
+            self._refuse(Error(f"pydatacopy.all_to_all_v: the receive tensors ({recv_rows} rows each) could not "
+                               f"be allocated on this PE: {error}"), stream, timeout)
         fields = [(s.data_ptr(), r.data_ptr(), _row_bytes(s), s.shape[0], recv_rows)
                   for s, r in zip(sends, recvs)]
         index = 0 if send_index is None else send_index.data_ptr()
