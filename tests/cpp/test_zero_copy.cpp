@@ -606,6 +606,31 @@ void test_expandable_chunk_after_a_recv_is_read_ahead() {
   check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy && p.vmm.exports == 4, "a failed read-ahead stages nothing");
 }
 
+// A chunk only read ahead that torch gives back (empty_cache() unmaps free chunks) goes alone: the
+// chunks in use keep their mapping, at the same index.
+void test_expandable_chunk_read_ahead_given_back_goes_alone() {
+  VmmPair p;
+  p.reservation_with(2);
+  p.call(at(kReservation), kChunk);  // chunk 0, and chunk 1 read ahead
+  p.importer.drain();
+  const zc::Exporter::Decision d = p.call(at(kReservation), kChunk);
+  check(d.zero_copy && p.vmm.maps == 2, "chunk 0 moves once; chunk 1 mapped ahead");
+  p.vmm.unmap_at(kReservation + kChunk);  // never used by a recv
+  check(p.exporter.sweep_if_due(std::chrono::steady_clock::now()), "the progress thread's sweep");
+  check(p.exporter.stats().stale_dropped == 0 && p.exporter.stats().chunks_dropped == 1,
+        "the read-ahead chunk dropped alone, the entry kept");
+  p.importer.drain();
+  check(p.vmm.unmaps == 1, "the sender unmapped it");
+  const zc::Exporter::Decision again = p.call(at(kReservation), kChunk);
+  check(again.zero_copy && again.index == d.index, "chunk 0 still moves once, at the same index");
+  // A chunk a recv was given that torch gives back: the whole entry goes, as before.
+  p.vmm.map_at(kReservation + kChunk, kChunk);  // (the reservation stays known through it)
+  p.vmm.unmap_at(kReservation);
+  check(p.exporter.sweep_if_due(std::chrono::steady_clock::now() + std::chrono::seconds(1)) &&
+            p.exporter.stats().stale_dropped == 1,
+        "a chunk a recv was given, given back: the entry goes");
+}
+
 void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
   VmmPair p;
   p.reservation_with(2);
@@ -972,6 +997,7 @@ void test_close_all_releases_mirrors() {
 int main() {
   test_expandable_recv_spanning_chunks_moves_once();
   test_expandable_chunk_after_a_recv_is_read_ahead();
+  test_expandable_chunk_read_ahead_given_back_goes_alone();
   test_expandable_chunk_mapped_again_moves_to_a_new_mirror();
   test_expandable_memory_that_cannot_be_exported_stays_staged();
   test_expandable_recv_over_unmapped_memory_is_staged();

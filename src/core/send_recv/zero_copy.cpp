@@ -119,7 +119,11 @@ void Exporter::sweep() {
     // into a new mirror (a new index), never onto an address the sender must first unmap, which it
     // can do only once its send channel is idle (a sender streaming back to back may not be for long).
     // Only a captured entry keeps its index: there a chunk outside the captured ranges goes alone.
-    if (!gone.empty() && !e.pinned) return false;
+    // A chunk only read ahead (no recv was given it) goes alone, so that torch giving back memory
+    // it holds (empty_cache() unmaps free chunks) does not cost the chunks in use their mapping.
+    bool used_gone = false;
+    for (auto chunk : gone) used_gone = used_gone || chunk->second.used;
+    if (used_gone && !e.pinned) return false;
     for (auto chunk : gone)
       if (e.under_capture(chunk->first, chunk->second.bytes)) return false;
     for (auto chunk : gone) drop_chunk(base, e, chunk);
@@ -343,7 +347,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   const bool can_send = backend_.can_send_chunks(peer_);
   // Asks the sender to map chunk `c`: false when it cannot be asked now (bounds, no socket) or
   // its descriptor could not be sent (`failed`: counted against the reservation).
-  auto ask = [&](const Chunk& c, bool* failed) {
+  auto ask = [&](const Chunk& c, bool used, bool* failed) {
     if (!can_send || static_cast<int>(unanswered_.size()) >= kMaxUnansweredChunks || !outgoing_.empty())
       return false;
     const uint64_t sequence = ++sequence_;
@@ -357,7 +361,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
     request.chunk_id = c.id;
     request.sequence = sequence;
     send(request);
-    e.chunks[c.base - a.base] = ChunkEntry{c.bytes, c.id, false, sequence};
+    e.chunks[c.base - a.base] = ChunkEntry{c.bytes, c.id, false, sequence, used};
     unanswered_.insert(sequence);
     e.requested_at = e.last_use;
     e.waited = false;  // a new request may be waited for once
@@ -368,11 +372,12 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   for (const Chunk& c : now) {
     auto chunk = e.chunks.find(c.base - a.base);
     if (chunk != e.chunks.end()) {
+      chunk->second.used = true;
       every_chunk_acked = every_chunk_acked && chunk->second.acked;
       continue;
     }
     every_chunk_acked = false;
-    if (!ask(c, &failed)) {
+    if (!ask(c, true, &failed)) {
       every_chunk_asked = false;
       break;  // the rest at a later recv
     }
@@ -393,7 +398,7 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   const std::uintptr_t end = now.back().base + now.back().bytes;
   if (every_chunk_asked && end < a.base + a.bytes && e.chunks.count(end - a.base) == 0 &&
       backend_.chunks(reinterpret_cast<const void*>(end), 1, &ahead) && ahead.size() == 1 &&
-      ahead[0].base == end && !ask(ahead[0], &failed) && failed) {
+      ahead[0].base == end && !ask(ahead[0], false, &failed) && failed) {
     // Counted as any chunk's (bounded); this recv's own chunks decide it, unless the entry went.
     if (chunk_failed(it)) return staged;
   }

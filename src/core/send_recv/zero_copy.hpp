@@ -231,6 +231,7 @@ class Exporter {
     uint64_t id = 0;
     bool acked = false;
     uint64_t sequence = 0;  // its descriptor's number (the answer names it)
+    bool used = false;      // a recv was given it (not only read ahead): its going drops the entry
   };
   struct Entry {
     std::size_t bytes = 0;
