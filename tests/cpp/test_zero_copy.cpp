@@ -549,7 +549,7 @@ void VmmPair::reservation_with(int chunks, std::size_t chunk_bytes = kChunk) {
 
 void test_expandable_recv_spanning_chunks_moves_once() {
   VmmPair p;
-  p.reservation_with(3);  // (a fourth chunk mapped now would be read ahead: see the test below)
+  p.reservation_with(4);
   const std::size_t offset = 5 << 20, bytes = 50 << 20;  // chunks 0, 1 and 2
   const void* dst = at(kReservation + offset);
   zc::Exporter::Decision d = p.call(dst, bytes, false);
@@ -573,62 +573,12 @@ void test_expandable_recv_spanning_chunks_moves_once() {
           "each chunk at its own offset in the mirror: one contiguous range");
   }
   check(p.exporter.acked(dst), "acked() agrees");
-  // The segment grows by chunk 3: a recv that reaches into it asks for that chunk alone, at the
-  // same index.
-  p.vmm.map_at(kReservation + 3 * kChunk, kChunk);
+  // A recv that reaches into chunk 3 asks for that chunk alone, at the same index.
   d = p.call(at(kReservation + 2 * kChunk), 2 * kChunk, false);
   check(!d.zero_copy && p.vmm.exports == 4, "a new chunk under a recv is asked for");
   p.importer.drain();
   d = p.call(at(kReservation + 2 * kChunk), 2 * kChunk, false);
   check(d.zero_copy && p.table[d.index] == mirror && p.vmm.sender_reserved.size() == 1, "into the same mirror");
-}
-
-// Receive buffers that walk forward through a segment (slices of one pool, a caching allocator's
-// blocks one after another): the chunk after a recv is asked for with it, so the recv that
-// reaches it moves once (seen on a GPU: 2 of 3 recvs after the first when a pool crossed a chunk).
-void test_expandable_chunk_after_a_recv_is_read_ahead() {
-  VmmPair p;
-  p.reservation_with(3);
-  const std::size_t bytes = 8 << 20;
-  check(!p.call(at(kReservation + 10 * (1 << 20)), bytes).zero_copy, "the first recv (chunk 0) is staged");
-  check(p.exporter.stats().chunk_requests == 2 && p.vmm.exports == 2, "chunk 0 and the chunk after it asked for");
-  p.importer.drain();
-  check(p.call(at(kReservation + 18 * (1 << 20)), bytes).zero_copy, "a recv across chunks 0 and 1 moves once");
-  check(p.exporter.stats().chunk_requests == 3, "chunk 2 read ahead in turn");
-  p.importer.drain();
-  check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy, "and a recv in chunk 2 moves once");
-  check(p.exporter.stats().chunk_requests == 3 && p.vmm.exports == 3, "nothing past the last chunk mapped");
-  p.vmm.socket_ready = false;  // nothing can be asked for: the recv's own chunks decide
-  p.vmm.map_at(kReservation + 3 * kChunk, kChunk);
-  check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy && p.vmm.exports == 3, "no read-ahead, still one copy");
-  p.vmm.socket_ready = true;
-  p.vmm.exportable = false;  // the chunk ahead cannot be sent: counted, the recv still moves once
-  check(p.call(at(kReservation + 2 * kChunk), bytes).zero_copy && p.vmm.exports == 4, "a failed read-ahead stages nothing");
-}
-
-// A chunk only read ahead that torch gives back (empty_cache() unmaps free chunks) goes alone: the
-// chunks in use keep their mapping, at the same index.
-void test_expandable_chunk_read_ahead_given_back_goes_alone() {
-  VmmPair p;
-  p.reservation_with(2);
-  p.call(at(kReservation), kChunk);  // chunk 0, and chunk 1 read ahead
-  p.importer.drain();
-  const zc::Exporter::Decision d = p.call(at(kReservation), kChunk);
-  check(d.zero_copy && p.vmm.maps == 2, "chunk 0 moves once; chunk 1 mapped ahead");
-  p.vmm.unmap_at(kReservation + kChunk);  // never used by a recv
-  check(p.exporter.sweep_if_due(std::chrono::steady_clock::now()), "the progress thread's sweep");
-  check(p.exporter.stats().stale_dropped == 0 && p.exporter.stats().chunks_dropped == 1,
-        "the read-ahead chunk dropped alone, the entry kept");
-  p.importer.drain();
-  check(p.vmm.unmaps == 1, "the sender unmapped it");
-  const zc::Exporter::Decision again = p.call(at(kReservation), kChunk);
-  check(again.zero_copy && again.index == d.index, "chunk 0 still moves once, at the same index");
-  // A chunk a recv was given that torch gives back: the whole entry goes, as before.
-  p.vmm.map_at(kReservation + kChunk, kChunk);  // (the reservation stays known through it)
-  p.vmm.unmap_at(kReservation);
-  check(p.exporter.sweep_if_due(std::chrono::steady_clock::now() + std::chrono::seconds(1)) &&
-            p.exporter.stats().stale_dropped == 1,
-        "a chunk a recv was given, given back: the entry goes");
 }
 
 void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
@@ -885,15 +835,13 @@ void test_expandable_entry_given_to_an_earlier_op_of_the_call_is_not_dropped() {
 
 void test_expandable_failures_never_drop_an_entry_given_in_the_call() {
   VmmPair p;
-  p.reservation_with(1);
+  p.reservation_with(2);
   p.call(at(kReservation), kChunk);  // chunk 0 only
   p.importer.drain();
   check(p.call(at(kReservation), kChunk).zero_copy, "chunk 0 mapped");
-  p.vmm.map_at(kReservation + kChunk, kChunk);  // the segment grows
   p.vmm.exportable = false;  // from now on chunk 1 cannot be sent
   for (int i = 0; i < zc::kMaxChunkFailures - 1; ++i) p.call(at(kReservation + kChunk), kChunk);
-  // The last failure comes in a call whose first op was given chunk 0 at the entry's index (its
-  // read-ahead of chunk 1 fails).
+  // The last failure comes in a call whose first op was given chunk 0 at the entry's index.
   p.exporter.begin_call();
   const zc::Exporter::Decision first = p.exporter.prepare(at(kReservation), kChunk, false);
   const zc::Exporter::Decision second = p.exporter.prepare(at(kReservation + kChunk), kChunk, false);
@@ -996,8 +944,6 @@ void test_close_all_releases_mirrors() {
 
 int main() {
   test_expandable_recv_spanning_chunks_moves_once();
-  test_expandable_chunk_after_a_recv_is_read_ahead();
-  test_expandable_chunk_read_ahead_given_back_goes_alone();
   test_expandable_chunk_mapped_again_moves_to_a_new_mirror();
   test_expandable_memory_that_cannot_be_exported_stays_staged();
   test_expandable_recv_over_unmapped_memory_is_staged();

@@ -119,11 +119,7 @@ void Exporter::sweep() {
     // into a new mirror (a new index), never onto an address the sender must first unmap, which it
     // can do only once its send channel is idle (a sender streaming back to back may not be for long).
     // Only a captured entry keeps its index: there a chunk outside the captured ranges goes alone.
-    // A chunk only read ahead (no recv was given it) goes alone, so that torch giving back memory
-    // it holds (empty_cache() unmaps free chunks) does not cost the chunks in use their mapping.
-    bool used_gone = false;
-    for (auto chunk : gone) used_gone = used_gone || chunk->second.used;
-    if (used_gone && !e.pinned) return false;
+    if (!gone.empty() && !e.pinned) return false;
     for (auto chunk : gone)
       if (e.under_capture(chunk->first, chunk->second.bytes)) return false;
     for (auto chunk : gone) drop_chunk(base, e, chunk);
@@ -135,14 +131,14 @@ void Exporter::sweep() {
   });
 }
 
-bool Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
-  if (++it->second.chunk_failures < kMaxChunkFailures) return false;
+void Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
+  if (++it->second.chunk_failures < kMaxChunkFailures) return;
   if (it->second.pinned || it->second.decided_at > call_start_ || !backend_.channel_idle(false, peer_)) {
     // A capture may post its index at any replay, an earlier op of this call was given it, or a
     // launch may still post it: the entry stays (what it maps stays mapped) and asks for no new
     // chunk, so recvs over chunks not mapped yet stay staged.
     it->second.given_up = true;
-    return false;
+    return;
   }
   Allocation a;
   a.base = it->first;
@@ -150,7 +146,6 @@ bool Exporter::chunk_failed(std::map<std::uintptr_t, Entry>::iterator it) {
   a.vmm_fd = true;
   drop(it);
   remember_not_exportable(a);
-  return true;
 }
 
 bool Exporter::sweep_if_due(std::chrono::steady_clock::time_point now) {
@@ -345,64 +340,37 @@ Exporter::Decision Exporter::prepare_vmm(const Allocation& a, const void* dst, s
   // ring, so that the sender's process never holds more than kMaxUnansweredChunks of this PE's
   // descriptors it cannot serve yet.
   const bool can_send = backend_.can_send_chunks(peer_);
-  // Asks the sender to map chunk `c`: false when it cannot be asked now (bounds, no socket) or
-  // its descriptor could not be sent (`failed`: counted against the reservation).
-  auto ask = [&](const Chunk& c, bool used, bool* failed) {
-    if (!can_send || static_cast<int>(unanswered_.size()) >= kMaxUnansweredChunks || !outgoing_.empty())
-      return false;
-    const uint64_t sequence = ++sequence_;
-    if (!backend_.send_chunk(peer_, c.base, sequence)) {
-      *failed = true;
-      return false;
-    }
-    Request request{kMapChunk, e.index, a.base, 0, a.bytes, IpcHandle{}};
-    request.chunk_offset = c.base - a.base;
-    request.chunk_bytes = c.bytes;
-    request.chunk_id = c.id;
-    request.sequence = sequence;
-    send(request);
-    e.chunks[c.base - a.base] = ChunkEntry{c.bytes, c.id, false, sequence, used};
-    unanswered_.insert(sequence);
-    e.requested_at = e.last_use;
-    e.waited = false;  // a new request may be waited for once
-    ++stats_.chunk_requests;
-    return true;
-  };
-  bool every_chunk_asked = true, every_chunk_acked = true, failed = false;
+  bool every_chunk_acked = true;
   for (const Chunk& c : now) {
-    auto chunk = e.chunks.find(c.base - a.base);
+    const uint64_t offset = c.base - a.base;
+    auto chunk = e.chunks.find(offset);
     if (chunk != e.chunks.end()) {
-      chunk->second.used = true;
       every_chunk_acked = every_chunk_acked && chunk->second.acked;
       continue;
     }
     every_chunk_acked = false;
-    if (!ask(c, true, &failed)) {
-      every_chunk_asked = false;
+    if (!can_send || static_cast<int>(unanswered_.size()) >= kMaxUnansweredChunks || !outgoing_.empty())
       break;  // the rest at a later recv
+    const uint64_t sequence = ++sequence_;
+    if (!backend_.send_chunk(peer_, c.base, sequence)) {
+      // No descriptor or no socket this time: asked again at a later recv (bounded).
+      chunk_failed(it);
+      return staged;
     }
-  }
-  // Read ahead: the chunk right after the recv, when mapped and not known yet, is asked for now.
-  // Receive buffers that walk forward through a segment (a caching allocator's blocks, slices of
-  // one pool) then find it mapped when they reach it, instead of staging one call per new chunk
-  // (issue 36: from the second call on a buffer, every call moves once). Costs one driver query
-  // per recv at or above the threshold.
-  if (failed) {
-    // No descriptor or no socket this time: asked again at a later recv (bounded).
-    chunk_failed(it);
-    return staged;
-  }
-  // Given to this op from here (a failed read-ahead below then never drops the entry under it).
-  if (every_chunk_acked) e.decided_at = e.last_use;
-  std::vector<Chunk> ahead;
-  const std::uintptr_t end = now.back().base + now.back().bytes;
-  if (every_chunk_asked && end < a.base + a.bytes && e.chunks.count(end - a.base) == 0 &&
-      backend_.chunks(reinterpret_cast<const void*>(end), 1, &ahead) && ahead.size() == 1 &&
-      ahead[0].base == end && !ask(ahead[0], false, &failed) && failed) {
-    // Counted as any chunk's (bounded); this recv's own chunks decide it, unless the entry went.
-    if (chunk_failed(it)) return staged;
+    Request request{kMapChunk, e.index, a.base, 0, a.bytes, IpcHandle{}};
+    request.chunk_offset = offset;
+    request.chunk_bytes = c.bytes;
+    request.chunk_id = c.id;
+    request.sequence = sequence;
+    send(request);
+    e.chunks[offset] = ChunkEntry{c.bytes, c.id, false, sequence};
+    unanswered_.insert(sequence);
+    e.requested_at = e.last_use;
+    e.waited = false;  // a new request may be waited for once
+    ++stats_.chunk_requests;
   }
   if (!every_chunk_acked) return staged;
+  e.decided_at = e.last_use;
   return Decision{true, e.index, reinterpret_cast<std::uintptr_t>(dst) - a.base};
 }
 

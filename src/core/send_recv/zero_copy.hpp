@@ -231,7 +231,6 @@ class Exporter {
     uint64_t id = 0;
     bool acked = false;
     uint64_t sequence = 0;  // its descriptor's number (the answer names it)
-    bool used = false;      // a recv was given it (not only read ahead): its going drops the entry
   };
   struct Entry {
     std::size_t bytes = 0;
@@ -272,8 +271,7 @@ class Exporter {
   // An entry remembered as staged for good (its memory cannot be exported), oldest out first.
   void remember_not_exportable(const Allocation& a);
   // One more chunk of the reservation could not be sent or mapped: staged for good at the limit.
-  // Whether the entry was dropped (its iterator then invalid).
-  bool chunk_failed(std::map<std::uintptr_t, Entry>::iterator it);
+  void chunk_failed(std::map<std::uintptr_t, Entry>::iterator it);
   void drop(std::map<std::uintptr_t, Entry>::iterator it);
   void drop_overlapping(const Allocation& a);
   void sweep();  // drops every mapped entry whose allocation is gone (asked afresh)
