@@ -393,7 +393,7 @@ def test_receive_tensors_this_pe_cannot_allocate_are_refused_on_every_pe(world, 
         monkeypatch.undo()
     _refused_round_outcome(rank, refuser, error, "out of memory", "could not be allocated")
     dist.barrier()
-    _exact_call_after(rank, n, buffer, 620, "out of memory")
+    _exact_call_after(rank, n, buffer, 650, "out of memory")
 
 
 @pytest.mark.parametrize("bad", ["too_wide", "counts_shape"])
