@@ -238,17 +238,21 @@ class AllToAll {
 
  private:
   void require_initialized(const char* what) const;
-  // The round itself (refusal: 0, or the AllToAllRefusal this PE sends every destination).
+  // The round itself (refusal: 0, or the AllToAllRefusal this PE sends every destination), on
+  // `stream` in capture state `capture` (its capture_id(), asked once by the caller).
   int64_t launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                        const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                       int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                       AllToAllRegion* region, uint64_t tag, int refusal);
+                       int64_t* recv_offsets, cudaStream_t stream, unsigned long long capture,
+                       double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal);
+  // This PE's refusal (`reason`, `why`), under the lock: while capturing nothing is recorded; else
+  // the credits owed are handed back (the sources wait for them before they send), the round runs
+  // in refuse mode; then Error(why) is thrown either way.
+  [[noreturn]] void refused_round(int reason, const std::string& why, cudaStream_t stream,
+                                  unsigned long long capture, double timeout_seconds);
   // Whether set `set` is owed a release that a call in capture state `capture` must see.
   bool owed(int set, unsigned long long capture) const;
-  // A refusal's hand-back: set `set`'s owed credits released on `stream` (ordered as a call).
-  void hand_back_owed(int set, cudaStream_t stream, unsigned long long capture);
-  // A refusal while capturing: throws Error(why + advice), recording and changing nothing.
-  [[noreturn]] static void refuse_while_capturing(const std::string& why);
+  // Set `set`'s owed credits released on `stream` (release(), and a refusal's hand-back).
+  void release_set(int set, cudaStream_t stream, unsigned long long capture);
 
   std::mutex mutex_;                   // exchange() and release(): one at a time (their counters)
 

@@ -267,54 +267,37 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
       }
     }
   }
-  if (refusal.reason != 0 && capture != 0) refuse_while_capturing(refusal.text);
-  // The credits owed, whatever the first reason was (the sources wait for them before they send
-  // this round), then the refused round.
-  if (refusal.reason != 0 && owed(set, capture)) hand_back_owed(set, stream, capture);
-  const int64_t call = launch_round(fields, send_counts, send_index, index_rows, recv_counts, recv_offsets, stream,
-                                    timeout_seconds, region, tag, refusal.reason);
-  if (refusal.reason != 0) throw Error(refusal.text);
-  return call;
+  if (refusal.reason != 0) refused_round(refusal.reason, refusal.text, stream, capture, timeout_seconds);
+  return launch_round(fields, send_counts, send_index, index_rows, recv_counts, recv_offsets, stream, capture,
+                      timeout_seconds, region, tag, 0);
 }
 
 void AllToAll::refuse(const std::string& why, cudaStream_t stream, double timeout_seconds) {
-  {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    require_initialized("all_to_all");
-    check_timeouts();
-    const int set = static_cast<int>(calls_ % 2);
-    const unsigned long long capture = capture_id(stream);
-    if (capture != 0) refuse_while_capturing(why);
-    if (owed(set, capture)) hand_back_owed(set, stream, capture);  // the sources wait for these credits
-    launch_round({}, nullptr, nullptr, 0, nullptr, nullptr, stream, timeout_seconds, nullptr, 0, kRefusedByCaller);
-  }
-  throw Error(why);
+  const std::lock_guard<std::mutex> lock(mutex_);
+  require_initialized("all_to_all");
+  check_timeouts();
+  refused_round(kRefusedByCaller, why, stream, capture_id(stream), timeout_seconds);
 }
 
-void AllToAll::hand_back_owed(int set, cudaStream_t stream, unsigned long long capture) {
-  // Stream-ordered like a call of this buffer.
-  const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
-  order_.order_after_last(0, stream, capture);
-  kernels::launch_all_to_all_release(counters_ + 2 + 2 * n_pes_ + set * n_pes_,
-                                     reinterpret_cast<uint64_t*>(base_ + layout.credits(set)), my_pe(), n_pes_,
-                                     stream);
-  order_.record(0, stream, capture);
-  release_owed_[set] = false;
-}
-
-void AllToAll::refuse_while_capturing(const std::string& why) {
+void AllToAll::refused_round(int reason, const std::string& why, cudaStream_t stream, unsigned long long capture,
+                             double timeout_seconds) {
   // A refused round recorded into this PE's graph would reach the peers only if every PE
   // completed and replayed its capture, and this PE's capture ends here with the error; an
   // eager release owed must not be recorded into it either (it would be lost with the graph).
   // So nothing is recorded or changed: the peers' captures of this call cannot be replayed.
-  throw Error(why + " (refused while capturing a CUDA graph: nothing was recorded on this PE; abandon "
-                    "this capture on every PE, since the peers' graphs would wait for this PE's rows)");
+  if (capture != 0)
+    throw Error(why + " (refused while capturing a CUDA graph: nothing was recorded on this PE; abandon "
+                      "this capture on every PE, since the peers' graphs would wait for this PE's rows)");
+  const int set = static_cast<int>(calls_ % 2);
+  if (owed(set, capture)) release_set(set, stream, capture);  // whatever the refusal's reason
+  launch_round({}, nullptr, nullptr, 0, nullptr, nullptr, stream, capture, timeout_seconds, nullptr, 0, reason);
+  throw Error(why);
 }
 
 int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                                const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
-                               int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                               AllToAllRegion* region, uint64_t tag, int refusal) {
+                               int64_t* recv_offsets, cudaStream_t stream, unsigned long long capture,
+                               double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal) {
   const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
   kernels::AllToAllArgs args{};
   // Refuse mode moves no field and reads none of the call's tensors (they may be the reason).
@@ -378,7 +361,6 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
   check_rma_remote(base_ + args.credits, static_cast<std::size_t>(n_pes_) * sizeof(uint64_t),
                    "all_to_all: the credits");
   // One call at a time per buffer (its device counters), whatever streams they come on.
-  const unsigned long long capture = capture_id(stream);
   order_.order_after_last(0, stream, capture);
   kernels::launch_all_to_all(args, std::max(1, kernels::all_to_all_blocks(pes_sharing_my_gpu())), stream);
   order_.record(0, stream, capture);
@@ -417,7 +399,10 @@ void AllToAll::release(int64_t call, cudaStream_t stream) {
   const int set = static_cast<int>(call % 2);
   const unsigned long long capture = capture_id(stream);
   // A flag left by a capture that never completed is nothing owed here (its round never ran).
-  if (!owed(set, capture)) return;
+  if (owed(set, capture)) release_set(set, stream, capture);
+}
+
+void AllToAll::release_set(int set, cudaStream_t stream, unsigned long long capture) {
   const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
   // Ordered like a call of this buffer: after its exchange (and after what the caller put on
   // `stream` since, the readers of the region), before the next call's kernels.
