@@ -32,3 +32,17 @@ def _direct() -> bool:
     """False when the whole suite runs with PYDATACOPY_FORCE_RMA=1 (scripts/gpu-check.sh runs it
     both ways): then no peer is directly reachable and the direct-only paths must refuse."""
     return not pydatacopy._C.rma_forced()
+
+
+# Why tests that send torch-allocated memory on the remote path skip, or leave that path out,
+# under expandable segments (gpu-check's gpu2-tests-expandable step).
+NO_TORCH_MEMORY_ON_RMA = ("expandable segments: NVSHMEM cannot register VMM memory, so the remote path refuses "
+                          "torch tensors on every PE by design (test_registration.py's "
+                          "test_expandable_segments_are_refused_on_the_remote_path)")
+
+
+def _torch_memory_registers() -> bool:
+    """False under torch's expandable segments: a torch tensor cannot go out on the RMA path."""
+    from pydatacopy._torch_utils import allocator_setting
+
+    return allocator_setting() != "expandable_segments"

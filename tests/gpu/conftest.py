@@ -79,6 +79,11 @@ def pytest_collection_modifyitems(config, items):
             reasons[any_pes] = _why_not(any_pes)
         if reasons[any_pes] is not None:
             item.add_marker(pytest.mark.skip(reason=reasons[any_pes]))
+        elif item.get_closest_marker("registers_torch_memory") is not None:
+            from byte_patterns import NO_TORCH_MEMORY_ON_RMA, _torch_memory_registers
+
+            if not _torch_memory_registers():
+                item.add_marker(pytest.mark.skip(reason=NO_TORCH_MEMORY_ON_RMA))
 
 
 def shares_a_gpu() -> bool:
@@ -164,14 +169,12 @@ def force_rma():
     """PYDATACOPY_FORCE_RMA=1 for one test: the NVSHMEM RMA path a peer on another server takes.
     The core reads the variable once (at load and at init), so the switch is also set in it."""
     import pydatacopy
-    from pydatacopy._torch_utils import allocator_setting
+    from byte_patterns import NO_TORCH_MEMORY_ON_RMA, _torch_memory_registers
 
-    if allocator_setting() == "expandable_segments":
-        # NVSHMEM cannot register VMM memory: the remote path refuses every torch tensor on every
-        # PE, by design (test_registration.py's test_expandable_segments_are_refused_on_the_remote_path;
-        # a refusal reaching every PE: test_moe.py's, under the default allocator). The forced-RMA
+    if not _torch_memory_registers():
+        # A refusal reaching every PE is test_moe.py's, under the default allocator; the forced-RMA
         # tests run in gpu-check's gpu2-tests-rma step, under the default allocator.
-        pytest.skip("forced RMA under expandable segments: NVSHMEM cannot register VMM memory (refused by design)")
+        pytest.skip("forced RMA under " + NO_TORCH_MEMORY_ON_RMA)
     before = os.environ.get("PYDATACOPY_FORCE_RMA")
     was_forced = pydatacopy._C.rma_forced()
     os.environ["PYDATACOPY_FORCE_RMA"] = "1"

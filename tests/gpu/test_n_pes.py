@@ -285,7 +285,7 @@ def test_token_exchange_default_peers(world):
 
 # ---- one-sided: put_blocks, barrier, put_signal ------------------------------------------------
 
-@pytest.mark.parametrize("path", ["auto", "rma"])
+@pytest.mark.parametrize("path", ["auto", pytest.param("rma", marks=pytest.mark.registers_torch_memory)])
 def test_put_blocks_to_every_peer(world, path):
     """Every PE puts rows into every other PE's pool, each source PE at its own dst indices
     (drawn from one permutation, the same on every PE); checked after a barrier: every source's

@@ -81,7 +81,7 @@ def _round(world, rows, tag: int, path: str, stream=None) -> None:
     assert gaps_written == 0, f"{gaps_written} bytes between rows written"
 
 
-@pytest.mark.parametrize("path", ["auto", "rma"])
+@pytest.mark.parametrize("path", ["auto", pytest.param("rma", marks=pytest.mark.registers_torch_memory)])
 def test_put_many_1024_rows_mixed_dtypes_odd_sizes(world, path):
     rows = _rows(1024, 1)
     for tag in range(3):  # fresh data each round

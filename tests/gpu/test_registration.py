@@ -58,6 +58,7 @@ def _put_and_check(world, src: torch.Tensor, tag: int, nbytes: int) -> None:
     assert wrong == 0, f"{wrong} of {nbytes} bytes wrong"
 
 
+@pytest.mark.registers_torch_memory
 def test_checker_catches_an_unregistered_address(world):
     x = _fresh(3 << 20)
     with pytest.raises(pydatacopy.Error, match="PYDATACOPY_CHECK_RMA.*neither in the symmetric heap nor"):
@@ -77,6 +78,7 @@ def test_checker_catches_an_unregistered_address(world):
     pydatacopy.free(symmetric)
 
 
+@pytest.mark.registers_torch_memory
 def test_register_is_counted(world):
     x = _fresh(1 << 20)
     pydatacopy.register(x)

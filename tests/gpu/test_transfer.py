@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from byte_patterns import _as, _bytes, _direct, _raw
+from byte_patterns import _as, _bytes, _direct, _raw, _torch_memory_registers
 
 
 def _direct_paths(*paths: str) -> tuple[str, ...]:
@@ -22,7 +22,7 @@ def _direct_paths(*paths: str) -> tuple[str, ...]:
 SIZES = [1, 3, 4096, 65537, 1 << 20, (64 << 20) + 5]
 
 
-@pytest.mark.parametrize("path", ["auto", "copy_engine", "sm", "rma"])
+@pytest.mark.parametrize("path", ["auto", "copy_engine", "sm", pytest.param("rma", marks=pytest.mark.registers_torch_memory)])
 def test_put_and_get_byte_exact_every_path(world, peer, path):
     rank, _, _ = world
     symmetric = pydatacopy.empty((64 << 20) + 64, dtype=torch.uint8)
@@ -78,7 +78,7 @@ def test_barrier_with_deadline_orders_puts(world, peer):
     try:
         for i in range(200):
             src = torch.full((4096,), 2 * i + rank, dtype=torch.int64, device="cuda")
-            paths = _direct_paths("auto", "sm", "rma")
+            paths = _direct_paths("auto", "sm", *(("rma",) if _torch_memory_registers() else ()))
             pydatacopy.put(box, src, peer, path=paths[i % len(paths)])
             pydatacopy.barrier(timeout=30, blocking=i % 4 == 0)
             assert torch.equal(box, torch.full_like(box, 2 * i + peer)), f"round {i}"
@@ -104,7 +104,7 @@ def test_1000_random_rounds_mixing_sizes_and_paths(world, peer):
                 pydatacopy.sendrecv(outgoing[: nbytes], peer, received, peer)
             else:
                 received = symmetric[offset:offset + nbytes]
-                path = {"put": "auto", "put_sm": "sm" if _direct() else "auto", "put_rma": "rma"}[kind]
+                path = {"put": "auto", "put_sm": "sm" if _direct() else "auto", "put_rma": "rma" if _torch_memory_registers() else "auto"}[kind]
                 pydatacopy.put(received, outgoing, peer, path=path)
                 pydatacopy.barrier()
             assert torch.equal(received, _bytes(peer, 10_000 + round_, nbytes)), (round_, kind, nbytes)
@@ -117,7 +117,7 @@ def test_1000_random_rounds_mixing_sizes_and_paths(world, peer):
 
 
 @pytest.mark.parametrize("count", [1, 17, 1024, 4096])
-@pytest.mark.parametrize("path", ["auto", "rma"])
+@pytest.mark.parametrize("path", ["auto", pytest.param("rma", marks=pytest.mark.registers_torch_memory)])
 def test_put_many_batched(world, peer, count, path):
     rank, _, _ = world
     rng = random.Random(count)
@@ -244,7 +244,7 @@ def test_tensor_on_another_device_raises_the_project_error(world, peer, local_de
 
 
 @pytest.mark.parametrize("count", [1, 300, 4096])
-@pytest.mark.parametrize("path", ["auto", "rma"])
+@pytest.mark.parametrize("path", ["auto", pytest.param("rma", marks=pytest.mark.registers_torch_memory)])
 def test_put_blocks_kv_cache_style(world, peer, count, path):
     rank, _, _ = world
     block = (3, 37)  # 111 float32 = 444 bytes per block
