@@ -436,6 +436,35 @@ def test_dispatch_workspace_parts_aligned_apart_and_large_enough(tokens, topk, n
     assert totals["recv_x"] == pairs * row_bytes  # exactly recv_x's [pairs, hidden] tensor
 
 
+@pytest.mark.parametrize("tokens, topk, n_pes, experts_per_pe, max_tokens, row_bytes",
+                         [(0, 1, 1, 1, 1, 2), (1, 2, 2, 3, 16, 130), (7, 8, 4, 32, 16, 14336),
+                          (128, 8, 8, 32, 128, 14336), (4096, 8, 4, 64, 4096, 14336), (5, 3, 3, 5, 9, 16)])
+def test_native_dispatch_cuts_the_handle_as_the_workspace_places_it(tokens, topk, n_pes, experts_per_pe,
+                                                                    max_tokens, row_bytes):
+    """The eager dispatch cuts its handle tensors out of one int64 tensor in a single split
+    (MoeDispatcher._workspace): each is exactly the workspace's part, shape and address."""
+    import types
+
+    from pydatacopy import _C
+    from pydatacopy.moe.dispatcher import MoeDispatcher
+
+    fake = types.SimpleNamespace(topk=topk, n_pes=n_pes, experts_per_pe=experts_per_pe, max_tokens=max_tokens,
+                                 _workspaces={})
+    totals, (sizes, pick) = MoeDispatcher._workspace(fake, tokens, row_bytes)
+    assert MoeDispatcher._workspace(fake, tokens, row_bytes)[0] is totals  # asked of the core once
+    _, parts = _C.moe_dispatch_workspace(tokens, topk, n_pes, experts_per_pe, n_pes * max_tokens, row_bytes)
+    kept = torch.empty(totals["handle"], dtype=torch.uint8)
+    pieces = kept.view(torch.int64).split_with_sizes(sizes)
+    assert sum(sizes) * 8 == totals["handle"]
+    for name in pydatacopy.MoeHandle._fields:
+        region, offset, size = parts[name]
+        assert region == "handle"
+        piece = pieces[pick[name]]
+        assert piece.numel() * 8 == size, name
+        if size:  # (torch gives an empty view the address 0, as slicing did)
+            assert piece.data_ptr() == kept.data_ptr() + offset, name
+
+
 def test_dispatch_workspace_grows_with_every_size():
     from pydatacopy import _C
     base = (16, 2, 4, 8, 64, 32)
