@@ -133,7 +133,7 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
     calls back to back, the host out of the way). Checked afterwards with fresh data into a
     cleared destination."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
-    backend, null = _distributed_group(), _null_group()
+    backend, null, cpp_null = _distributed_group(), _null_group(), _cpp_null_group()
     stream = torch.cuda.current_stream().cuda_stream
     sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
     rows = []
@@ -154,6 +154,12 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
             "torch.distributed alone: dist.send | dist.recv": (
                 (lambda: dist.send(src, peer, group=null)) if me == 0 else (lambda: dist.recv(dst, peer, group=null))),
         }
+        if cpp_null is not None:
+            # The floor of a C++ backend (issue 38's other route): torch's FakeProcessGroup, whose
+            # send and recv move nothing and return a finished Work, with no Python in between.
+            calls_by_name["torch.distributed, C++ backend that moves nothing: dist.send | dist.recv"] = (
+                (lambda: dist.send(src, peer, group=cpp_null)) if me == 0
+                else (lambda: dist.recv(dst, peer, group=cpp_null)))
         figures, gpu_figures = [], []
         first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         for call in calls_by_name.values():
@@ -192,8 +198,8 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
             local = name in ("cudaMemcpyAsync", "bare kernel copy")
             if local:
                 checks.append(torch.equal(dst, fill(torch.empty_like(src), seed + me)))
-            elif name.startswith("torch.distributed alone"):
-                checks.append(int(torch.count_nonzero(dst)) == 0)  # nothing moves through it
+            elif name.startswith("torch.distributed"):  # the null groups, Python and C++
+                checks.append(int(torch.count_nonzero(dst)) == 0)  # nothing moves through them
             elif name == "sendrecv" or me == 1:
                 checks.append(torch.equal(dst, fill(torch.empty_like(src), seed + peer)))
             else:
@@ -343,6 +349,22 @@ def _null_group():
                                           devices=["cuda"])
         _null_backend_group = dist.new_group(backend="pydatacopy_bench_null")
     return _null_backend_group
+
+
+_cpp_null_backend_group = None
+
+
+def _cpp_null_group():
+    """A group on torch's own FakeProcessGroup (backend "fake", C++, moves nothing), made once,
+    collectively; None where this torch has none (the row is then left out on every PE alike)."""
+    global _cpp_null_backend_group
+    if _cpp_null_backend_group is None:
+        try:
+            import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+        except Exception:  # noqa: BLE001 - a private module: absent or changed in some torch
+            return None
+        _cpp_null_backend_group = dist.new_group(backend="fake")
+    return _cpp_null_backend_group
 
 
 def _distributed_group():
