@@ -23,7 +23,8 @@ import torch
 
 from .all_to_all import AllToAll, all_to_all_v
 from .dispatcher import MoeDispatcher, MoeHandle
-from .layout import DispatchPlan, ReceiveLayout, dispatch_plan, receive_layout
+from .layout import (DispatchPlan, MoeTokenHandle, ReceiveLayout, dispatch_plan, local_topk, receive_layout,
+                     token_destinations)
 from .rows import combine_reduce, gather_rows
 
 OPS = {"all_to_all_v": torch.ops.pydatacopy.all_to_all_v.default,
@@ -37,11 +38,14 @@ __all__ = [
     "DispatchPlan",
     "MoeDispatcher",
     "MoeHandle",
+    "MoeTokenHandle",
     "OPS",
     "ReceiveLayout",
     "all_to_all_v",
     "combine_reduce",
     "dispatch_plan",
     "gather_rows",
+    "local_topk",
     "receive_layout",
+    "token_destinations",
 ]

@@ -10,13 +10,26 @@ from .. import _C
 from .._torch_utils import check_int, stream_handle, timeout_seconds
 from .all_to_all import AllToAll
 from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
-from .layout import MoeHandle, combine_slots, dispatch_plan, receive_layout
+from . import tokens
+from .layout import MoeHandle, MoeTokenHandle, combine_slots, dispatch_plan, receive_layout
 from .rows import combine_reduce, gather_rows
 
 # MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
 # all-to-all's receive regions (no compaction copy); False: the compacting path that traced
 # (torch.compile) calls take. A switch for comparing the two, and a way back if needed.
 IN_REGION = True
+
+
+def _tagged_counts(handle):
+    """The handle's tensor that carries its dispatch's tag: the counts its combine sends by."""
+    return handle.recv_counts if isinstance(handle, MoeTokenHandle) else handle.combine_counts
+
+
+def _handle_tag(handle) -> int:
+    """The dispatch an eager handle carries (0: none, a traced or hand-made handle, or no handle)."""
+    if not isinstance(handle, (MoeHandle, MoeTokenHandle)):
+        return 0
+    return getattr(_tagged_counts(handle), "_pydatacopy_dispatch", 0)
 
 
 class MoeDispatcher:
@@ -36,14 +49,31 @@ class MoeDispatcher:
     ``symmetric_bytes``. More tokens than ``max_tokens`` is refused as a capacity overflow
     (pydatacopy.check_errors()), never truncated.
 
+    ``expand=False`` (DeepEP's normal-mode layout; every PE the same): each token arrives once
+    per receiving PE and is not expanded by expert. ``dispatch(x, topk_idx, topk_weights=...)``
+    returns ``(recv_x, recv_topk_idx, recv_topk_weights, handle)``: recv_x ``[n_pes x max_tokens,
+    hidden]`` by source PE ascending, then the source's token order; recv_topk_idx the local
+    expert ids (-1 for experts elsewhere). ``combine(y, handle)`` takes one row per received
+    token (the caller has summed its local experts' outputs, weighted) and returns ``out[t]`` =
+    the rows of the PEs ``t`` went to, summed in ascending PE order in float32, rounded once to
+    y's dtype. The combine buffer then holds ``max_tokens`` rows per source, not ``max_tokens x
+    topk`` (docs/moe.md, "expand=False").
+
     Every call is stream-ordered on torch's current stream, reads nothing on the host, and can
     be captured in a CUDA graph (replays take the routing written into the captured inputs).
     """
 
+    # The default (object.__new__ instances, e.g. tests' stand-ins, see it too).
+    expand = True
+
     def __init__(self, num_experts: int, hidden: int, topk: int, max_tokens: int,
-                 dtype: torch.dtype = torch.bfloat16, *, combine_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype = torch.bfloat16, *, combine_dtype: torch.dtype | None = None,
+                 expand: bool = True) -> None:
         call = "pydatacopy.MoeDispatcher"
         _refuse_tracing("MoeDispatcher")
+        if not isinstance(expand, bool):
+            raise Error(f"{call}: expand must be True (rows grouped by local expert) or False (one row per "
+                        f"received token, DeepEP's normal mode), got {expand!r}")
         if not _C.is_initialized():
             raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or pydatacopy.init_nvshmem()) first")
         n = _C.n_pes()
@@ -61,7 +91,7 @@ class MoeDispatcher:
             raise Error(f"{call}: combine_dtype (the expert outputs') must be float32, bfloat16 or "
                         f"float16, got {combine_dtype}")
         self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
-        self.dtype, self.combine_dtype = dtype, combine_dtype
+        self.dtype, self.combine_dtype, self.expand = dtype, combine_dtype, expand
         self.n_pes, self.experts_per_pe = n, num_experts // n
         self.my_pe = _C.my_pe()
         self._workspaces: dict = {}  # _workspace's answers by (tokens, row bytes)
@@ -69,17 +99,25 @@ class MoeDispatcher:
         combine_element = torch.empty((), dtype=combine_dtype).element_size()
         # Dispatch moves each token with its top-k expert ids and its index (int32), so that the
         # receiver can group by expert and tell where a row came from; combine moves one output row per (token, expert) pair.
-        self._dispatch = AllToAll(max_tokens, hidden * element + (topk + 1) * 4)
+        # expand=False: the top-k weights (float32) travel too, and combine moves one row per
+        # (token, PE): max_tokens rows per source at most.
+        weight_bytes = 0 if expand else topk * 4
+        self._dispatch = AllToAll(max_tokens, hidden * element + (topk + 1) * 4 + weight_bytes)
         try:
-            self._combine = AllToAll(max_tokens * topk, hidden * combine_element)
+            self._combine = AllToAll(max_tokens * topk if expand else max_tokens, hidden * combine_element)
         except BaseException:
             self._dispatch.close()
             raise
+        if not expand:
+            # combine's sum is the reduction kernel's with every weight 1 (1.0f x v is v: exact).
+            self._unit_weights = torch.ones((max_tokens, min(topk, n)), dtype=torch.float32,
+                                            device=f"cuda:{self._combine._device}")
 
     @property
     def recv_rows(self) -> int:
-        """Rows of recv_x (and of the y combine takes): n_pes x max_tokens x topk."""
-        return self.n_pes * self.max_tokens * self.topk
+        """Rows of recv_x (and of the y combine takes): n_pes x max_tokens x topk, or n_pes x
+        max_tokens with expand=False."""
+        return self.n_pes * self.max_tokens * (self.topk if self.expand else 1)
 
     @property
     def symmetric_bytes(self) -> int:
@@ -102,9 +140,9 @@ class MoeDispatcher:
         PE), never 0 (a plain exchange's)."""
         return (self._dispatch.number << 40) | (call + 1)
 
-    def _mark(self, handle: MoeHandle, call: int) -> MoeHandle:
+    def _mark(self, handle, call: int):
         """Tags the handle with its dispatch (eager only: the tensor object carries it)."""
-        handle.combine_counts._pydatacopy_dispatch = self._tag(call)
+        _tagged_counts(handle)._pydatacopy_dispatch = self._tag(call)
         return handle
 
     def _refused(self, buffer: AllToAll, check, timeout) -> None:
@@ -118,8 +156,10 @@ class MoeDispatcher:
             raise
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int | None = None,
-                 *, timeout: float | None = None, zero_unused_rows: bool = False) -> tuple[torch.Tensor, MoeHandle]:
-        """Send each token to the PEs of its experts; returns ``(recv_x, handle)``.
+                 *, topk_weights: torch.Tensor | None = None, timeout: float | None = None,
+                 zero_unused_rows: bool = False):
+        """Send each token to the PEs of its experts; returns ``(recv_x, handle)`` (expand=True),
+        ``(recv_x, recv_topk_idx, recv_topk_weights, handle)`` with expand=False.
 
         ``x``: ``[tokens, hidden]`` of the dispatcher's dtype (bytes are moved as they are: bf16,
         fp8, anything of that element size), ``tokens <= max_tokens``. ``topk_idx``: integer
@@ -135,13 +175,28 @@ class MoeDispatcher:
         dtype, another ``num_experts``) still takes part in the exchange, sending nothing: every
         PE's dispatch ends with pydatacopy.Error (this PE's at once, the others' at their
         ``check_errors()``), and the dispatcher stays usable.
+
+        expand=False (the dispatcher's setup): each token arrives once per PE holding one of its
+        experts. ``recv_x`` ``[n_pes x max_tokens, hidden]``: source PE 0's tokens first, then PE
+        1's, each source's in its token order; the rows in use are the first
+        ``handle.num_rows`` (a MoeTokenHandle: recv_counts, recv_offsets, source_token).
+        ``recv_topk_idx`` int64 ``[rows, topk]``: each row's experts as local ids (global id -
+        my_pe x experts_per_pe), -1 for an expert on another PE or none, and -1 on rows past
+        num_rows. ``topk_weights`` (``[tokens, topk]``, any float dtype, sent as float32; every PE
+        passes them or none: rows of another width are refused on the device):
+        ``recv_topk_weights`` float32 ``[rows, topk]``, 0 where recv_topk_idx is -1; None when
+        not given. ``zero_unused_rows`` zeroes recv_x's rows past num_rows.
         """
         def check():
             if num_experts is not None and num_experts != self.num_experts:
                 raise Error(f"pydatacopy.MoeDispatcher.dispatch: num_experts={num_experts}, but the "
                             f"dispatcher was set up for {self.num_experts}")
             self._check_tokens(x, topk_idx, "dispatch")
+            if topk_weights is not None:
+                tokens.check_dispatch_weights(self, x, topk_weights)
         self._refused(self._dispatch, check, timeout)
+        if not self.expand:
+            return tokens.dispatch_tokens(self, x, topk_idx, topk_weights, timeout, zero_unused_rows)
         if not _traced() and IN_REGION:
             native = self._dispatch_native(x, topk_idx, timeout)
             if native is not None:
@@ -270,7 +325,7 @@ class MoeDispatcher:
             self._workspaces[key] = layout
         return layout
 
-    def combine(self, y: torch.Tensor, handle: MoeHandle, topk_weights: torch.Tensor, *,
+    def combine(self, y: torch.Tensor, handle, topk_weights: torch.Tensor | None = None, *,
                 timeout: float | None = None) -> torch.Tensor:
         """Send the expert outputs back and sum them per token; returns ``[tokens, hidden]``.
 
@@ -288,13 +343,25 @@ class MoeDispatcher:
         this PE saw it, at ``check_errors()`` elsewhere; the rows of the mismatched pairs are
         dropped, never summed into the wrong tokens). Handles made by traced (compiled) calls or
         by hand carry no dispatch and are not compared.
+
+        expand=False: ``y`` ``[n_pes x max_tokens, hidden]`` (recv_x's shape), one row per
+        received token (the caller has summed its local experts' outputs, weighted; rows past
+        handle.num_rows are not read), ``handle`` the MoeTokenHandle of that dispatch, no
+        ``topk_weights``. Returns ``out[t]`` = the rows of the PEs token ``t`` was sent to, summed
+        in ascending PE order in float32 (each sum rounded, no fused multiply-add), rounded once
+        to y's dtype; zeros for a token sent nowhere. A handle of the other mode (a MoeHandle) is
+        refused like any bad argument: through the round, pydatacopy.Error on every PE.
         """
-        tag = getattr(getattr(handle, "combine_counts", None), "_pydatacopy_dispatch", 0)
+        tag = _handle_tag(handle)
 
         def check():
-            if not isinstance(handle, MoeHandle):
+            if not self.expand:
+                tokens.check_token_combine(self, y, handle, topk_weights)
+            elif not isinstance(handle, MoeHandle):
                 raise Error(f"pydatacopy.MoeDispatcher.combine: handle must be the MoeHandle dispatch() "
-                            f"returned, got {type(handle).__name__}")
+                            f"returned, got {type(handle).__name__}"
+                            + (" (an expand=False dispatcher's handle; this dispatcher is expand=True)"
+                               if isinstance(handle, MoeTokenHandle) else ""))
             if tag and tag >> 40 != self._dispatch.number:
                 raise Error("pydatacopy.MoeDispatcher.combine: the handle comes from another MoeDispatcher's "
                             "dispatch; pass the handle of this dispatcher's dispatch")
@@ -305,11 +372,15 @@ class MoeDispatcher:
             if y.dtype != self.combine_dtype:
                 raise Error(f"pydatacopy.MoeDispatcher.combine: y must be {self.combine_dtype} (combine_dtype), "
                             f"got {y.dtype}")
+            if not self.expand:
+                return
             if not isinstance(topk_weights, torch.Tensor) or \
                     tuple(topk_weights.shape) != tuple(handle.pair_pe.shape):
                 raise Error(f"pydatacopy.MoeDispatcher.combine: topk_weights must be {tuple(handle.pair_pe.shape)} "
                             f"([tokens, topk] as dispatched), got {tuple(getattr(topk_weights, 'shape', ()))}")
         self._refused(self._combine, check, timeout)
+        if not self.expand:
+            return tokens.combine_tokens(self, y, handle, timeout, tag, IN_REGION)
         if _traced() or not IN_REGION or not topk_weights.is_cuda:
             if _traced():
                 (back,), back_counts, back_offsets = self._combine.exchange(

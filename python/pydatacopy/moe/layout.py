@@ -234,6 +234,76 @@ def combine_slots(pair_pe: torch.Tensor, pair_rank: torch.Tensor, back_counts: t
     return torch.where(valid, start + pair_rank, -1)
 
 
+class MoeTokenHandle(NamedTuple):
+    """What an ``expand=False`` dispatch leaves for combine (DeepEP's normal-mode layout: each
+    token arrives once per receiving PE, recv_x grouped by source PE); tensors on the GPU.
+
+    ``num_rows`` (int64, 0-dim): rows of recv_x in use, the tokens received (``recv_counts``
+    summed); ``recv_counts`` / ``recv_offsets`` (int64 ``[n_pes]``): source ``s``'s tokens are
+    recv_x rows ``[recv_offsets[s], + recv_counts[s])``, in ``s``'s token order;
+    ``source_token`` (int64 ``[rows of recv_x]``): each row's token index on its source (-1 past
+    num_rows). The rest is combine's: ``token_pe`` / ``token_rank`` (int64 ``[tokens, width]``,
+    width = min(topk, n_pes)): the PEs this PE's token ``t`` was sent to, ascending (``n_pes``
+    pads the rest), and ``t``'s position among the tokens this PE sent to each (-1 where
+    ``token_pe`` pads)."""
+    num_rows: torch.Tensor
+    recv_counts: torch.Tensor
+    recv_offsets: torch.Tensor
+    source_token: torch.Tensor
+    token_pe: torch.Tensor
+    token_rank: torch.Tensor
+
+
+def token_destinations(pair_pe: torch.Tensor, n_pes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sender's side of an ``expand=False`` combine: from dispatch_plan's ``pair_pe``
+    (``[tokens, topk]``, ``n_pes`` for a slot with no expert), each token's destination PEs in
+    ascending order and its rank among the tokens sent to each: ``(token_pe, token_rank)``, int64
+    ``[tokens, min(topk, n_pes)]`` (``n_pes`` / -1 past a token's PEs). combine sums the rows
+    that come back in that order. Plain torch, fixed shapes, no host read (eager, captured and
+    traced alike; the CPU reference is this same code)."""
+    tokens, topk = pair_pe.shape
+    width = min(topk, n_pes)
+    device = pair_pe.device
+    hit = torch.zeros((tokens, n_pes + 1), dtype=torch.int64, device=device)
+    hit.scatter_(1, pair_pe.to(torch.int64), 1)  # several slots on one PE: one hit
+    hit = hit[:, :n_pes]
+    rank = torch.cumsum(hit, 0) - 1     # position among the tokens sent to that PE
+    column = torch.cumsum(hit, 1) - 1   # position among the token's PEs, ascending
+    # PEs not hit go to a spare column (width), dropped after: a token hits at most width PEs.
+    target = torch.where(hit > 0, column, width)
+    pes = torch.arange(n_pes, dtype=torch.int64, device=device).expand(tokens, n_pes).contiguous()
+    token_pe = torch.full((tokens, width + 1), n_pes, dtype=torch.int64, device=device)
+    token_pe.scatter_(1, target, pes)
+    token_pe = token_pe[:, :width].contiguous()
+    sent = token_pe < n_pes
+    token_rank = torch.where(sent, rank.gather(1, token_pe.clamp(max=n_pes - 1)), -1)
+    return token_pe, token_rank
+
+
+def local_topk(recv_meta: torch.Tensor, recv_weights: torch.Tensor | None, num_rows: torch.Tensor, my_pe: int,
+               experts_per_pe: int, topk: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The receiver's side of an ``expand=False`` dispatch: from the received meta rows
+    (``[rows, topk + 1]`` int32: global expert ids, -1 for none, then the source's token) and
+    weights (float32 ``[rows, topk]``, or None), ``(recv_topk_idx, recv_topk_weights,
+    source_token)``: int64 local expert ids (global id - my_pe x experts_per_pe), -1 for an
+    expert on another PE or none; the weights, 0 where the id is -1 (None without weights); the
+    source's token index, -1 past num_rows. Rows past ``num_rows`` (0-dim int64 on the same
+    device) are not data: -1 ids, 0 weights there. Plain torch, as token_destinations."""
+    rows = recv_meta.shape[0]
+    device = recv_meta.device
+    in_use = torch.arange(rows, device=device) < num_rows
+    ids = recv_meta[:, :topk].to(torch.int64)
+    local = ids - my_pe * experts_per_pe
+    mine = in_use[:, None] & (ids >= 0) & (local >= 0) & (local < experts_per_pe)
+    recv_topk_idx = torch.where(mine, local, -1)
+    recv_topk_weights = None
+    if recv_weights is not None:
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        recv_topk_weights = torch.where(mine, recv_weights.to(torch.float32), zero)
+    source_token = torch.where(in_use, recv_meta[:, topk].to(torch.int64), -1)
+    return recv_topk_idx, recv_topk_weights, source_token
+
+
 # ---- the layout ops ----------------------------------------------------------------------------
 
 def _dispatch_layout_real(topk_idx, num_experts, n_pes, stream):
