@@ -10,7 +10,7 @@ from .. import _C
 from .._torch_utils import check_int, stream_handle, timeout_seconds
 from .all_to_all import AllToAll
 from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
-from . import tokens
+from . import tokens as _tokens
 from .layout import MoeHandle, MoeTokenHandle, combine_slots, dispatch_plan, receive_layout
 from .rows import combine_reduce, gather_rows
 
@@ -193,10 +193,10 @@ class MoeDispatcher:
                             f"dispatcher was set up for {self.num_experts}")
             self._check_tokens(x, topk_idx, "dispatch")
             if topk_weights is not None:
-                tokens.check_dispatch_weights(self, x, topk_weights)
+                _tokens.check_dispatch_weights(self, x, topk_weights)
         self._refused(self._dispatch, check, timeout)
         if not self.expand:
-            return tokens.dispatch_tokens(self, x, topk_idx, topk_weights, timeout, zero_unused_rows)
+            return _tokens.dispatch_tokens(self, x, topk_idx, topk_weights, timeout, zero_unused_rows)
         if not _traced() and IN_REGION:
             native = self._dispatch_native(x, topk_idx, timeout)
             if native is not None:
@@ -356,7 +356,7 @@ class MoeDispatcher:
 
         def check():
             if not self.expand:
-                tokens.check_token_combine(self, y, handle, topk_weights)
+                _tokens.check_token_combine(self, y, handle, topk_weights)
             elif not isinstance(handle, MoeHandle):
                 raise Error(f"pydatacopy.MoeDispatcher.combine: handle must be the MoeHandle dispatch() "
                             f"returned, got {type(handle).__name__}"
@@ -380,7 +380,7 @@ class MoeDispatcher:
                             f"([tokens, topk] as dispatched), got {tuple(getattr(topk_weights, 'shape', ()))}")
         self._refused(self._combine, check, timeout)
         if not self.expand:
-            return tokens.combine_tokens(self, y, handle, timeout, tag, IN_REGION)
+            return _tokens.combine_tokens(self, y, handle, timeout, tag, IN_REGION)
         if _traced() or not IN_REGION or not topk_weights.is_cuda:
             if _traced():
                 (back,), back_counts, back_offsets = self._combine.exchange(
