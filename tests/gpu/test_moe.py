@@ -1120,3 +1120,292 @@ def _check_host_path(world, d, monkeypatch, which):
     torch.cuda.synchronize()
     _same_bytes(recv_x[:used], kept[0], f"{which}: recv_x after a later dispatch")
     _same_bytes(handle.source_token, kept[1], f"{which}: source_token after a later dispatch")
+
+
+# ---- expand=False (DeepEP's normal-mode layout): one row per (token, receiving PE) ----------------
+#
+# recv_x by source PE then the source's token order, recv_topk_idx local ids (-1 elsewhere),
+# recv_topk_weights 0 where the id is -1; combine sums the rows of the PEs a token went to in
+# ascending PE order in float32, rounded once. References from every PE's gathered inputs (and,
+# for combine, every PE's gathered y: the check does not depend on the expert's arithmetic).
+
+TOKEN_HIDDENS = [(torch.bfloat16, 65), (torch.bfloat16, 64), (torch.float32, 72)]
+
+
+@pytest.fixture(scope="module", params=TOKEN_HIDDENS, ids=["bf16x65", "bf16x64", "f32x72"])
+def token_dispatcher(world, request):
+    """expand=False; 65 bf16 (130-byte rows: the scalar reduction), 64 bf16 and 72 fp32 (16-byte
+    multiples: the vector reduction)."""
+    n = world[1]
+    dtype, hidden = request.param
+    dispatcher = pydatacopy.MoeDispatcher(EXPERTS_PER_PE * n, hidden, TOPK, MAX_TOKENS, dtype=dtype, expand=False)
+    yield dispatcher
+    torch.cuda.synchronize()
+    dispatcher.close()
+
+
+def _token_inputs(kind, rank, n, seed, d, tokens=None):
+    generator = torch.Generator().manual_seed(seed)
+    if tokens is None:
+        tokens = int(torch.randint(0, MAX_TOKENS + 1, (1,), generator=generator))
+    x = _rows(tokens, d.hidden, d.dtype, generator)
+    ids = _routing("random" if kind == "nowhere" else kind, rank, n, tokens, generator)
+    if kind == "nowhere":  # about half the tokens routed to no expert at all: zeros back
+        ids[torch.rand(tokens, generator=generator) < 0.5] = -1
+    weights = torch.rand(tokens, TOPK, generator=generator)
+    return x, ids, weights
+
+
+def _token_expert(d, recv_x, idx, weights):
+    """The caller's local experts, weighted and summed: row x sum over local k of w (id + 1), in
+    float32, rounded to combine_dtype (rows past num_rows are garbage in, garbage out: unread)."""
+    factor = (idx + 1).to(torch.float32) * (weights if weights is not None else 1.0)
+    scale = torch.where(idx >= 0, factor, 0.0).sum(1)
+    return (recv_x.float() * scale[:, None]).to(d.combine_dtype)
+
+
+def _run_tokens(d, x, ids, weights, **kwargs):
+    recv_x, idx, w, handle = d.dispatch(x, ids, topk_weights=weights, timeout=TIMEOUT_S, **kwargs)
+    y = _token_expert(d, recv_x, idx, w)
+    out = d.combine(y, handle, timeout=TIMEOUT_S)
+    return recv_x, idx, w, handle, y, out
+
+
+def _token_rows(every_ids, n, r):
+    """The (source, token) pairs PE r receives, by source then token: those with an expert there."""
+    experts = EXPERTS_PER_PE * n
+    return [(s, t) for s in range(n) for t in range(every_ids[s].shape[0])
+            if any(0 <= int(e) < experts and int(e) // EXPERTS_PER_PE == r for e in every_ids[s][t])]
+
+
+def _check_tokens(rank, n, d, every_x, every_ids, every_weights, got, what, with_weights=True):
+    """recv_x, recv_topk_idx, recv_topk_weights, the handle and combine's output on PE `rank`,
+    byte for byte. Gathers every PE's y (a collective: every PE calls this alike)."""
+    recv_x, idx, w, handle, y, out = got
+    torch.cuda.synchronize()
+    every_rows = [_token_rows(every_ids, n, r) for r in range(n)]
+    rows = every_rows[rank]
+    used = len(rows)
+    every_y = _gather(y[:used].cpu())  # the reference's count: a wrong num_rows is reported below
+    recv_rows = n * MAX_TOKENS
+    if tuple(recv_x.shape) != (recv_rows, d.hidden) or tuple(idx.shape) != (recv_rows, TOPK):
+        _FAILURES.append(f"{what}: recv_x {tuple(recv_x.shape)}, recv_topk_idx {tuple(idx.shape)}")
+        return
+    counts = torch.tensor([sum(1 for s, _ in rows if s == source) for source in range(n)])
+    if int(handle.num_rows) != used or not torch.equal(handle.recv_counts.cpu(), counts) or \
+            not torch.equal(handle.recv_offsets.cpu(), torch.cumsum(counts, 0) - counts):
+        _FAILURES.append(f"{what}: num_rows {int(handle.num_rows)}, recv_counts {handle.recv_counts.tolist()}, "
+                         f"recv_offsets {handle.recv_offsets.tolist()}; expected {used}, {counts.tolist()}")
+        return
+    experts = EXPERTS_PER_PE * n
+    want_idx = torch.full((recv_rows, TOPK), -1, dtype=torch.int64)
+    want_w = torch.zeros(recv_rows, TOPK, dtype=torch.float32)
+    want_token = torch.full((recv_rows,), -1, dtype=torch.int64)
+    for row, (s, t) in enumerate(rows):
+        want_token[row] = t
+        for k in range(TOPK):
+            e = int(every_ids[s][t, k])
+            if 0 <= e < experts and e // EXPERTS_PER_PE == rank:
+                want_idx[row, k] = e - rank * EXPERTS_PER_PE
+                want_w[row, k] = every_weights[s][t, k]
+    if used:
+        _same_bytes(recv_x[:used], torch.stack([every_x[s][t] for s, t in rows]), f"{what}: recv_x")
+    if idx.dtype != torch.int64:
+        _FAILURES.append(f"{what}: recv_topk_idx is {idx.dtype}")
+    _same_bytes(idx, want_idx, f"{what}: recv_topk_idx")
+    _same_bytes(handle.source_token, want_token, f"{what}: source_token")
+    if not with_weights:
+        if w is not None:
+            _FAILURES.append(f"{what}: recv_topk_weights without topk_weights is not None")
+    elif w is None or w.dtype != torch.float32:
+        _FAILURES.append(f"{what}: recv_topk_weights is {None if w is None else w.dtype}")
+    else:
+        _same_bytes(w, want_w, f"{what}: recv_topk_weights")
+    # combine: each token's rows from the PEs it went to, ascending PE order, float32, rounded once.
+    acc = torch.zeros(every_x[rank].shape[0], d.hidden, dtype=torch.float32)
+    for p in range(n):
+        for row, (s, t) in enumerate(every_rows[p]):
+            if s == rank:
+                acc[t] = acc[t] + every_y[p][row].float()
+    if out.dtype != d.combine_dtype:
+        _FAILURES.append(f"{what}: combine's output is {out.dtype}")
+    _same_bytes(out, acc.to(d.combine_dtype), f"{what}: combined output")
+
+
+def _poison_allocator(d):
+    """Freed blocks full of 0xff: fresh outputs that were not written would not pass by chance."""
+    garbage = torch.full((d.recv_rows * 2, d.hidden * 4), 255, dtype=torch.uint8, device="cuda")
+    del garbage
+
+
+@pytest.mark.parametrize("kind", ["random", "skew", "one_pe", "nowhere"])
+def test_expand_false_dispatch_and_combine_are_exact(world, token_dispatcher, path, kind):
+    """Three eager rounds with fresh data (a PE with no tokens in the first; no topk_weights in
+    the last: recv_topk_weights None); skew sends every token to PE 0 (the last PE gets none)."""
+    rank, n, _ = world
+    d = token_dispatcher
+    for iteration in range(3):
+        tokens = 0 if (iteration == 0 and rank == n - 1) else None
+        if kind == "skew":
+            tokens = MAX_TOKENS
+        x, ids, weights = _token_inputs(kind, rank, n, 2000 + 100 * rank + iteration, d, tokens)
+        with_weights = iteration != 2
+        _poison_allocator(d)
+        got = _run_tokens(d, x.cuda(), ids.cuda(), weights.cuda() if with_weights else None)
+        every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+        _check_tokens(rank, n, d, every_x, every_ids, every_weights, got, f"{kind} iteration {iteration}",
+                      with_weights)
+
+
+def test_expand_false_graph_replays_take_fresh_routing(world, token_dispatcher, path):
+    """dispatch, the caller's expert sum and combine captured in one graph on a side stream,
+    replayed 3 times with fresh tokens, routing and weights; the outputs cleared before each."""
+    rank, n, _ = world
+    d = token_dispatcher
+    static_x = torch.zeros(MAX_TOKENS, d.hidden, dtype=d.dtype, device="cuda")
+    static_ids = torch.full((MAX_TOKENS, TOPK), -1, dtype=torch.int64, device="cuda")
+    static_weights = torch.zeros(MAX_TOKENS, TOPK, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up, eager, on every PE
+        _run_tokens(d, static_x, static_ids, static_weights)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        got = _run_tokens(d, static_x, static_ids, static_weights)
+    recv_x, idx, w, handle, y, out = got
+    for replay in range(3):
+        kind = ("random", "nowhere", "one_pe")[replay]
+        x, ids, weights = _token_inputs(kind, rank, n, 3000 + 100 * rank + replay, d, MAX_TOKENS)
+        static_x.copy_(x)
+        static_ids.copy_(ids)
+        static_weights.copy_(weights)
+        for output in (recv_x, y, out):
+            output.view(torch.uint8).fill_(0xff)
+        for output in (idx, w, handle.num_rows, handle.recv_counts, handle.source_token):
+            output.fill_(-7)
+        torch.cuda.synchronize()
+        graph.replay()
+        every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+        _check_tokens(rank, n, d, every_x, every_ids, every_weights, got, f"replay {replay} ({kind})")
+
+
+def test_expand_false_rows_past_num_rows(world, token_dispatcher):
+    """Past handle.num_rows: recv_topk_idx -1 and weights 0 always; recv_x zeros with
+    zero_unused_rows=True (the allocator filled with 0xff first). The rows in use stay exact."""
+    rank, n, _ = world
+    d = token_dispatcher
+    x, ids, weights = _token_inputs("one_pe", rank, n, 4000 + rank, d, 3)
+    _poison_allocator(d)
+    got = _run_tokens(d, x.cuda(), ids.cuda(), weights.cuda(), zero_unused_rows=True)
+    every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+    _check_tokens(rank, n, d, every_x, every_ids, every_weights, got, "zero_unused_rows")
+    recv_x, idx, w, handle, _, _ = got
+    used = int(handle.num_rows)
+    if int(recv_x[used:].view(torch.uint8).ne(0).sum()) != 0:
+        _FAILURES.append("expand=False dispatch: recv_x rows past num_rows are not zero")
+    if not bool((idx[used:] == -1).all()) or int(w[used:].ne(0).sum()) != 0:
+        _FAILURES.append("expand=False dispatch: recv_topk_idx / weights past num_rows are not -1 / 0")
+
+
+def test_expand_false_combine_refuses_an_expanded_handle_on_one_pe(world, token_dispatcher):
+    """PE 0 passes an expand=True MoeHandle to the expand=False combine: it raises (the handle's
+    mode), the others' combine completes and check_errors() reports PE 0's refusal, never a
+    timeout. Then combining the right handle on every PE is exact."""
+    rank, n, _ = world
+    d = token_dispatcher
+    x, ids, weights = _token_inputs("random", rank, n, 5000 + rank, d, MAX_TOKENS)
+    recv_x, idx, w, handle, y, _ = _run_tokens(d, x.cuda(), ids.cuda(), weights.cuda())
+    longs = torch.zeros(1, dtype=torch.int64, device="cuda")
+    wrong = pydatacopy.MoeHandle(*[longs] * len(pydatacopy.MoeHandle._fields)) if rank == 0 else handle
+    error = None
+    try:
+        d.combine(y, wrong, timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001 - judged below
+        error = raised
+    _refused_round_outcome(rank, 0, error, "an expanded handle", "expand=True dispatcher's handle")
+    dist.barrier()
+    out = d.combine(y, handle, timeout=TIMEOUT_S)
+    every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+    _check_tokens(rank, n, d, every_x, every_ids, every_weights, (recv_x, idx, w, handle, y, out),
+                  "the combine after the refusal")
+
+
+def test_expanded_combine_refuses_a_token_handle_on_one_pe(world, dispatcher):
+    """The reverse: PE n-1 passes an expand=False MoeTokenHandle to an expand=True combine."""
+    from pydatacopy.moe import MoeTokenHandle
+    rank, n, _ = world
+    refuser = n - 1
+    x, topk, weights = _moe_inputs("random", rank, n, 5100 + rank, dispatcher.dtype)
+    recv_x, handle = dispatcher.dispatch(x.cuda(), topk.cuda(), timeout=TIMEOUT_S)
+    y = _expert(recv_x, handle.expert_of_row + dispatcher.my_pe * EXPERTS_PER_PE)
+    longs = torch.zeros(1, dtype=torch.int64, device="cuda")
+    wrong = MoeTokenHandle(*[longs] * len(MoeTokenHandle._fields)) if rank == refuser else handle
+    error = None
+    try:
+        dispatcher.combine(y, wrong, weights.cuda(), timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    _refused_round_outcome(rank, refuser, error, "a token handle", "expand=False dispatcher's handle")
+    dist.barrier()
+    out = dispatcher.combine(y, handle, weights.cuda(), timeout=TIMEOUT_S)
+    every_x, every_topk, every_weights = zip(*_gather((x, topk, weights)))
+    _check_moe(rank, n, dispatcher, every_x, every_topk, every_weights, recv_x, handle, out,
+               "the combine after the refusal")
+
+
+def test_expand_false_stale_handle_on_one_pe_is_refused_on_every_pe(world, token_dispatcher):
+    """Two dispatches A and B; PE 0 combines A's rows with A's handle, the others B's: every PE
+    gets pydatacopy.Error (the tag, on the device). Then A and B combined on every PE are exact."""
+    rank, n, _ = world
+    d = token_dispatcher
+    inputs = [_token_inputs("random", rank, n, 5200 + 10 * rank + i, d, MAX_TOKENS) for i in range(2)]
+    dispatched = []
+    for x, ids, weights in inputs:
+        recv_x, idx, w, handle = d.dispatch(x.cuda(), ids.cuda(), topk_weights=weights.cuda(), timeout=TIMEOUT_S)
+        dispatched.append((recv_x, idx, w, handle, _token_expert(d, recv_x, idx, w)))
+    which = 0 if rank == 0 else 1
+    error = None
+    try:
+        _, _, _, handle, y = dispatched[which]
+        d.combine(y, handle, timeout=TIMEOUT_S)
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+    except Exception as raised:  # noqa: BLE001
+        error = raised
+    if error is None:
+        _FAILURES.append("expand=False: a stale handle on PE 0 was not refused")
+    elif isinstance(error, pydatacopy.TimeoutError) or not isinstance(error, pydatacopy.Error):
+        _FAILURES.append(f"expand=False: a stale handle: {type(error).__name__}: {error}")
+    elif "handle of the same dispatch" not in str(error):
+        _FAILURES.append(f"expand=False: a stale handle: unexpected error: {error}")
+    dist.barrier()
+    for i in (0, 1):
+        x, ids, weights = inputs[i]
+        recv_x, idx, w, handle, y = dispatched[i]
+        out = d.combine(y, handle, timeout=TIMEOUT_S)
+        every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+        _check_tokens(rank, n, d, every_x, every_ids, every_weights, (recv_x, idx, w, handle, y, out),
+                      f"expand=False dispatch {'AB'[i]} combined in flight")
+
+
+def test_expand_false_under_torch_compile(world, token_dispatcher):
+    """dispatch, the expert sum and combine compiled whole (fullgraph, aot_eager), twice with
+    fresh routing."""
+    from pydatacopy.moe import MoeTokenHandle
+    rank, n, _ = world
+    d = token_dispatcher
+    torch._dynamo.reset()
+
+    def layer(x, ids, weights):
+        recv_x, idx, w, handle, y, out = _run_tokens(d, x, ids, weights)
+        return (recv_x, idx, w, y, out, *handle)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for iteration in range(2):
+        x, ids, weights = _token_inputs("random", rank, n, 5300 + 10 * rank + iteration, d, MAX_TOKENS)
+        recv_x, idx, w, y, out, *fields = compiled(x.cuda(), ids.cuda(), weights.cuda())
+        every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+        _check_tokens(rank, n, d, every_x, every_ids, every_weights,
+                      (recv_x, idx, w, MoeTokenHandle(*fields), y, out), f"compiled, iteration {iteration}")
