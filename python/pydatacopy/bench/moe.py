@@ -18,6 +18,12 @@ one more dispatch + combine with fresh tokens, an identity expert (y = recv_x) a
 whose output must equal, bit for bit, sum_k w[t, k] * x[t] computed here in float32 in k order
 (a row delivered to the wrong place, lost or stale changes it), and the experts' row counts
 summed over PEs must equal the routed (token, expert) pairs.
+
+The same four rows for ``MoeDispatcher(expand=False)`` (DeepEP's normal-mode layout: each token
+once per receiving PE, combine one row per (token, PE)), path ``expand=False ...``, each beside a
+bare copy of the bytes that mode moves (dispatch: rows, ids, index and the float32 weights;
+combine: one row per token and PE), same run; ``--no-expand-false`` leaves them out. Their check:
+an identity expert (y = recv_x), out[t] = x[t] summed over the PEs t went to, in PE order.
 """
 
 from __future__ import annotations
@@ -144,6 +150,95 @@ def bench_shape(name: str, args) -> list[dict]:
         moe.close()
 
 
+def bench_shape_tokens(name: str, args) -> list[dict]:
+    """The expand=False rows of one shape (see the module docstring)."""
+    me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
+    tokens, hidden, topk, experts = SHAPES[name]
+    experts = experts or 8 * n
+    if experts % n:
+        return []
+    size = f"{name} {n}PE"
+    moe = pydatacopy.MoeDispatcher(experts, hidden, topk, tokens, torch.bfloat16, expand=False)
+    try:
+        x = _tokens(tokens, hidden, 11 + me)
+        ids, weights = _routing(tokens, experts, topk, 100 + me)
+        recv_x, _, _, handle = moe.dispatch(x, ids, topk_weights=weights)
+        y = recv_x.clone()
+        torch.cuda.synchronize()
+        sent_tokens = int(pydatacopy.moe.dispatch_plan(ids, experts, n).send_counts.sum())
+        # Each token once per PE both ways: dispatch its row, ids and index and float32 weights.
+        dispatch_bytes = _max_over_pes(sent_tokens * (hidden * 2 + (topk + 1) * 4 + topk * 4))
+        combine_bytes = _max_over_pes(sent_tokens * hidden * 2)
+        rows = []
+
+        def add(op, path, nbytes, timed, ok, base=None):
+            row = make_row(op, path, "all", nbytes, timed, ok, size)
+            if base is not None:
+                against(row, base)
+            rows.append(row)
+            if me == 0:
+                print(f"  {op:<18} {path:<20} {size:<12} {row['us']:10.1f} us", file=sys.stderr, flush=True)
+            return row
+
+        base_d = add("baseline", "expand=False copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
+        base_c = add("baseline", "expand=False copy", combine_bytes, *_bare_copy(combine_bytes, args))
+        base_dc = add("baseline", "expand=False copy", dispatch_bytes + combine_bytes,
+                      *_bare_copy(dispatch_bytes + combine_bytes, args))
+        checked = _check_tokens(moe, tokens, hidden, experts, topk, 7500 + me)
+        add("moe dispatch", "expand=False eager", dispatch_bytes,
+            time_op(lambda: moe.dispatch(x, ids, topk_weights=weights), args.iters, args.warmup, args.repeats),
+            checked, base_d)
+        add("moe combine", "expand=False eager", combine_bytes,
+            time_op(lambda: moe.combine(y, handle), args.iters, args.warmup, args.repeats), checked, base_c)
+
+        def both():
+            got, _, _, h = moe.dispatch(x, ids, topk_weights=weights)
+            moe.combine(got, h)
+
+        add("moe dispatch+comb", "expand=False eager", dispatch_bytes + combine_bytes,
+            time_op(both, args.iters, args.warmup, args.repeats), checked, base_dc)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            both()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            both()
+        add("moe dispatch+comb", "expand=False graph", dispatch_bytes + combine_bytes,
+            time_op(graph.replay, args.iters, args.warmup, args.repeats),
+            checked and _check_tokens(moe, tokens, hidden, experts, topk, 8500 + me), base_dc)
+        del graph
+        return rows
+    finally:
+        torch.cuda.synchronize()
+        moe.close()
+
+
+def _check_tokens(moe, tokens, hidden, experts, topk, seed) -> bool:
+    """expand=False: one dispatch + combine with fresh data and an identity expert (y = recv_x):
+    out[t] = x[t] added once per PE t went to, in PE order, float32, rounded to bf16; the rows
+    received, summed over PEs, are the (token, PE) pairs routed."""
+    n = pydatacopy.n_pes()
+    per_pe = experts // n
+    x = _tokens(tokens, hidden, seed)
+    ids, weights = _routing(tokens, experts, topk, seed + 1)
+    recv_x, _, _, handle = moe.dispatch(x, ids, topk_weights=weights)
+    out = moe.combine(recv_x.clone(), handle)
+    want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+    pairs = 0
+    for p in range(n):
+        sent = ((ids >= 0) & (ids < experts) & (ids // per_pe == p)).any(1)
+        want = torch.where(sent[:, None], want + x.float(), want)
+        pairs += int(sent.sum())
+    ok = torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+    counts = torch.tensor([pairs, int(handle.num_rows)], dtype=torch.int64, device=reduce_device())
+    dist.all_reduce(counts)
+    ok = device_clean() and ok
+    return agree(ok and int(counts[0]) == int(counts[1]))
+
+
 def _nccl_all_to_all(x, ids, experts, n, hidden, topk, args) -> tuple:
     """torch.distributed.all_to_all_single (NCCL) of the rows dispatch sends (each token once per
     PE, with its ids' bytes), split sizes known on the host beforehand (NCCL needs them there; the
@@ -195,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-r", "--repeats", type=int, default=5)
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
+    parser.add_argument("--no-expand-false", action="store_true",
+                        help="leave out the expand=False rows (DeepEP's normal-mode layout)")
     parser.add_argument("--compact", action="store_true",
                         help="the compacting path (received rows copied out of the region first, "
                              "as traced calls do) instead of reading them in the region")
@@ -215,15 +312,18 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for shape in shapes:
         rows.extend(bench_shape(shape, args))
+        if not args.no_expand_false:
+            rows.extend(bench_shape_tokens(shape, args))
     if pydatacopy.my_pe() == 0:
-        print(f"\n{'op':<18} {'path':<12} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
+        print(f"\n{'op':<18} {'path':<20} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
               f"{'xbase':>6}  ok")
         for r in rows:
             xbase = f"{r['xbase']:6.2f}" if r.get("xbase") else "     -"
-            print(f"{r['op']:<18} {r['path']:<12} {r['size']:<14} {r['bytes'] / 1e6:9.2f} "
+            print(f"{r['op']:<18} {r['path']:<20} {r['size']:<14} {r['bytes'] / 1e6:9.2f} "
                   f"{r['us']:10.1f} {r['gbps']:8.1f} {xbase}  {'yes' if r['ok'] else 'NO'}")
         print("MB moved: the bytes the busiest PE sends (dispatch: token rows and their expert ids; "
-              "combine: one output row per (token, expert)); xbase: time over a bare copy of those "
+              "combine: one output row per (token, expert); expand=False rows: one per (token, PE) both ways, "
+              "dispatch with the float32 weights); xbase: time over a bare copy of those "
               "bytes on this GPU, same run")
     return finish(rows, args.json)
 
