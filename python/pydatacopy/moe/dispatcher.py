@@ -286,8 +286,7 @@ class MoeDispatcher:
                                recv_x.numel() * recv_x.element_size(), kept.data_ptr(), totals["handle"],
                                scratch.data_ptr(), totals["scratch"], stream_handle(None, device), seconds)
         del scratch
-        # The handle's tensors: int64 views of `kept`, cut in one op (a view each cost about 3 us
-        # of host time, a third of an eager dispatch's on the GPU machine, 2026-12-06).
+        # The handle's tensors cut from `kept` in one op (a view each cost about 3 us of host time).
         sizes, pick = handle_split
         pieces = kept.view(torch.int64).split_with_sizes(sizes)
         fields = {name: pieces[i] for name, i in pick.items()}
@@ -297,9 +296,8 @@ class MoeDispatcher:
         return recv_x, self._mark(MoeHandle(**fields), call)
 
     def _workspace(self, tokens: int, row_bytes: int):
-        """(region totals, (split sizes, {handle field: piece})) of a native dispatch of `tokens`
-        tokens, None past the layout kernels' limits; asked of the core once per shape. The handle
-        region cut into int64 pieces: each handle tensor, and the alignment gaps between them."""
+        """(region totals, (int64 split sizes of the handle region: its tensors and the gaps
+        between them, {handle field: piece})), None past the layout kernels; asked once per shape."""
         key = (tokens, row_bytes)
         known = self._workspaces.get(key, False)
         if known is not False:
