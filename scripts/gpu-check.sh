@@ -208,7 +208,7 @@ if has "$STEPS" gpu2-tests-expandable; then
   if [ "${SEGV_BACKTRACE:-0}" = 1 ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so "$HERE/segv_backtrace.c" >> "$OUT/build.log" 2>&1; then
     PRELOAD=(LD_PRELOAD=/tmp/segv_backtrace.so)
   fi
-  step gpu2-tests-expandable env "${PRELOAD[@]}" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
+  step gpu2-tests-expandable env ${PRELOAD[@]+"${PRELOAD[@]}"} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
 fi
 # 2+ GPUs with more PEs than GPUs (the N-PE steps): MPS for as long as those run.
 SHARED_MPS=0

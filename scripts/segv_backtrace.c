@@ -1,10 +1,11 @@
-/* A native backtrace on SIGSEGV/SIGBUS/SIGABRT, for crashes inside libraries that Python's
+/* A native backtrace on SIGSEGV/SIGBUS/SIGABRT (a C++ terminate included), for crashes inside libraries that Python's
  * faulthandler shows only as a Python frame (issue 36: SIGSEGV inside torch.cuda.empty_cache()
  * under expandable segments). Built and preloaded on the GPU machine:
  *   gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so scripts/segv_backtrace.c
  *   LD_PRELOAD=/tmp/segv_backtrace.so python -m pytest -p no:faulthandler ...
  * Prints the faulting address and the frames (with exported symbol names) to stderr, then dies
- * of the same signal. Not part of the library. */
+ * of the same signal (backtrace() is not async-signal-safe: good enough for a process that is
+ * dying anyway). Not part of the library. */
 #define _GNU_SOURCE
 #include <execinfo.h>
 #include <signal.h>
@@ -33,4 +34,5 @@ __attribute__((constructor)) static void install(void) {
   sigemptyset(&action.sa_mask);
   sigaction(SIGSEGV, &action, NULL);
   sigaction(SIGBUS, &action, NULL);
+  sigaction(SIGABRT, &action, NULL);
 }

@@ -462,6 +462,7 @@ def test_an_abandoned_capture_leaves_the_buffer_usable(world, buffer):
     # never ended, and the pool must be handed back below.
     pool = torch.cuda.graph_pool_handle()
     released = True
+    before = torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             _, _, _, call = buffer._exchange_in_region([send], [True], counts, None, TIMEOUT_S)
@@ -475,16 +476,24 @@ def test_an_abandoned_capture_leaves_the_buffer_usable(world, buffer):
                 released = False
     except Exception:  # noqa: BLE001 - ending the invalidated capture reports it
         pass
-    # torch's capture_end raises at cudaStreamEndCapture before it tells its caching allocator that
-    # the capture is over: the process's allocator would keep the capture underway, and
-    # empty_cache() would give nothing back for the rest of the run (seen on the GPU, 2026-12-06,
-    # twice: later registration and memory-given-back tests failed). Told here, as use_mem_pool's
-    # exit does.
+    # torch.cuda.graph's exit skips restoring the stream when capture_end raises: put it back, or
+    # every later test of the process runs on `stream`.
+    torch.cuda.set_stream(before)
+    # torch 2.11's capture_end raises at cudaStreamEndCapture before it tells its caching allocator
+    # that the capture is over, and its reset() releases the pool only after a capture that ended:
+    # the allocator would keep the capture underway, and empty_cache() would give nothing back for
+    # the rest of the run (seen on the GPU, 2026-12-06, twice: later registration and
+    # memory-given-back tests failed). Newer torch (2.14) ends the routing and releases a failed
+    # capture's pool in reset() itself. So: reset first, then end and release only what is still
+    # routed (ending a pool no longer routed raises).
+    graph.reset()
+    del graph
     try:
         torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
     except RuntimeError:
-        pass  # this torch ended it itself
-    torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+        pass  # ended by this torch itself (capture_end or reset), which released it too
+    else:
+        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
     if released:
         _FAILURES.append("the capture was not invalidated before the release: nothing was tested")
     torch.cuda.synchronize()

@@ -14,9 +14,8 @@ from . import tokens as _tokens
 from .layout import MoeHandle, MoeTokenHandle, combine_slots, dispatch_plan, receive_layout
 from .rows import combine_reduce, gather_rows
 
-# MoeDispatcher's eager calls (and CUDA graph captures) read the rows received straight from the
-# all-to-all's receive regions (no compaction copy); False: the compacting path that traced
-# (torch.compile) calls take. A switch for comparing the two, and a way back if needed.
+# Eager calls and captures read the received rows in the receive regions (no compaction copy);
+# False: the compacting path traced calls take (a switch for comparing the two, a way back).
 IN_REGION = True
 
 
@@ -27,9 +26,8 @@ def _tagged_counts(handle):
 
 def _handle_tag(handle) -> int:
     """The dispatch an eager handle carries (0: none, a traced or hand-made handle, or no handle)."""
-    if not isinstance(handle, (MoeHandle, MoeTokenHandle)):
-        return 0
-    return getattr(_tagged_counts(handle), "_pydatacopy_dispatch", 0)
+    is_handle = isinstance(handle, (MoeHandle, MoeTokenHandle))
+    return getattr(_tagged_counts(handle), "_pydatacopy_dispatch", 0) if is_handle else 0
 
 
 class MoeDispatcher:
@@ -109,9 +107,11 @@ class MoeDispatcher:
             self._dispatch.close()
             raise
         if not expand:
-            # combine's sum is the reduction kernel's with every weight 1 (1.0f x v is v: exact).
+            # combine's sum: the reduction kernel with weights 1 (exact), written before any combine
+            # (on whatever stream) reads them.
             self._unit_weights = torch.ones((max_tokens, min(topk, n)), dtype=torch.float32,
                                             device=f"cuda:{self._combine._device}")
+            torch.cuda.current_stream(self._combine._device).synchronize()
 
     @property
     def recv_rows(self) -> int:
