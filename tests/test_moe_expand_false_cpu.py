@@ -378,10 +378,12 @@ def test_expand_false_combine_refusals_run_the_round():
         d.combine(y.float(), handle)
     with pytest.raises(pydatacopy.Error, match="token_pe"):
         d.combine(y, _token_handle(width=1))
+    with pytest.raises(pydatacopy.Error, match="every field of the handle must be a tensor"):
+        d.combine(y, handle._replace(token_pe=[[0, 1]] * 3))  # Error through the round, not AttributeError
     handle.recv_counts._pydatacopy_dispatch = (9 << 40) | 1  # dispatcher 9's dispatch
     with pytest.raises(pydatacopy.Error, match="another MoeDispatcher"):
         d.combine(y, handle)
-    assert len(d._combine.refused) == 5 and d._dispatch.refused == []
+    assert len(d._combine.refused) == 6 and d._dispatch.refused == []
 
 
 def test_dispatch_weights_checks_run_the_round():

@@ -66,6 +66,8 @@ def check_token_combine(moe, y, handle, topk_weights) -> None:
         raise Error(f"{call}: this dispatcher is expand=False: handle must be the MoeTokenHandle its "
                     f"dispatch() returned, got {type(handle).__name__}"
                     + (" (an expand=True dispatcher's handle)" if isinstance(handle, MoeHandle) else ""))
+    if not all(isinstance(field, torch.Tensor) for field in handle):  # (a hand-made handle: Error, not AttributeError)
+        raise Error(f"{call}: every field of the handle must be a tensor (the MoeTokenHandle dispatch() returned)")
     if topk_weights is not None:
         raise Error(f"{call}: an expand=False combine takes no topk_weights: y holds one row per received "
                     "token, its local experts' outputs already weighted and summed (the weights came "
