@@ -23,35 +23,10 @@ from pydatacopy import moe as _moe
 from pydatacopy.moe import all_to_all as _moe_a2a
 from pydatacopy.moe import layout as _moe_layout
 
+from moe_world import exchange as _exchange
+
 
 # ---- a simulated world ----------------------------------------------------------------------
-
-def _exchange(sends_per_pe, counts_per_pe, index_per_pe, capacity):
-    """all_to_all_v with a gather index between simulated PEs: what PE r receives, grouped by
-    source, padded to n x capacity rows (padding filled with a marker that must never be read)."""
-    n = len(sends_per_pe)
-    out = []
-    for r in range(n):
-        fields = [[] for _ in sends_per_pe[0]]
-        counts = []
-        for s in range(n):
-            cnt = counts_per_pe[s]
-            start = int(cnt[:r].sum())
-            count = int(cnt[r])
-            assert count <= capacity
-            rows = index_per_pe[s][start:start + count]
-            for f, send in enumerate(sends_per_pe[s]):
-                fields[f].append(send.index_select(0, rows))
-            counts.append(count)
-        recvs = []
-        for f, send in enumerate(sends_per_pe[0]):
-            got = torch.cat(fields[f], 0)
-            pad = torch.full((n * capacity - got.shape[0], *send.shape[1:]), 7, dtype=send.dtype)
-            recvs.append(torch.cat([got, pad], 0))
-        counts = torch.tensor(counts, dtype=torch.int64)
-        out.append((recvs, counts, torch.cumsum(counts, 0) - counts))
-    return out
-
 
 def _expert_output(rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """A stand-in expert: row x (global expert + 1), in float32, rounded to the rows' dtype."""

@@ -101,14 +101,7 @@ def bench_shape(name: str, args) -> list[dict]:
         combine_bytes = _max_over_pes(sent_pairs * hidden * 2)
         rows = []
 
-        def add(op, path, nbytes, timed, ok, base=None):
-            row = make_row(op, path, "all", nbytes, timed, ok, size)
-            if base is not None:
-                against(row, base)
-            rows.append(row)
-            if me == 0:
-                print(f"  {op:<18} {path:<16} {size:<12} {row['us']:10.1f} us", file=sys.stderr, flush=True)
-            return row
+        add = _adder(rows, size, 16)
 
         base_d = add("baseline", "local copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
         base_c = add("baseline", "local copy", combine_bytes, *_bare_copy(combine_bytes, args))
@@ -130,16 +123,7 @@ def bench_shape(name: str, args) -> list[dict]:
 
         add("moe dispatch+comb", "eager", dispatch_bytes + combine_bytes,
             time_op(both, args.iters, args.warmup, args.repeats), checked, base_dc)
-        # The same in a CUDA graph (captured on a side stream after an eager warm-up).
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            both()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            both()
+        graph = _capture(both)
         add("moe dispatch+comb", "cuda graph", dispatch_bytes + combine_bytes,
             time_op(graph.replay, args.iters, args.warmup, args.repeats),
             checked and _check(moe, tokens, hidden, experts, topk, 8000 + me), base_dc)
@@ -148,6 +132,34 @@ def bench_shape(name: str, args) -> list[dict]:
     finally:
         torch.cuda.synchronize()
         moe.close()
+
+
+def _adder(rows: list[dict], size: str, path_width: int):
+    """add(op, path, bytes, timing, ok, baseline row=None): a row appended to `rows` (its xbase
+    against the baseline's), printed by PE 0 as it is made; returns the row."""
+    def add(op, path, nbytes, timed, ok, base=None):
+        row = make_row(op, path, "all", nbytes, timed, ok, size)
+        if base is not None:
+            against(row, base)
+        rows.append(row)
+        if pydatacopy.my_pe() == 0:
+            print(f"  {op:<18} {path:<{path_width}} {size:<12} {row['us']:10.1f} us", file=sys.stderr, flush=True)
+        return row
+    return add
+
+
+def _capture(run) -> torch.cuda.CUDAGraph:
+    """`run` in a CUDA graph, captured on a side stream after an eager warm-up there."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        run()
+    return graph
 
 
 def bench_shape_tokens(name: str, args) -> list[dict]:
@@ -171,14 +183,7 @@ def bench_shape_tokens(name: str, args) -> list[dict]:
         combine_bytes = _max_over_pes(sent_tokens * hidden * 2)
         rows = []
 
-        def add(op, path, nbytes, timed, ok, base=None):
-            row = make_row(op, path, "all", nbytes, timed, ok, size)
-            if base is not None:
-                against(row, base)
-            rows.append(row)
-            if me == 0:
-                print(f"  {op:<18} {path:<20} {size:<12} {row['us']:10.1f} us", file=sys.stderr, flush=True)
-            return row
+        add = _adder(rows, size, 20)
 
         base_d = add("baseline", "expand=False copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
         base_c = add("baseline", "expand=False copy", combine_bytes, *_bare_copy(combine_bytes, args))
@@ -197,15 +202,7 @@ def bench_shape_tokens(name: str, args) -> list[dict]:
 
         add("moe dispatch+comb", "expand=False eager", dispatch_bytes + combine_bytes,
             time_op(both, args.iters, args.warmup, args.repeats), checked, base_dc)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            both()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            both()
+        graph = _capture(both)
         add("moe dispatch+comb", "expand=False graph", dispatch_bytes + combine_bytes,
             time_op(graph.replay, args.iters, args.warmup, args.repeats),
             checked and _check_tokens(moe, tokens, hidden, experts, topk, 8500 + me), base_dc)
