@@ -1,9 +1,12 @@
 """A simulated world for the MoE CPU tests (test_moe_cpu.py, test_moe_expand_false_cpu.py): the
-all-to-all-v between PEs in one process."""
+all-to-all-v between PEs in one process, a one-PE loopback buffer for the traced path, and buffer
+stand-ins for the argument checks."""
 
 from __future__ import annotations
 
 import torch
+
+import pydatacopy
 
 
 def exchange(sends_per_pe, counts_per_pe, index_per_pe, capacity):
@@ -31,3 +34,43 @@ def exchange(sends_per_pe, counts_per_pe, index_per_pe, capacity):
         counts = torch.tensor(counts, dtype=torch.int64)
         out.append((recvs, counts, torch.cumsum(counts, 0) - counts))
     return out
+
+
+class Loopback:
+    """A one-PE AllToAll on the CPU: what it sends to itself it receives (rows past the count
+    filled with `pad`, never data)."""
+
+    def __init__(self, capacity, pad=0):
+        self.capacity, self.n_pes, self.recv_rows, self.calls, self.pad = capacity, 1, capacity, 0, pad
+
+    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout):
+        self.calls += 1
+        count = int(send_counts[0])
+        rows = send_index[:count] if send_index is not None else torch.arange(count)
+        recvs = []
+        for send in sends:
+            recv = torch.full((self.recv_rows, *send.shape[1:]), self.pad, dtype=send.dtype)
+            recv[:count] = send.index_select(0, rows)
+            recvs.append(recv)
+        return recvs, send_counts.to(torch.int64).clone(), torch.zeros(1, dtype=torch.int64)
+
+
+def stub_buffer(number: int, n_pes: int = 1) -> pydatacopy.AllToAll:
+    """An AllToAll object as the traced path sees it (its number and order tensor), with no
+    NVSHMEM behind it: the ops' kernels reach the loopback registered under `number`."""
+    stub = object.__new__(pydatacopy.AllToAll)
+    stub.number, stub._n_pes, stub._device = number, n_pes, -1
+    stub._order = torch.zeros(1, dtype=torch.uint8)
+    return stub
+
+
+class RefusingBuffer:
+    """Stands in for an AllToAll: _refuse records the refusal (the round the core would run) and
+    raises it, as AllToAll._refuse does."""
+
+    def __init__(self, number: int) -> None:
+        self.number, self.refused = number, []
+
+    def _refuse(self, error, stream, timeout):
+        self.refused.append(str(error))
+        raise error

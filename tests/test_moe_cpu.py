@@ -23,7 +23,10 @@ from pydatacopy import moe as _moe
 from pydatacopy.moe import all_to_all as _moe_a2a
 from pydatacopy.moe import layout as _moe_layout
 
+from moe_world import Loopback as _Loopback
+from moe_world import RefusingBuffer as _RefusingBuffer
 from moe_world import exchange as _exchange
+from moe_world import stub_buffer as _stub_buffer
 
 
 # ---- a simulated world ----------------------------------------------------------------------
@@ -159,26 +162,6 @@ def test_combine_reduce_refuses_other_dtypes():
 
 
 # ---- the ops ------------------------------------------------------------------------------------
-
-class _Loopback:
-    """A one-PE AllToAll on the CPU: what it sends to itself it receives."""
-
-    def __init__(self, capacity):
-        self.capacity, self.n_pes = capacity, 1
-        self.recv_rows = capacity
-        self.calls = 0
-
-    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout):
-        self.calls += 1
-        count = int(send_counts[0])
-        rows = send_index[:count] if send_index is not None else torch.arange(count)
-        recvs = []
-        for send in sends:
-            recv = torch.zeros((self.recv_rows, *send.shape[1:]), dtype=send.dtype)
-            recv[:count] = send.index_select(0, rows)
-            recvs.append(recv)
-        return recvs, send_counts.to(torch.int64).clone(), torch.zeros(1, dtype=torch.int64)
-
 
 @pytest.fixture
 def loopback():
@@ -325,15 +308,6 @@ def test_public_names():
         assert name in pydatacopy.__all__ and hasattr(pydatacopy, name)
 
 
-def _stub_buffer(number: int, n_pes: int = 1) -> pydatacopy.AllToAll:
-    """An AllToAll object as the traced path sees it (its number and order tensor), with no
-    NVSHMEM behind it: the ops' kernels reach the loopback registered under `number`."""
-    stub = object.__new__(pydatacopy.AllToAll)
-    stub.number, stub._n_pes, stub._device = number, n_pes, -1
-    stub._order = torch.zeros(1, dtype=torch.uint8)
-    return stub
-
-
 def test_torch_compile_traces_dispatch_and_combine_whole():
     """dispatch, an expert and combine under torch.compile(fullgraph=True): no graph break, the
     two exchanges and the reduction as ops, the result as the arithmetic says (one PE, loopback)."""
@@ -478,18 +452,6 @@ def test_moe_facts_come_from_the_core():
 
 
 # ---- a PE's own refusal still takes part in the round (the host side of it) ---------------------
-
-class _RefusingBuffer:
-    """Stands in for an AllToAll: _refuse records the refusal (the round the core would run) and
-    raises it, as AllToAll._refuse does."""
-
-    def __init__(self, number: int) -> None:
-        self.number, self.refused = number, []
-
-    def _refuse(self, error, stream, timeout):
-        self.refused.append(str(error))
-        raise error
-
 
 def _bare_dispatcher(n_pes=2, max_tokens=4, topk=2, hidden=8):
     d = object.__new__(pydatacopy.MoeDispatcher)

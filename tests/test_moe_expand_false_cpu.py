@@ -23,7 +23,10 @@ from pydatacopy import moe as _moe
 from pydatacopy.moe import all_to_all as _moe_a2a
 from pydatacopy.moe import layout as _moe_layout
 
+from moe_world import Loopback as _Loopback
+from moe_world import RefusingBuffer as _RefusingBuffer
 from moe_world import exchange as _exchange
+from moe_world import stub_buffer as _stub_buffer
 
 PES = [1, 2, 4, 8]
 KINDS = ["random", "missing", "nowhere", "one_pe", "past"]
@@ -220,37 +223,12 @@ def test_the_sum_is_in_ascending_pe_order_not_another():
 
 # ---- the traced path ------------------------------------------------------------------------------
 
-class _Loopback:
-    """A one-PE AllToAll on the CPU: what it sends to itself it receives."""
-
-    def __init__(self, capacity):
-        self.capacity, self.n_pes, self.recv_rows, self.calls = capacity, 1, capacity, 0
-
-    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout):
-        self.calls += 1
-        count = int(send_counts[0])
-        rows = send_index[:count] if send_index is not None else torch.arange(count)
-        recvs = []
-        for send in sends:
-            recv = torch.full((self.recv_rows, *send.shape[1:]), 3, dtype=send.dtype)  # not data past count
-            recv[:count] = send.index_select(0, rows)
-            recvs.append(recv)
-        return recvs, send_counts.to(torch.int64).clone(), torch.zeros(1, dtype=torch.int64)
-
-
-def _stub_buffer(number: int) -> pydatacopy.AllToAll:
-    stub = object.__new__(pydatacopy.AllToAll)
-    stub.number, stub._n_pes, stub._device = number, 1, -1
-    stub._order = torch.zeros(1, dtype=torch.uint8)
-    return stub
-
-
 def test_torch_compile_traces_expand_false_dispatch_and_combine_whole():
     """dispatch (with weights), the caller's expert sum and combine under torch.compile(fullgraph):
     no graph break, two exchanges through the op, the output as the arithmetic says (one PE)."""
     tokens, hidden, topk, experts = 5, 8, 3, 4
     numbers = (4 * 10**6 + random.randrange(10**6), 5 * 10**6 + random.randrange(10**6))
-    loopbacks = (_Loopback(tokens), _Loopback(tokens))  # kept alive: the registry holds them weakly
+    loopbacks = (_Loopback(tokens, pad=3), _Loopback(tokens, pad=3))  # kept alive: held weakly
     for number, loopback in zip(numbers, loopbacks):
         _moe_a2a._buffers[number] = loopback
     try:
@@ -288,18 +266,6 @@ def test_torch_compile_traces_expand_false_dispatch_and_combine_whole():
 
 
 # ---- argument checks without NVSHMEM ---------------------------------------------------------------
-
-class _RefusingBuffer:
-    """Stands in for an AllToAll: _refuse records the refusal (the round the core would run) and
-    raises it, as AllToAll._refuse does."""
-
-    def __init__(self, number: int) -> None:
-        self.number, self.refused = number, []
-
-    def _refuse(self, error, stream, timeout):
-        self.refused.append(str(error))
-        raise error
-
 
 def _bare_dispatcher(expand: bool, n_pes=2, max_tokens=4, topk=2, hidden=8):
     d = object.__new__(pydatacopy.MoeDispatcher)
