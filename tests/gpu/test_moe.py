@@ -302,6 +302,17 @@ def test_all_to_all_v_graph_replays_take_fresh_counts(world, buffer, path):
 
 # ---- one PE refuses a call its peers make: every PE gets pydatacopy.Error, none times out --------
 
+def _stale_handle_outcome(error, what):
+    """A combine given a stale handle on PE 0: every PE got pydatacopy.Error saying the PEs
+    combined different dispatches (never TimeoutError). Recorded in _FAILURES."""
+    if error is None:
+        _FAILURES.append(f"{what} on PE 0 was not refused")
+    elif isinstance(error, pydatacopy.TimeoutError) or not isinstance(error, pydatacopy.Error):
+        _FAILURES.append(f"{what}: {type(error).__name__}: {error}")
+    elif "handle of the same dispatch" not in str(error):
+        _FAILURES.append(f"{what}: unexpected error: {error}")
+
+
 def _refused_round_outcome(rank, refuser, error, what, pattern):
     """After a call that PE `refuser` refused: it raised pydatacopy.Error matching `pattern` from
     the call; every other PE's call returned and check_errors() raises pydatacopy.Error naming
@@ -698,12 +709,7 @@ def test_combine_of_a_stale_handle_on_one_pe_is_refused_on_every_pe(world, dispa
         pydatacopy.check_errors()
     except Exception as raised:  # noqa: BLE001
         error = raised
-    if error is None:
-        _FAILURES.append("a stale handle on PE 0 was not refused")
-    elif isinstance(error, pydatacopy.TimeoutError) or not isinstance(error, pydatacopy.Error):
-        _FAILURES.append(f"a stale handle: {type(error).__name__}: {error}")
-    elif "handle of the same dispatch" not in str(error):
-        _FAILURES.append(f"a stale handle: unexpected error: {error}")
+    _stale_handle_outcome(error, "a stale handle")
     dist.barrier()
     for i in (0, 1):  # A then B, on every PE: both right
         x, topk, weights = inputs[i]
@@ -1383,12 +1389,7 @@ def test_expand_false_stale_handle_on_one_pe_is_refused_on_every_pe(world, token
         pydatacopy.check_errors()
     except Exception as raised:  # noqa: BLE001
         error = raised
-    if error is None:
-        _FAILURES.append("expand=False: a stale handle on PE 0 was not refused")
-    elif isinstance(error, pydatacopy.TimeoutError) or not isinstance(error, pydatacopy.Error):
-        _FAILURES.append(f"expand=False: a stale handle: {type(error).__name__}: {error}")
-    elif "handle of the same dispatch" not in str(error):
-        _FAILURES.append(f"expand=False: a stale handle: unexpected error: {error}")
+    _stale_handle_outcome(error, "expand=False: a stale handle")
     dist.barrier()
     for i in (0, 1):
         x, ids, weights = inputs[i]
