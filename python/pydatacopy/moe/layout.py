@@ -289,19 +289,26 @@ def local_topk(recv_meta: torch.Tensor, recv_weights: torch.Tensor | None, num_r
     expert on another PE or none; the weights, 0 where the id is -1 (None without weights); the
     source's token index, -1 past num_rows. Rows past ``num_rows`` (0-dim int64 on the same
     device) are not data: -1 ids, 0 weights there. Plain torch, as token_destinations."""
-    rows = recv_meta.shape[0]
-    device = recv_meta.device
-    in_use = torch.arange(rows, device=device) < num_rows
-    ids = recv_meta[:, :topk].to(torch.int64)
-    local = ids - my_pe * experts_per_pe
-    mine = in_use[:, None] & (ids >= 0) & (local >= 0) & (local < experts_per_pe)
-    recv_topk_idx = torch.where(mine, local, -1)
-    recv_topk_weights = None
-    if recv_weights is not None:
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        recv_topk_weights = torch.where(mine, recv_weights.to(torch.float32), zero)
+    in_use = torch.arange(recv_meta.shape[0], device=recv_meta.device) < num_rows
+    recv_topk_idx, recv_topk_weights = local_expert_ids(recv_meta[:, :topk], recv_weights, in_use, my_pe,
+                                                        experts_per_pe)
     source_token = torch.where(in_use, recv_meta[:, topk].to(torch.int64), -1)
     return recv_topk_idx, recv_topk_weights, source_token
+
+
+def local_expert_ids(ids: torch.Tensor, weights: torch.Tensor | None, in_use: torch.Tensor, my_pe: int,
+                     experts_per_pe: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Received global expert ids (``[rows, topk]``, any integer dtype, -1 for none) as local ids
+    (int64, global - my_pe x experts_per_pe; -1 for an expert elsewhere, none, or a row not
+    ``in_use`` (bool ``[rows]``)) and their weights (float32, 0 where the id is -1; None without)."""
+    ids = ids.to(torch.int64)
+    local = ids - my_pe * experts_per_pe
+    mine = in_use[:, None] & (ids >= 0) & (local >= 0) & (local < experts_per_pe)
+    recv_topk_weights = None
+    if weights is not None:
+        zero = torch.zeros((), dtype=torch.float32, device=ids.device)
+        recv_topk_weights = torch.where(mine, weights.to(torch.float32), zero)
+    return torch.where(mine, local, -1), recv_topk_weights
 
 
 # ---- the layout ops ----------------------------------------------------------------------------

@@ -28,15 +28,18 @@ def check_dispatch_weights(moe, x, topk_weights) -> None:
         raise Error(f"{call}: topk_weights must be a floating-point tensor, got {topk_weights.dtype}")
 
 
-def dispatch_tokens(moe, x, topk_idx, topk_weights, timeout, zero_unused_rows):
+def dispatch_tokens(moe, x, topk_idx, topk_weights, timeout, zero_unused_rows, extras=()):
     """expand=False's dispatch: the tokens (with their ids, index and weights) exchanged and
     compacted by source (the exchange's own output order: source ascending, then the order
     the source sent, its token order), then the local ids in torch (small tensors). The
-    same steps eager, captured and traced."""
+    same steps eager, captured and traced. ``extras``: more per-token tensors (rows as x's)
+    sent along (pydatacopy.compat.deep_ep: top-k and scales), received as the rows of x are;
+    returned after the handle, in a list."""
     plan = dispatch_plan(topk_idx, moe.num_experts, moe.n_pes)
     sends = [x, plan.meta]
     if topk_weights is not None:
         sends.append(topk_weights.to(torch.float32).contiguous())
+    sends.extend(extras)
     call = None
     if _traced():
         recvs, recv_counts, recv_offsets = moe._dispatch.exchange(
@@ -57,6 +60,8 @@ def dispatch_tokens(moe, x, topk_idx, topk_weights, timeout, zero_unused_rows):
     handle = MoeTokenHandle(num_rows, recv_counts, recv_offsets, source_token, token_pe, token_rank)
     if call is not None:
         moe._mark(handle, call)
+    if extras:
+        return recv_x, recv_topk_idx, recv_topk_weights, handle, recvs[len(sends) - len(extras):]
     return recv_x, recv_topk_idx, recv_topk_weights, handle
 
 
@@ -83,8 +88,10 @@ def combine_tokens(moe, y, handle, timeout, tag, in_region: bool):
     """expand=False's combine: each row of y goes back to its source (the rows are already in
     source order, recv_counts of each: no index), and the source sums the rows of each
     token's PEs in ascending PE order: the reduction kernel with the pairs (token, PE) and
-    weight 1. in_region False: the compacting steps (as traced calls take)."""
+    weight 1. in_region False: the compacting steps (as traced calls take). The row width is
+    y's (the dispatcher's hidden, or narrower: compat.deep_ep sums its top-k weights so)."""
     tokens, width = handle.token_pe.shape
+    hidden = y.shape[1]
     if _traced() or not in_region or not _combine_fits(moe, y, handle):
         if _traced():
             (back,), back_counts, back_offsets = moe._combine.exchange(
@@ -98,10 +105,10 @@ def combine_tokens(moe, y, handle, timeout, tag, in_region: bool):
     buffer = moe._combine
     y = y.contiguous()
     token_pe, token_rank = handle.token_pe.contiguous(), handle.token_rank.contiguous()
-    out = torch.empty((tokens, moe.hidden), dtype=y.dtype, device=y.device)
+    out = torch.empty((tokens, hidden), dtype=y.dtype, device=y.device)
     back = torch.empty(2 * moe.n_pes, dtype=torch.int64, device=y.device)  # (scratch, as in combine)
     # No index: y's rows are sent as they lie, recv_counts[d] of them to PE d in PE order.
-    _C.moe_combine_region(buffer._core, y.data_ptr(), y.shape[0], moe.hidden, _REDUCE_DTYPES[y.dtype],
+    _C.moe_combine_region(buffer._core, y.data_ptr(), y.shape[0], hidden, _REDUCE_DTYPES[y.dtype],
                           handle.recv_counts.data_ptr(), 0, 0, token_pe.data_ptr(), token_rank.data_ptr(),
                           moe._unit_weights.data_ptr(), tokens, width, out.data_ptr(), back.data_ptr(),
                           back[moe.n_pes:].data_ptr(), stream_handle(None, buffer._device),
