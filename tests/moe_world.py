@@ -74,3 +74,80 @@ class RefusingBuffer:
     def _refuse(self, error, stream, timeout):
         self.refused.append(str(error))
         raise error
+
+
+# ---- a world of threads: each simulated PE runs its own calls, exchanges meet at a barrier ------
+
+class ThreadWorld:
+    """n simulated PEs, one thread each (tests/test_compat_deep_ep_cpu.py): ThreadedAllToAll's
+    exchanges meet at a barrier; a refusal or a tag mismatch is recorded for every PE of the
+    round (as the device does) and raised by ``raise_errors`` (check_errors' stand-in)."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.n, self.barrier = n, threading.Barrier(n, timeout=60)
+        self.slots = [None] * n
+        self.errors = [None] * n
+
+    def raise_errors(self, rank: int) -> None:
+        error, self.errors[rank] = self.errors[rank], None
+        if error is not None:
+            raise pydatacopy.Error(error)
+
+    def run(self, body):
+        """body(rank) on n threads; returns their results; re-raises the first failure."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.n) as pool:
+            futures = [pool.submit(body, rank) for rank in range(self.n)]
+            return [f.result() for f in futures]
+
+
+class _Core:
+    def __init__(self) -> None:
+        self.calls, self.initialized = 0, True
+
+
+class ThreadedAllToAll:
+    """An AllToAll of one simulated PE in a ThreadWorld (its number shared by the PEs' buffers
+    made in the same order, as on the device)."""
+
+    def __init__(self, world: ThreadWorld, rank: int, capacity: int, number: int) -> None:
+        self.world, self.rank, self.capacity, self.number = world, rank, capacity, number
+        self._n_pes, self._device, self._core = world.n, -2, _Core()
+        self.recv_rows = world.n * capacity
+
+    def close(self) -> None:
+        self._core.initialized = False
+
+    def _round(self, entry):
+        world = self.world
+        world.slots[self.rank] = entry
+        world.barrier.wait()
+        entries = list(world.slots)
+        world.barrier.wait()
+        self._core.calls += 1
+        return entries
+
+    def _refuse(self, error, stream, timeout):
+        self._round(("refused", str(error)))
+        raise error
+
+    def _exchange_eager(self, sends, send_counts, send_index, stream, timeout, tag: int = 0,
+                        zero_unused_rows: bool = False):
+        bytes_view = [s.view(torch.uint8) if s.element_size() == 1 else s for s in sends]
+        entries = self._round(("sends", bytes_view, send_counts.to(torch.int64), send_index, tag))
+        refused = [e[1] for e in entries if e[0] == "refused"]
+        tags = {e[4] for e in entries if e[0] == "sends"}
+        over = [e for e in entries if e[0] == "sends" and int(e[2].max()) > self.capacity]
+        if refused or len(tags) > 1 or over:
+            self.world.errors[self.rank] = (refused[0] if refused else "all_to_all: refused on the device (a "
+                                            "count over the capacity, or PEs combining different dispatches)")
+            recvs = [torch.zeros((self.recv_rows, *s.shape[1:]), dtype=s.dtype) for s in sends]
+            zeros = torch.zeros(self.world.n, dtype=torch.int64)
+            return recvs, zeros, zeros.clone()
+        got = exchange([e[1] for e in entries], [e[2] for e in entries], [e[3] for e in entries], self.capacity)
+        recvs, counts, offsets = got[self.rank]
+        recvs = [r.view(s.dtype) if s.element_size() == 1 else r for r, s in zip(recvs, sends)]
+        return recvs, counts, offsets

@@ -24,6 +24,9 @@ LANGUAGE_FACTS = {"INT32_MAX": 2**31 - 1, "UINT32_MAX": 2**32 - 1, "INT64_MAX": 
 OWN_FACTS = {
     ("pydatacopy/bench/_cli.py", "MAX_MESSAGE_BYTES"): "the bench's cap on a message size, not a core limit",
     ("pydatacopy/runtime/probes.py", "_SO_ACCEPTCON"): "Linux's flag bit of a listening socket, 64 KiB by chance",
+    ("pydatacopy/compat/deep_ep/utils.py", "SCALE_BLOCK"): "DeepEP's fp8 scale granularity, 128 channels",
+    ("pydatacopy/compat/deep_ep/utils.py", "EXPERTS_ROOM"): "the compat layer's room for experts (DeepEP's "
+                                                             "NUM_MAX_LOCAL_EXPERTS is also 1024)",
 }
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
