@@ -204,11 +204,15 @@ if has "$STEPS" gpu2-tests-expandable; then
   # EXPANDABLE_TEST_ARGS (unquoted words, e.g. --deselect=tests/gpu/test_moe.py): this step's own, else GPU_TEST_ARGS.
   # SEGV_BACKTRACE=1: a native backtrace on a crash (scripts/segv_backtrace.c, preloaded): the
   # SIGSEGV inside torch.cuda.empty_cache() seen here (2026-12-06) showed only a Python frame.
+  # pytest's faulthandler plugin is turned off then: its handler, installed after the preloaded
+  # one, printed only Python frames (call 1 of 2026-12-06f).
   PRELOAD=()
+  NO_FAULTHANDLER=""
   if [ "${SEGV_BACKTRACE:-0}" = 1 ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so "$HERE/segv_backtrace.c" >> "$OUT/build.log" 2>&1; then
     PRELOAD=(LD_PRELOAD=/tmp/segv_backtrace.so)
+    NO_FAULTHANDLER="-p no:faulthandler"
   fi
-  step gpu2-tests-expandable env ${PRELOAD[@]+"${PRELOAD[@]}"} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
+  step gpu2-tests-expandable env ${PRELOAD[@]+"${PRELOAD[@]}"} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE $NO_FAULTHANDLER ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
 fi
 # 2+ GPUs with more PEs than GPUs (the N-PE steps): MPS for as long as those run.
 SHARED_MPS=0

@@ -1,0 +1,223 @@
+"""pydatacopy.compat.deep_ep on the GPU, as DeepEP v1's tests/test_intranode.py uses deep_ep (2, 4
+or 8 PEs, several on one GPU under MPS): get_dispatch_layout against its own loop; dispatch of
+``ones * rank`` rows checked by rank_prefix_matrix (DeepEP's check_data) and of random rows
+byte-exact against a reference from every PE's inputs; with and without top-k, bf16 and an fp8
+tuple with column-major scales, async events and previous events, num_worst_tokens, cached
+dispatch; combine's sums (float32, ascending rank, rounded once) byte-exact; a capture of
+dispatch + combine with num_worst_tokens replayed with fresh tokens; a rank over its tokens
+refused on every rank. Wrong results are recorded and failed together after each test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pydatacopy
+from pydatacopy.compat import deep_ep
+from pydatacopy.compat.deep_ep import buffer as _buffer
+from pe_outcome import fail_on_every_pe
+
+pytestmark = pytest.mark.any_pes
+
+TIMEOUT_S = 60.0
+TOKENS, HIDDEN, TOPK, EXPERTS_PER_RANK = 192, 2048, 8, 8
+_FAILURES: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def in_step(world):
+    _FAILURES.clear()
+    yield
+    torch.cuda.synchronize()
+    pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
+    failures = list(_FAILURES)
+    _FAILURES.clear()
+    fail_on_every_pe(world[1], failures, "", most=12)
+    pydatacopy.check_errors()
+
+
+@pytest.fixture(scope="module")
+def buffer(world):
+    n = world[1]
+    buf = deep_ep.Buffer(dist.group.WORLD, 2 * TOKENS * n * _buffer.normal_bytes_per_token(HIDDEN, n),
+                         explicitly_destroy=True)
+    yield buf
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        _FAILURES.append(what)
+
+
+def _inputs(rank: int, n: int, seed: int, tokens: int = TOKENS):
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    experts = n * EXPERTS_PER_RANK
+    scores = torch.rand((tokens, experts), generator=g) + 1
+    topk_idx = torch.topk(scores, TOPK, dim=-1, sorted=False)[1]
+    topk_idx[torch.rand(topk_idx.shape, generator=g) < 0.1] = -1
+    x = torch.randn((tokens, HIDDEN), generator=g).to(torch.bfloat16)
+    weights = torch.randn((tokens, TOPK), generator=g)
+    return x, topk_idx.to(deep_ep.topk_idx_t), weights
+
+
+def _gather(obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _reference(every, rank, n):
+    """What rank receives (rows, local ids, weights, source tokens) and each rank's layout, by loops."""
+    rows, ids, ws, src = [], [], [], []
+    for s, (x, topk_idx, weights) in enumerate(every):
+        for t in range(x.shape[0]):
+            owners = {e // EXPERTS_PER_RANK for e in topk_idx[t].tolist() if e >= 0}
+            if rank in owners:
+                local = topk_idx[t] - rank * EXPERTS_PER_RANK
+                mine = (topk_idx[t] >= 0) & (local >= 0) & (local < EXPERTS_PER_RANK)
+                rows.append(x[t]), src.append(t)
+                ids.append(torch.where(mine, local, -1)), ws.append(torch.where(mine, weights[t], 0.0))
+    return rows, ids, ws, src
+
+
+def _fp8(x: torch.Tensor):
+    """DeepEP's per_token_cast_to_fp8 (per 128 channels), scales column-major as its test passes them."""
+    blocks = x.float().view(x.shape[0], -1, 128)
+    amax = blocks.abs().amax(dim=2).clamp(1e-4)
+    fp8 = (blocks * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(x.shape)
+    scales = (amax / 448.0).contiguous()
+    return fp8, scales.T.contiguous().T
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "async"])
+def test_dispatch_and_combine_as_deep_eps_intranode_test(world, buffer, fp8, async_mode):
+    rank, n, _ = world
+    x, topk_idx, weights = _inputs(rank, n, 1 + fp8 + 2 * async_mode)
+    every = _gather((x, topk_idx, weights))
+    rows, ids, ws, src = _reference(every, rank, n)
+    dev = torch.device("cuda")
+    x_dev, idx_dev, w_dev = x.to(dev), topk_idx.to(dev), weights.to(dev)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx_dev, n * EXPERTS_PER_RANK)
+    want_in_rank = torch.zeros((TOKENS, n), dtype=torch.bool)
+    for t, row in enumerate(topk_idx.tolist()):
+        for e in row:
+            if e >= 0:
+                want_in_rank[t, e // EXPERTS_PER_RANK] = True
+    _expect(torch.equal(in_rank.cpu(), want_in_rank), "get_dispatch_layout: is_token_in_rank")
+    _expect(torch.equal(per_rank.cpu(), want_in_rank.sum(0).int()), "get_dispatch_layout: num_tokens_per_rank")
+    sent = _fp8(x_dev) if fp8 else x_dev
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=idx_dev, topk_weights=w_dev, async_finish=async_mode, previous_event=buffer.capture())
+    recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(sent, **args)
+    if async_mode:
+        event.current_stream_wait()
+    got = recv_x[0] if fp8 else recv_x
+    _expect(got.shape[0] == len(rows), f"dispatch: {got.shape[0]} rows, want {len(rows)}")
+    if got.shape[0] == len(rows) and rows:
+        want_x = torch.stack(rows)
+        if fp8:
+            want_fp8, want_scales = _fp8(want_x.to(dev))
+            _expect(torch.equal(recv_x[0].view(torch.uint8), want_fp8.view(torch.uint8)), "dispatch: fp8 rows")
+            _expect(torch.equal(recv_x[1], want_scales.contiguous()), "dispatch: fp8 scales")
+        else:
+            _expect(torch.equal(recv_x.cpu(), want_x), "dispatch: bf16 rows")
+        _expect(torch.equal(recv_idx.cpu(), torch.stack(ids)), "dispatch: recv_topk_idx")
+        _expect(torch.equal(recv_w.cpu(), torch.stack(ws)), "dispatch: recv_topk_weights")
+        _expect(handle[3].cpu().tolist() == src, "dispatch: recv_src_idx")
+    want_counts = [sum(int((e[1] == rank * EXPERTS_PER_RANK + i).sum()) for e in every)
+                   for i in range(EXPERTS_PER_RANK)]
+    _expect(counts == want_counts, f"dispatch: num_recv_tokens_per_expert_list {counts}, want {want_counts}")
+    matrix = torch.stack([torch.tensor([sum(1 for r in range(e[1].shape[0])
+                                            if d in {v // EXPERTS_PER_RANK for v in e[1][r].tolist() if v >= 0})
+                                        for d in range(n)]) for e in every]).cumsum(0).int()
+    _expect(torch.equal(handle[0].cpu(), matrix), "dispatch: rank_prefix_matrix")
+    # num_worst_tokens: the same rows first, -1 / 0 after, nothing read on the host
+    worst = buffer.dispatch(sent, **dict(args, num_worst_tokens=TOKENS * n))
+    if async_mode:
+        worst[5].current_stream_wait()
+    worst_x = worst[0][0] if fp8 else worst[0]
+    _expect(worst_x.shape[0] == TOKENS * n and worst[3] == [], "num_worst_tokens: rows / empty list")
+    _expect(torch.equal(worst_x[:len(rows)].view(torch.uint8), got.view(torch.uint8)), "num_worst_tokens: rows")
+    _expect(bool((worst[1][len(rows):] == -1).all()) and bool((worst[2][len(rows):] == 0).all()),
+            "num_worst_tokens: padding rows' ids -1 and weights 0")
+    # cached dispatch repeats the layout
+    cached = buffer.dispatch(sent, handle=handle, async_finish=async_mode)
+    if async_mode:
+        cached[5].current_stream_wait()
+    cached_x = cached[0][0] if fp8 else cached[0]
+    _expect(torch.equal(cached_x.view(torch.uint8), got.view(torch.uint8)), "cached dispatch: rows")
+    # combine: y = the bf16 rows x (rank + 1); sums over the ranks each token went to, ascending
+    plain = (recv_x[0].float() * recv_x[1].repeat_interleave(128, 1)) if fp8 else recv_x.float()
+    y = (plain * (rank + 1)).to(torch.bfloat16)
+    every_y = _gather((y.cpu(), handle[3].cpu(), recv_w.cpu()))
+    combined, combined_w, event = buffer.combine(y, handle, topk_weights=recv_w, async_finish=async_mode,
+                                                 previous_event=buffer.capture())
+    if async_mode:
+        event.current_stream_wait()
+    want_out = torch.zeros((TOKENS, HIDDEN), dtype=torch.float32)
+    want_w = torch.zeros((TOKENS, TOPK), dtype=torch.float32)
+    for r in range(n):  # ascending: rank r's rows from this rank sit after the lower sources'
+        r_y, r_src, r_w = every_y[r]
+        start = int(matrix[rank - 1][r]) if rank else 0
+        for i in range(start, int(matrix[rank][r])):
+            want_out[r_src[i]] += r_y[i].float()
+            want_w[r_src[i]] += r_w[i]
+    _expect(torch.equal(combined.cpu(), want_out.to(torch.bfloat16)), "combine: rows")
+    _expect(torch.equal(combined_w.cpu(), want_w), "combine: topk weights")
+
+
+def test_a_captured_dispatch_and_combine_replay_with_fresh_tokens(world, buffer):
+    rank, n, _ = world
+    dev = torch.device("cuda")
+    x, topk_idx, weights = (t.to(dev) for t in _inputs(rank, n, 11))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
+    worst = TOKENS * n
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=worst)
+
+    def layer():
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(x, **args)
+        y = (recv_x.float() * 2).to(torch.bfloat16)
+        return recv_x, buffer.combine(y, handle)[0]
+
+    eager_recv, eager_out = layer()  # warm: set up outside the capture
+    torch.cuda.synchronize()
+    pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_recv, graph_out = layer()
+    for replay in range(5):
+        x.copy_(_inputs(rank, n, 100 + replay)[0].to(dev))
+        want_recv, want_out = (t.clone() for t in layer())
+        graph.replay()
+        torch.cuda.synchronize()
+        rows = int(want_recv.shape[0])
+        _expect(torch.equal(graph_recv[:rows].view(torch.uint8), want_recv.view(torch.uint8)) or rows == 0,
+                f"replay {replay}: dispatched rows")
+        _expect(torch.equal(graph_out, want_out), f"replay {replay}: combined rows")
+    del graph
+
+
+def test_a_rank_over_its_tokens_is_refused_on_every_rank(world, buffer):
+    rank, n, _ = world
+    dev = torch.device("cuda")
+    tokens = buffer.tokens_per_rank + 1 if rank == n - 1 else 8
+    x, topk_idx, weights = (t.to(dev) for t in _inputs(rank, n, 21, tokens))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
+    try:
+        buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                        topk_idx=topk_idx, topk_weights=weights)
+        _expect(False, "the dispatch was not refused")
+    except pydatacopy.Error as error:
+        _expect(rank != n - 1 or f"{tokens} tokens" in str(error), f"the refusal names the tokens: {error}")
+    x, topk_idx, weights = (t.to(dev) for t in _inputs(rank, n, 22, 8))
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
+    recv = buffer.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                           topk_idx=topk_idx, topk_weights=weights)
+    want = sum(1 for e in _gather(topk_idx.cpu()) for row in e.tolist()
+               if rank in {v // EXPERTS_PER_RANK for v in row if v >= 0})
+    _expect(recv[0].shape[0] == want, f"the dispatch after the refusal: {recv[0].shape[0]} rows, want {want}")
