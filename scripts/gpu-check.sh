@@ -209,10 +209,14 @@ if has "$STEPS" gpu2-tests-expandable; then
   PRELOAD=()
   NO_FAULTHANDLER=""
   if [ "${SEGV_BACKTRACE:-0}" = 1 ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so "$HERE/segv_backtrace.c" >> "$OUT/build.log" 2>&1; then
-    PRELOAD=(LD_PRELOAD=/tmp/segv_backtrace.so)
-    NO_FAULTHANDLER="-p no:faulthandler"
+    PRELOAD=(LD_PRELOAD=/tmp/segv_backtrace.so PYDATACOPY_SEGV_BACKTRACE_SO=/tmp/segv_backtrace.so)
+    NO_FAULTHANDLER="-p no:faulthandler -v"
   fi
   step gpu2-tests-expandable env ${PRELOAD[@]+"${PRELOAD[@]}"} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE $NO_FAULTHANDLER ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
+  if [ -n "$NO_FAULTHANDLER" ] && grep -aq "=== segv_backtrace" "$OUT/gpu2-tests-expandable.log"; then
+    $PY "$HERE/symbolize_backtrace.py" "$OUT/gpu2-tests-expandable.log" > "$OUT/gpu2-tests-expandable.symbols" 2>&1 || true
+    head -n 80 "$OUT/gpu2-tests-expandable.symbols"
+  fi
 fi
 # 2+ GPUs with more PEs than GPUs (the N-PE steps): MPS for as long as those run.
 SHARED_MPS=0

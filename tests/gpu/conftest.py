@@ -97,6 +97,18 @@ def local_device() -> int:
     return device_of(int(os.environ["LOCAL_RANK"]))
 
 
+@pytest.fixture(autouse=True)
+def _native_backtrace():
+    """PYDATACOPY_SEGV_BACKTRACE_SO (scripts/gpu-check.sh SEGV_BACKTRACE=1): the preloaded crash
+    handler installed again before each test, over any a library loaded since has put there."""
+    path = os.environ.get("PYDATACOPY_SEGV_BACKTRACE_SO")
+    if path:
+        import ctypes
+
+        ctypes.CDLL(path).pydatacopy_segv_install()
+    yield
+
+
 @pytest.fixture(scope="session")
 def world(local_device):
     """torch.distributed and NVSHMEM through the design note's own path: (rank, world_size,
