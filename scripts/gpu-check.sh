@@ -210,7 +210,7 @@ if has "$STEPS" gpu2-tests-expandable; then
   NO_FAULTHANDLER=""
   if [ "${SEGV_BACKTRACE:-0}" = 1 ] && gcc -shared -fPIC -O1 -o /tmp/segv_backtrace.so "$HERE/segv_backtrace.c" >> "$OUT/build.log" 2>&1; then
     PRELOAD=(LD_PRELOAD=/tmp/segv_backtrace.so PYDATACOPY_SEGV_BACKTRACE_SO=/tmp/segv_backtrace.so)
-    NO_FAULTHANDLER="-p no:faulthandler -v"
+    NO_FAULTHANDLER="-p no:faulthandler -vv"
   fi
   step gpu2-tests-expandable env ${PRELOAD[@]+"${PRELOAD[@]}"} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 420 torchrun --nproc_per_node=2 $SUITE $NO_FAULTHANDLER ${EXPANDABLE_TEST_ARGS:-${GPU_TEST_ARGS:-}}
   if [ -n "$NO_FAULTHANDLER" ] && grep -aq "=== segv_backtrace" "$OUT/gpu2-tests-expandable.log"; then

@@ -24,6 +24,9 @@ once per receiving PE, combine one row per (token, PE)), path ``expand=False ...
 bare copy of the bytes that mode moves (dispatch: rows, ids, index and the float32 weights;
 combine: one row per token and PE), same run; ``--no-expand-false`` leaves them out. Their check:
 an identity expert (y = recv_x), out[t] = x[t] summed over the PEs t went to, in PE order.
+
+And ``deep_ep`` rows: pydatacopy.compat.deep_ep as DeepEP's users call it (bench/moe_deep_ep.py);
+``--no-deep-ep`` leaves them out.
 """
 
 from __future__ import annotations
@@ -289,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     parser.add_argument("--no-expand-false", action="store_true",
                         help="leave out the expand=False rows (DeepEP's normal-mode layout)")
+    parser.add_argument("--no-deep-ep", action="store_true",
+                        help="leave out the deep_ep rows (pydatacopy.compat.deep_ep, bench/moe_deep_ep.py)")
     parser.add_argument("--compact", action="store_true",
                         help="the compacting path (received rows copied out of the region first, "
                              "as traced calls do) instead of reading them in the region")
@@ -311,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.extend(bench_shape(shape, args))
         if not args.no_expand_false:
             rows.extend(bench_shape_tokens(shape, args))
+        if not args.no_deep_ep:
+            from .moe_deep_ep import bench_shape_deep_ep
+
+            rows.extend(bench_shape_deep_ep(shape, args, SHAPES, (_tokens, _routing, _bare_copy, _max_over_pes,
+                                                                  _adder, _capture)))
     if pydatacopy.my_pe() == 0:
         print(f"\n{'op':<18} {'path':<20} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
               f"{'xbase':>6}  ok")
