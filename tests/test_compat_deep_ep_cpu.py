@@ -12,7 +12,7 @@ import torch
 
 import pydatacopy
 from pydatacopy.compat import deep_ep
-from pydatacopy.compat.deep_ep import buffer as _buffer
+from pydatacopy.compat.deep_ep import utils as _buffer
 
 from moe_world import ThreadedAllToAll, ThreadWorld
 
@@ -64,6 +64,10 @@ class SimBuffer(deep_ep.Buffer):
 HIDDEN, EXPERTS_PER_RANK, TOPK = 256, 3, 4
 
 
+def _budget(tokens_per_rank: int, n: int) -> int:
+    return _buffer.normal_symmetric_bytes(tokens_per_rank, HIDDEN, n)
+
+
 def _inputs(rank: int, n: int, tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed * 131 + rank)
     experts = n * EXPERTS_PER_RANK
@@ -106,7 +110,7 @@ def test_dispatch_and_combine_follow_deep_eps_test_usage(n, fp8):
     align = 4
 
     def body(rank):
-        buf = SimBuffer(world, rank, num_nvl_bytes=64 * n * _buffer.normal_bytes_per_token(HIDDEN, n),
+        buf = SimBuffer(world, rank, num_nvl_bytes=_budget(64, n),
                         explicitly_destroy=True)
         x, topk_idx, weights = inputs[rank]
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
@@ -202,7 +206,7 @@ def test_a_rank_over_its_tokens_is_refused_on_every_rank():
     world = ThreadWorld(n)
 
     def body(rank):
-        buf = SimBuffer(world, rank, num_nvl_bytes=8 * n * _buffer.normal_bytes_per_token(HIDDEN, n))
+        buf = SimBuffer(world, rank, num_nvl_bytes=_budget(8, n))
         tokens = 9 if rank == 2 else 3  # rank 2: past the 8 a rank may send
         x, topk_idx, weights = _inputs(rank, n, tokens, 2)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
@@ -226,7 +230,7 @@ def test_ranks_combining_different_dispatches_are_refused_on_every_rank():
     world = ThreadWorld(n)
 
     def body(rank):
-        buf = SimBuffer(world, rank, num_nvl_bytes=8 * n * _buffer.normal_bytes_per_token(HIDDEN, n))
+        buf = SimBuffer(world, rank, num_nvl_bytes=_budget(8, n))
         handles = []
         for seed in (4, 5):
             x, topk_idx, weights = _inputs(rank, n, 4, seed)
@@ -273,7 +277,39 @@ def test_what_deep_ep_offers_and_pydatacopy_does_not_is_refused_with_a_reason():
         other.combine(recv_x, handle)
 
 
-def test_the_size_hint_holds_the_tokens_it_names():
-    config = deep_ep.Buffer.get_dispatch_config(8)
-    hint = config.get_nvl_buffer_size_hint(7168 * 2, 8)
-    assert hint // (8 * _buffer.normal_bytes_per_token(7168, 8)) == config.tokens_per_rank == 10 * 256
+def test_the_size_hint_holds_the_tokens_it_names_and_no_more():
+    from pydatacopy.compat.deep_ep import utils
+
+    for n in (2, 8):
+        config = deep_ep.Buffer.get_dispatch_config(n)
+        hint = config.get_nvl_buffer_size_hint(7168 * 2, n)
+        assert config.tokens_per_rank == 10 * 256
+        assert utils.normal_tokens_per_rank(hint, 7168, n) == config.tokens_per_rank
+        assert utils.normal_tokens_per_rank(hint - 1, 7168, n) == config.tokens_per_rank - 1
+        # both parity sets of each buffer are counted: more than one set's rows alone
+        dispatch_row, combine_row, _ = utils.normal_row_bytes(7168, n)
+        assert hint > 2 * config.tokens_per_rank * n * (dispatch_row + combine_row)
+
+
+def test_a_combine_of_other_rows_than_received_is_refused_on_every_rank():
+    n = 2
+    world = ThreadWorld(n)
+
+    def body(rank):
+        buf = SimBuffer(world, rank, num_nvl_bytes=_budget(8, n))
+        x, topk_idx, weights = _inputs(rank, n, 4, 7)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert,
+                                                  previous_event=deep_ep.EventOverlap())  # no event: no wait
+        y = torch.cat([recv_x, recv_x[:1]]) if rank == 1 else recv_x  # rank 1: one row too many
+        try:
+            buf.combine(y, handle)
+            buf._check_errors()
+        except pydatacopy.Error as error:
+            return str(error)
+        return None
+
+    messages = world.run(body)
+    assert all(m is not None for m in messages), messages
+    assert "one row per row dispatch returned" in messages[1]

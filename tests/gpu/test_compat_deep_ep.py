@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import pydatacopy
 from pydatacopy.compat import deep_ep
-from pydatacopy.compat.deep_ep import buffer as _buffer
+from pydatacopy.compat.deep_ep import utils as _buffer
 from pe_outcome import fail_on_every_pe
 
 pytestmark = pytest.mark.any_pes
@@ -40,8 +40,8 @@ def in_step(world):
 @pytest.fixture(scope="module")
 def buffer(world):
     n = world[1]
-    buf = deep_ep.Buffer(dist.group.WORLD, 2 * TOKENS * n * _buffer.normal_bytes_per_token(HIDDEN, n),
-                         explicitly_destroy=True)
+    budget = _buffer.normal_symmetric_bytes(2 * TOKENS, HIDDEN, n)
+    buf = deep_ep.Buffer(dist.group.WORLD, budget, explicitly_destroy=True)
     yield buf
     torch.cuda.synchronize()
     buf.destroy()
@@ -117,6 +117,9 @@ def test_dispatch_and_combine_as_deep_eps_intranode_test(world, buffer, fp8, asy
         event.current_stream_wait()
     got = recv_x[0] if fp8 else recv_x
     _expect(got.shape[0] == len(rows), f"dispatch: {got.shape[0]} rows, want {len(rows)}")
+    held = buffer._moe.symmetric_bytes + buffer._notify.symmetric_bytes
+    _expect(held <= buffer.num_nvl_bytes and buffer.tokens_per_rank == 2 * TOKENS,
+            f"the buffers hold {held} symmetric bytes, num_nvl_bytes is {buffer.num_nvl_bytes}")
     if got.shape[0] == len(rows) and rows:
         want_x = torch.stack(rows)
         if fp8:
@@ -171,34 +174,39 @@ def test_dispatch_and_combine_as_deep_eps_intranode_test(world, buffer, fp8, asy
 
 
 def test_a_captured_dispatch_and_combine_replay_with_fresh_tokens(world, buffer):
+    """get_dispatch_layout + dispatch (num_worst_tokens) + combine in one graph; each replay takes
+    fresh tokens and fresh routing written into the captured inputs, and gives what the same
+    layer run eagerly gives (rows received, their ids, source tokens, the combined rows)."""
     rank, n, _ = world
     dev = torch.device("cuda")
-    x, topk_idx, weights = (t.to(dev) for t in _inputs(rank, n, 11))
-    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, n * EXPERTS_PER_RANK)
-    worst = TOKENS * n
-    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=topk_idx, topk_weights=weights, num_worst_tokens=worst)
+    x, ids, weights = (t.to(dev) for t in _inputs(rank, n, 11))
 
     def layer():
-        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(x, **args)
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(ids, n * EXPERTS_PER_RANK)
+        recv_x, recv_idx, recv_w, _, handle, _ = buffer.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=ids, topk_weights=weights, num_worst_tokens=TOKENS * n)
         y = (recv_x.float() * 2).to(torch.bfloat16)
-        return recv_x, buffer.combine(y, handle)[0]
+        return recv_x, recv_idx, handle[3], buffer.combine(y, handle)[0]
 
-    eager_recv, eager_out = layer()  # warm: set up outside the capture
+    layer()  # warm: the Buffer is set up outside the capture
     torch.cuda.synchronize()
     pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        graph_recv, graph_out = layer()
+        captured = layer()
     for replay in range(5):
-        x.copy_(_inputs(rank, n, 100 + replay)[0].to(dev))
-        want_recv, want_out = (t.clone() for t in layer())
+        fresh_x, fresh_ids, fresh_w = _inputs(rank, n, 100 + replay)
+        x.copy_(fresh_x.to(dev)), ids.copy_(fresh_ids.to(dev)), weights.copy_(fresh_w.to(dev))
+        want = [t.clone() for t in layer()]
         graph.replay()
         torch.cuda.synchronize()
-        rows = int(want_recv.shape[0])
-        _expect(torch.equal(graph_recv[:rows].view(torch.uint8), want_recv.view(torch.uint8)) or rows == 0,
+        received = want[2] >= 0  # the rows received (past them: padding, not data)
+        _expect(torch.equal(captured[2], want[2]) and torch.equal(captured[1], want[1]),
+                f"replay {replay}: recv_src_idx / recv_topk_idx")
+        _expect(torch.equal(captured[0][received].view(torch.uint8), want[0][received].view(torch.uint8)),
                 f"replay {replay}: dispatched rows")
-        _expect(torch.equal(graph_out, want_out), f"replay {replay}: combined rows")
+        _expect(torch.equal(captured[3], want[3]), f"replay {replay}: combined rows")
     del graph
 
 

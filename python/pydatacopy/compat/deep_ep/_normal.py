@@ -110,6 +110,9 @@ def _check_dispatch(buf, x, x_scales, handle, num_tokens_per_rank, is_token_in_r
                and tuple(topk_weights.shape) == tuple(topk_idx.shape) and topk_weights.dtype == torch.float32,
                f"{call}: topk_idx (integer) and topk_weights (float32) must be [{tokens}, topk]")
         _check(topk_idx.shape[1] <= TOPK_ROOM, f"{call}: topk {topk_idx.shape[1]} past the {TOPK_ROOM} a row holds")
+    others = [t for t in (x_scales, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx,
+                          topk_weights) if isinstance(t, torch.Tensor)]
+    _check(all(t.device == x.device for t in others), f"{call}: every tensor must be on x's device ({x.device})")
     _check(isinstance(expert_alignment, int) and expert_alignment >= 1, f"{call}: expert_alignment must be >= 1")
     _check(isinstance(num_worst_tokens, int) and 0 <= num_worst_tokens <= n * buf.tokens_per_rank,
            f"{call}: num_worst_tokens must be 0 (read the count) or at most {n * buf.tokens_per_rank} (the rows this "
@@ -121,17 +124,20 @@ def _check_dispatch(buf, x, x_scales, handle, num_tokens_per_rank, is_token_in_r
 
 def dispatch(buf, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
              expert_alignment, num_worst_tokens, config, previous_event, async_finish, allocate_on_comm_stream):
-    x, x_scales = x if isinstance(x, tuple) else (x, None)
-    _check(isinstance(x, torch.Tensor) and x.dim() == 2,
-           f"{_DISPATCH}: x must be a [tokens, hidden] tensor or an (x, scales) tuple")
-    if buf._moe is None:
+    x, x_scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+    shaped = isinstance(x, torch.Tensor) and x.dim() == 2
+    if buf._moe is None:  # the set-up is collective: only what it needs is checked before it
+        _check(shaped, f"{_DISPATCH}: x must be a [tokens, hidden] tensor or an (x, scales) tuple")
         buf._setup(x.shape[1])
     moe, n = buf._moe, buf.group_size
     cached = handle is not None
     rounds = [moe._dispatch] + ([] if cached else [buf._notify])
-    _refused(rounds, lambda: _check_dispatch(buf, x, x_scales, handle, num_tokens_per_rank, is_token_in_rank,
-                                             num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                                             num_worst_tokens, config))
+
+    def check():
+        _check(shaped, f"{_DISPATCH}: x must be a [tokens, hidden] tensor or an (x, scales) tuple")
+        _check_dispatch(buf, x, x_scales, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                        topk_idx, topk_weights, expert_alignment, num_worst_tokens, config)
+    _refused(rounds, check)
     _wait(previous_event)
     if cached:
         is_token_in_rank = handle[4]
@@ -144,8 +150,8 @@ def dispatch(buf, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_p
         extras.append(x_scales.contiguous())
     try:
         got = dispatch_tokens(moe, x, route, None, None, False, extras)
-    except Error as error:  # refused in the exchange's own checks: the counts round still runs
-        _refuse(rounds[1:], error)
+    except Exception as error:  # refused in the exchange's own checks: the counts round still runs
+        _refuse(rounds[1:], error if isinstance(error, Error) else Error(f"{_DISPATCH}: {error}"))
         raise
     recv_all, token_handle, recv_extras = got[0], got[3], (got[4] if extras else [])
     if cached:
@@ -187,19 +193,22 @@ def dispatch(buf, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_p
 
 def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_finish):
     moe, call = buf._moe, _COMBINE
-    _check(moe is not None and isinstance(handle, DispatchHandle) and handle._buffer_id == id(buf),
-           f"{call}: handle must be the one this Buffer's dispatch returned")
+    _check(moe is not None, f"{call}: no dispatch has run on this Buffer; pass the handle its dispatch returned")
     rounds = [moe._combine] * (1 if topk_weights is None else 2)
 
     def check():
+        _check(isinstance(handle, DispatchHandle) and handle._buffer_id == id(buf),
+               f"{call}: handle must be the one this Buffer's dispatch returned")
         _check(bias is None, f"{call}: bias is not supported by pydatacopy's combine; add it to the result")
+        rows = handle[3].shape[0]
         _check(isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16
-               and x.shape[1] <= moe.hidden and x.shape[0] <= moe.recv_rows,
-               f"{call}: x must be bfloat16 [received rows, hidden] (the rows dispatch returned), got "
+               and x.shape[1] <= moe.hidden and x.shape[0] == rows,
+               f"{call}: x must be bfloat16 [{rows}, hidden] (one row per row dispatch returned), got "
                f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
         if topk_weights is not None:
             _check(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32
-                   and topk_weights.dim() == 2 and topk_weights.shape[0] == x.shape[0],
+                   and topk_weights.dim() == 2 and topk_weights.shape[0] == rows
+                   and topk_weights.device == x.device,
                    f"{call}: topk_weights must be float32 [{x.shape[0]}, topk] (dispatch's recv_topk_weights)")
         _check(config is None or isinstance(config, Config), f"{call}: config must be a deep_ep Config")
     _refused(rounds, check)
@@ -208,8 +217,8 @@ def combine(buf, x, handle, topk_weights, bias, config, previous_event, async_fi
     tag = _handle_tag(token_handle)
     try:
         combined_x = combine_tokens(moe, x.contiguous(), token_handle, None, tag, IN_REGION)
-    except Error as error:  # refused in the exchange's own checks: the weights' round still runs
-        _refuse(rounds[1:], error)
+    except Exception as error:  # refused in the exchange's own checks: the weights' round still runs
+        _refuse(rounds[1:], error if isinstance(error, Error) else Error(f"{call}: {error}"))
         raise
     combined_weights = None
     if topk_weights is not None:

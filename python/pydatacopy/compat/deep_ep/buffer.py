@@ -26,11 +26,12 @@ import torch
 
 from ... import _C
 from ...moe.all_to_all import AllToAll
-from ...moe.common import MAX_CAPACITY, Error
+from ...moe.common import Error
 from ...moe.dispatcher import MoeDispatcher
 from ...runtime import check_errors, init as _init_pydatacopy
 from . import _normal
-from .utils import EXPERTS_ROOM, Config, EventHandle, EventOverlap, _room, check as _check, normal_bytes_per_token
+from .utils import Config, EventHandle, EventOverlap, _room, check as _check, normal_row_bytes, normal_symmetric_bytes
+from .utils import normal_tokens_per_rank
 from .utils import event_after as _event, wait_event as _wait
 
 class Buffer:
@@ -83,14 +84,13 @@ class Buffer:
         """Collective (every rank's first dispatch): the dispatcher for rows of ``hidden``
         2-byte elements and as many tokens per rank as num_nvl_bytes holds."""
         n = self.group_size
-        per_token = normal_bytes_per_token(hidden, n)
-        tokens = min(self.num_nvl_bytes // (n * per_token), MAX_CAPACITY // n)
+        tokens = normal_tokens_per_rank(self.num_nvl_bytes, hidden, n)
         _check(tokens >= 1, f"pydatacopy.compat.deep_ep.Buffer.dispatch: num_nvl_bytes={self.num_nvl_bytes} holds "
-               f"no token of hidden {hidden} from {n} ranks; pass at least {n * per_token} bytes per token "
-               f"a rank sends (Config.get_nvl_buffer_size_hint sizes it)")
+               f"no token of hidden {hidden} from {n} ranks; one token per rank needs "
+               f"{normal_symmetric_bytes(1, hidden, n)} (Config.get_nvl_buffer_size_hint sizes it)")
         moe = self._new_dispatcher(hidden + _room(hidden), tokens)
         try:
-            self._notify = self._new_all_to_all(1, 4 * (n + EXPERTS_ROOM))
+            self._notify = self._new_all_to_all(1, normal_row_bytes(hidden, n)[2])
         except BaseException:
             moe.close()
             raise

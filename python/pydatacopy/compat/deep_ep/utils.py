@@ -7,7 +7,8 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from ...moe.common import Error
+from ...moe.all_to_all import AllToAll
+from ...moe.common import MAX_CAPACITY, Error
 
 #: The dtype of top-k expert ids (DeepEP's ``deep_ep.topk_idx_t``).
 topk_idx_t = torch.int64
@@ -27,11 +28,34 @@ def _room(hidden: int) -> int:
     return -(-extra_bytes // 2)
 
 
-def normal_bytes_per_token(hidden: int, num_ranks: int) -> int:
-    """Symmetric bytes one token from one source costs (dispatch's row, routing and room, and
-    combine's row), for x rows of ``hidden`` elements of at most 2 bytes."""
+def normal_row_bytes(hidden: int, num_ranks: int) -> tuple[int, int, int]:
+    """(dispatch, combine, counts) row bytes of the normal mode's three buffers for x rows of
+    ``hidden`` elements of at most 2 bytes: MoeDispatcher(expand=False) with one "expert" per rank
+    (its rows: x's width and the room, the routing ids and index, its weights' room) and the
+    per-call counts exchange (each rank's tokens per rank and per expert)."""
     width = hidden + _room(hidden)
-    return width * 2 + (num_ranks + 1) * 4 + num_ranks * 4 + width * 2
+    return width * 2 + (num_ranks + 1) * 4 + num_ranks * 4, width * 2, 4 * (num_ranks + EXPERTS_ROOM)
+
+
+def normal_symmetric_bytes(tokens_per_rank: int, hidden: int, num_ranks: int) -> int:
+    """Symmetric memory the normal mode's buffers take (AllToAll.symmetric_bytes_needed, both
+    parity sets) for ``tokens_per_rank`` tokens a rank may send per call."""
+    dispatch, combine, counts = normal_row_bytes(hidden, num_ranks)
+    needed = AllToAll.symmetric_bytes_needed
+    return (needed(tokens_per_rank, dispatch, num_ranks) + needed(tokens_per_rank, combine, num_ranks)
+            + needed(1, counts, num_ranks))
+
+
+def normal_tokens_per_rank(num_nvl_bytes: int, hidden: int, num_ranks: int) -> int:
+    """The most tokens per rank and call whose buffers fit in ``num_nvl_bytes`` (0: not one)."""
+    low, high = 0, MAX_CAPACITY // num_ranks
+    while low < high:
+        mid = (low + high + 1) // 2
+        if normal_symmetric_bytes(mid, hidden, num_ranks) <= num_nvl_bytes:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def check(condition: bool, message: str) -> None:
@@ -71,8 +95,8 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of ``Buffer(num_nvl_bytes=...)`` that hold ``tokens_per_rank`` tokens of
         ``hidden_bytes`` from each of ``num_ranks`` ranks (dispatch and combine, fp8 scales and
-        up to 32 top-k entries included)."""
-        return self.tokens_per_rank * num_ranks * normal_bytes_per_token(hidden_bytes // 2, num_ranks)
+        up to 32 top-k entries included): what DeepEP's rings hold in flight."""
+        return normal_symmetric_bytes(self.tokens_per_rank, hidden_bytes // 2, num_ranks)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """0: pydatacopy's normal mode keeps every rank's tokens in ``num_nvl_bytes`` (no RDMA part)."""
@@ -119,10 +143,11 @@ class EventOverlap:
 
 
 def wait_event(previous_event: Optional[EventOverlap]) -> None:
-    if previous_event is not None:
-        check(isinstance(previous_event, EventOverlap) and previous_event.event is not None,
-               "pydatacopy.compat.deep_ep: previous_event must be an EventOverlap with an event (Buffer.capture())")
-        previous_event.current_stream_wait()
+    """The current stream waits for ``previous_event``'s event; none (or no event in it): no wait,
+    as DeepEP's ``getattr(previous_event, 'event', None)``."""
+    event = getattr(previous_event, "event", None)
+    if event is not None:
+        event.current_stream_wait()
 
 
 def event_after(async_finish: bool, tensors) -> EventOverlap:
