@@ -26,6 +26,20 @@ def fail_on_every_pe(world_size: int, failures: list[str], prefix: str = "", mos
         pytest.fail(prefix + "; ".join(shown) + more, pytrace=False)
 
 
+def end_step(world_size: int, failures: list[str], timeout: float, prefix: str = "") -> None:
+    """The end of a test run in step (the modules' autouse fixtures): every PE's work done, every
+    PE here, then the failures any PE kept (`failures`, emptied) fail every PE together, then no
+    pending device error."""
+    import torch
+
+    torch.cuda.synchronize()
+    pydatacopy.barrier(blocking=True, timeout=timeout)
+    kept = list(failures)
+    failures.clear()
+    fail_on_every_pe(world_size, kept, prefix, most=12)
+    pydatacopy.check_errors()
+
+
 class Outcome:
     """This PE's failures, kept; agree() fails every PE together. `timeout_is_failure`: an
     expected error that comes as pydatacopy.TimeoutError fails, whatever its text (a mismatch

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import pydatacopy
 from pydatacopy.compat import deep_ep
 from pydatacopy.compat.deep_ep import utils as _buffer
-from pe_outcome import fail_on_every_pe
+from pe_outcome import end_step
 
 pytestmark = pytest.mark.any_pes
 
@@ -29,12 +29,7 @@ _FAILURES: list[str] = []
 def in_step(world):
     _FAILURES.clear()
     yield
-    torch.cuda.synchronize()
-    pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
-    failures = list(_FAILURES)
-    _FAILURES.clear()
-    fail_on_every_pe(world[1], failures, "", most=12)
-    pydatacopy.check_errors()
+    end_step(world[1], _FAILURES, TIMEOUT_S, "")
 
 
 @pytest.fixture(scope="module")

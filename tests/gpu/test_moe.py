@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pe_outcome import fail_on_every_pe
+from pe_outcome import end_step
 
 pytestmark = pytest.mark.any_pes
 
@@ -35,12 +35,7 @@ def in_step(world):
     every PE together; then no pending device error."""
     _FAILURES.clear()
     yield
-    torch.cuda.synchronize()
-    pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
-    failures = list(_FAILURES)
-    _FAILURES.clear()
-    fail_on_every_pe(world[1], failures, "", most=12)
-    pydatacopy.check_errors()
+    end_step(world[1], _FAILURES, TIMEOUT_S, "")
 
 
 @pytest.fixture(scope="module")

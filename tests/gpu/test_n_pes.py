@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
-from pe_outcome import fail_on_every_pe
+from pe_outcome import end_step
 
 pytestmark = pytest.mark.any_pes
 
@@ -71,12 +71,7 @@ def in_step(world):
     wrong bytes any PE saw fail every PE (see _FAILURES)."""
     _FAILURES.clear()
     yield
-    torch.cuda.synchronize()
-    pydatacopy.barrier(blocking=True, timeout=TIMEOUT_S)
-    failures = list(_FAILURES)
-    _FAILURES.clear()
-    fail_on_every_pe(world[1], failures, "wrong bytes: ", most=12)
-    pydatacopy.check_errors()
+    end_step(world[1], _FAILURES, TIMEOUT_S, "wrong bytes: ")
 
 
 def test_world_is_every_pe(world):

@@ -75,6 +75,13 @@ def _bare_copy(nbytes: int, args) -> tuple:
     return timed, agree(torch.equal(dst[:nbytes], src[:nbytes]))
 
 
+def _copy_baselines(add, path: str, dispatch_bytes: int, combine_bytes: int, args) -> tuple:
+    """The three bare-copy rows a layout's rows are measured against (its dispatch, its combine,
+    both), in this run: (base_d, base_c, base_dc)."""
+    return tuple(add("baseline", path, nbytes, *_bare_copy(nbytes, args))
+                 for nbytes in (dispatch_bytes, combine_bytes, dispatch_bytes + combine_bytes))
+
+
 def _max_over_pes(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=reduce_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -106,10 +113,7 @@ def bench_shape(name: str, args) -> list[dict]:
 
         add = _adder(rows, size, 16)
 
-        base_d = add("baseline", "local copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
-        base_c = add("baseline", "local copy", combine_bytes, *_bare_copy(combine_bytes, args))
-        base_dc = add("baseline", "local copy", dispatch_bytes + combine_bytes,
-                      *_bare_copy(dispatch_bytes + combine_bytes, args))
+        base_d, base_c, base_dc = _copy_baselines(add, "local copy", dispatch_bytes, combine_bytes, args)
         if dist.get_backend() == "nccl":  # one PE per GPU: NCCL's all-to-all-v of the same rows
             add("baseline", "NCCL a2a_single", dispatch_bytes,
                 *_nccl_all_to_all(x, ids, experts, n, hidden, topk, args), base_d)
@@ -188,10 +192,7 @@ def bench_shape_tokens(name: str, args) -> list[dict]:
 
         add = _adder(rows, size, 20)
 
-        base_d = add("baseline", "expand=False copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
-        base_c = add("baseline", "expand=False copy", combine_bytes, *_bare_copy(combine_bytes, args))
-        base_dc = add("baseline", "expand=False copy", dispatch_bytes + combine_bytes,
-                      *_bare_copy(dispatch_bytes + combine_bytes, args))
+        base_d, base_c, base_dc = _copy_baselines(add, "expand=False copy", dispatch_bytes, combine_bytes, args)
         checked = _check_tokens(moe, tokens, hidden, experts, topk, 7500 + me)
         add("moe dispatch", "expand=False eager", dispatch_bytes,
             time_op(lambda: moe.dispatch(x, ids, topk_weights=weights), args.iters, args.warmup, args.repeats),
@@ -319,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_deep_ep:
             from .moe_deep_ep import bench_shape_deep_ep
 
-            rows.extend(bench_shape_deep_ep(shape, args, SHAPES, (_tokens, _routing, _bare_copy, _max_over_pes,
-                                                                  _adder, _capture)))
+            rows.extend(bench_shape_deep_ep(shape, args, SHAPES, (_tokens, _routing, _copy_baselines,
+                                                                  _max_over_pes, _adder, _capture)))
     if pydatacopy.my_pe() == 0:
         print(f"\n{'op':<18} {'path':<20} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
               f"{'xbase':>6}  ok")

@@ -21,8 +21,8 @@ from ._harness import agree, device_clean, reduce_device, time_op
 
 
 def bench_shape_deep_ep(name: str, args, shapes, helpers) -> list[dict]:
-    """``helpers``: bench/moe.py's (_tokens, _routing, _bare_copy, _max_over_pes, _adder, _capture)."""
-    _tokens, _routing, _bare_copy, _max_over_pes, _adder, _capture = helpers
+    """``helpers``: bench/moe.py's (_tokens, _routing, _copy_baselines, _max_over_pes, _adder, _capture)."""
+    _tokens, _routing, _copy_baselines, _max_over_pes, _adder, _capture = helpers
     me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
     tokens, hidden, topk, experts = shapes[name]
     experts = experts or 8 * n
@@ -44,10 +44,7 @@ def bench_shape_deep_ep(name: str, args, shapes, helpers) -> list[dict]:
         combine_bytes = _max_over_pes(sent_tokens * hidden * 2)
         rows = []
         add = _adder(rows, size, 20)
-        base_d = add("baseline", "deep_ep copy", dispatch_bytes, *_bare_copy(dispatch_bytes, args))
-        base_c = add("baseline", "deep_ep copy", combine_bytes, *_bare_copy(combine_bytes, args))
-        base_dc = add("baseline", "deep_ep copy", dispatch_bytes + combine_bytes,
-                      *_bare_copy(dispatch_bytes + combine_bytes, args))
+        base_d, base_c, base_dc = _copy_baselines(add, "deep_ep copy", dispatch_bytes, combine_bytes, args)
         checked = _check(buffer, tokens, hidden, experts, topk, 9500 + me, _tokens, _routing, 0)
         add("moe dispatch", "deep_ep eager", dispatch_bytes,
             time_op(lambda: buffer.dispatch(x, **args_d), args.iters, args.warmup, args.repeats), checked, base_d)
