@@ -159,10 +159,14 @@ def dispatch(buf, x, handle, num_tokens_per_rank, is_token_in_rank, num_tokens_p
     else:
         sent = is_token_in_rank.sum(0, dtype=torch.int32)
         row = torch.cat([sent, num_tokens_per_expert]).view(1, -1)
-        (counts,), _, _ = buf._notify._exchange_eager([row], constants["ones"], constants["zeros"], None, None)
-        rank_prefix_matrix = counts[:n, :n].cumsum(0).to(torch.int32)
+        (got,), got_counts, got_offsets = buf._notify._exchange_eager([row], constants["ones"], constants["zeros"],
+                                                                      None, None)
+        # Each source's row at its offset; a source that refused this call sent none (its row: zeros,
+        # never the next source's shifted up).
+        counts = got.index_select(0, got_offsets.clamp(0, n - 1)) * (got_counts == 1).to(got.dtype)[:, None]
+        rank_prefix_matrix = counts[:, :n].cumsum(0).to(torch.int32)
         per_pe = num_tokens_per_expert.shape[0] // n
-        expert_counts = counts[:n, n + buf.rank * per_pe:n + (buf.rank + 1) * per_pe].sum(0)
+        expert_counts = counts[:, n + buf.rank * per_pe:n + (buf.rank + 1) * per_pe].sum(0)
         per_expert_list = []
         if num_worst_tokens:
             rows = num_worst_tokens
