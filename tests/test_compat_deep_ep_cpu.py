@@ -57,6 +57,16 @@ class SimBuffer(deep_ep.Buffer):
     def _new_all_to_all(self, capacity: int, row_bytes: int):
         return self._all_to_all(capacity)
 
+    def _new_expanded_dispatcher(self, num_experts: int, hidden: int, topk: int, max_tokens: int):
+        n = self.group_size
+        moe = object.__new__(pydatacopy.MoeDispatcher)
+        moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = num_experts, hidden, topk, max_tokens
+        moe.dtype = moe.combine_dtype = torch.bfloat16
+        moe.expand, moe.n_pes, moe.experts_per_pe, moe.my_pe = True, n, num_experts // n, self.rank
+        moe._workspaces = {}
+        moe._dispatch, moe._combine = self._all_to_all(max_tokens), self._all_to_all(max_tokens * topk)
+        return moe
+
     def _check_errors(self) -> None:
         self._world.raise_errors(self.rank)
 
@@ -250,10 +260,9 @@ def test_ranks_combining_different_dispatches_are_refused_on_every_rank():
 def test_what_deep_ep_offers_and_pydatacopy_does_not_is_refused_with_a_reason():
     world = ThreadWorld(1)
     buf = SimBuffer(world, 0, num_nvl_bytes=1 << 20)
-    for call in (lambda: buf.low_latency_dispatch(None, None, 1, 1), lambda: buf.clean_low_latency_buffer(1, 1, 1),
-                 lambda: deep_ep.Buffer.get_low_latency_rdma_size_hint(1, 1, 1, 1)):
-        with pytest.raises(pydatacopy.Error, match="low-latency"):
-            call()
+    with pytest.raises(pydatacopy.Error, match="num_rdma_bytes"):  # no low-latency budget given
+        buf.low_latency_dispatch(torch.zeros((2, 128), dtype=torch.bfloat16), torch.zeros((2, 1), dtype=torch.int64),
+                                 4, 2)
     with pytest.raises(pydatacopy.Error, match="explicitly_destroy"):
         buf.destroy()
     with pytest.raises(pydatacopy.Error, match="mpi4py"):
@@ -313,3 +322,116 @@ def test_a_combine_of_other_rows_than_received_is_refused_on_every_rank():
     messages = world.run(body)
     assert all(m is not None for m in messages), messages
     assert "one row per row dispatch returned" in messages[1]
+
+
+def _cast_loop(row: torch.Tensor, round_scale: bool):
+    """DeepEP's low-latency fp8 cast of one bf16 row, by 128-channel blocks in Python floats
+    (float32 rounding where DeepEP's float arithmetic rounds)."""
+    import math
+    import struct
+
+    def f32(v):
+        return struct.unpack("f", struct.pack("f", v))[0]
+
+    values, scales = [], []
+    for b in range(0, row.numel(), 128):
+        block = row[b:b + 128].float()
+        amax = f32(max(f32(1e-4), float(block.abs().max())))
+        if round_scale:
+            mantissa, exponent = math.frexp(f32(amax * f32(1.0 / 448.0)))  # value = m x 2^e, m in [0.5, 1)
+            up = exponent if mantissa != 0.5 else exponent - 1  # ceil(log2(value))
+            scale, scale_inv = 2.0 ** -up, 2.0 ** up
+        else:
+            scale, scale_inv = f32(448.0 / amax), f32(amax * f32(1.0 / 448.0))
+        values.append((block * scale).to(torch.float8_e4m3fn))
+        scales.append(scale_inv)
+    return torch.cat(values), torch.tensor(scales, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8_round", "fp8_ue8m0"])
+def test_low_latency_dispatch_and_combine_follow_deep_eps_test_usage(n, mode, monkeypatch):
+    monkeypatch.setattr(pydatacopy.moe.dispatcher, "IN_REGION", False)  # the steps the simulated world has
+    world = ThreadWorld(n)
+    experts, topk, max_tokens, hidden = 4 * n, 3, 6, 512
+    tokens_of = [max_tokens - r % 3 for r in range(n)]
+    inputs = []
+    for r in range(n):
+        g = torch.Generator().manual_seed(40 + r)
+        x = torch.randn((tokens_of[r], hidden), generator=g).to(torch.bfloat16)
+        ids = torch.topk(torch.rand((tokens_of[r], experts), generator=g), topk, dim=-1)[1]
+        ids[torch.rand(ids.shape, generator=g) < 0.2] = -1
+        inputs.append((x, ids, torch.rand((tokens_of[r], topk), generator=g)))
+    use_fp8, round_scale, ue8m0 = mode != "bf16", mode in ("fp8_round", "fp8_ue8m0"), mode == "fp8_ue8m0"
+
+    def body(rank):
+        need = deep_ep.Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, n, experts)
+        buf = SimBuffer(world, rank, num_rdma_bytes=need, low_latency_mode=True)
+        x, ids, weights = inputs[rank]
+        stats = torch.zeros(experts // n, dtype=torch.int32)
+        recv_x, recv_count, handle, _, hook = buf.low_latency_dispatch(
+            x, ids, max_tokens, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+            round_scale=round_scale, use_ue8m0=ue8m0, return_recv_hook=True)
+        hook()
+        plain = recv_x
+        if use_fp8 and not ue8m0:
+            plain = (recv_x[0].float().view(-1, hidden // 128, 128) * recv_x[1].reshape(-1, hidden // 128, 1))
+            plain = plain.view(recv_x[0].shape).to(torch.bfloat16)
+        elif use_fp8:
+            plain = recv_x[0].float().to(torch.bfloat16)  # (the combine check below needs any bf16 rows)
+        scale = torch.arange(1, experts // n + 1, dtype=torch.float32).view(-1, 1, 1) + rank * (experts // n)
+        y = (plain.float() * scale).to(torch.bfloat16)
+        out = torch.empty((x.shape[0], hidden), dtype=torch.bfloat16)
+        combined, _, _ = buf.low_latency_combine(y, ids, weights, handle, out=out)
+        buf.get_next_low_latency_combine_buffer(handle).copy_(y)
+        zero_copy, _, _ = buf.low_latency_combine(torch.empty(0), ids, weights, handle, zero_copy=True)
+        return recv_x, recv_count, tuple(handle), stats, y, combined is out and out, zero_copy
+
+    results = world.run(body)
+    local = experts // n
+    for r in range(n):
+        recv_x, recv_count, handle, stats, _, _, _ = results[r]
+        src_info, layout_range = handle[0], handle[1]
+        for e in range(local):
+            expert = r * local + e
+            rows, sources, ranges = [], [], []
+            for s in range(n):
+                x, ids, _ = inputs[s]
+                mine = [t for t in range(x.shape[0]) if expert in ids[t].tolist()]
+                ranges.append((len(rows) << 32) | len(mine))
+                rows += [x[t] for t in mine]
+                sources += mine
+            count = len(rows)
+            assert int(recv_count[e]) == count == int(stats[e])
+            assert layout_range[e].tolist() == ranges
+            assert src_info[e, :count].tolist() == sources and bool((src_info[e, count:] == -1).all())
+            for i, row in enumerate(rows):
+                if not use_fp8:
+                    assert torch.equal(recv_x[e, i], row), (r, e, i)
+                    continue
+                fp8, scales = _cast_loop(row, round_scale)
+                assert torch.equal(recv_x[0][e, i].view(torch.uint8), fp8.view(torch.uint8)), (r, e, i)
+                if ue8m0:
+                    exponents = (scales.view(torch.int32) >> 23).to(torch.uint8)
+                    packed = torch.tensor(recv_x[1][e, i].tolist(), dtype=torch.int32)
+                    assert torch.equal(packed.view(torch.uint8), exponents), (r, e, i)
+                else:
+                    assert torch.equal(recv_x[1][e, i], scales), (r, e, i)
+        if use_fp8:  # DeepEP's scale layout: column-major in the last two dims
+            assert recv_x[1].stride(1) == 1 and recv_x[1].stride(2) == n * max_tokens
+    for s in range(n):
+        x, ids, weights = inputs[s]
+        combined, zero_copy = results[s][5], results[s][6]
+        for t in range(x.shape[0]):
+            acc = torch.zeros(hidden, dtype=torch.float32)
+            for k, expert in enumerate(ids[t].tolist()):
+                if expert < 0:
+                    continue
+                r, e = divmod(expert, local)
+                src_info, layout_range = results[r][2][0], results[r][2][1]
+                begin = int(layout_range[e][s]) >> 32
+                count = int(layout_range[e][s]) & 0xFFFFFFFF
+                i = begin + [int(v) for v in src_info[e, begin:begin + count]].index(t)
+                acc = acc + weights[t, k] * results[r][4][e, i].float()
+            assert torch.equal(combined[t], acc.to(torch.bfloat16)), (s, t)
+            assert torch.equal(zero_copy[t], combined[t]), (s, t)

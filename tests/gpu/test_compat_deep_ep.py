@@ -224,3 +224,84 @@ def test_a_rank_over_its_tokens_is_refused_on_every_rank(world, buffer):
     want = sum(1 for e in _gather(topk_idx.cpu()) for row in e.tolist()
                if rank in {v // EXPERTS_PER_RANK for v in row if v >= 0})
     _expect(recv[0].shape[0] == want, f"the dispatch after the refusal: {recv[0].shape[0]} rows, want {want}")
+
+
+LL_TOKENS, LL_HIDDEN, LL_TOPK, LL_EXPERTS_PER_RANK = 64, 1024, 6, 4
+
+
+@pytest.fixture(scope="module")
+def ll_buffer(world):
+    n = world[1]
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(LL_TOKENS, LL_HIDDEN, n, n * LL_EXPERTS_PER_RANK)
+    buf = deep_ep.Buffer(dist.group.WORLD, 0, hint, low_latency_mode=True, num_qps_per_rank=LL_EXPERTS_PER_RANK,
+                         explicitly_destroy=True)
+    yield buf
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp8", "fp8_round", "fp8_ue8m0"])
+def test_low_latency_as_deep_eps_test(world, ll_buffer, mode):
+    """DeepEP's test_low_latency usage: x = rank - 128 with the token index in the last 128
+    channels; recv_count, layout_range and src_info checked against every rank's routing, the rows
+    by rank (check_data), and combine's weighted sum byte-exact against a reference (float32, k in
+    order, rounded once), with out= and with zero_copy."""
+    rank, n, _ = world
+    dev = torch.device("cuda")
+    experts, local = n * LL_EXPERTS_PER_RANK, LL_EXPERTS_PER_RANK
+    use_fp8, round_scale, ue8m0 = mode != "bf16", mode in ("fp8_round", "fp8_ue8m0"), mode == "fp8_ue8m0"
+    g = torch.Generator().manual_seed(77 + rank)
+    x = torch.full((LL_TOKENS, LL_HIDDEN), rank - 128, dtype=torch.bfloat16)
+    x[:, -128:] = torch.arange(LL_TOKENS).to(torch.bfloat16).view(-1, 1)
+    ids = torch.topk(torch.rand((LL_TOKENS, experts), generator=g), LL_TOPK, dim=-1)[1]
+    for _ in range(10):
+        ids[int(torch.randint(LL_TOKENS, (1,), generator=g)), int(torch.randint(LL_TOPK, (1,), generator=g))] = -1
+    weights = torch.rand((LL_TOKENS, LL_TOPK), generator=g)
+    every_ids = _gather(ids)
+    stats = torch.zeros(local, dtype=torch.int32, device=dev)
+    recv_x, recv_count, handle, event, hook = ll_buffer.low_latency_dispatch(
+        x.to(dev), ids.to(dev), LL_TOKENS, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+        round_scale=round_scale, use_ue8m0=ue8m0, async_finish=True)
+    event.current_stream_wait()
+    rows3d = recv_x[0] if use_fp8 else recv_x
+    for e in range(local):
+        expert = rank * local + e
+        want = [int((every_ids[s] == expert).sum()) for s in range(n)]
+        count = int(recv_count[e])
+        _expect(count == sum(want) == int(stats[e]), f"expert {e}: recv_count {count}, want {sum(want)}")
+        ranges = handle[1][e].cpu()
+        _expect([int(v) & 0xFFFFFFFF for v in ranges] == want, f"expert {e}: layout_range counts")
+        for s in range(n):
+            begin, got = int(ranges[s]) >> 32, int(ranges[s]) & 0xFFFFFFFF
+            src = handle[0][e, begin:begin + got].cpu()
+            want_src = [t for t in range(LL_TOKENS) if expert in every_ids[s][t].tolist()]
+            _expect(src.tolist() == want_src, f"expert {e}, rank {s}: src_info")
+            block = rows3d[e, begin:begin + got].float()
+            if not use_fp8 and got:
+                _expect(bool((block[:, :-128] == s - 128).all()), f"expert {e}, rank {s}: rows' values")
+                _expect(torch.equal(block[:, -128:], src.to(dev).float().view(-1, 1).expand(-1, 128)),
+                        f"expert {e}, rank {s}: rows' token index")
+    plain = rows3d.float() if not use_fp8 or ue8m0 else \
+        (rows3d.float().view(local, -1, LL_HIDDEN // 128, 128) * recv_x[1].unsqueeze(-1)).view(rows3d.shape)
+    y = (plain * (torch.arange(local, device=dev).view(-1, 1, 1) + 1 + rank * local)).to(torch.bfloat16)
+    every_y = _gather((y.cpu(), handle[0].cpu(), handle[1].cpu()))
+    out = torch.empty((LL_TOKENS, LL_HIDDEN), dtype=torch.bfloat16, device=dev)
+    combined, event, hook = ll_buffer.low_latency_combine(y, ids.to(dev), weights.to(dev), handle, out=out,
+                                                          return_recv_hook=True)
+    hook()
+    ll_buffer.get_next_low_latency_combine_buffer(handle).copy_(y)
+    zero_copy, _, _ = ll_buffer.low_latency_combine(y, ids.to(dev), weights.to(dev), handle, zero_copy=True)
+    want = torch.zeros((LL_TOKENS, LL_HIDDEN), dtype=torch.float32)
+    for t in range(LL_TOKENS):
+        acc = torch.zeros(LL_HIDDEN, dtype=torch.float32)
+        for k, expert in enumerate(ids[t].tolist()):
+            if expert < 0:
+                continue
+            r, e = divmod(expert, local)
+            r_y, r_src, r_ranges = every_y[r]
+            begin, got = int(r_ranges[e][rank]) >> 32, int(r_ranges[e][rank]) & 0xFFFFFFFF
+            i = begin + r_src[e, begin:begin + got].tolist().index(t)
+            acc = acc + weights[t, k] * r_y[e, i].float()
+        want[t] = acc
+    _expect(combined is out and torch.equal(out.cpu(), want.to(torch.bfloat16)), "low_latency_combine: rows")
+    _expect(torch.equal(zero_copy.cpu(), want.to(torch.bfloat16)), "low_latency_combine(zero_copy=True): rows")

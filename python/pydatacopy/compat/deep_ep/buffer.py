@@ -15,8 +15,10 @@ refused with pydatacopy.Error on every rank. The dispatcher is set up at the fir
 call's hidden size; later calls may be as wide or narrower. Everything runs on torch's current
 stream; events record there (``async_finish``), ``previous_event`` is waited for there.
 
-Not honoured, refused with pydatacopy.Error: low-latency kernels, ``bias`` in combine, an mpi4py
-``comm``, ``enable_shrink``, ``get_local_buffer_tensor``, ranks on other nodes (internode)."""
+The low-latency calls run on the default (expanded) MoeDispatcher: _low_latency.py.
+
+Not honoured, refused with pydatacopy.Error: ``bias`` in combine, ``use_logfmt``, the wait-time
+statistics, an mpi4py ``comm``, ``enable_shrink``, ``get_local_buffer_tensor``."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from ...moe.all_to_all import AllToAll
 from ...moe.common import Error
 from ...moe.dispatcher import MoeDispatcher
 from ...runtime import check_errors, init as _init_pydatacopy
-from . import _normal
+from . import _low_latency, _normal
 from .utils import Config, EventHandle, EventOverlap, _room, check as _check, normal_row_bytes, normal_symmetric_bytes
 from .utils import normal_tokens_per_rank
 from .utils import event_after as _event, wait_event as _wait
@@ -73,6 +75,9 @@ class Buffer:
     def _new_dispatcher(self, hidden: int, max_tokens: int) -> MoeDispatcher:
         n = self.group_size
         return MoeDispatcher(n, hidden, n, max_tokens, torch.bfloat16, expand=False)
+
+    def _new_expanded_dispatcher(self, num_experts: int, hidden: int, topk: int, max_tokens: int) -> MoeDispatcher:
+        return MoeDispatcher(num_experts, hidden, topk, max_tokens, torch.bfloat16)
 
     def _new_all_to_all(self, capacity: int, row_bytes: int) -> AllToAll:
         return AllToAll(capacity, row_bytes)
@@ -123,7 +128,10 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        raise Error(_LOW_LATENCY)
+        """Bytes of ``num_rdma_bytes`` the low-latency calls of these sizes need, for top-k up to
+        DeepEP's low-latency limit (11)."""
+        return _low_latency.low_latency_bytes(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                              _low_latency.MAX_TOPK)
 
     # ---- lifetime ------------------------------------------------------------------------------
 
@@ -203,20 +211,40 @@ class Buffer:
         self._alive("combine")
         return _normal.combine(self, x, handle, topk_weights, bias, config, previous_event, async_finish)
 
-    # ---- low-latency mode: not built ----------------------------------------------------------
+    # ---- low-latency mode ---------------------------------------------------------------------
 
-    def clean_low_latency_buffer(self, *args, **kwargs) -> None:
-        raise Error(_LOW_LATENCY)
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Nothing to clean: pydatacopy's buffers carry no state between calls that a normal-mode
+        call could leave dirty."""
+        self._alive("clean_low_latency_buffer")
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise Error(_LOW_LATENCY)
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """DeepEP's ``low_latency_dispatch``: ``(recv_x`` (``[local experts, ranks x max tokens, hidden]``
+        bf16, or an (fp8, scales) tuple), ``recv_count`` (int32 [local experts]), ``handle``,
+        ``event``, ``hook)``. Rows within an expert: by source rank ascending, then the source's
+        token order. The dispatcher of these sizes is set up at their first call (collective, within
+        num_rdma_bytes). How it maps, and its extra copies: _low_latency.py."""
+        self._alive("low_latency_dispatch")
+        return _low_latency.dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                     round_scale, use_ue8m0, async_finish, return_recv_hook)
 
-    def low_latency_combine(self, *args, **kwargs):
-        raise Error(_LOW_LATENCY)
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """DeepEP's ``low_latency_combine``: ``(combined_x, event, hook)``, ``combined_x[t] = sum_k
+        topk_weights[t, k] x expert_k(t)`` in float32, k in order, rounded once (experts -1: none)."""
+        self._alive("low_latency_combine")
+        return _low_latency.combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                    return_recv_hook, out, combine_wait_recv_cost_stats)
 
-    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
-        raise Error(_LOW_LATENCY)
-
-
-_LOW_LATENCY = ("pydatacopy.compat.deep_ep: the low-latency kernels (low_latency_dispatch / low_latency_combine) "
-                "are not built yet; use dispatch/combine, or pydatacopy.MoeDispatcher (expand=True is their layout)")
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The bf16 ``[local experts, ranks x max tokens, hidden]`` tensor that
+        ``low_latency_combine(..., zero_copy=True)`` reads."""
+        self._alive("get_next_low_latency_combine_buffer")
+        return _low_latency.next_combine_buffer(self, handle)
