@@ -3,7 +3,8 @@ call it, per shape of bench/moe.py, beside a bare copy of the bytes it moves, sa
 
 Rows: dispatch (``num_worst_tokens=0``: the received count read on the host, DeepEP's default),
 combine, and get_dispatch_layout + dispatch + combine eagerly; the same layer with
-``num_worst_tokens`` replayed from a CUDA graph. Bytes: each token once per receiving PE, its row
+``num_worst_tokens`` replayed from a CUDA graph; and, for decode-sized shapes, the low-latency
+calls (``deep_ep ll``: bf16, eagerly and in a graph). Bytes: each token once per receiving PE, its row
 plus the routing and its top-k ids and weights (dispatch), its row back (combine). Check (can
 fail): one more layer with fresh tokens and an identity expert, whose output must equal x[t]
 added once per PE t went to, in PE order, float32, rounded once, and whose received rows summed
@@ -65,6 +66,52 @@ def bench_shape_deep_ep(name: str, args, shapes, helpers) -> list[dict]:
         add("moe dispatch+comb", "deep_ep graph", dispatch_bytes + combine_bytes,
             time_op(graph.replay, args.iters, args.warmup, args.repeats),
             checked and _check(buffer, tokens, hidden, experts, topk, 10500 + me, _tokens, _routing, worst), base_dc)
+        del graph
+        if tokens <= LOW_LATENCY_MAX_TOKENS:
+            rows += _low_latency_rows(args, tokens, hidden, topk, experts, size, helpers)
+        return rows
+    finally:
+        torch.cuda.synchronize()
+        buffer.destroy()
+
+
+#: Low-latency rows for shapes of at most this many tokens per PE (DeepEP's layout holds local
+#: experts x PEs x tokens rows: the prefill shape would need gigabytes).
+LOW_LATENCY_MAX_TOKENS = 512
+
+
+def _low_latency_rows(args, tokens, hidden, topk, experts, size, helpers) -> list[dict]:
+    """low_latency_dispatch + low_latency_combine (bf16), eagerly and replayed from a CUDA graph,
+    beside a bare copy of their bytes (one row per (token, expert) each way, dispatch's with its
+    ids and index). Check: an identity expert, out[t] = sum_k w[t, k] x[t] in float32, k in order."""
+    _tokens, _routing, _copy_baselines, _max_over_pes, _adder, _capture = helpers
+    me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
+    buffer = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, n, experts),
+                            low_latency_mode=True, explicitly_destroy=True)
+    try:
+        x = _tokens(tokens, hidden, 31 + me)
+        ids, weights = _routing(tokens, experts, topk, 300 + me)
+        pairs = int((ids >= 0).sum())
+        dispatch_bytes = _max_over_pes(pairs * (hidden * 2 + (topk + 1) * 4))
+        combine_bytes = _max_over_pes(pairs * hidden * 2)
+        rows = []
+        add = _adder(rows, size, 20)
+        _, _, base_dc = _copy_baselines(add, "deep_ep ll copy", dispatch_bytes, combine_bytes, args)
+
+        def layer():
+            recv_x, _, handle, _, _ = buffer.low_latency_dispatch(x, ids, tokens, experts, use_fp8=False)
+            return buffer.low_latency_combine(recv_x, ids, weights, handle)[0]
+
+        out = layer()
+        want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+        for k in range(topk):
+            want = want + weights[:, k:k + 1] * x.float()
+        checked = agree(device_clean() and torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)))
+        add("moe dispatch+comb", "deep_ep ll eager", dispatch_bytes + combine_bytes,
+            time_op(layer, args.iters, args.warmup, args.repeats), checked, base_dc)
+        graph = _capture(layer)
+        add("moe dispatch+comb", "deep_ep ll graph", dispatch_bytes + combine_bytes,
+            time_op(graph.replay, args.iters, args.warmup, args.repeats), checked, base_dc)
         del graph
         return rows
     finally:
