@@ -109,9 +109,17 @@ def _low_latency_rows(args, tokens, hidden, topk, experts, size, helpers) -> lis
         checked = agree(device_clean() and torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)))
         add("moe dispatch+comb", "deep_ep ll eager", dispatch_bytes + combine_bytes,
             time_op(layer, args.iters, args.warmup, args.repeats), checked, base_dc)
-        graph = _capture(layer)
-        add("moe dispatch+comb", "deep_ep ll graph", dispatch_bytes + combine_bytes,
-            time_op(graph.replay, args.iters, args.warmup, args.repeats), checked, base_dc)
+        graph_out = []
+        graph = _capture(lambda: graph_out.append(layer()))
+        timed = time_op(graph.replay, args.iters, args.warmup, args.repeats)
+        x.copy_(_tokens(tokens, hidden, 41 + me))  # fresh tokens: the replay's output must follow them
+        graph.replay()
+        want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+        for k in range(topk):
+            want = want + weights[:, k:k + 1] * x.float()
+        replayed = torch.equal(graph_out[-1].view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
+        add("moe dispatch+comb", "deep_ep ll graph", dispatch_bytes + combine_bytes, timed,
+            agree(device_clean() and checked and replayed), base_dc)
         del graph
         return rows
     finally:

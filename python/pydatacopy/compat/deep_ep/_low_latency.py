@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...moe.all_to_all import AllToAll
+from ...moe.rows import gather_rows
 from .utils import SCALE_BLOCK, check as _check, event_after as _event
 
 _DISPATCH = "pydatacopy.compat.deep_ep.Buffer.low_latency_dispatch"
@@ -54,10 +55,11 @@ def _dispatcher(buf, num_experts: int, hidden: int, topk: int, max_tokens: int):
     made = buf.__dict__.setdefault("_low_latency", {})
     if key not in made:
         n = buf.group_size
+        held = sum(low_latency_bytes(k[3], k[1], n, k[2]) for k in made)
         need = low_latency_bytes(max_tokens, hidden, n, topk)
-        _check(need <= buf.num_rdma_bytes, f"{_DISPATCH}: num_rdma_bytes={buf.num_rdma_bytes} is too small for "
-               f"{max_tokens} tokens per rank of hidden {hidden}, top-{topk}: pass at least {need} "
-               f"(Buffer.get_low_latency_rdma_size_hint)")
+        _check(held + need <= buf.num_rdma_bytes, f"{_DISPATCH}: num_rdma_bytes={buf.num_rdma_bytes} is too small "
+               f"for {max_tokens} tokens per rank of hidden {hidden}, top-{topk} ({need} bytes, {held} held by "
+               f"other sizes): pass more (Buffer.get_low_latency_rdma_size_hint)")
         _check(num_experts % n == 0, f"{_DISPATCH}: num_experts={num_experts} does not split over {n} ranks")
         made[key] = buf._new_expanded_dispatcher(num_experts, hidden, topk, max_tokens)
     return key, made[key]
@@ -71,8 +73,7 @@ def _fp8(rows: torch.Tensor, round_scale: bool, use_ue8m0: bool):
     if round_scale:  # DeepEP's fast_log2_ceil and fast_pow2: exact powers of two from the bits
         bits = (amax * (1.0 / _FP8_MAX)).view(torch.int32)
         exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-        one = torch.ones_like(amax)
-        scale, scale_inv = torch.ldexp(one, -exponent), torch.ldexp(one, exponent)
+        scale, scale_inv = ((127 - exponent) << 23).view(torch.float32), ((127 + exponent) << 23).view(torch.float32)
     else:
         # (448 / amax as a true division: torch's scalar / tensor is a reciprocal and a product,
         # one rounding more than DeepEP's float division)
@@ -105,16 +106,18 @@ def dispatch(buf, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cu
         _check(not use_fp8 or hidden % block == 0, f"{call}: fp8 needs hidden a multiple of {block}")
         stats = cumulative_local_expert_recv_stats
         _check(stats is None or (isinstance(stats, torch.Tensor) and tuple(stats.shape) == (local,)
-                                 and stats.dtype == torch.int32),
-               f"{call}: cumulative_local_expert_recv_stats must be int32 [{local}]")
+                                 and stats.dtype == torch.int32 and stats.device == x.device),
+               f"{call}: cumulative_local_expert_recv_stats must be int32 [{local}] on x's device")
+        _check(not (async_finish and return_recv_hook), f"{call}: async_finish and return_recv_hook together "
+               "(DeepEP refuses them too)")
     moe._refused(moe._dispatch, check, None)
     recv, handle = moe.dispatch(x, topk_idx, num_experts)  # its own refusals run its round too
     # Each received row's slot in DeepEP's layout (expert e's rows from e x slots on), a spare
     # slot past them for the rows not in use.
     rows = recv.shape[0]
     expert = handle.expert_of_row
-    in_use = expert < local
     at = torch.arange(rows, device=recv.device) - handle.expert_offsets.index_select(0, expert.clamp(max=local - 1))
+    in_use = (expert < local) & (at < slots)  # (a token naming one expert twice could overflow its slots)
     dest = torch.where(in_use, expert * slots + at, local * slots)
     src_info = torch.full((local * slots + 1,), -1, dtype=torch.int32, device=recv.device)
     src_info.index_copy_(0, dest, torch.where(in_use, handle.source_token, -1).to(torch.int32))
@@ -189,11 +192,17 @@ def combine(buf, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async
         _check(isinstance(topk_idx, torch.Tensor) and tuple(topk_idx.shape) == (tokens, topk),
                f"{call}: topk_idx must be the dispatched [{tokens}, {topk}]")
         _check(out is None or (isinstance(out, torch.Tensor) and tuple(out.shape) == (tokens, hidden)
-                               and out.dtype == torch.bfloat16),
-               f"{call}: out must be bfloat16 [{tokens}, {hidden}]")
+                               and out.dtype == torch.bfloat16 and out.device == x.device),
+               f"{call}: out must be bfloat16 [{tokens}, {hidden}] on x's device")
+        _check(isinstance(topk_weights, torch.Tensor) and topk_weights.dtype == torch.float32,
+               f"{call}: topk_weights must be float32 (as DeepEP's)")
+        _check(not (async_finish and return_recv_hook), f"{call}: async_finish and return_recv_hook together "
+               "(DeepEP refuses them too)")
     moe._refused(moe._combine, check, None)
-    # The rows back in the dispatcher's order (rows not in use: any slot; combine reads none of them).
-    y = x.reshape(local * slots, hidden).index_select(0, handle._dest.clamp(max=local * slots - 1))
+    # The rows back in the dispatcher's order, only the rows in use (read on the GPU: no host read;
+    # combine reads no row past them).
+    y = gather_rows(x.reshape(local * slots, hidden), handle._dest.clamp(max=local * slots - 1),
+                    handle._moe_handle.num_rows)
     combined = moe.combine(y, handle._moe_handle, topk_weights)
     if out is not None:
         out.copy_(combined)

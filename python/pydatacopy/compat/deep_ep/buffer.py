@@ -141,7 +141,8 @@ class Buffer:
         destructor never waits for peers)."""
         _check(self.explicitly_destroy, "pydatacopy.compat.deep_ep.Buffer.destroy: `explicitly_destroy` flag must be set")
         self._destroyed = True
-        for buffer in (self._moe, self._notify):
+        low_latency = self.__dict__.pop("_low_latency", {})
+        for buffer in (self._moe, self._notify, *low_latency.values()):
             if buffer is not None:
                 buffer.close()
         self._moe = self._notify = None
