@@ -169,14 +169,21 @@ def _capture(run) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def bench_shape_tokens(name: str, args) -> list[dict]:
-    """The expand=False rows of one shape (see the module docstring)."""
+def _shape_of(name: str):
+    """(this PE, PEs, tokens, hidden, topk, experts, the rows' size label) of a shape, None where its
+    experts do not split over the PEs."""
     me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
     tokens, hidden, topk, experts = SHAPES[name]
     experts = experts or 8 * n
-    if experts % n:
+    return None if experts % n else (me, n, tokens, hidden, topk, experts, f"{name} {n}PE")
+
+
+def bench_shape_tokens(name: str, args) -> list[dict]:
+    """The expand=False rows of one shape (see the module docstring)."""
+    shape = _shape_of(name)
+    if shape is None:
         return []
-    size = f"{name} {n}PE"
+    me, n, tokens, hidden, topk, experts, size = shape
     moe = pydatacopy.MoeDispatcher(experts, hidden, topk, tokens, torch.bfloat16, expand=False)
     try:
         x = _tokens(tokens, hidden, 11 + me)
@@ -320,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_deep_ep:
             from .moe_deep_ep import bench_shape_deep_ep
 
-            rows.extend(bench_shape_deep_ep(shape, args, SHAPES, (_tokens, _routing, _copy_baselines,
-                                                                  _max_over_pes, _adder, _capture)))
+            rows.extend(bench_shape_deep_ep(shape, args, _shape_of, (_tokens, _routing, _copy_baselines,
+                                                                     _max_over_pes, _adder, _capture)))
     if pydatacopy.my_pe() == 0:
         print(f"\n{'op':<18} {'path':<20} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
               f"{'xbase':>6}  ok")

@@ -21,15 +21,14 @@ from pydatacopy.compat import deep_ep
 from ._harness import agree, device_clean, reduce_device, time_op
 
 
-def bench_shape_deep_ep(name: str, args, shapes, helpers) -> list[dict]:
-    """``helpers``: bench/moe.py's (_tokens, _routing, _copy_baselines, _max_over_pes, _adder, _capture)."""
+def bench_shape_deep_ep(name: str, args, shape_of, helpers) -> list[dict]:
+    """``shape_of``, ``helpers``: bench/moe.py's _shape_of and (_tokens, _routing, _copy_baselines,
+    _max_over_pes, _adder, _capture)."""
     _tokens, _routing, _copy_baselines, _max_over_pes, _adder, _capture = helpers
-    me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
-    tokens, hidden, topk, experts = shapes[name]
-    experts = experts or 8 * n
-    if experts % n:
+    shape = shape_of(name)
+    if shape is None:
         return []
-    size = f"{name} {n}PE"
+    me, n, tokens, hidden, topk, experts, size = shape
     buffer = deep_ep.Buffer(dist.group.WORLD, deep_ep.utils.normal_symmetric_bytes(tokens, hidden, n),
                             explicitly_destroy=True)
     try:
@@ -82,8 +81,9 @@ LOW_LATENCY_MAX_TOKENS = 512
 
 def _low_latency_rows(args, tokens, hidden, topk, experts, size, helpers) -> list[dict]:
     """low_latency_dispatch + low_latency_combine (bf16), eagerly and replayed from a CUDA graph,
-    beside a bare copy of their bytes (one row per (token, expert) each way, dispatch's with its
-    ids and index). Check: an identity expert, out[t] = sum_k w[t, k] x[t] in float32, k in order."""
+    beside a bare copy of their bytes (the default layout's: each token once per PE with its ids and
+    index, one row per (token, expert) back). Check: an identity expert, out[t] = sum_k w[t, k] x[t]
+    in float32, k in order, eagerly and in a replay with fresh tokens."""
     _tokens, _routing, _copy_baselines, _max_over_pes, _adder, _capture = helpers
     me, n = pydatacopy.my_pe(), pydatacopy.n_pes()
     buffer = deep_ep.Buffer(dist.group.WORLD, 0, deep_ep.Buffer.get_low_latency_rdma_size_hint(tokens, hidden, n, experts),
@@ -91,9 +91,11 @@ def _low_latency_rows(args, tokens, hidden, topk, experts, size, helpers) -> lis
     try:
         x = _tokens(tokens, hidden, 31 + me)
         ids, weights = _routing(tokens, experts, topk, 300 + me)
-        pairs = int((ids >= 0).sum())
-        dispatch_bytes = _max_over_pes(pairs * (hidden * 2 + (topk + 1) * 4))
-        combine_bytes = _max_over_pes(pairs * hidden * 2)
+        # The expanded dispatcher's bytes (as the default layout's rows count them): each token once
+        # per PE with its ids and index, one output row per (token, expert) back.
+        sent_tokens = int(pydatacopy.moe.dispatch_plan(ids, experts, n).send_counts.sum())
+        dispatch_bytes = _max_over_pes(sent_tokens * (hidden * 2 + (topk + 1) * 4))
+        combine_bytes = _max_over_pes(int((ids >= 0).sum()) * hidden * 2)
         rows = []
         add = _adder(rows, size, 20)
         _, _, base_dc = _copy_baselines(add, "deep_ep ll copy", dispatch_bytes, combine_bytes, args)
