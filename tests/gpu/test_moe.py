@@ -46,6 +46,21 @@ def buffer(world):
     buffer.close()
 
 
+def _captured(run):
+    """``run`` warmed up eagerly on a side stream (on every PE), then captured there: (graph, what
+    the captured run returned)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        result = run()
+    return graph, result
+
+
 _FP8_TAG = "__fp8_as_uint8__"
 
 
@@ -628,15 +643,7 @@ def test_dispatch_and_combine_graph_replays_take_fresh_routing(world, dispatcher
     static_x = torch.zeros(tokens, HIDDEN, dtype=dispatcher.dtype, device="cuda")
     static_topk = torch.full((tokens, TOPK), -1, dtype=torch.int64, device="cuda")
     static_weights = torch.zeros(tokens, TOPK, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up, eager, on every PE
-        _run_moe(dispatcher, static_x, static_topk, static_weights)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        recv_x, handle, out = _run_moe(dispatcher, static_x, static_topk, static_weights)
+    graph, (recv_x, handle, out) = _captured(lambda: _run_moe(dispatcher, static_x, static_topk, static_weights))
     for replay in range(100):
         kind = ("random", "skew", "one_pe")[replay % 3]
         x, topk, weights = _moe_inputs(kind, rank, n, 9000 + 1000 * rank + replay, dispatcher.dtype, tokens)
@@ -974,15 +981,7 @@ def test_dispatch_and_combine_of_many_tokens_are_exact(world, big_dispatcher, gr
         return recv_x, handle, d.combine(recv_x, handle, weights, timeout=TIMEOUT_S)
 
     if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured, stream=stream):
-            results = step()
+        captured, results = _captured(step)
     for iteration in range(3):
         generator = torch.Generator().manual_seed(500 + 10 * rank + iteration)
         new_x = torch.randn(BIG_TOKENS, BIG_HIDDEN, generator=generator).to(torch.bfloat16)
@@ -1275,15 +1274,7 @@ def test_expand_false_graph_replays_take_fresh_routing(world, token_dispatcher, 
     static_x = torch.zeros(MAX_TOKENS, d.hidden, dtype=d.dtype, device="cuda")
     static_ids = torch.full((MAX_TOKENS, TOPK), -1, dtype=torch.int64, device="cuda")
     static_weights = torch.zeros(MAX_TOKENS, TOPK, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up, eager, on every PE
-        _run_tokens(d, static_x, static_ids, static_weights)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        got = _run_tokens(d, static_x, static_ids, static_weights)
+    graph, got = _captured(lambda: _run_tokens(d, static_x, static_ids, static_weights))
     recv_x, idx, w, handle, y, out = got
     for replay in range(3):
         kind = ("random", "nowhere", "one_pe")[replay]

@@ -128,13 +128,8 @@ def bench_shape(name: str, args) -> list[dict]:
             got, h = moe.dispatch(x, ids)
             moe.combine(got, h, weights)
 
-        add("moe dispatch+comb", "eager", dispatch_bytes + combine_bytes,
-            time_op(both, args.iters, args.warmup, args.repeats), checked, base_dc)
-        graph = _capture(both)
-        add("moe dispatch+comb", "cuda graph", dispatch_bytes + combine_bytes,
-            time_op(graph.replay, args.iters, args.warmup, args.repeats),
-            checked and _check(moe, tokens, hidden, experts, topk, 8000 + me), base_dc)
-        del graph
+        _layer_rows(add, "", both, dispatch_bytes + combine_bytes, checked,
+                    lambda: _check(moe, tokens, hidden, experts, topk, 8000 + me), base_dc, args)
         return rows
     finally:
         torch.cuda.synchronize()
@@ -153,6 +148,18 @@ def _adder(rows: list[dict], size: str, path_width: int):
             print(f"  {op:<18} {path:<{path_width}} {size:<12} {row['us']:10.1f} us", file=sys.stderr, flush=True)
         return row
     return add
+
+
+def _layer_rows(add, path: str, both, nbytes: int, checked: bool, recheck, base, args) -> None:
+    """The layer's two rows: dispatch + combine eagerly (path ``<path> eager``, or ``eager``) and
+    replayed from a CUDA graph (``<path> graph``, or ``cuda graph``), the graph's checked again by
+    ``recheck()`` after its timing."""
+    add("moe dispatch+comb", f"{path} eager" if path else "eager", nbytes,
+        time_op(both, args.iters, args.warmup, args.repeats), checked, base)
+    graph = _capture(both)
+    add("moe dispatch+comb", f"{path} graph" if path else "cuda graph", nbytes,
+        time_op(graph.replay, args.iters, args.warmup, args.repeats), checked and recheck(), base)
+    del graph
 
 
 def _capture(run) -> torch.cuda.CUDAGraph:
@@ -211,13 +218,8 @@ def bench_shape_tokens(name: str, args) -> list[dict]:
             got, _, _, h = moe.dispatch(x, ids, topk_weights=weights)
             moe.combine(got, h)
 
-        add("moe dispatch+comb", "expand=False eager", dispatch_bytes + combine_bytes,
-            time_op(both, args.iters, args.warmup, args.repeats), checked, base_dc)
-        graph = _capture(both)
-        add("moe dispatch+comb", "expand=False graph", dispatch_bytes + combine_bytes,
-            time_op(graph.replay, args.iters, args.warmup, args.repeats),
-            checked and _check_tokens(moe, tokens, hidden, experts, topk, 8500 + me), base_dc)
-        del graph
+        _layer_rows(add, "expand=False", both, dispatch_bytes + combine_bytes, checked,
+                    lambda: _check_tokens(moe, tokens, hidden, experts, topk, 8500 + me), base_dc, args)
         return rows
     finally:
         torch.cuda.synchronize()
