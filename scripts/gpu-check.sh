@@ -192,11 +192,14 @@ has "$STEPS" cpu-tests && step cpu-tests env -u PYDATACOPY_RANKS_PER_GPU -u CUDA
   $PY -m pytest tests/test_runtime.py tests/test_network.py tests/test_doctor.py tests/test_double_buffer_cpu.py \
     tests/test_host_path.py tests/test_bad_inputs.py -q
 has "$STEPS" doctor && step doctor $PY -m pydatacopy.doctor
+# GPU_TEST_K: a pytest -k expression for the 2-PE suites, spaces allowed ("compat or moe").
+K_ARGS=()
+[ -n "${GPU_TEST_K:-}" ] && K_ARGS=(-k "$GPU_TEST_K")
 if has "$STEPS" gpu2-tests; then
-  step gpu2-tests timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
+  step gpu2-tests timeout 420 torchrun --nproc_per_node=2 $SUITE ${K_ARGS[@]+"${K_ARGS[@]}"} ${GPU_TEST_ARGS:-}
   # The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer,
   # with every local address handed to NVSHMEM checked to be symmetric or registered.
-  step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 $SUITE ${GPU_TEST_ARGS:-}
+  step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 $SUITE ${K_ARGS[@]+"${K_ARGS[@]}"} ${GPU_TEST_ARGS:-}
 fi
 # The same suite under torch's expandable segments (issue 36: zero-copy into VMM memory, chunks
 # that come and go): asked for by name (ONLY="gpu2-tests-expandable") or with PART=all.
