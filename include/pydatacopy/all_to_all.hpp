@@ -365,6 +365,25 @@ void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
 // Scratch bytes for moe_receive_layout's multi-block path (0: small, one block does it).
 int64_t moe_receive_layout_scratch_bytes(int64_t rows, int64_t topk, int64_t experts_per_pe);
 
+// MoeDispatcher(expand=False)'s small layouts, one kernel each, stream-ordered, nothing read on
+// the host (the torch references: token_destinations and local_topk in python/pydatacopy/moe/
+// layout.py; src/core/kernels/moe/token_layout.hpp, element by element). Limits: n_pes <=
+// kMoeLayoutMaxPes, topk <= kMoeLayoutMaxTopk, tokens x n_pes and rows x topk below 2^31.
+// Sender: from moe_dispatch_layout's send_counts, send_index and pair_pe -> token_pe / token_rank
+// [tokens, min(topk, n_pes)]: the PEs token t was sent to, ascending (n_pes pads the rest), and
+// t's rank among the tokens sent to each (-1 where token_pe pads).
+void moe_token_destinations(const int64_t* send_counts, const int64_t* send_index, const int64_t* pair_pe,
+                            int64_t tokens, int64_t topk, int n_pes, int64_t* token_pe, int64_t* token_rank,
+                            cudaStream_t stream);
+// Receiver: recv_meta [rows, topk + 1] int32 as the exchange compacted it (recv_counts [n_pes]
+// from each source; the rows past their sum not read) -> recv_topk_idx [rows, topk] int64 (local
+// expert ids, -1 for an expert elsewhere, none or a row past the received), recv_topk_weights
+// ([rows, topk] float32 as received, or null) zeroed in place where the id is -1, source_token
+// [rows] (-1 past the received), num_rows [1] (the rows received).
+void moe_local_topk(const int32_t* recv_meta, int64_t rows, int64_t topk, const int64_t* recv_counts, int n_pes,
+                    int my_pe, int64_t experts_per_pe, int64_t* recv_topk_idx, float* recv_topk_weights,
+                    int64_t* source_token, int64_t* num_rows, cudaStream_t stream);
+
 // MoE dispatch's grouping by expert straight from the receive region, each received row read
 // once: received row j (numbered as in gather_region_rows; j < sum(recv_counts) and < rows) is
 // written to out[positions[j * topk + k]] for each k with 0 <= position < out_rows. Rows of

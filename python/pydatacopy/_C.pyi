@@ -131,6 +131,17 @@ def moe_receive_layout(recv_meta: int, rows: int, topk: int, recv_counts: int, n
     """MoE dispatch's receiver layout (all_to_all.hpp): one kernel, or three over many blocks
     for large inputs given a scratch of moe_receive_layout_scratch_bytes."""
 
+def moe_token_destinations(send_counts: int, send_index: int, pair_pe: int, tokens: int, topk: int, n_pes: int,
+                           token_pe: int, token_rank: int, stream: int) -> None:
+    """expand=False's sender layout (all_to_all.hpp): token_pe / token_rank [tokens, min(topk,
+    n_pes)] from moe_dispatch_layout's outputs; one kernel."""
+
+def moe_local_topk(recv_meta: int, rows: int, topk: int, recv_counts: int, n_pes: int, my_pe: int,
+                   experts_per_pe: int, recv_topk_idx: int, recv_topk_weights: int, source_token: int,
+                   num_rows: int, stream: int) -> None:
+    """expand=False's receiver layout (all_to_all.hpp): local expert ids, the weights zeroed in
+    place where the id is not local (0: none), source tokens and the rows received; one kernel."""
+
 def moe_receive_layout_scratch_bytes(rows: int, topk: int, experts_per_pe: int) -> int:
     """Scratch bytes of moe_receive_layout's multi-block path; 0: small, one block does it."""
 

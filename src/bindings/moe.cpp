@@ -129,6 +129,30 @@ void bind_moe(py::module_& m) {
         release_gil(),
         "MoE dispatch's receiver layout (all_to_all.hpp); addresses as ints; a scratch of "
         "moe_receive_layout_scratch_bytes for large inputs' multi-block path");
+  m.def("moe_token_destinations",
+        [](std::uintptr_t send_counts, std::uintptr_t send_index, std::uintptr_t pair_pe, int64_t tokens,
+           int64_t topk, int n_pes, std::uintptr_t token_pe, std::uintptr_t token_rank, std::uintptr_t stream) {
+          moe_token_destinations(as_pointer<const int64_t>(send_counts), as_pointer<const int64_t>(send_index),
+                                 as_pointer<const int64_t>(pair_pe), tokens, topk, n_pes,
+                                 as_pointer<int64_t>(token_pe), as_pointer<int64_t>(token_rank), as_stream(stream));
+        },
+        py::arg("send_counts"), py::arg("send_index"), py::arg("pair_pe"), py::arg("tokens"), py::arg("topk"),
+        py::arg("n_pes"), py::arg("token_pe"), py::arg("token_rank"), py::arg("stream"), release_gil(),
+        "expand=False's sender layout (all_to_all.hpp): each token's PEs and its rank at each; one kernel");
+  m.def("moe_local_topk",
+        [](std::uintptr_t recv_meta, int64_t rows, int64_t topk, std::uintptr_t recv_counts, int n_pes, int my_pe,
+           int64_t experts_per_pe, std::uintptr_t recv_topk_idx, std::uintptr_t recv_topk_weights,
+           std::uintptr_t source_token, std::uintptr_t num_rows, std::uintptr_t stream) {
+          moe_local_topk(as_pointer<const int32_t>(recv_meta), rows, topk, as_pointer<const int64_t>(recv_counts),
+                         n_pes, my_pe, experts_per_pe, as_pointer<int64_t>(recv_topk_idx),
+                         as_pointer<float>(recv_topk_weights), as_pointer<int64_t>(source_token),
+                         as_pointer<int64_t>(num_rows), as_stream(stream));
+        },
+        py::arg("recv_meta"), py::arg("rows"), py::arg("topk"), py::arg("recv_counts"), py::arg("n_pes"),
+        py::arg("my_pe"), py::arg("experts_per_pe"), py::arg("recv_topk_idx"), py::arg("recv_topk_weights"),
+        py::arg("source_token"), py::arg("num_rows"), py::arg("stream"), release_gil(),
+        "expand=False's receiver layout (all_to_all.hpp): local expert ids, weights zeroed in place, source "
+        "tokens, rows received; one kernel");
   m.def("moe_receive_layout_scratch_bytes", &moe_receive_layout_scratch_bytes, py::arg("rows"), py::arg("topk"),
         py::arg("experts_per_pe"), "scratch bytes of moe_receive_layout's multi-block path (0: none)");
   m.def("gather_region_rows",

@@ -12,7 +12,8 @@ import torch
 from .. import _C
 from .._torch_utils import stream_handle, timeout_seconds
 from .common import _REDUCE_DTYPES, Error, _traced
-from .layout import MoeHandle, MoeTokenHandle, combine_slots, dispatch_plan, local_topk, token_destinations
+from .layout import (MoeHandle, MoeTokenHandle, _layout_kernels_fit, combine_slots, dispatch_plan, local_topk,
+                     token_destinations)
 from .rows import combine_reduce
 
 
@@ -52,17 +53,56 @@ def dispatch_tokens(moe, x, topk_idx, topk_weights, timeout, zero_unused_rows, e
     if zero_unused_rows and _traced():
         from .all_to_all import _zero_past
         recv_x = _zero_past(recv_x, recv_counts.sum())
-    num_rows = recv_counts.sum()
-    recv_topk_idx, recv_topk_weights, source_token = local_topk(
-        recv_meta, recvs[2] if topk_weights is not None else None, num_rows, moe.my_pe,
-        moe.experts_per_pe, moe.topk)
-    token_pe, token_rank = token_destinations(plan.pair_pe, moe.n_pes)
+    recv_weights = recvs[2] if topk_weights is not None else None
+    if _traced() or not _native_layouts_fit(moe, x.shape[0], recv_meta):
+        num_rows = recv_counts.sum()
+        recv_topk_idx, recv_topk_weights, source_token = local_topk(
+            recv_meta, recv_weights, num_rows, moe.my_pe, moe.experts_per_pe, moe.topk)
+        token_pe, token_rank = token_destinations(plan.pair_pe, moe.n_pes)
+    else:
+        # One kernel each for what the torch code above takes a dozen ops for (the same values).
+        num_rows, recv_topk_idx, recv_topk_weights, source_token = _local_topk_native(
+            moe, recv_meta, recv_weights, recv_counts)
+        token_pe, token_rank = _token_destinations_native(moe, plan, x.shape[0])
     handle = MoeTokenHandle(num_rows, recv_counts, recv_offsets, source_token, token_pe, token_rank)
     if call is not None:
         moe._mark(handle, call)
     if extras:
         return recv_x, recv_topk_idx, recv_topk_weights, handle, recvs[len(sends) - len(extras):]
     return recv_x, recv_topk_idx, recv_topk_weights, handle
+
+
+def _native_layouts_fit(moe, tokens: int, recv_meta) -> bool:
+    """Whether the two layout kernels take these sizes (moe_token_destinations / moe_local_topk's
+    limits, all_to_all.hpp) and tensors; else the torch code (the same values)."""
+    rows = recv_meta.shape[0]
+    return (recv_meta.is_cuda and _layout_kernels_fit(moe.n_pes, 1, tokens * max(moe.n_pes, moe.topk))
+            and _layout_kernels_fit(moe.n_pes, 1, rows * moe.topk))
+
+
+def _local_topk_native(moe, recv_meta, recv_weights, recv_counts):
+    """local_topk and num_rows in one kernel (moe_local_topk); the received weights (a fresh
+    tensor of the exchange's) are zeroed in place where the id is not local."""
+    rows, topk, device = recv_meta.shape[0], moe.topk, recv_meta.device
+    longs = torch.empty(rows * topk + rows + 1, dtype=torch.int64, device=device)
+    recv_topk_idx, source_token, num_rows = longs.split_with_sizes((rows * topk, rows, 1))
+    _C.moe_local_topk(recv_meta.data_ptr(), rows, topk, recv_counts.data_ptr(), moe.n_pes, moe.my_pe,
+                      moe.experts_per_pe, recv_topk_idx.data_ptr(),
+                      0 if recv_weights is None else recv_weights.data_ptr(), source_token.data_ptr(),
+                      num_rows.data_ptr(), stream_handle(None, device.index))
+    return num_rows.view(()), recv_topk_idx.view(rows, topk), recv_weights, source_token
+
+
+def _token_destinations_native(moe, plan, tokens: int):
+    """token_destinations in one kernel (moe_token_destinations), from the sender's layout."""
+    width = min(moe.topk, moe.n_pes)
+    device = plan.pair_pe.device
+    both = torch.empty(2 * tokens * width, dtype=torch.int64, device=device)
+    token_pe, token_rank = both.split_with_sizes((tokens * width, tokens * width))
+    _C.moe_token_destinations(plan.send_counts.data_ptr(), plan.send_index.data_ptr(), plan.pair_pe.data_ptr(),
+                              tokens, moe.topk, moe.n_pes, token_pe.data_ptr(), token_rank.data_ptr(),
+                              stream_handle(None, device.index))
+    return token_pe.view(tokens, width), token_rank.view(tokens, width)
 
 
 def check_token_combine(moe, y, handle, topk_weights) -> None:

@@ -420,6 +420,16 @@ void launch_moe_receive_layout_large(const int32_t* recv_meta, int64_t rows, int
                                      int64_t experts_per_pe, const MoeReceiveLayoutOutputs& out,
                                      void* scratch, cudaStream_t stream);
 void preload_moe_layout_large_kernels();
+// MoeDispatcher(expand=False)'s small layouts (kernels/moe/token_layout.hpp says what each element
+// writes; pydatacopy::moe_token_destinations / moe_local_topk check the arguments), one launch
+// each of at most max_blocks blocks.
+void launch_moe_token_destinations(const int64_t* send_counts, const int64_t* send_index, const int64_t* pair_pe,
+                                   int64_t tokens, int64_t topk, int n_pes, int64_t* token_pe, int64_t* token_rank,
+                                   int max_blocks, cudaStream_t stream);
+void launch_moe_local_topk(const int32_t* recv_meta, int64_t rows, int64_t topk, const int64_t* recv_counts,
+                           int n_pes, int my_pe, int64_t experts_per_pe, int64_t* recv_topk_idx,
+                           float* recv_topk_weights, int64_t* source_token, int64_t* num_rows, int max_blocks,
+                           cudaStream_t stream);
 // MoE dispatch's grouping by expert from the receive region, each received row read once and
 // written to every recv_x row of it: positions [received rows x topk] (recv_x row, or < 0).
 void launch_scatter_region_rows(void* out, int64_t out_rows, const void* region, int64_t stride,

@@ -533,6 +533,38 @@ int64_t moe_dispatch_layout_scratch_bytes(int64_t tokens, int64_t topk, int n_pe
   return kernels::moe_dispatch_layout_scratch_bytes(tokens, static_cast<int>(topk), n_pes);
 }
 
+void moe_token_destinations(const int64_t* send_counts, const int64_t* send_index, const int64_t* pair_pe,
+                            int64_t tokens, int64_t topk, int n_pes, int64_t* token_pe, int64_t* token_rank,
+                            cudaStream_t stream) {
+  PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes,
+              "moe_token_destinations: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes);
+  PDC_REQUIRE(topk >= 1 && topk <= kMoeLayoutMaxTopk && tokens >= 0 && tokens <= kMoeLayoutMaxPairs / n_pes &&
+                  tokens <= kMoeLayoutMaxPairs / topk,
+              "moe_token_destinations: tokens " << tokens << ", topk " << topk << ", " << n_pes
+                                                << " PEs: tokens x PEs and tokens x topk must be below 2^31");
+  PDC_REQUIRE(tokens == 0 || (send_counts != nullptr && send_index != nullptr && pair_pe != nullptr &&
+                              token_pe != nullptr && token_rank != nullptr),
+              "moe_token_destinations: every tensor must be on the GPU");
+  kernels::launch_moe_token_destinations(send_counts, send_index, pair_pe, tokens, topk, n_pes, token_pe, token_rank,
+                                         4 * multiprocessor_count(), stream);
+}
+
+void moe_local_topk(const int32_t* recv_meta, int64_t rows, int64_t topk, const int64_t* recv_counts, int n_pes,
+                    int my_pe, int64_t experts_per_pe, int64_t* recv_topk_idx, float* recv_topk_weights,
+                    int64_t* source_token, int64_t* num_rows, cudaStream_t stream) {
+  PDC_REQUIRE(n_pes >= 1 && n_pes <= kMoeLayoutMaxPes && my_pe >= 0 && my_pe < n_pes,
+              "moe_local_topk: 1 to " << kMoeLayoutMaxPes << " PEs, got " << n_pes << " (PE " << my_pe << ")");
+  PDC_REQUIRE(experts_per_pe >= 1 && experts_per_pe <= kMoeLayoutMaxPairs,
+              "moe_local_topk: experts_per_pe " << experts_per_pe);
+  PDC_REQUIRE(rows >= 0 && topk >= 1 && topk <= kMoeLayoutMaxTopk && rows <= kMoeLayoutMaxPairs / topk,
+              "moe_local_topk: rows x topk = " << rows << " x " << topk << " must be below 2^31");
+  PDC_REQUIRE(recv_counts != nullptr && num_rows != nullptr &&
+                  (rows == 0 || (recv_meta != nullptr && recv_topk_idx != nullptr && source_token != nullptr)),
+              "moe_local_topk: every tensor must be on the GPU");
+  kernels::launch_moe_local_topk(recv_meta, rows, topk, recv_counts, n_pes, my_pe, experts_per_pe, recv_topk_idx,
+                                 recv_topk_weights, source_token, num_rows, 4 * multiprocessor_count(), stream);
+}
+
 void moe_receive_layout(const int32_t* recv_meta, int64_t rows, int64_t topk,
                         const int64_t* recv_counts, int n_pes, int my_pe, int64_t experts_per_pe,
                         int64_t* row_of, int64_t* expert_counts, int64_t* expert_offsets,
