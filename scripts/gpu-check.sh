@@ -235,7 +235,10 @@ shared_mps() {  # shared_mps start|stop
 if has "$STEPS" n-pes; then
   shared_mps start
   # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
-  step n-pes env $(pes "$N_PES") timeout 300 torchrun --nproc_per_node="$N_PES" $SUITE -m any_pes
+  # NPES_K: a -k expression for this step (e.g. N_PES=8 NPES_K="compat").
+  NPES_K_ARGS=()
+  [ -n "${NPES_K:-}" ] && NPES_K_ARGS=(-k "$NPES_K")
+  step n-pes env $(pes "$N_PES") timeout 300 torchrun --nproc_per_node="$N_PES" $SUITE -m any_pes ${NPES_K_ARGS[@]+"${NPES_K_ARGS[@]}"}
   shared_mps stop
 fi
 # The torch.distributed backend as its users start it: the default group on

@@ -9,21 +9,28 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <execinfo.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
+/* Where the frames go: the process's stderr as it was at start (a duplicate taken by the
+ * constructor). pytest's fd capture points fd 2 at a temporary file during each test, and a
+ * process that dies there takes that file's text with it: the runs of 2026-12-06f and the
+ * first of 2026-12-06g printed nothing from this handler for that reason. */
+static int out_fd = 2;
+
 static void on_fatal(int sig, siginfo_t* info, void* context) {
   (void)context;
   char line[128];
   int n = snprintf(line, sizeof(line), "\n=== segv_backtrace: pid %d signal %d at address %p\n", (int)getpid(), sig,
                    info != NULL ? info->si_addr : NULL);
-  if (n > 0) (void)!write(2, line, (size_t)n);
+  if (n > 0) (void)!write(out_fd, line, (size_t)n);
   void* frames[64];
   const int count = backtrace(frames, 64);
-  backtrace_symbols_fd(frames, count, 2);
+  backtrace_symbols_fd(frames, count, out_fd);
   signal(sig, SIG_DFL);
   raise(sig);
 }
@@ -48,7 +55,11 @@ void pydatacopy_segv_install(void) {
   sigaction(SIGABRT, &action, NULL);
 }
 
-__attribute__((constructor)) static void install(void) { pydatacopy_segv_install(); }
+__attribute__((constructor)) static void install(void) {
+  const int saved = fcntl(2, F_DUPFD_CLOEXEC, 200);
+  if (saved >= 0) out_fd = saved;
+  pydatacopy_segv_install();
+}
 
 /* Interposed: no library takes SIGSEGV/SIGBUS from this handler, and no thread blocks them (a
  * synchronous SIGSEGV in a thread that blocks it kills the process without any handler: what the
@@ -58,9 +69,9 @@ static int is_fatal(int sig) { return sig == SIGSEGV || sig == SIGBUS; }
 static void log_attempt(const char* what, int sig) {
   char line[96];
   int n = snprintf(line, sizeof(line), "\n=== segv_backtrace: pid %d refused %s(%d)\n", (int)getpid(), what, sig);
-  if (n > 0) (void)!write(2, line, (size_t)n);
+  if (n > 0) (void)!write(out_fd, line, (size_t)n);
   void* frames[16];
-  backtrace_symbols_fd(frames, backtrace(frames, 16), 2);
+  backtrace_symbols_fd(frames, backtrace(frames, 16), out_fd);
 }
 
 int sigaction(int sig, const struct sigaction* act, struct sigaction* old) {

@@ -109,6 +109,26 @@ def _native_backtrace():
     yield
 
 
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report):
+    """PYDATACOPY_SEGV_BACKTRACE_SO set (gpu-check SEGV_BACKTRACE=1): a failure printed at once,
+    through the terminal (not captured), as well as in the summary: a run that a crash ends
+    later never prints its summary (2026-12-06g: test_put_many's failures unnamed twice)."""
+    if report.failed and os.environ.get("PYDATACOPY_SEGV_BACKTRACE_SO") and _config is not None:
+        terminal = _config.pluginmanager.getplugin("terminalreporter")
+        if terminal is not None:
+            terminal.write_line(f"\n=== failed at once: {report.nodeid} ({report.when}), rank "
+                                f"{os.environ.get('RANK')}")
+            terminal.write_line(str(report.longrepr)[-6000:])
+
+
 @pytest.fixture(scope="session")
 def world(local_device):
     """torch.distributed and NVSHMEM through the design note's own path: (rank, world_size,
