@@ -84,8 +84,9 @@ def _local_topk_native(moe, recv_meta, recv_weights, recv_counts):
     """local_topk and num_rows in one kernel (moe_local_topk); the received weights (a fresh
     tensor of the exchange's) are zeroed in place where the id is not local."""
     rows, topk, device = recv_meta.shape[0], moe.topk, recv_meta.device
-    longs = torch.empty(rows * topk + rows + 1, dtype=torch.int64, device=device)
-    recv_topk_idx, source_token, num_rows = longs.split_with_sizes((rows * topk, rows, 1))
+    # The handle's two (kept while the handle lives) apart from recv_topk_idx (the caller's to drop).
+    recv_topk_idx = torch.empty(rows * topk, dtype=torch.int64, device=device)
+    source_token, num_rows = torch.empty(rows + 1, dtype=torch.int64, device=device).split_with_sizes((rows, 1))
     _C.moe_local_topk(recv_meta.data_ptr(), rows, topk, recv_counts.data_ptr(), moe.n_pes, moe.my_pe,
                       moe.experts_per_pe, recv_topk_idx.data_ptr(),
                       0 if recv_weights is None else recv_weights.data_ptr(), source_token.data_ptr(),
