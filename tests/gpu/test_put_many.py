@@ -208,7 +208,7 @@ def _send_and_check(world, layout: _Layout, pool: torch.Tensor, source: torch.Te
     layout.check(pool, _fill(torch.empty_like(source), seed * 2 + peer), what)
 
 
-@pytest.mark.parametrize("path", ["auto", "rma"])
+@pytest.mark.parametrize("path", ["auto", pytest.param("rma", marks=pytest.mark.registers_torch_memory)])
 def test_prepared_and_list_forms_deliver_the_same_bytes(world, path):
     """1024 rows of mixed dtypes and odd sizes: the list form and the prepared form, each checked
     byte for byte, three runs of the prepared table with fresh data each."""
