@@ -878,6 +878,68 @@ def test_receive_layout_kernel_matches_the_torch_reference(world, rows, topk, ex
             _FAILURES.append(f"{what}: a pair with no local expert has a position")
 
 
+# expand=False's two small layout kernels (moe_token_destinations, moe_local_topk) vs their torch
+# references, local (the PEs are parameters, not this job's): topk below and above the PE count,
+# one PE, 64 PEs, the multi-block dispatch layout (past 8192 pairs) feeding them, many blocks.
+@pytest.mark.parametrize("tokens,topk,num_experts,n_pes", [
+    (0, 4, 8, 2), (1, 1, 3, 3), (5, 8, 256, 4), (128, 8, 256, 8), (77, 2, 2, 1), (300, 9, 64, 64),
+    (1025, 8, 256, 4), (4100, 8, 256, 8), (20000, 4, 256, 64), (3000, 2, 64, 16), (2, 70, 64, 64)])
+def test_token_destinations_kernel_matches_the_torch_reference(world, tokens, topk, num_experts, n_pes):
+    """token_pe / token_rank from the sender's layout (the layout kernels' own output, their
+    large path included) vs token_destinations' torch code on the same pair_pe."""
+    from types import SimpleNamespace
+
+    from pydatacopy import moe as _moe
+    from pydatacopy.moe import layout as _moe_layout
+    from pydatacopy.moe import tokens as _moe_tokens
+    generator = torch.Generator().manual_seed(tokens * 17 + topk * 5 + n_pes)
+    ids = _random_ids(tokens, topk, num_experts, generator, torch.int64)
+    plan = _moe.dispatch_plan(ids.cuda(), num_experts, n_pes)
+    want_pe, want_rank = _moe_layout.token_destinations(plan.pair_pe.cpu(), n_pes)
+    moe = SimpleNamespace(topk=topk, n_pes=n_pes)
+    got_pe, got_rank = _moe_tokens._token_destinations_native(moe, plan, tokens)
+    torch.cuda.synchronize()
+    what = f"token destinations {tokens}x{topk} of {num_experts} on {n_pes} PEs"
+    _same_bytes(got_pe, want_pe, f"{what}: token_pe")
+    _same_bytes(got_rank, want_rank, f"{what}: token_rank")
+
+
+@pytest.mark.parametrize("rows,topk,experts_per_pe,n_pes,fill,weights", [
+    (0, 4, 3, 2, "part", True), (7, 1, 1, 1, "part", True), (96, 8, 64, 4, "part", True),
+    (512, 8, 32, 8, "full", False), (16384, 8, 64, 4, "part", True), (3000, 5, 256, 3, "holes", True),
+    (200, 8, 2, 64, "part", True), (20000, 8, 64, 4, "empty", True), (300, 33, 4, 4, "part", False)])
+def test_local_topk_kernel_matches_the_torch_reference(world, rows, topk, experts_per_pe, n_pes, fill, weights):
+    """recv_topk_idx, the weights zeroed in place, source_token and num_rows from received meta
+    (ids of every PE, -1, repeats; garbage past the rows received) vs local_topk's torch code,
+    for several PEs of a made-up job."""
+    from types import SimpleNamespace
+
+    from pydatacopy.moe import layout as _moe_layout
+    from pydatacopy.moe import tokens as _moe_tokens
+    generator = torch.Generator().manual_seed(rows * 3 + topk * 11 + n_pes)
+    ids = torch.randint(-1, experts_per_pe * n_pes, (rows, topk), generator=generator)
+    source = torch.randint(0, 1 << 20, (rows, 1), generator=generator)
+    meta = torch.cat([ids, source], 1).to(torch.int32)
+    counts = _received_counts(rows, n_pes, fill, generator) if rows else torch.zeros(n_pes, dtype=torch.int64)
+    received = torch.randn((rows, topk), generator=generator) if weights else None
+    for my_pe in sorted({0, n_pes // 2, n_pes - 1}):
+        want_idx, want_w, want_source = _moe_layout.local_topk(meta, received, counts.sum(), my_pe, experts_per_pe,
+                                                               topk)
+        moe = SimpleNamespace(topk=topk, n_pes=n_pes, my_pe=my_pe, experts_per_pe=experts_per_pe)
+        in_place = None if received is None else received.cuda()
+        num_rows, got_idx, got_w, got_source = _moe_tokens._local_topk_native(moe, meta.cuda(), in_place,
+                                                                              counts.cuda())
+        torch.cuda.synchronize()
+        what = f"local top-k {rows}x{topk}, {experts_per_pe} experts per PE, PE {my_pe} of {n_pes} ({fill})"
+        _same_bytes(got_idx, want_idx, f"{what}: recv_topk_idx")
+        _same_bytes(got_source, want_source, f"{what}: source_token")
+        _same_bytes(num_rows, counts.sum(), f"{what}: num_rows")
+        if weights:
+            _same_bytes(got_w, want_w, f"{what}: recv_topk_weights")
+        elif got_w is not None:
+            _FAILURES.append(f"{what}: weights returned without weights given")
+
+
 def test_layout_kernels_without_scratch_take_the_one_block_path_past_8192_pairs(world):
     """C++ callers give no scratch: the one-block kernels then serve any size; 20000 x 8 pairs
     (the multi-block path's size) against the references. A scratch too small is refused."""
