@@ -331,17 +331,24 @@ def test_token_exchange_after_its_streams_were_destroyed(world, peer):
     other = torch.cuda.Stream()  # made first: it cannot take the destroyed stream's handle
     try:
         user = _UserStream()
-        user.torch.wait_stream(torch.cuda.current_stream())
         for round_ in range(2):  # both buffer sets last waited for on the user's stream
+            # Torch memory is allocated on torch's current stream only, never under the user's
+            # stream: under expandable segments torch ties a segment to the stream a block was
+            # allocated on and synchronises that stream when it unmaps the segment
+            # (torch.cuda.empty_cache(), a later test's), after the stream is destroyed here: a
+            # SIGSEGV inside torch (issue 36's crash of the expandable-segments suite).
+            data = _bytes(rank, 20 + round_, nbytes).view(n_tokens, token_size)
+            user.torch.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(user.torch):
-                dbm.send_buffer.copy_(_bytes(rank, 20 + round_, nbytes).view(n_tokens, token_size))
+                dbm.send_buffer.copy_(data)
                 if round_ == 0:  # given as stream=
                     r = dbm.exchange(stream=user.torch)
                     got = dbm.wait(r, stream=user.torch)
                 else:  # torch's current stream
                     r = dbm.exchange()
                     got = dbm.wait(r)
-                _assert_bytes(got.clone(), _bytes(peer, 20 + round_, nbytes), f"round {round_} on the user's stream")
+            torch.cuda.current_stream().wait_stream(user.torch)
+            _assert_bytes(got.clone(), _bytes(peer, 20 + round_, nbytes), f"round {round_} on the user's stream")
         user.torch.synchronize()  # cudaStreamDestroy does not wait for the work queued on it
         user.destroy()
         other.wait_stream(torch.cuda.current_stream())
