@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 import pydatacopy
+# (graph, result): `run` warmed up on a side stream, then captured there, as the bench's MoE rows.
+from pydatacopy.bench._harness import capture_after_warmup as _captured
 from pe_outcome import end_step
 
 pytestmark = pytest.mark.any_pes
@@ -44,21 +46,6 @@ def buffer(world):
     yield buffer
     torch.cuda.synchronize()
     buffer.close()
-
-
-def _captured(run):
-    """``run`` warmed up eagerly on a side stream (on every PE), then captured there: (graph, what
-    the captured run returned)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        result = run()
-    return graph, result
 
 
 _FP8_TAG = "__fp8_as_uint8__"

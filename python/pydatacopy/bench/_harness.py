@@ -155,6 +155,22 @@ def agree(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def capture_after_warmup(run: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``run`` warmed up eagerly on a side stream, then captured there (as torch's docs warm up
+    before a capture): (graph, what the captured run returned). The bench's MoE graph rows and
+    the GPU MoE tests capture this way."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        result = run()
+    return graph, result
+
+
 def capture_graphs(captures: dict, what: str) -> dict | None:
     """One CUDA graph per entry of `captures` (name: a callable that issues the graph's calls, or
     None where this PE captures nothing for it), or None on every PE, with a line saying why, when

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 import pydatacopy
 
-from ._harness import against, agree, device_clean, finish, make_row, reduce_device, start, time_op
+from ._harness import (against, agree, capture_after_warmup, device_clean, finish, make_row, reduce_device, start,
+                       time_op)
 
 SHAPES = {  # name: (tokens per PE, hidden, topk, experts (None: 8 x n_pes))
     "ds-128": (128, 7168, 8, 256),
@@ -164,16 +165,7 @@ def _layer_rows(add, path: str, both, nbytes: int, checked: bool, recheck, base,
 
 def _capture(run) -> torch.cuda.CUDAGraph:
     """`run` in a CUDA graph, captured on a side stream after an eager warm-up there."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        run()
-    return graph
+    return capture_after_warmup(run)[0]
 
 
 def _shape_of(name: str):
