@@ -94,7 +94,7 @@ step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, record pass/fail an
   local start=$SECONDS
   local group=$name; [[ "$name" == sanitizer-* ]] && group=sanitizers  # ONLY=sanitizers: all of them
   [[ "$name" == *-before ]] && group=${name%-before}  # ONLY=bench: bench-before too (BEFORE=...)
-  if [[ " ${SKIP:-} " == *" $name "* ]] || { [ -n "${ONLY:-}" ] && [ "$name" != build ] && \
+  if [[ " ${SKIP:-} " == *" $name "* ]] || { [ -n "${ONLY:-}" ] && [[ "$name" != build && "$name" != build-torch-backend ]] && \
        [[ " $ONLY " != *" $name "* ]] && [[ " $ONLY " != *" $group "* ]]; }; then
     SUMMARY+=("$(printf '%-28s %-8s' "$name" SKIPPED)"); RESULT[$name]=SKIPPED; : > "$OUT/$name.log"; return 0
   fi
@@ -159,6 +159,9 @@ SUITE="-m pytest tests/gpu -q -p no:cacheprovider -rs"
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
+# The torch.distributed backend's native part, built against this torch once, here, rather than
+# inside the first test that makes a group (python/pydatacopy/distributed/native.py).
+step build-torch-backend $PY -c "from pydatacopy.distributed import native; assert native.load() is not None, native.failure(); print(native.cache_dir())"
 # BEFORE=DIR (a source tree of an earlier revision: `git archive REV | tar x -C DIR`): built into
 # a directory of its own while the tests run, then its bench and bench-moe run right after this
 # tree's, same call, same GPU (steps bench-before, bench-moe-before; BENCH_BEFORE_ARGS when its

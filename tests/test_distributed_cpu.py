@@ -1,4 +1,4 @@
-"""The torch.distributed backend without a GPU (issue 38): its registration, a default group on
+"""The torch.distributed backend's Python group without a GPU (issue 38): its registration, a default group on
 "cpu:gloo,cuda:pydatacopy" made by two real processes (NVSHMEM's start stubbed: no GPU here) whose
 CPU tensors go to gloo, the refusals and their texts, and the store-based agreement that starts
 NVSHMEM for the backend. The CUDA paths are tests/gpu/test_distributed.py."""
@@ -16,13 +16,23 @@ import torch.multiprocessing as mp
 import pydatacopy
 import pydatacopy.distributed
 from pydatacopy.distributed import backend as _backend
+from pydatacopy.distributed import native as _native
 from pydatacopy.runtime import agreement as _agreement
 
 
-def test_import_registers_the_backend_for_cuda():
+@pytest.fixture(autouse=True)
+def _python_groups(monkeypatch):
+    """This module tests the Python group (work.py's queue), which a process gets where the native
+    backend cannot be built; tests/test_distributed_native_cpu.py tests the native one. The
+    variable reaches the processes the tests spawn."""
+    monkeypatch.setenv(_native.FORCE_PYTHON_VARIABLE, "1")
+
+
+def test_import_registers_the_backend():
     assert dist.Backend.PYDATACOPY == "pydatacopy"
     assert "pydatacopy" in dist.Backend.backend_list
-    assert dist.Backend.backend_capability["pydatacopy"] == ["cuda"]
+    # CPU too: a group made as plain "pydatacopy" sends CPU tensors through its own gloo group.
+    assert dist.Backend.backend_capability["pydatacopy"] == ["cpu", "cuda"]
     pydatacopy.distributed.register()  # again: harmless
     assert dist.Backend.backend_list.count("pydatacopy") == 1
 

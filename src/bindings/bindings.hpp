@@ -113,5 +113,6 @@ void bind_token_exchange(py::module_& m);
 void bind_send_recv(py::module_& m);
 void bind_moe(py::module_& m);
 void bind_settings(py::module_& m);
+void bind_torch_backend_api(py::module_& m);
 
 }  // namespace pydatacopy::bindings

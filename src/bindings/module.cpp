@@ -53,4 +53,5 @@ PYBIND11_MODULE(_C, m) {
   bind_send_recv(m);
   bind_moe(m);
   bind_settings(m);
+  bind_torch_backend_api(m);
 }

@@ -9,13 +9,15 @@ scripts/gpu-check.sh's distributed step."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import pydatacopy
 import pydatacopy.distributed  # noqa: F401 - registers the backend
-from pydatacopy.distributed import ProcessGroupPydatacopy
+from pydatacopy.distributed import ProcessGroupPydatacopy, native
 
 pytestmark = pytest.mark.any_pes
 
@@ -24,9 +26,20 @@ SIZES = [4096, 3 * MiB + 5, 64 * MiB]  # low-latency / staged / zero-copy by def
 SIZE_IDS = ["4K", "3M+5", "64M"]
 
 
-@pytest.fixture(scope="module")
-def group(world):
-    g = dist.new_group(backend="pydatacopy")
+@pytest.fixture(scope="module", params=["native", "python"])
+def group(world, request):
+    """A group on the backend: its native backend (what a process gets where it builds), then its
+    Python group (where it does not); every test runs on both."""
+    before = os.environ.get(native.FORCE_PYTHON_VARIABLE)
+    os.environ[native.FORCE_PYTHON_VARIABLE] = "1" if request.param == "python" else "0"
+    try:
+        g = dist.new_group(backend="pydatacopy")
+    finally:
+        if before is None:
+            os.environ.pop(native.FORCE_PYTHON_VARIABLE)
+        else:
+            os.environ[native.FORCE_PYTHON_VARIABLE] = before
+    g.implementation = request.param
     yield g
 
 
@@ -44,9 +57,13 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def test_registered_group_is_the_backend(group, world):
     assert dist.get_backend(group) == "pydatacopy"
-    pg = group if isinstance(group, ProcessGroupPydatacopy) else None
-    assert pg is not None, type(group)
-    assert pg.size() == dist.get_world_size() and pg.rank() == dist.get_rank()
+    assert group.size() == dist.get_world_size() and group.rank() == dist.get_rank()
+    if group.implementation == "python":
+        assert isinstance(group, ProcessGroupPydatacopy), type(group)
+    else:
+        cuda = group._get_backend(torch.device("cuda"))
+        assert isinstance(cuda, native.load().Backend), (type(cuda), native.failure())
+        assert cuda.pes == list(range(dist.get_world_size()))
 
 
 @pytest.mark.parametrize("nbytes", SIZES, ids=SIZE_IDS)

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from .. import _C
 from ..runtime import agreement as _agreement, startup as _startup
-from . import work as _work
+from ..send_recv import send_recv as _send_recv
+from . import native as _native, work as _work
 
 Error = _C.Error
 
@@ -30,6 +31,13 @@ _GATHERS = ("allgather", "allgather_coalesced", "allgather_into_tensor_coalesced
             "all_gather_single", "all_gather_single_coalesced", "broadcast", "gather", "gather_into_tensor",
             "gather_single", "scatter", "alltoall")
 _HOST_ONLY = ("monitored_barrier",)
+_ALTERNATIVES = {
+    **{name: "reductions need NCCL: make a second group for them, dist.new_group(backend='nccl') (or keep "
+             "this one for the moves and NCCL as the default)" for name in _REDUCTIONS},
+    **{name: "move the pieces with send/recv or all_to_all_single on this backend, or use NCCL for this "
+             "collective (dist.new_group(backend='nccl'))" for name in _GATHERS},
+    **{name: "monitored_barrier runs on gloo's CPU side only" for name in _HOST_ONLY},
+}
 
 
 def _tensors_in(value) -> list[torch.Tensor]:
@@ -40,26 +48,35 @@ def _tensors_in(value) -> list[torch.Tensor]:
     return []
 
 
-def _delegate_or_refuse(name: str, alternative: str):
+def _delegate_or_refuse(name: str):
     """A collective this backend leaves to gloo for CPU tensors and refuses for CUDA ones, with
     an error that names what to use."""
 
     def collective(self, *args, **kwargs):
-        _work.flush()
+        self._queue.flush()
         tensors = _tensors_in(list(args) + list(kwargs.values()))
         if any(t.is_cuda for t in tensors):
-            raise Error(f"torch.distributed {name} on CUDA tensors: the pydatacopy backend moves "
-                        f"CUDA tensors with send, recv, isend, irecv, batch_isend_irecv, "
-                        f"all_to_all_single and barrier only; {alternative}")
+            raise Error(_refusal(name))
         return getattr(self._cpu, name)(*args, **kwargs)
 
     collective.__name__ = name
     return collective
 
 
+def _refusal(name: str) -> str:
+    """The error a collective this backend does not move gives for CUDA tensors."""
+    alternative = _ALTERNATIVES.get(name, "use NCCL for it (dist.new_group(backend='nccl'))")
+    return (f"torch.distributed {name} on CUDA tensors: the pydatacopy backend moves CUDA tensors with "
+            f"send, recv, isend, irecv, batch_isend_irecv, all_to_all_single and barrier only; {alternative}")
+
+
 class ProcessGroupPydatacopy(dist.ProcessGroup):
     """One torch.distributed group on the pydatacopy backend (made by torch through
-    register_backend; see pydatacopy.distributed)."""
+    register_backend; see pydatacopy.distributed).
+
+    Two roles: torch's group itself when the native backend cannot be built (its queue is
+    work.py's), or the native backend's delegate (native.py), which calls it for what is not the
+    hot path (refusals, all_to_all_single, barrier) with the native queue as `queue`."""
 
     # batch_isend_irecv asks this of the group's backend (torch 2.12 on): the backend coalesces
     # by itself (work.py), not through torch's coalescing manager.
@@ -67,8 +84,11 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     # init_process_group(device_id=...) asks this of the group's backend: no split groups.
     supports_splitting = False
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta, global_ranks: list[int]) -> None:
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, global_ranks: list[int],
+                 queue=None) -> None:
         super().__init__(rank, size)
+        # Where sends and recvs queue: work.py's functions, or the native backend's Queue.
+        self._queue = _work if queue is None else queue
         self._rank, self._size = rank, size
         # The group's ranks as PEs (the default group's are the PEs themselves).
         self._pes = list(global_ranks) if global_ranks else list(range(size))
@@ -107,7 +127,7 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     def shutdown(self) -> None:
         """destroy_process_group: what this thread queued is launched first (its peers may be
         waiting for it), as NCCL's operations are in flight before a group goes."""
-        _work.flush()
+        self._queue.flush()
 
     def set_timeout(self, timeout: timedelta) -> None:
         """dist.set_timeout (torch 2.12+): the timeout of this group's later calls, gloo's too."""
@@ -139,14 +159,14 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
                         f"got {len(tensors)}")
         tensor = tensors[0]
         if not tensor.is_cuda:
-            _work.flush()
+            self._queue.flush()
             return (self._cpu.send if is_send else self._cpu.recv)(tensors, group_rank, 0)
         if tensor.get_device() != _C.cuda_device():
             raise Error(f"torch.distributed {call}: the tensor is on {tensor.device}, but this "
                         f"process runs pydatacopy on cuda:{_C.cuda_device()}; move it there first")
         if not tensor.is_contiguous():
             raise Error(f"torch.distributed {call}: the tensor must be contiguous (.contiguous())")
-        return _work.queue(is_send, tensor, self._peer(group_rank, call), self._timeout_s)
+        return self._queue.queue(is_send, tensor, self._peer(group_rank, call), self._timeout_s)
 
     def send(self, tensors, dstRank: int, tag: int = 0):  # noqa: N803 - torch's names
         """Queued, then launched with the others of this thread as one group (work.py). `tag`
@@ -158,7 +178,7 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag: int = 0):
         if all(not t.is_cuda for t in tensors):
-            _work.flush()
+            self._queue.flush()
             return self._cpu.recv_anysource(tensors, tag)
         raise Error("torch.distributed recv from any source: the pydatacopy backend receives CUDA "
                     "tensors from a named rank only (src=...); receive CPU tensors from any "
@@ -170,7 +190,7 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
         """dist.all_to_all_single: rows of `input` (split along dim 0) to every rank, as one
         pydatacopy group of sends and recvs on the current stream; this rank's own rows by a copy
         on that stream."""
-        _work.flush()
+        self._queue.flush()
         if not (output.is_cuda or input.is_cuda):
             return self._cpu.alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                            opts or dist.AllToAllOptions())
@@ -211,12 +231,12 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
         for first in range(0, len(shifts), per_batch):
             for shift in shifts[first:first + per_batch]:
                 to, source = (me + shift) % self._size, (me - shift) % self._size
-                _work.queue(True, flat_in[send_at[to]:send_at[to] + send_rows[to] * send_row_bytes],
+                self._queue.queue(True, flat_in[send_at[to]:send_at[to] + send_rows[to] * send_row_bytes],
                             self._pes[to], self._timeout_s)
-                last = _work.queue(False, flat_out[recv_at[source]:recv_at[source] + recv_rows[source] * recv_row_bytes],
+                last = self._queue.queue(False, flat_out[recv_at[source]:recv_at[source] + recv_rows[source] * recv_row_bytes],
                                    self._pes[source], self._timeout_s)
             last.result()  # launches this batch; raises a refusal at once
-        return _work.P2PWork(last._batch, output) if last is not None else _work.done_work([output])
+        return self._queue.batch_work(last, output) if last is not None else self._queue.done_work([output])
 
     all_to_all_single = alltoall_base
 
@@ -237,24 +257,17 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
         """Every rank of the group meets (on the host, through gloo), after this rank's queued
         operations are launched and its current stream's work is done (NCCL's barrier blocks the
         host until then too)."""
-        _work.flush()
+        self._queue.flush()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # as NCCL's barrier: this rank's GPU work done
         self._cpu.barrier(opts or dist.BarrierOptions()).wait()
-        return _work.done_work()
+        return self._queue.done_work([])
 
     # ---- everything else: CPU tensors to gloo, CUDA ones refused with what to use -----------
-    for _name in _REDUCTIONS:
-        locals()[_name] = _delegate_or_refuse(
-            _name, "reductions need NCCL: make a second group for them, "
-                   "dist.new_group(backend='nccl') (or keep this one for the moves and NCCL as the default)")
-    for _name in _GATHERS:
-        locals()[_name] = _delegate_or_refuse(
-            _name, "move the pieces with send/recv or all_to_all_single on this backend, or use NCCL "
-                   "for this collective (dist.new_group(backend='nccl'))")
-    for _name in _HOST_ONLY:
-        locals()[_name] = _delegate_or_refuse(_name, "monitored_barrier runs on gloo's CPU side only")
+    for _name in _ALTERNATIVES:
+        locals()[_name] = _delegate_or_refuse(_name)
     del _name
+
 
 
 def _offsets(rows: list[int], row_bytes: int) -> list[int]:
@@ -317,11 +330,26 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
                     f"{want[wrong[0]]} but runs NVSHMEM as PE {pes[wrong[0]][0]} of {pes[wrong[0]][1]}; "
                     "the backend needs PE == global rank (start NVSHMEM with pydatacopy.init() on "
                     "the default group, or let the backend start it)")
-    return ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks)
+    native = _native.load()
+    if native is None:
+        return ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks)
+    device = _native_device(native)
+    delegate = ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks, queue=native.Queue(device))
+    return native.Backend(rank, size, delegate._pes, delegate._timeout_s, device, delegate)
+
+
+def _native_device(native):
+    """This process's device for the native backend: its CUDA device, the core reached through
+    _C's table (tests/test_distributed_native_cpu.py replaces it with the module's FakeDevice)."""
+    engine = _send_recv._require_engine("distributed")
+    return native.cuda_device(_C.cuda_device(), _C.torch_backend_api(), _C.engine_address(engine), engine)
 
 
 def register() -> None:
     """Register the backend with torch.distributed (import pydatacopy.distributed does it)."""
     if BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
         return
-    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=["cuda"])
+    # Both devices: a group made as plain "pydatacopy" gets this backend for CPU tensors too, and
+    # sends them to its gloo group; "cpu:gloo,cuda:pydatacopy" gives them to torch's gloo.
+    dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
+                                  devices=["cpu", "cuda"])

@@ -32,6 +32,32 @@ from ..send_recv import send_recv as _send_recv
 
 Error = _C.Error
 
+_MAX_OPS = _C.MAX_GROUP_OPS
+
+#: The queue's refusals, once: this module raises them, and the native backend
+#: (src/torch_backend/backend.cpp) is given them when it is loaded (native.py).
+MESSAGES = {
+    "captured_not_waited": (
+        "torch.distributed send/recv on the pydatacopy backend: operations queued during a CUDA graph "
+        "capture were not waited for before the capture ended, so they are not in the graph: call wait() "
+        "on each Work inside the capture (nothing was sent or received)"),
+    "pending_at_capture": (
+        "torch.distributed send/recv on the pydatacopy backend: these operations were queued and not "
+        "waited for before a CUDA graph capture began on their stream, so they were not sent or "
+        "received: wait() on each Work before the capture"),
+    "too_many_queued": (
+        f"torch.distributed send/recv on the pydatacopy backend: more than {_MAX_OPS} operations queued "
+        f"without a wait (a batch launches as one group of at most {_MAX_OPS}); wait on the Works of the "
+        "first batch_isend_irecv before issuing more, or split it"),
+    "wait_timed_out": "torch.distributed Work.wait: the pydatacopy send/recv did not finish within the timeout",
+    "completed_in_capture": (
+        "torch.distributed Work.is_completed() on the pydatacopy backend cannot be asked during a CUDA "
+        "graph capture (the work runs when the graph is replayed): call wait()"),
+    "no_source_rank": (
+        "torch.distributed Work.source_rank(): the pydatacopy backend receives from a named rank only "
+        "(no recv from any source), so there is no source to report"),
+}
+
 
 class _Batch:
     """Operations queued on one stream, launched once as one group."""
@@ -64,10 +90,7 @@ class _Batch:
             _queue.batch = None
         if self.captured and not _capturing():
             # Launched now, it would run once, outside the graph its caller captured.
-            self.error = Error("torch.distributed send/recv on the pydatacopy backend: operations "
-                               "queued during a CUDA graph capture were not waited for before the "
-                               "capture ended, so they are not in the graph: call wait() on each "
-                               "Work inside the capture (nothing was sent or received)")
+            self.error = Error(MESSAGES["captured_not_waited"])
             return
         try:
             _launch_on_engine(self.ops, self.stream, self.timeout_s)
@@ -128,9 +151,6 @@ def flush() -> None:
         batch.launch()
 
 
-_MAX_OPS = _C.MAX_GROUP_OPS
-
-
 def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2PWork":
     """Queue one send or recv of a checked, contiguous CUDA tensor on this process's device; the
     Work that launches it when asked."""
@@ -140,19 +160,13 @@ def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2
     batch = _queue.batch
     if batch is not None and not batch.launched and batch.stream == stream and capturing and not batch.captured:
         # Launched now it would enter the capture; launched later, after it: never in order.
-        batch.launched, batch.error, _queue.batch = True, Error(
-            "torch.distributed send/recv on the pydatacopy backend: these operations were queued "
-            "and not waited for before a CUDA graph capture began on their stream, so they were "
-            "not sent or received: wait() on each Work before the capture"), None
+        batch.launched, batch.error, _queue.batch = True, Error(MESSAGES["pending_at_capture"]), None
         raise batch.error
     if batch is not None and (batch.launched or batch.stream != stream or batch.captured != capturing):
         batch.launch()  # on its own stream (a captured one that its capture left is refused there)
         batch = None
     if batch is not None and len(batch.ops) >= _MAX_OPS:
-        raise Error(f"torch.distributed send/recv on the pydatacopy backend: more than {_MAX_OPS} "
-                    "operations queued without a wait (a batch launches as one group of at most "
-                    f"{_MAX_OPS}); wait on the Works of the first batch_isend_irecv before issuing "
-                    "more, or split it")
+        raise Error(MESSAGES["too_many_queued"])
     if batch is None:
         batch = _queue.batch = _Batch(stream, device, timeout_s, capturing)
     batch.ops.append((is_send, tensor.data_ptr(), tensor.nbytes, pe))
@@ -189,8 +203,7 @@ class P2PWork(dist.Work):
             event, deadline = batch.completion(), time.monotonic() + timeout.total_seconds()
             while not event.query():
                 if time.monotonic() > deadline:
-                    raise _C.TimeoutError(f"torch.distributed Work.wait: the pydatacopy send/recv did "
-                                          f"not finish within {timeout.total_seconds():g} s")
+                    raise _C.TimeoutError(f"{MESSAGES['wait_timed_out']} ({timeout.total_seconds():g} s)")
                 time.sleep(50e-6)
             _startup.check_errors()
         return True
@@ -203,9 +216,7 @@ class P2PWork(dist.Work):
         batch.launch()
         self._raise_known()
         if _capturing():
-            raise Error("torch.distributed Work.is_completed() on the pydatacopy backend cannot be "
-                        "asked during a CUDA graph capture (the work runs when the graph is "
-                        "replayed): call wait()")
+            raise Error(MESSAGES["completed_in_capture"])
         done = batch.completion().query()
         if done:
             _startup.check_errors()
@@ -223,8 +234,7 @@ class P2PWork(dist.Work):
         return [self._tensor]
 
     def source_rank(self) -> int:
-        raise Error("torch.distributed Work.source_rank(): the pydatacopy backend receives from a "
-                    "named rank only (no recv from any source), so there is no source to report")
+        raise Error(MESSAGES["no_source_rank"])
 
     def get_future(self) -> torch.futures.Future:
         """A future completed once the GPU has run the work (torch's CUDA-aware future: waiting
@@ -238,6 +248,11 @@ class P2PWork(dist.Work):
         with torch.cuda.stream(torch.cuda.ExternalStream(batch.stream, device=batch.device)):
             future.set_result([self._tensor])
         return future
+
+
+def batch_work(work: P2PWork, tensor: torch.Tensor) -> P2PWork:
+    """A Work of the same batch as `work` whose result is `tensor` (all_to_all_single's output)."""
+    return P2PWork(work._batch, tensor)
 
 
 def done_work(result: list[torch.Tensor] | None = None) -> dist.Work:

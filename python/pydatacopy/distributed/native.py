@@ -1,0 +1,111 @@
+"""The backend's native part (src/torch_backend/backend.cpp): a c10d::Backend, so that dist.send,
+dist.recv, isend, irecv and batch_isend_irecv on CUDA tensors run from torch's C++ dispatcher to
+the core without entering Python (issue 38: a Python process group costs torch's trampolines and a
+Python Work per call).
+
+A c10d::Backend is torch's C++ ABI, which changes with every torch release; pip builds pydatacopy
+in an isolated environment without the torch it will run with. So the backend ships as source and
+is built against the installed torch when a group is first made on the backend, once per torch
+and pydatacopy version (torch.utils.cpp_extension; about 20 s with g++; cached in torch's
+extensions directory, TORCH_EXTENSIONS_DIR). It needs a C++ compiler and ninja (a dependency).
+Where it cannot be built, or with PYDATACOPY_DISTRIBUTED_PYTHON=1, the group is the Python one
+(backend.py, work.py): the same semantics, about 6 us more host time a call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import sysconfig
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .. import _C
+from ..runtime import settings as _settings
+from . import work as _work
+
+#: 1: the Python process group even where the native backend builds (tests, comparisons).
+FORCE_PYTHON_VARIABLE = "PYDATACOPY_DISTRIBUTED_PYTHON"
+
+_PACKAGE = Path(_C.__file__).resolve().parent
+_SOURCE = _PACKAGE / "torch_backend" / "backend.cpp"
+_INCLUDE = _PACKAGE / "include"
+_HEADER = _INCLUDE / "pydatacopy" / "torch_backend_api.h"
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_failure: str | None = None  # why it could not be built (said once, kept for doctor)
+
+
+def forced_python(environ=os.environ) -> bool:
+    return _settings.parse_switch(environ.get(FORCE_PYTHON_VARIABLE, ""), FORCE_PYTHON_VARIABLE,
+                                  "1 makes the torch.distributed backend's groups Python process groups")
+
+
+def _name() -> str:
+    """The extension's name: one per source, torch and Python build (torch's ABI changes with each)."""
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), _HEADER.read_bytes(), torch.__version__.encode(),
+                 str(torch.version.git_version).encode(), sys.version.encode(), _C.__version__.encode(),
+                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
+        key.update(part)
+    return f"pydatacopy_torch_backend_{key.hexdigest()[:16]}"
+
+
+def cache_dir() -> Path:
+    """Where the backend is built: under torch's extensions directory (TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions), one folder per build."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "torch_extensions")
+    return Path(root) / "pydatacopy" / _name()
+
+
+def _build() -> ModuleType:
+    # torch.utils.cpp_extension warns at import when it finds no CUDA runtime: none is needed here.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    from torch.utils import cpp_extension
+
+    name, where = _name(), cache_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    built = any(where.glob(f"{name}*.so"))
+    # ninja from the environment's scripts folder, where pip put it, even when that is not on PATH.
+    scripts = sysconfig.get_path("scripts")
+    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    if not built:
+        print(f"pydatacopy.distributed: building the torch.distributed backend against torch "
+              f"{torch.__version__} (once; about 20 s) in {where}", file=sys.stderr, flush=True)
+    return cpp_extension.load(name, [str(_SOURCE)], extra_include_paths=[str(_INCLUDE)],
+                              extra_cflags=["-O2"], build_directory=str(where), with_cuda=False,
+                              verbose=False)
+
+
+def load() -> ModuleType | None:
+    """The native backend module, built on first use; None where it cannot be built (the reason
+    is warned once and kept in failure()) or PYDATACOPY_DISTRIBUTED_PYTHON=1."""
+    global _module, _failure
+    if forced_python():
+        return None
+    with _lock:
+        if _module is None and _failure is None:
+            try:
+                module = _build()
+                module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES))
+                _module = module
+            except Exception as error:  # noqa: BLE001 - any build failure falls back, said once
+                _failure = f"{type(error).__name__}: {str(error).strip()[-2000:]}"
+                warnings.warn("pydatacopy.distributed: the native torch.distributed backend could not be "
+                              "built, so its groups are Python process groups (about 6 us more host time a "
+                              f"call; a C++ compiler and ninja build it): {_failure}", stacklevel=3)
+    return _module
+
+
+def failure() -> str | None:
+    """Why the native backend could not be built (None: it was, or it was not tried yet)."""
+    return _failure

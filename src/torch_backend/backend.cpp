@@ -1,0 +1,727 @@
+// The torch.distributed backend "pydatacopy" as a c10d::Backend (issue 38): dist.send / dist.recv /
+// isend / irecv / batch_isend_irecv on CUDA tensors reach this code from torch's C++ dispatcher
+// without entering Python, and their Works are C++.
+//
+// Built against the installed torch when first used (python/pydatacopy/distributed/native.py):
+// a c10d::Backend is torch's C++ ABI. It links no CUDA and no core: the device is reached through
+// c10 (streams, events) and the core through the C table pydatacopy._C hands it
+// (include/pydatacopy/torch_backend_api.h), so one NVSHMEM state and one send/recv engine serve
+// both this backend and pydatacopy.send/recv.
+//
+// What is not the hot path is the Python group's (python/pydatacopy/distributed/backend.py, the
+// "delegate"): argument refusals and their texts, all_to_all_single, barrier, and the texts of the
+// collectives this backend refuses. Those call back into this module's Queue, so every send and
+// recv of the process goes through one queue.
+//
+// The queue (the rules of python/pydatacopy/distributed/work.py, which the Python group uses when
+// this module cannot be built): torch hands a backend one send()/recv() per operation; each is
+// queued, and the queue is launched as one pydatacopy group (one kernel) when a Work's result is
+// first asked for, at the end of a coalesced batch (batch_isend_irecv), or when another call of
+// the backend comes. The queue is the calling thread's, shared by every group of the process.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "pydatacopy/torch_backend_api.h"
+
+namespace pydatacopy::torch_backend {
+
+namespace py = pybind11;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// ---- errors: pydatacopy.Error and pydatacopy.TimeoutError, raised into Python --------------
+
+PyObject* g_error = nullptr;          // set by init()
+PyObject* g_timeout_error = nullptr;  // set by init()
+std::map<std::string, std::string> g_messages;  // work.py's MESSAGES, set by init()
+
+// A refusal: kept by a batch, so that every Work of it raises it.
+struct Failure {
+  int status = PYDATACOPY_ERROR;
+  std::string message;
+};
+
+const std::string& message(const char* key) {
+  static const std::string missing = "pydatacopy: (message missing: init() was not given it)";
+  const auto found = g_messages.find(key);
+  return found == g_messages.end() ? missing : found->second;
+}
+
+// Raise into Python: torch's bindings release the GIL around a backend's calls and translate a
+// py::error_already_set back into the Python exception set here.
+[[noreturn]] void raise(const Failure& failure) {
+  py::gil_scoped_acquire gil;
+  PyErr_SetString(failure.status == PYDATACOPY_TIMEOUT ? g_timeout_error : g_error, failure.message.c_str());
+  throw py::error_already_set();
+}
+[[noreturn]] void raise(const std::string& text) { raise(Failure{PYDATACOPY_ERROR, text}); }
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+// A strong reference to a Python object held by C++ that may be destroyed without the GIL (torch
+// frees a backend from C++); at interpreter exit the reference is left, never touched unlocked.
+class PyRef {
+ public:
+  PyRef() = default;
+  explicit PyRef(py::handle object) : object_(object.inc_ref().ptr()) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (object_ != nullptr && python_alive()) {
+      const PyGILState_STATE state = PyGILState_Ensure();
+      Py_DECREF(object_);
+      PyGILState_Release(state);
+    }
+  }
+  py::handle get() const { return object_; }
+
+ private:
+  PyObject* object_ = nullptr;
+};
+
+// ---- the device: torch's CUDA through c10 and _C's table; a fake for the CPU tests -----------
+
+// "The GPU has run what was launched before this point of a stream."
+class Completion {
+ public:
+  virtual ~Completion() = default;
+  virtual bool query() = 0;
+  virtual void block(const c10::Stream& stream) = 0;  // `stream` waits for it; the host does not
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+  virtual int index() const = 0;
+  virtual bool accepts(const at::Tensor& tensor) const = 0;  // on this process's device
+  virtual c10::Stream current_stream() = 0;
+  virtual bool capturing() = 0;  // the current stream captures a CUDA graph
+  virtual void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) = 0;
+  virtual void check_errors() = 0;  // raises what the device reported since the last look
+  virtual void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) = 0;
+  virtual std::shared_ptr<Completion> completion_after(const c10::Stream& stream) = 0;
+  virtual std::vector<c10::Device> future_devices() const = 0;
+};
+
+class CudaCompletion final : public Completion {
+ public:
+  explicit CudaCompletion(const c10::Stream& stream) : event_(c10::DeviceType::CUDA) { event_.record(stream); }
+  bool query() override { return event_.query(); }
+  void block(const c10::Stream& stream) override { event_.block(stream); }
+
+ private:
+  c10::Event event_;
+};
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int index, const pydatacopy_torch_backend_api* api, void* engine, py::handle engine_owner)
+      : index_(index), api_(api), engine_(engine), engine_owner_(engine_owner) {}
+
+  int index() const override { return index_; }
+  bool accepts(const at::Tensor& tensor) const override {
+    return tensor.is_cuda() && tensor.get_device() == index_;
+  }
+  c10::Stream current_stream() override {
+    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
+        ->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index_)));
+  }
+  bool capturing() override {
+    int capturing = 0;
+    check(api_->stream_capturing(current_stream().native_handle(), &capturing, text_, sizeof text_));
+    return capturing != 0;
+  }
+  void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) override {
+    check(api_->launch(engine_, ops.data(), static_cast<int>(ops.size()), stream.native_handle(), timeout_s, text_,
+                       sizeof text_));
+  }
+  void check_errors() override { check(api_->check_errors(engine_, text_, sizeof text_)); }
+  void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) override {
+    // As NCCL's groups do (record_stream): torch's allocator keeps a tensor handed to work on
+    // another stream until that work is done. Symmetric memory is not the allocator's.
+    for (const at::Tensor& tensor : tensors) {
+      int symmetric = 0;
+      check(api_->is_symmetric(tensor.data_ptr(), &symmetric, text_, sizeof text_));
+      if (!symmetric) const_cast<at::Tensor&>(tensor).record_stream(stream);
+    }
+  }
+  std::shared_ptr<Completion> completion_after(const c10::Stream& stream) override {
+    return std::make_shared<CudaCompletion>(stream);
+  }
+  std::vector<c10::Device> future_devices() const override {
+    return {c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index_))};
+  }
+
+ private:
+  void check(int status) {
+    if (status != PYDATACOPY_OK) throw Failure{status, text_};
+  }
+  int index_;
+  const pydatacopy_torch_backend_api* api_;
+  void* engine_;
+  PyRef engine_owner_;  // the engine stays alive while a group of the backend does
+  static thread_local char text_[4096];
+};
+thread_local char CudaDevice::text_[4096];
+
+// The CPU tests' device (tests/test_distributed_native_cpu.py): CPU tensors stand for CUDA ones,
+// streams are numbers the test sets, a launch is recorded, completion is what the test says.
+class FakeDevice final : public Device {
+ public:
+  int index() const override { return 0; }
+  bool accepts(const at::Tensor& tensor) const override { return tensor.device().is_cpu(); }
+  c10::Stream current_stream() override {
+    return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CPU), stream_id.load());
+  }
+  bool capturing() override { return is_capturing.load(); }
+  void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) override {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<std::tuple<bool, std::uintptr_t, unsigned long long, int>> list;
+    for (const auto& op : ops)
+      list.emplace_back(op.is_send != 0, reinterpret_cast<std::uintptr_t>(op.buffer), op.bytes, op.peer);
+    launches.emplace_back(std::move(list), stream.id(), timeout_s);
+    if (!fail_next_launch.empty()) {
+      Failure failure{PYDATACOPY_ERROR, fail_next_launch};
+      fail_next_launch.clear();
+      throw failure;
+    }
+  }
+  void check_errors() override {}
+  void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) override {
+    std::lock_guard<std::mutex> lock(mutex);
+    kept_alive.emplace_back(static_cast<int>(tensors.size()), stream.id());
+  }
+  std::shared_ptr<Completion> completion_after(const c10::Stream&) override {
+    return std::make_shared<FakeCompletion>(this);
+  }
+  std::vector<c10::Device> future_devices() const override { return {}; }
+
+  std::atomic<c10::StreamId> stream_id{0};
+  std::atomic<bool> is_capturing{false};
+  std::atomic<bool> done{true};  // what a completion's query() answers
+  std::mutex mutex;
+  std::vector<std::tuple<std::vector<std::tuple<bool, std::uintptr_t, unsigned long long, int>>, c10::StreamId, double>>
+      launches;
+  std::vector<std::pair<int, c10::StreamId>> kept_alive;   // (tensors, stream) per keep_alive
+  std::vector<c10::StreamId> blocked;                       // streams made to wait, in order
+  std::string fail_next_launch;
+
+ private:
+  class FakeCompletion final : public Completion {
+   public:
+    explicit FakeCompletion(FakeDevice* device) : device_(device) {}
+    bool query() override { return device_->done.load(); }
+    void block(const c10::Stream& stream) override {
+      std::lock_guard<std::mutex> lock(device_->mutex);
+      device_->blocked.push_back(stream.id());
+    }
+
+   private:
+    FakeDevice* device_;
+  };
+};
+
+// ---- the queue --------------------------------------------------------------------------------
+
+// Operations queued on one stream, launched once as one group.
+struct Batch {
+  Batch(std::shared_ptr<Device> on, const c10::Stream& launch_stream, double timeout, bool in_capture)
+      : device(std::move(on)), stream(launch_stream), timeout_s(timeout), captured(in_capture) {}
+
+  std::shared_ptr<Device> device;
+  c10::Stream stream;
+  double timeout_s;
+  bool captured;  // queued during a CUDA graph capture: launched inside it, or refused
+  std::vector<pydatacopy_p2p_op> ops;
+  std::vector<at::Tensor> tensors;
+  // The memory itself, until the batch goes: a caller may swap a queued tensor's storage out
+  // (Megatron's deallocate_output_tensor: out.data = torch.empty(1)) before the launch.
+  std::vector<c10::Storage> storages;
+
+  std::mutex mutex;  // held through the launch: a Work waited on by another thread waits for it
+  bool launched = false;
+  std::optional<Failure> failure;
+  std::shared_ptr<Completion> completion;  // recorded after the launch when first asked for
+};
+
+thread_local std::shared_ptr<Batch> t_batch;  // this thread's queue
+
+void launch(const std::shared_ptr<Batch>& batch) {
+  std::lock_guard<std::mutex> lock(batch->mutex);
+  if (batch->launched) return;
+  batch->launched = true;
+  if (t_batch == batch) t_batch.reset();
+  Device& device = *batch->device;
+  try {
+    if (batch->captured && !device.capturing()) {
+      // Launched now, it would run once, outside the graph its caller captured.
+      batch->failure = Failure{PYDATACOPY_ERROR, message("captured_not_waited")};
+      return;
+    }
+    try {
+      device.launch(batch->ops, batch->stream, batch->timeout_s);
+    } catch (const Failure& failure) {
+      batch->failure = failure;  // every Work of the batch reports it, not only this caller
+    }
+    if (device.current_stream() != batch->stream) device.keep_alive(batch->tensors, batch->stream);
+  } catch (const Failure& failure) {
+    batch->failure = failure;
+  } catch (const std::exception& error) {
+    batch->failure = Failure{PYDATACOPY_ERROR, error.what()};
+  }
+}
+
+std::shared_ptr<Completion> completion(const std::shared_ptr<Batch>& batch) {
+  launch(batch);
+  std::lock_guard<std::mutex> lock(batch->mutex);
+  if (!batch->completion) batch->completion = batch->device->completion_after(batch->stream);
+  return batch->completion;
+}
+
+void raise_known(const std::shared_ptr<Batch>& batch) {
+  std::optional<Failure> failure;
+  {
+    std::lock_guard<std::mutex> lock(batch->mutex);
+    failure = batch->failure;
+  }
+  if (failure) raise(*failure);
+}
+
+// Device calls that may throw a Failure, raised into Python.
+template <typename Call>
+auto raising(Call&& call) -> decltype(call()) {
+  try {
+    return call();
+  } catch (const Failure& failure) {
+    raise(failure);
+  }
+}
+
+std::string seconds(std::chrono::milliseconds duration) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", duration.count() / 1000.0);
+  return text;
+}
+
+// NCCL's Work semantics for a queued send or recv: wait() launches the queue (if not yet) and
+// makes the current stream wait for it, without blocking the host; isCompleted() says whether the
+// GPU has finished it. A refusal is raised by wait(), isCompleted() and result().
+class P2PWork final : public c10d::Work {
+ public:
+  P2PWork(std::shared_ptr<Batch> batch, std::vector<at::Tensor> result)
+      : c10d::Work(-1, c10d::OpType::UNKNOWN), batch_(std::move(batch)), result_(std::move(result)) {}
+
+  const std::shared_ptr<Batch>& batch() const { return batch_; }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    launch(batch_);
+    raise_known(batch_);
+    Device& device = *batch_->device;
+    raising([&] { device.check_errors(); });  // what the GPU reported since (a peer that timed out)
+    const c10::Stream current = raising([&] { return device.current_stream(); });
+    if (current != batch_->stream) raising([&] { completion(batch_)->block(current); });
+    if (timeout.count() > 0 && !raising([&] { return device.capturing(); })) {
+      // A bounded wait asked for: the host waits for the GPU, at most `timeout`.
+      const auto done = raising([&] { return completion(batch_); });
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!raising([&] { return done->query(); })) {
+        if (std::chrono::steady_clock::now() > deadline)
+          raise(Failure{PYDATACOPY_TIMEOUT, message("wait_timed_out") + " (" + seconds(timeout) + " s)"});
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+      raising([&] { device.check_errors(); });
+    }
+    return true;
+  }
+
+  void synchronize() override { wait(std::chrono::milliseconds(0)); }
+
+  bool isCompleted() override {
+    launch(batch_);
+    raise_known(batch_);
+    Device& device = *batch_->device;
+    if (raising([&] { return device.capturing(); })) raise(message("completed_in_capture"));
+    const bool done = raising([&] { return completion(batch_)->query(); });
+    if (done) raising([&] { device.check_errors(); });
+    return done;
+  }
+
+  bool isSuccess() const override {
+    auto* self = const_cast<P2PWork*>(this);
+    if (!self->isCompleted()) return false;
+    std::lock_guard<std::mutex> lock(batch_->mutex);
+    return !batch_->failure.has_value();
+  }
+
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(batch_->mutex);
+    if (!batch_->failure) return nullptr;
+    return std::make_exception_ptr(std::runtime_error(batch_->failure->message));
+  }
+
+  int sourceRank() const override { raise(message("no_source_rank")); }
+
+  std::vector<at::Tensor> result() override {
+    launch(batch_);
+    raise_known(batch_);
+    return result_;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    // Completed once the GPU has run the work (a CUDA-aware future: waiting on it orders the
+    // current stream after the work).
+    launch(batch_);
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                           batch_->device->future_devices());
+    std::optional<Failure> failure;
+    {
+      std::lock_guard<std::mutex> lock(batch_->mutex);
+      failure = batch_->failure;
+    }
+    if (failure) {
+      future->setError(std::make_exception_ptr(std::runtime_error(failure->message)));
+      return future;
+    }
+    const c10::StreamGuard on_batch_stream(batch_->stream);
+    future->markCompleted(c10::IValue(result_));
+    return future;
+  }
+
+ private:
+  std::shared_ptr<Batch> batch_;
+  std::vector<at::Tensor> result_;
+};
+
+// A Work already complete (a barrier's, an empty coalesced batch's).
+class DoneWork final : public c10d::Work {
+ public:
+  explicit DoneWork(std::vector<at::Tensor> result)
+      : c10d::Work(-1, c10d::OpType::UNKNOWN), result_(std::move(result)) {}
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds) override { return true; }
+  void synchronize() override {}
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future->markCompleted(c10::IValue(result_));
+    return future;
+  }
+
+ private:
+  std::vector<at::Tensor> result_;
+};
+
+// Works that finish together (a coalesced batch's launch and what gloo ran in it).
+class AllOfWork final : public c10d::Work {
+ public:
+  explicit AllOfWork(std::vector<WorkPtr> parts) : c10d::Work(-1, c10d::OpType::UNKNOWN), parts_(std::move(parts)) {}
+  bool isCompleted() override {
+    for (auto& part : parts_)
+      if (!part->isCompleted()) return false;
+    return true;
+  }
+  bool isSuccess() const override {
+    for (const auto& part : parts_)
+      if (!part->isSuccess()) return false;
+    return true;
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    for (auto& part : parts_) part->wait(timeout);
+    return true;
+  }
+  void synchronize() override {
+    for (auto& part : parts_) part->synchronize();
+  }
+  std::vector<at::Tensor> result() override {
+    std::vector<at::Tensor> all;
+    for (auto& part : parts_)
+      for (auto& tensor : part->result()) all.push_back(tensor);
+    return all;
+  }
+
+ private:
+  std::vector<WorkPtr> parts_;
+};
+
+// The queue as the Python group (the delegate) and this backend's hot path see it.
+class Queue {
+ public:
+  explicit Queue(std::shared_ptr<Device> device) : device_(std::move(device)) {}
+
+  // Launch this thread's queued operations, if any.
+  static void flush() {
+    if (std::shared_ptr<Batch> batch = t_batch) launch(batch);
+  }
+
+  // One send or recv of a checked, contiguous tensor on this process's device: the Work that
+  // launches it when asked.
+  WorkPtr queue(bool is_send, const at::Tensor& tensor, int pe, double timeout_s) {
+    Device& device = *device_;
+    const c10::Stream stream = raising([&] { return device.current_stream(); });
+    const bool capturing = raising([&] { return device.capturing(); });
+    std::shared_ptr<Batch> batch = t_batch;
+    if (batch && !batch->launched && batch->stream == stream && capturing && !batch->captured) {
+      // Launched now it would enter the capture; launched later, after it: never in order.
+      {
+        std::lock_guard<std::mutex> lock(batch->mutex);
+        batch->launched = true;
+        batch->failure = Failure{PYDATACOPY_ERROR, message("pending_at_capture")};
+      }
+      t_batch.reset();
+      raise(*batch->failure);
+    }
+    if (batch && (batch->launched || batch->stream != stream || batch->captured != capturing)) {
+      launch(batch);  // on its own stream (a captured one that its capture left is refused there)
+      batch.reset();
+    }
+    if (batch && static_cast<int>(batch->ops.size()) >= max_ops())
+      raise(message("too_many_queued"));
+    if (!batch) batch = t_batch = std::make_shared<Batch>(device_, stream, timeout_s, capturing);
+    batch->ops.push_back({is_send ? 1 : 0, tensor.data_ptr(), static_cast<unsigned long long>(tensor.nbytes()), pe});
+    batch->tensors.push_back(tensor);
+    batch->storages.push_back(tensor.storage());
+    if (timeout_s > batch->timeout_s) batch->timeout_s = timeout_s;
+    return c10::make_intrusive<P2PWork>(batch, std::vector<at::Tensor>{tensor});
+  }
+
+  // A Work of the same batch as `work` whose result is `tensor` (all_to_all_single's output).
+  static WorkPtr batch_work(const WorkPtr& work, const at::Tensor& tensor) {
+    auto* p2p = dynamic_cast<P2PWork*>(work.get());
+    if (p2p == nullptr) raise("pydatacopy: batch_work() takes a Work of this backend's queue");
+    return c10::make_intrusive<P2PWork>(p2p->batch(), std::vector<at::Tensor>{tensor});
+  }
+
+  static WorkPtr done_work(std::vector<at::Tensor> result) { return c10::make_intrusive<DoneWork>(std::move(result)); }
+
+  const std::shared_ptr<Device>& device() const { return device_; }
+
+  static int max_ops() { return s_max_ops; }
+  static int s_max_ops;
+
+ private:
+  std::shared_ptr<Device> device_;
+};
+int Queue::s_max_ops = 64;  // init() sets the core's
+
+// ---- the backend ------------------------------------------------------------------------------
+
+class Backend final : public c10d::Backend {
+ public:
+  Backend(int rank, int size, std::vector<int> pes, double timeout_s, std::shared_ptr<Device> device,
+          py::handle delegate)
+      : c10d::Backend(rank, size),
+        pes_(std::move(pes)),
+        timeout_s_(timeout_s),
+        queue_(std::move(device)),
+        delegate_(delegate) {}
+
+  const std::string getBackendName() const override { return "pydatacopy"; }
+
+  // ---- point to point: the hot path, in C++ --------------------------------------------------
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
+    if (fast(tensors, dst_rank)) return queue_.queue(true, tensors[0], pes_[dst_rank], timeout_s_.load());
+    return coalesced(delegate("send", tensors, dst_rank, tag));  // CPU: gloo; else its checks refuse
+  }
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
+    if (fast(tensors, src_rank)) return queue_.queue(false, tensors[0], pes_[src_rank], timeout_s_.load());
+    return coalesced(delegate("recv", tensors, src_rank, tag));
+  }
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return delegate("recv_anysource", tensors, tag);
+  }
+
+  // batch_isend_irecv: one launch at the end of the batch.
+  // batch_isend_irecv: one launch at the end of the batch; the batch's Work also covers what the
+  // Python group issued in it (CPU tensors, through gloo).
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override {
+    Queue::flush();
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    coalescing_ = true;
+    delegated_.clear();
+  }
+  WorkPtr endCoalescing() override {
+    std::vector<WorkPtr> parts;
+    {
+      std::lock_guard<std::mutex> lock(coalescing_mutex_);
+      coalescing_ = false;
+      parts.swap(delegated_);
+    }
+    if (std::shared_ptr<Batch> batch = t_batch) {
+      launch(batch);  // a refusal is raised by the batch's Works, as for any launch
+      std::vector<at::Tensor> tensors;
+      {
+        std::lock_guard<std::mutex> lock(batch->mutex);
+        tensors = batch->tensors;
+      }
+      parts.push_back(c10::make_intrusive<P2PWork>(batch, std::move(tensors)));
+    }
+    if (parts.empty()) return Queue::done_work({});
+    if (parts.size() == 1) return parts[0];
+    return c10::make_intrusive<AllOfWork>(std::move(parts));
+  }
+
+  // ---- the Python group's --------------------------------------------------------------------
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
+                        std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) override {
+    return delegate("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts);
+  }
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override { return delegate("barrier", opts); }
+
+  void shutdown() override { Queue::flush(); }  // peers may be waiting for what this thread queued
+
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    timeout_s_.store(timeout.count() / 1000.0);
+    delegate("set_timeout", timeout);
+  }
+
+  // ---- every other collective: the Python group's (gloo for CPU tensors; for CUDA ones, a
+  // refusal that names what to use instead) --------------------------------------------------
+#define PYDATACOPY_DELEGATE2(method, A, B) \
+  WorkPtr method(A a, B b) override { return delegate(#method, a, b); }
+#define PYDATACOPY_DELEGATE3(method, A, B, C) \
+  WorkPtr method(A a, B b, C c) override { return delegate(#method, a, b, c); }
+  PYDATACOPY_DELEGATE2(broadcast, std::vector<at::Tensor>&, const c10d::BroadcastOptions&)
+  PYDATACOPY_DELEGATE2(allreduce, std::vector<at::Tensor>&, const c10d::AllreduceOptions&)
+  PYDATACOPY_DELEGATE2(allreduce_sparse, std::vector<at::Tensor>&, const c10d::AllreduceOptions&)
+  PYDATACOPY_DELEGATE2(allreduce_coalesced, std::vector<at::Tensor>&, const c10d::AllreduceCoalescedOptions&)
+  PYDATACOPY_DELEGATE2(reduce, std::vector<at::Tensor>&, const c10d::ReduceOptions&)
+  PYDATACOPY_DELEGATE3(allgather, std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
+                       const c10d::AllgatherOptions&)
+  PYDATACOPY_DELEGATE3(_allgather_base, at::Tensor&, at::Tensor&, const c10d::AllgatherOptions&)
+  PYDATACOPY_DELEGATE3(allgather_coalesced, std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
+                       const c10d::AllgatherOptions&)
+  PYDATACOPY_DELEGATE3(allgather_into_tensor_coalesced, std::vector<at::Tensor>&, std::vector<at::Tensor>&,
+                       const c10d::AllgatherOptions&)
+  PYDATACOPY_DELEGATE3(gather, std::vector<std::vector<at::Tensor>>&, std::vector<at::Tensor>&,
+                       const c10d::GatherOptions&)
+  PYDATACOPY_DELEGATE3(scatter, std::vector<at::Tensor>&, std::vector<std::vector<at::Tensor>>&,
+                       const c10d::ScatterOptions&)
+  PYDATACOPY_DELEGATE3(reduce_scatter, std::vector<at::Tensor>&, std::vector<std::vector<at::Tensor>>&,
+                       const c10d::ReduceScatterOptions&)
+  PYDATACOPY_DELEGATE3(_reduce_scatter_base, at::Tensor&, at::Tensor&, const c10d::ReduceScatterOptions&)
+  PYDATACOPY_DELEGATE3(reduce_scatter_tensor_coalesced, std::vector<at::Tensor>&, std::vector<at::Tensor>&,
+                       const c10d::ReduceScatterOptions&)
+  PYDATACOPY_DELEGATE3(alltoall, std::vector<at::Tensor>&, std::vector<at::Tensor>&, const c10d::AllToAllOptions&)
+#undef PYDATACOPY_DELEGATE2
+#undef PYDATACOPY_DELEGATE3
+
+  const std::vector<int>& pes() const { return pes_; }
+  double timeout_s() const { return timeout_s_.load(); }
+
+ private:
+  // One contiguous tensor on this process's device, a peer in the group that is not this rank:
+  // queued here; anything else goes to the delegate, whose checks raise the right refusal.
+  bool fast(const std::vector<at::Tensor>& tensors, int peer) const {
+    return tensors.size() == 1 && peer >= 0 && peer < static_cast<int>(pes_.size()) && peer != getRank() &&
+           queue_.device()->accepts(tensors[0]) && tensors[0].is_contiguous();
+  }
+
+  template <typename... Args>
+  WorkPtr delegate(const char* method, Args&&... args) {
+    py::gil_scoped_acquire gil;
+    py::object work = delegate_.get().attr(method)(std::forward<Args>(args)...);
+    if (work.is_none()) return Queue::done_work({});
+    return work.cast<WorkPtr>();
+  }
+
+  WorkPtr coalesced(WorkPtr work) {
+    std::lock_guard<std::mutex> lock(coalescing_mutex_);
+    if (coalescing_) delegated_.push_back(work);
+    return work;
+  }
+
+  std::vector<int> pes_;  // the group's ranks as PEs
+  std::mutex coalescing_mutex_;
+  bool coalescing_ = false;
+  std::vector<WorkPtr> delegated_;  // the Python group's Works of the batch being coalesced
+  std::atomic<double> timeout_s_;
+  Queue queue_;
+  PyRef delegate_;
+};
+
+std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule, std::uintptr_t engine, py::handle engine_owner) {
+  const auto* api = static_cast<const pydatacopy_torch_backend_api*>(
+      PyCapsule_GetPointer(api_capsule.ptr(), PYDATACOPY_TORCH_BACKEND_API_CAPSULE));
+  if (api == nullptr) throw py::error_already_set();
+  if (api->version != PYDATACOPY_TORCH_BACKEND_API_VERSION)
+    raise("pydatacopy.distributed: the backend extension was built for another pydatacopy._C (table version " +
+          std::to_string(api->version) + ", expected " + std::to_string(PYDATACOPY_TORCH_BACKEND_API_VERSION) +
+          "); remove its build cache (pydatacopy.distributed.native.cache_dir()) and import again");
+  Queue::s_max_ops = api->max_group_ops;
+  return std::make_shared<CudaDevice>(index, api, reinterpret_cast<void*>(engine), engine_owner);
+}
+
+}  // namespace pydatacopy::torch_backend
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace pydatacopy::torch_backend;
+  m.doc() = "pydatacopy's torch.distributed backend (private: pydatacopy.distributed uses it)";
+  m.def("init", [](py::object error, py::object timeout_error, std::map<std::string, std::string> messages) {
+    g_error = error.release().ptr();  // module lifetime
+    g_timeout_error = timeout_error.release().ptr();
+    g_messages = std::move(messages);
+  }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"));
+
+  py::class_<Device, std::shared_ptr<Device>>(m, "Device");
+  m.def("cuda_device", &cuda_device, py::arg("index"), py::arg("api"), py::arg("engine"), py::arg("engine_owner"),
+        "the device of this process (CUDA `index`), its core calls through _C's table");
+  py::class_<FakeDevice, Device, std::shared_ptr<FakeDevice>>(m, "FakeDevice")
+      .def(py::init<>())
+      .def_property("stream", [](FakeDevice& d) { return d.stream_id.load(); },
+                    [](FakeDevice& d, c10::StreamId id) { d.stream_id = id; })
+      .def_property("capturing", [](FakeDevice& d) { return d.is_capturing.load(); },
+                    [](FakeDevice& d, bool on) { d.is_capturing = on; })
+      .def_property("done", [](FakeDevice& d) { return d.done.load(); }, [](FakeDevice& d, bool on) { d.done = on; })
+      .def_property("fail_next_launch", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.fail_next_launch; },
+                    [](FakeDevice& d, std::string text) { std::lock_guard<std::mutex> l(d.mutex); d.fail_next_launch = std::move(text); })
+      .def_property_readonly("launches", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.launches; })
+      .def_property_readonly("kept_alive", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.kept_alive; })
+      .def_property_readonly("blocked", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.blocked; });
+
+  py::class_<Queue, std::shared_ptr<Queue>>(m, "Queue")
+      .def(py::init<std::shared_ptr<Device>>(), py::arg("device"))
+      .def_static("flush", &Queue::flush, py::call_guard<py::gil_scoped_release>())
+      .def("queue", &Queue::queue, py::arg("is_send"), py::arg("tensor"), py::arg("pe"), py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_static("batch_work", &Queue::batch_work, py::arg("work"), py::arg("tensor"))
+      .def_static("done_work", &Queue::done_work, py::arg("result") = std::vector<at::Tensor>{})
+      .def_static("max_ops", &Queue::max_ops);
+
+  py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
+      .def(py::init([](int rank, int size, std::vector<int> pes, double timeout_s, std::shared_ptr<Device> device,
+                       py::object delegate) {
+             return c10::make_intrusive<Backend>(rank, size, std::move(pes), timeout_s, std::move(device), delegate);
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("pes"), py::arg("timeout_s"), py::arg("device"),
+           py::arg("delegate"))
+      .def_property_readonly("pes", &Backend::pes, "the group's ranks as PEs")
+      .def_property_readonly("timeout_s", &Backend::timeout_s, "the timeout of the group's calls");
+}

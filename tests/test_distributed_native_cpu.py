@@ -1,0 +1,350 @@
+"""The native torch.distributed backend (src/torch_backend/backend.cpp, issue 38) without a GPU: it
+builds against this torch, a group made on the backend is it (CPU tensors on torch's gloo), what it
+does not move itself reaches the Python group, and the queue's rules (work.py's, which the Python
+group keeps) hold. The module's FakeDevice stands for CUDA: CPU tensors for CUDA ones, streams as
+numbers the test sets, launches recorded. The CUDA paths are tests/gpu/test_distributed.py."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import pydatacopy
+import pydatacopy.distributed
+from pydatacopy.distributed import backend as _backend, native as _native
+from pydatacopy.runtime import settings as _settings
+
+
+@pytest.fixture(scope="module")
+def native():
+    os.environ.pop(_native.FORCE_PYTHON_VARIABLE, None)
+    module = _native.load()
+    # Not a skip: CI's machine has a compiler and ninja, and a backend that does not build there
+    # would not build for users either.
+    assert module is not None, f"the native backend did not build: {_native.failure()}"
+    return module
+
+
+class _Delegate:
+    """Stands for the Python group: records what the backend hands it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def call(*args):
+            self.calls.append((name, *[a if isinstance(a, (int, str, timedelta)) else type(a).__name__
+                                      for a in args]))
+
+        return call
+
+
+@pytest.fixture
+def device(native):
+    fake = native.FakeDevice()
+    fake.stream = 11
+    yield fake
+    fake.capturing = False
+    native.Queue.flush()  # this thread's queue empty for the next test
+
+
+def _make(native, device, delegate=None, size: int = 3, rank: int = 0):
+    return native.Backend(rank, size, list(range(size)), 30.0, device, delegate or _Delegate())
+
+
+def _op(backend, is_send: bool, peer: int, nbytes: int = 16):
+    tensor = torch.zeros(nbytes, dtype=torch.uint8)
+    return (backend.send if is_send else backend.recv)([tensor], peer, 0)
+
+
+def _launches(device) -> list[tuple[int, list[tuple[bool, int]]]]:
+    return [(stream, [(is_send, peer) for is_send, _, _, peer in ops]) for ops, stream, _ in device.launches]
+
+
+def test_the_backend_builds_and_is_what_a_group_gets(native, device, tmp_path, monkeypatch):
+    monkeypatch.setattr(_backend, "_start_runtime", lambda *a: None)
+    monkeypatch.setattr(_backend, "_this_pe", lambda: (0, 1))
+    monkeypatch.setattr(_backend, "_native_device", lambda module: device)
+    options = type("Options", (), {"store": dist.FileStore(str(tmp_path / "store"), 1), "group_rank": 0,
+                                    "group_size": 1, "timeout": timedelta(seconds=5),
+                                    "global_ranks_in_group": []})
+    group = _backend.create_process_group(options)
+    assert isinstance(group, native.Backend) and isinstance(group, torch._C._distributed_c10d.Backend)
+    assert group.name() == "pydatacopy" and group.supports_coalescing
+    assert group.pes == [0] and group.timeout_s == 5.0
+
+
+def test_queued_operations_launch_together_at_the_first_wait(native, device):
+    backend = _make(native, device)
+    send, recv = _op(backend, True, 1), _op(backend, False, 2)
+    assert device.launches == []  # nothing runs before a result is asked for
+    recv.wait()
+    send.wait()  # the same launch: not launched again
+    assert _launches(device) == [(11, [(True, 1), (False, 2)])]
+    assert recv.result()[0].numel() == 16
+    assert device.blocked == []  # waited on the stream of the launch: nothing to order
+
+
+def test_a_wait_on_another_stream_orders_that_stream_after_the_launch(native, device):
+    backend = _make(native, device)
+    work = _op(backend, True, 1)
+    device.stream = 22
+    work.wait()
+    assert _launches(device) == [(11, [(True, 1)])] and device.blocked == [22]
+    assert device.kept_alive == [(1, 11)]  # its tensor kept for the launch's stream
+
+
+def test_another_stream_launches_what_was_queued_on_the_first(native, device):
+    backend = _make(native, device)
+    first = _op(backend, True, 1)
+    device.stream = 22
+    second = _op(backend, False, 2)
+    assert _launches(device) == [(11, [(True, 1)])]  # the first stream's batch, on its stream
+    second.wait()
+    first.wait()
+    assert _launches(device) == [(11, [(True, 1)]), (22, [(False, 2)])]
+
+
+def test_a_batch_waited_on_another_thread_takes_no_more_operations(native, device):
+    backend = _make(native, device)
+    first = _op(backend, True, 1)
+    waiter = threading.Thread(target=first.wait)
+    waiter.start()
+    waiter.join(10)
+    assert _launches(device) == [(11, [(True, 1)])]
+    late = _op(backend, False, 1)
+    late.wait()
+    assert _launches(device) == [(11, [(True, 1)]), (11, [(False, 1)])]
+
+
+def test_more_than_a_group_queued_without_a_wait_is_refused(native, device):
+    backend = _make(native, device)
+    limit = pydatacopy._C.MAX_GROUP_OPS
+    works = [_op(backend, i % 2 == 0, 1) for i in range(limit)]
+    with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
+        _op(backend, True, 1)
+    works[-1].wait()
+    assert len(device.launches) == 1 and len(device.launches[0][0]) == limit
+
+
+def test_operations_queued_in_a_capture_and_waited_after_it_are_refused_not_launched(native, device):
+    backend = _make(native, device)
+    device.capturing = True
+    work = _op(backend, False, 1)
+    device.capturing = False
+    with pytest.raises(pydatacopy.Error, match="capture"):
+        work.wait()
+    assert device.launches == []
+
+
+def test_an_eager_operation_after_a_capture_ended_unwaited_starts_a_batch_of_its_own(native, device):
+    backend = _make(native, device)
+    device.capturing = True
+    captured = _op(backend, True, 1)
+    device.capturing = False
+    eager = _op(backend, False, 1)  # same stream: not appended to the captured batch
+    eager.wait()
+    assert _launches(device) == [(11, [(False, 1)])]
+    with pytest.raises(pydatacopy.Error, match="capture"):
+        captured.wait()
+
+
+def test_operations_pending_when_a_capture_begins_on_their_stream_are_refused(native, device):
+    backend = _make(native, device)
+    eager = _op(backend, True, 1)
+    device.capturing = True
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        _op(backend, False, 1)
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
+    assert device.launches == []
+    inside = _op(backend, False, 1)  # the capture's own operations go on
+    inside.wait()
+    assert _launches(device) == [(11, [(False, 1)])]
+    with pytest.raises(pydatacopy.Error, match="cannot be asked during a CUDA graph capture"):
+        inside.is_completed()
+
+
+def test_a_refused_launch_reaches_every_work_of_the_batch(native, device):
+    backend = _make(native, device)
+    device.fail_next_launch = "PE 1 timed out earlier"
+    send, recv = _op(backend, True, 1), _op(backend, False, 1)
+    with pytest.raises(pydatacopy.Error, match="timed out earlier"):
+        send.wait()
+    with pytest.raises(pydatacopy.Error, match="timed out earlier"):
+        recv.wait()
+    with pytest.raises(pydatacopy.Error, match="timed out earlier"):
+        recv.result()
+    later = _op(backend, True, 1)  # the next batch is launched again
+    later.wait()
+    assert len(device.launches) == 2
+
+
+def test_completion_and_a_bounded_wait_follow_the_device(native, device):
+    backend = _make(native, device)
+    work = _op(backend, True, 1)
+    device.done = False
+    assert work.is_completed() is False  # launched, not finished
+    with pytest.raises(pydatacopy.TimeoutError, match="did not finish within"):
+        work.wait(timedelta(milliseconds=20))
+    device.done = True
+    assert work.is_completed() and work.is_success()
+    assert work.wait(timedelta(seconds=1))
+    assert work.get_future().wait()[0].numel() == 16
+
+
+def test_destroying_a_group_launches_what_was_queued(native, device):
+    backend = _make(native, device)
+    _op(backend, True, 1)
+    backend.shutdown()
+    assert _launches(device) == [(11, [(True, 1)])]
+
+
+def test_a_coalesced_batch_is_launched_at_its_end(native, device):
+    """batch_isend_irecv (torch's coalescing manager): what was queued before is launched at the
+    start; the batch's operations in one launch at its end, whose Work has their tensors."""
+    backend = _make(native, device)
+    before = _op(backend, True, 2)
+    backend._start_coalescing()
+    assert _launches(device) == [(11, [(True, 2)])]
+    _op(backend, True, 1), _op(backend, False, 1, nbytes=8)
+    work = backend._end_coalescing()
+    assert _launches(device)[1] == (11, [(True, 1), (False, 1)])
+    assert [t.numel() for t in work.result()] == [16, 8]
+    before.wait()
+    backend._start_coalescing()
+    assert backend._end_coalescing().wait()  # an empty batch: a finished Work, no launch
+    assert len(device.launches) == 2
+
+
+def test_a_coalesced_batch_covers_what_the_python_group_ran_in_it(native, device):
+    """CPU tensors in a batch_isend_irecv on a plain "pydatacopy" group go to the Python group
+    (gloo): the batch's Work covers those Works and the launch."""
+    delegate = _Delegate()
+    backend = _make(native, device, delegate)
+    backend._start_coalescing()
+    backend.send([torch.zeros(4)], 7, 0)  # the delegate's (here: recorded, a finished Work)
+    _op(backend, False, 1, nbytes=8)
+    work = backend._end_coalescing()
+    assert delegate.calls == [("send", "list", 7, 0)] and _launches(device) == [(11, [(False, 1)])]
+    assert work.wait() and work.is_completed() and [t.numel() for t in work.result()] == [8]
+    backend.send([torch.zeros(4)], 7, 0)  # after the batch: not kept for the next one
+    backend._start_coalescing()
+    assert backend._end_coalescing().result() == []
+
+
+def test_what_is_not_the_hot_path_goes_to_the_python_group(native, device):
+    delegate = _Delegate()
+    backend = _make(native, device, delegate)
+    t = torch.zeros(4)
+    backend.send([t], 7, 0)  # not a rank of the group
+    backend.recv([t], 0, 0)  # this rank
+    backend.send([t, t], 1, 0)  # two tensors
+    backend.send([torch.zeros(4, 2).t()], 1, 0)  # not contiguous
+    backend.recv_anysource([t], 0)
+    backend.alltoall_base(t, t, [], [], dist.AllToAllOptions())
+    backend.barrier(dist.BarrierOptions())
+    backend.set_timeout(timedelta(seconds=7))
+    backend.allreduce([t], dist.AllreduceOptions())
+    assert delegate.calls == [("send", "list", 7, 0), ("recv", "list", 0, 0), ("send", "list", 1, 0),
+                              ("send", "list", 1, 0), ("recv_anysource", "list", 0),
+                              ("alltoall_base", "Tensor", "Tensor", "list", "list", "AllToAllOptions"),
+                              ("barrier", "BarrierOptions"), ("set_timeout", timedelta(seconds=7)),
+                              ("allreduce", "list", "AllreduceOptions")]
+    assert device.launches == []
+    _op(backend, True, 1).wait()
+    assert device.launches[0][2] == 7.0  # the new timeout reaches the launches
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA in Python: the Python group's refusals, without a GPU."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("call, args", [
+    ("allreduce", lambda t: ([t], dist.AllreduceOptions())),
+    ("broadcast", lambda t: ([t], dist.BroadcastOptions())),
+    ("allgather", lambda t: ([[t]], [t])),
+    ("_allgather_base", lambda t: (t, t)),
+    ("reduce_scatter", lambda t: ([t], [[t]], dist.ReduceScatterOptions())),
+])
+def test_collectives_it_does_not_move_are_refused_with_the_python_groups_text(native, device, monkeypatch,
+                                                                             call, args):
+    monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *a: None)  # the delegate's CPU side: unused
+    delegate = _backend.ProcessGroupPydatacopy(dist.HashStore(), 0, 2, timedelta(seconds=5), [],
+                                               queue=native.Queue(device))
+    backend = _make(native, device, delegate, size=2)
+    queued = _op(backend, True, 1)
+    with pytest.raises(pydatacopy.Error, match=f"torch.distributed {call} on CUDA tensors") as error:
+        getattr(backend, call)(*args(torch.zeros(2).as_subclass(_CudaLooking)))
+    assert "send, recv, isend, irecv, batch_isend_irecv, all_to_all_single and barrier" in str(error.value)
+    assert _launches(device) == [(11, [(True, 1)])]  # what was queued went first
+    queued.wait()
+
+
+def _default_group_worker(rank: int, store_file: str, results) -> None:
+    import pydatacopy.distributed  # noqa: F401 - registers, as a user's import does
+    from pydatacopy.distributed import backend, native
+
+    backend._start_runtime = lambda *a: None
+    backend._this_pe = lambda: (rank, 2)
+    backend._native_device = lambda module: module.FakeDevice()
+    dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=45))
+    group = dist.distributed_c10d._get_default_group()
+    cuda = group._get_backend(torch.device("cuda"))
+    out = {"backend": dist.get_backend(), "native": isinstance(cuda, native.load().Backend),
+           "pes": cuda.pes, "timeout_s": cuda.timeout_s}
+    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    out["recv"] = t.tolist()
+    x = torch.ones(2) * (rank + 1)
+    dist.all_reduce(x)
+    out["all_reduce"] = x.tolist()
+    dist.barrier()
+    sub = dist.new_group([0, 1], backend="pydatacopy")
+    out["sub_pes"] = sub._get_backend(torch.device("cuda")).pes
+    if hasattr(dist, "set_timeout"):  # torch 2.12+
+        dist.set_timeout(timedelta(seconds=33))
+        out["after_set_timeout"] = cuda.timeout_s
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+def test_a_default_group_on_the_backend_is_native_for_cuda_and_gloo_for_cpu(tmp_path):
+    """init_process_group("cpu:gloo,cuda:pydatacopy") by two processes: the group's CUDA backend
+    is the native one, with the group's PEs and timeout; CPU tensors take torch's gloo."""
+    results = mp.Manager().dict()
+    mp.spawn(_default_group_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    for rank in (0, 1):
+        out = results[rank]
+        assert out["backend"] == "cpu:gloo,cuda:pydatacopy" and out["native"]
+        assert out["pes"] == [0, 1] and out["timeout_s"] == 45.0
+        assert out["recv"] == [0.0, 1.0, 2.0, 3.0]
+        assert out["all_reduce"] == [3.0, 3.0]
+        assert out["sub_pes"] == [0, 1]
+        if "after_set_timeout" in out:
+            assert out["after_set_timeout"] == 33.0
+
+
+def test_python_groups_on_request(monkeypatch):
+    monkeypatch.setenv(_native.FORCE_PYTHON_VARIABLE, "1")
+    assert _native.load() is None
+    monkeypatch.setenv(_native.FORCE_PYTHON_VARIABLE, "yes")
+    with pytest.raises(_settings.SettingError, match=_native.FORCE_PYTHON_VARIABLE):
+        _native.load()
