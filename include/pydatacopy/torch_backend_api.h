@@ -36,8 +36,11 @@ typedef struct pydatacopy_torch_backend_api {
   /* `ops` as one launch of `engine` (a SendRecvEngine) on `stream` (a cudaStream_t). */
   int (*launch)(void* engine, const pydatacopy_p2p_op* ops, int count, void* stream, double timeout_s,
                 char* message, size_t message_bytes);
-  /* What device-side work reported since the last look (pydatacopy.check_errors()'s native part:
-   * the peers' zero-copy requests served, device errors, the engine's refusals). */
+  /* What device-side work reported since the last look, from host memory only (capture-safe:
+   * pydatacopy._C.check_device_errors()). */
+  int (*check_device_errors)(char* message, size_t message_bytes);
+  /* All of pydatacopy.check_errors()'s native part: the peers' zero-copy requests served, device
+   * errors, the engine's refusals (reads device words: not during a capture). */
   int (*check_errors)(void* engine, char* message, size_t message_bytes);
   /* *capturing = whether `stream` is capturing a CUDA graph. */
   int (*stream_capturing)(void* stream, int* capturing, char* message, size_t message_bytes);

@@ -62,6 +62,10 @@ int launch(void* engine, const pydatacopy_p2p_op* ops, int count, void* stream, 
   }, message, message_bytes);
 }
 
+int device_errors(char* message, std::size_t message_bytes) {
+  return as_status([] { check_device_errors(); }, message, message_bytes);
+}
+
 int check_errors(void* engine, char* message, std::size_t message_bytes) {
   return as_status([&] {  // the order of pydatacopy.check_errors()
     auto* sender = static_cast<SendRecvEngine*>(engine);
@@ -84,7 +88,7 @@ int symmetric(const void* address, int* is_in_heap, char* message, std::size_t m
 }
 
 const pydatacopy_torch_backend_api kApi = {PYDATACOPY_TORCH_BACKEND_API_VERSION, settings::kMaxGroupOps, &launch,
-                                           &check_errors, &stream_capturing, &symmetric};
+                                           &device_errors, &check_errors, &stream_capturing, &symmetric};
 
 }  // namespace
 

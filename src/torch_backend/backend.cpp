@@ -123,7 +123,8 @@ class Device {
   virtual c10::Stream current_stream() = 0;
   virtual bool capturing() = 0;  // the current stream captures a CUDA graph
   virtual void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) = 0;
-  virtual void check_errors() = 0;  // raises what the device reported since the last look
+  virtual void check_device_errors() = 0;  // raises what the device reported (host memory only)
+  virtual void check_errors() = 0;         // also the engine's refusals (reads the device: not in a capture)
   virtual void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) = 0;
   virtual std::shared_ptr<Completion> completion_after(const c10::Stream& stream) = 0;
   virtual std::vector<c10::Device> future_devices() const = 0;
@@ -161,6 +162,7 @@ class CudaDevice final : public Device {
     check(api_->launch(engine_, ops.data(), static_cast<int>(ops.size()), stream.native_handle(), timeout_s, text_,
                        sizeof text_));
   }
+  void check_device_errors() override { check(api_->check_device_errors(text_, sizeof text_)); }
   void check_errors() override { check(api_->check_errors(engine_, text_, sizeof text_)); }
   void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) override {
     // As NCCL's groups do (record_stream): torch's allocator keeps a tensor handed to work on
@@ -212,6 +214,7 @@ class FakeDevice final : public Device {
       throw failure;
     }
   }
+  void check_device_errors() override {}
   void check_errors() override {}
   void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) override {
     std::lock_guard<std::mutex> lock(mutex);
@@ -343,7 +346,7 @@ class P2PWork final : public c10d::Work {
     launch(batch_);
     raise_known(batch_);
     Device& device = *batch_->device;
-    raising([&] { device.check_errors(); });  // what the GPU reported since (a peer that timed out)
+    raising([&] { device.check_device_errors(); });  // what the GPU reported since (a peer that timed out)
     const c10::Stream current = raising([&] { return device.current_stream(); });
     if (current != batch_->stream) raising([&] { completion(batch_)->block(current); });
     if (timeout.count() > 0 && !raising([&] { return device.capturing(); })) {
