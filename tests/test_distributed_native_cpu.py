@@ -23,19 +23,27 @@ from pydatacopy.runtime import settings as _settings
 
 @pytest.fixture(scope="module")
 def native():
-    os.environ.pop(_native.FORCE_PYTHON_VARIABLE, None)
+    before = os.environ.pop(_native.FORCE_PYTHON_VARIABLE, None)
     module = _native.load()
     # Not a skip: CI's machine has a compiler and ninja, and a backend that does not build there
     # would not build for users either.
     assert module is not None, f"the native backend did not build: {_native.failure()}"
-    return module
+    yield module
+    if before is not None:
+        os.environ[_native.FORCE_PYTHON_VARIABLE] = before
 
 
 class _Delegate:
     """Stands for the Python group: records what the backend hands it."""
 
+    _timeout_s = 30.0
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.calls.append(("set_timeout", timeout))
+        self._timeout_s = timeout.total_seconds()
 
     def __getattr__(self, name):
         if name.startswith("__"):
@@ -187,6 +195,47 @@ def test_a_refused_launch_reaches_every_work_of_the_batch(native, device):
     later = _op(backend, True, 1)  # the next batch is launched again
     later.wait()
     assert len(device.launches) == 2
+
+
+def test_an_operation_queued_while_another_thread_launches_is_never_lost(native, device):
+    """One thread queues while another waits on (so launches) the batch being filled: every
+    operation is in exactly one launch, or its queueing went to a new batch."""
+    backend = _make(native, device)
+    works: list = []
+    done = threading.Event()
+
+    def waiter():
+        while not done.is_set():
+            if works:
+                works[-1].wait()
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    try:
+        for i in range(3000):
+            works.append(_op(backend, i % 2 == 0, 1 + i % 2))
+            if i % 32 == 31:  # under the 64 a batch takes, whether or not the waiter keeps up
+                works[-1].wait()
+    finally:
+        done.set()
+        thread.join(30)
+    works[-1].wait()
+    launched = sum(len(ops) for ops, _, _ in device.launches)
+    assert launched == len(works), (launched, len(works), len(device.launches))
+
+
+def test_set_timeout_is_clamped_as_the_python_group_clamps_it(native, device, monkeypatch):
+    monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *a: None)  # the delegate's CPU side: unused
+    delegate = _backend.ProcessGroupPydatacopy(dist.HashStore(), 0, 2, timedelta(seconds=5), [],
+                                               queue=native.Queue(device))
+    backend = _make(native, device, delegate, size=2)
+    backend.set_timeout(timedelta(seconds=0))
+    assert backend.timeout_s == pydatacopy._C.default_timeout_seconds()
+    backend.set_timeout(timedelta(days=10**6))
+    assert backend.timeout_s == pydatacopy._C.MAX_TIMEOUT_S
+    backend.set_timeout(timedelta(seconds=9))
+    _op(backend, True, 1).wait()
+    assert backend.timeout_s == 9.0 and device.launches[-1][2] == 9.0
 
 
 def test_completion_and_a_bounded_wait_follow_the_device(native, device):

@@ -33,15 +33,16 @@ typedef struct pydatacopy_torch_backend_api {
   int version;       /* PYDATACOPY_TORCH_BACKEND_API_VERSION */
   int max_group_ops; /* operations one launch takes at most (settings::kMaxGroupOps) */
   /* Each returns a pydatacopy_status; on a failure, the message (NUL-terminated, cut to fit). */
-  /* `ops` as one launch of `engine` (a SendRecvEngine) on `stream` (a cudaStream_t). */
-  int (*launch)(void* engine, const pydatacopy_p2p_op* ops, int count, void* stream, double timeout_s,
-                char* message, size_t message_bytes);
+  /* `ops` as one launch of this process's send/recv engine (the one pydatacopy.send uses, as
+   * setup_send_recv() last made it) on `stream` (a cudaStream_t). */
+  int (*launch)(const pydatacopy_p2p_op* ops, int count, void* stream, double timeout_s, char* message,
+                size_t message_bytes);
   /* What device-side work reported since the last look, from host memory only (capture-safe:
    * pydatacopy._C.check_device_errors()). */
   int (*check_device_errors)(char* message, size_t message_bytes);
   /* All of pydatacopy.check_errors()'s native part: the peers' zero-copy requests served, device
    * errors, the engine's refusals (reads device words: not during a capture). */
-  int (*check_errors)(void* engine, char* message, size_t message_bytes);
+  int (*check_errors)(char* message, size_t message_bytes);
   /* *capturing = whether `stream` is capturing a CUDA graph. */
   int (*stream_capturing)(void* stream, int* capturing, char* message, size_t message_bytes);
   /* *symmetric = whether `address` is in NVSHMEM's symmetric heap (memory torch's allocator does

@@ -4,6 +4,7 @@
 #include "bindings.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -16,6 +17,18 @@
 namespace pydatacopy::bindings {
 
 namespace {
+
+// The engine pydatacopy.send uses (send_recv.py's setup_send_recv/teardown_send_recv set it, with
+// the GIL): a backend's group made before a setup_send_recv() launches on the new one.
+PyObject* g_engine_owner = nullptr;  // a strong reference, left at exit
+std::atomic<SendRecvEngine*> g_engine{nullptr};
+
+SendRecvEngine& current_engine() {
+  SendRecvEngine* engine = g_engine.load();
+  PDC_REQUIRE(engine != nullptr, "send/recv staging is not set up: pydatacopy.init()/init_nvshmem() do it, "
+                                 "or call pydatacopy.setup_send_recv() on every PE");
+  return *engine;
+}
 
 int fail(int status, const char* what, char* message, std::size_t message_bytes) {
   if (message != nullptr && message_bytes > 0) {
@@ -41,10 +54,10 @@ int as_status(Work&& work, char* message, std::size_t message_bytes) noexcept {
   }
 }
 
-int launch(void* engine, const pydatacopy_p2p_op* ops, int count, void* stream, double timeout_s,
-           char* message, std::size_t message_bytes) {
+int launch(const pydatacopy_p2p_op* ops, int count, void* stream, double timeout_s, char* message,
+           std::size_t message_bytes) {
   return as_status([&] {
-    auto& sender = *static_cast<SendRecvEngine*>(engine);
+    SendRecvEngine& sender = current_engine();
     const cudaStream_t on = static_cast<cudaStream_t>(stream);
     if (count == 1) {  // the engine's one-op path, as pydatacopy.send/recv take it
       const pydatacopy_p2p_op& op = ops[0];
@@ -66,9 +79,9 @@ int device_errors(char* message, std::size_t message_bytes) {
   return as_status([] { check_device_errors(); }, message, message_bytes);
 }
 
-int check_errors(void* engine, char* message, std::size_t message_bytes) {
+int check_errors(char* message, std::size_t message_bytes) {
   return as_status([&] {  // the order of pydatacopy.check_errors()
-    auto* sender = static_cast<SendRecvEngine*>(engine);
+    SendRecvEngine* sender = g_engine.load();
     if (sender != nullptr && sender->initialized()) sender->service_zero_copy();
     check_device_errors();
     if (sender != nullptr && sender->initialized()) sender->check_refusals();
@@ -96,8 +109,14 @@ void bind_torch_backend_api(py::module_& m) {
   m.def("torch_backend_api", [] {
           return py::capsule(const_cast<pydatacopy_torch_backend_api*>(&kApi), PYDATACOPY_TORCH_BACKEND_API_CAPSULE);
         }, "the C table the torch.distributed backend extension calls the core through (torch_backend_api.h)");
-  m.def("engine_address", [](SendRecvEngine& engine) { return as_address(&engine); }, py::arg("engine"),
-        "the engine's address, for the backend extension's launches (the caller keeps the engine alive)");
+  m.def("set_current_engine", [](py::object engine) {
+          SendRecvEngine* pointer = engine.is_none() ? nullptr : engine.cast<SendRecvEngine*>();
+          PyObject* previous = g_engine_owner;
+          g_engine_owner = engine.is_none() ? nullptr : engine.inc_ref().ptr();
+          g_engine.store(pointer);
+          Py_XDECREF(previous);
+        }, py::arg("engine"),
+        "the engine the torch.distributed backend launches on (None: none); send_recv.py sets it");
 }
 
 }  // namespace pydatacopy::bindings

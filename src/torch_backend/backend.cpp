@@ -29,6 +29,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -125,7 +126,7 @@ class Device {
   virtual void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) = 0;
   virtual void check_device_errors() = 0;  // raises what the device reported (host memory only)
   virtual void check_errors() = 0;         // also the engine's refusals (reads the device: not in a capture)
-  virtual void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) = 0;
+  virtual void keep_alive(const std::vector<c10::Storage>& storages, const c10::Stream& stream) = 0;
   virtual std::shared_ptr<Completion> completion_after(const c10::Stream& stream) = 0;
   virtual std::vector<c10::Device> future_devices() const = 0;
 };
@@ -142,8 +143,7 @@ class CudaCompletion final : public Completion {
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(int index, const pydatacopy_torch_backend_api* api, void* engine, py::handle engine_owner)
-      : index_(index), api_(api), engine_(engine), engine_owner_(engine_owner) {}
+  CudaDevice(int index, const pydatacopy_torch_backend_api* api) : index_(index), api_(api) {}
 
   int index() const override { return index_; }
   bool accepts(const at::Tensor& tensor) const override {
@@ -159,18 +159,22 @@ class CudaDevice final : public Device {
     return capturing != 0;
   }
   void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) override {
-    check(api_->launch(engine_, ops.data(), static_cast<int>(ops.size()), stream.native_handle(), timeout_s, text_,
+    check(api_->launch(ops.data(), static_cast<int>(ops.size()), stream.native_handle(), timeout_s, text_,
                        sizeof text_));
   }
   void check_device_errors() override { check(api_->check_device_errors(text_, sizeof text_)); }
-  void check_errors() override { check(api_->check_errors(engine_, text_, sizeof text_)); }
-  void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) override {
-    // As NCCL's groups do (record_stream): torch's allocator keeps a tensor handed to work on
-    // another stream until that work is done. Symmetric memory is not the allocator's.
-    for (const at::Tensor& tensor : tensors) {
+  void check_errors() override { check(api_->check_errors(text_, sizeof text_)); }
+  void keep_alive(const std::vector<c10::Storage>& storages, const c10::Stream& stream) override {
+    // As NCCL's groups do (record_stream): torch's allocator keeps memory handed to work on
+    // another stream until that work is done. The storages, not the tensors: a caller may have
+    // swapped a tensor's storage out since it was queued. Symmetric memory is not the allocator's.
+    for (const c10::Storage& storage : storages) {
       int symmetric = 0;
-      check(api_->is_symmetric(tensor.data_ptr(), &symmetric, text_, sizeof text_));
-      if (!symmetric) const_cast<at::Tensor&>(tensor).record_stream(stream);
+      check(api_->is_symmetric(storage.data(), &symmetric, text_, sizeof text_));
+      if (symmetric || storage.nbytes() == 0) continue;
+      at::Tensor whole = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(storage.device()));
+      whole.set_(storage);
+      whole.record_stream(stream);
     }
   }
   std::shared_ptr<Completion> completion_after(const c10::Stream& stream) override {
@@ -186,8 +190,6 @@ class CudaDevice final : public Device {
   }
   int index_;
   const pydatacopy_torch_backend_api* api_;
-  void* engine_;
-  PyRef engine_owner_;  // the engine stays alive while a group of the backend does
   static thread_local char text_[4096];
 };
 thread_local char CudaDevice::text_[4096];
@@ -216,9 +218,9 @@ class FakeDevice final : public Device {
   }
   void check_device_errors() override {}
   void check_errors() override {}
-  void keep_alive(const std::vector<at::Tensor>& tensors, const c10::Stream& stream) override {
+  void keep_alive(const std::vector<c10::Storage>& storages, const c10::Stream& stream) override {
     std::lock_guard<std::mutex> lock(mutex);
-    kept_alive.emplace_back(static_cast<int>(tensors.size()), stream.id());
+    kept_alive.emplace_back(static_cast<int>(storages.size()), stream.id());
   }
   std::shared_ptr<Completion> completion_after(const c10::Stream&) override {
     return std::make_shared<FakeCompletion>(this);
@@ -292,7 +294,7 @@ void launch(const std::shared_ptr<Batch>& batch) {
     } catch (const Failure& failure) {
       batch->failure = failure;  // every Work of the batch reports it, not only this caller
     }
-    if (device.current_stream() != batch->stream) device.keep_alive(batch->tensors, batch->stream);
+    if (device.current_stream() != batch->stream) device.keep_alive(batch->storages, batch->stream);
   } catch (const Failure& failure) {
     batch->failure = failure;
   } catch (const std::exception& error) {
@@ -364,6 +366,8 @@ class P2PWork final : public c10d::Work {
   }
 
   void synchronize() override { wait(std::chrono::milliseconds(0)); }
+  // torch's own (a spin kernel) is not what this Work means: the current stream waits on an event.
+  void blockCurrentStream() override { wait(std::chrono::milliseconds(0)); }
 
   bool isCompleted() override {
     launch(batch_);
@@ -456,11 +460,22 @@ class AllOfWork final : public c10d::Work {
     return true;
   }
   bool wait(std::chrono::milliseconds timeout) override {
-    for (auto& part : parts_) part->wait(timeout);
+    // One deadline for all the parts (0: no bound, NCCL's default).
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (auto& part : parts_) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      part->wait(timeout.count() > 0 ? std::max(left, std::chrono::milliseconds(1)) : timeout);
+    }
     return true;
   }
   void synchronize() override {
     for (auto& part : parts_) part->synchronize();
+  }
+  void blockCurrentStream() override { wait(std::chrono::milliseconds(0)); }
+  std::exception_ptr exception() const override {
+    for (const auto& part : parts_)
+      if (auto error = part->exception()) return error;
+    return nullptr;
   }
   std::vector<at::Tensor> result() override {
     std::vector<at::Tensor> all;
@@ -483,35 +498,46 @@ class Queue {
     if (std::shared_ptr<Batch> batch = t_batch) launch(batch);
   }
 
+  // Forget this thread's queue without launching it (native.py, at interpreter exit: a batch
+  // freed after Python has gone could not free the Python-owned memory it holds).
+  static void discard() { t_batch.reset(); }
+
   // One send or recv of a checked, contiguous tensor on this process's device: the Work that
   // launches it when asked.
   WorkPtr queue(bool is_send, const at::Tensor& tensor, int pe, double timeout_s) {
     Device& device = *device_;
     const c10::Stream stream = raising([&] { return device.current_stream(); });
     const bool capturing = raising([&] { return device.capturing(); });
-    std::shared_ptr<Batch> batch = t_batch;
-    if (batch && !batch->launched && batch->stream == stream && capturing && !batch->captured) {
-      // Launched now it would enter the capture; launched later, after it: never in order.
+    if (std::shared_ptr<Batch> batch = t_batch) {
+      std::optional<Failure> refusal;
+      bool refused_batch = false;
       {
+        // Under the batch's lock: a Work of it waited on another thread launches it meanwhile,
+        // and an operation appended after that launch would never run.
         std::lock_guard<std::mutex> lock(batch->mutex);
-        batch->launched = true;
-        batch->failure = Failure{PYDATACOPY_ERROR, message("pending_at_capture")};
+        if (!batch->launched && batch->stream == stream && capturing && !batch->captured) {
+          // Launched now it would enter the capture; launched later, after it: never in order.
+          batch->launched = true;
+          batch->failure = Failure{PYDATACOPY_ERROR, message("pending_at_capture")};
+          refusal = batch->failure;
+          refused_batch = true;
+        } else if (!batch->launched && batch->stream == stream && batch->captured == capturing) {
+          if (static_cast<int>(batch->ops.size()) >= max_ops()) {
+            refusal = Failure{PYDATACOPY_ERROR, message("too_many_queued")};
+          } else {
+            return append(*batch, batch, is_send, tensor, pe, timeout_s);
+          }
+        }
       }
-      t_batch.reset();
-      raise(*batch->failure);
-    }
-    if (batch && (batch->launched || batch->stream != stream || batch->captured != capturing)) {
+      if (refusal) {
+        if (refused_batch) t_batch.reset();
+        raise(*refusal);
+      }
       launch(batch);  // on its own stream (a captured one that its capture left is refused there)
-      batch.reset();
     }
-    if (batch && static_cast<int>(batch->ops.size()) >= max_ops())
-      raise(message("too_many_queued"));
-    if (!batch) batch = t_batch = std::make_shared<Batch>(device_, stream, timeout_s, capturing);
-    batch->ops.push_back({is_send ? 1 : 0, tensor.data_ptr(), static_cast<unsigned long long>(tensor.nbytes()), pe});
-    batch->tensors.push_back(tensor);
-    batch->storages.push_back(tensor.storage());
-    if (timeout_s > batch->timeout_s) batch->timeout_s = timeout_s;
-    return c10::make_intrusive<P2PWork>(batch, std::vector<at::Tensor>{tensor});
+    auto batch = t_batch = std::make_shared<Batch>(device_, stream, timeout_s, capturing);
+    std::lock_guard<std::mutex> lock(batch->mutex);
+    return append(*batch, batch, is_send, tensor, pe, timeout_s);
   }
 
   // A Work of the same batch as `work` whose result is `tensor` (all_to_all_single's output).
@@ -529,6 +555,16 @@ class Queue {
   static int s_max_ops;
 
  private:
+  // Called with the batch's lock held.
+  static WorkPtr append(Batch& locked, const std::shared_ptr<Batch>& batch, bool is_send, const at::Tensor& tensor,
+                        int pe, double timeout_s) {
+    locked.ops.push_back({is_send ? 1 : 0, tensor.data_ptr(), static_cast<unsigned long long>(tensor.nbytes()), pe});
+    locked.tensors.push_back(tensor);
+    locked.storages.push_back(tensor.storage());
+    if (timeout_s > locked.timeout_s) locked.timeout_s = timeout_s;
+    return c10::make_intrusive<P2PWork>(batch, std::vector<at::Tensor>{tensor});
+  }
+
   std::shared_ptr<Device> device_;
 };
 int Queue::s_max_ops = 64;  // init() sets the core's
@@ -566,17 +602,13 @@ class Backend final : public c10d::Backend {
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override {
     Queue::flush();
-    std::lock_guard<std::mutex> lock(coalescing_mutex_);
-    coalescing_ = true;
-    delegated_.clear();
+    t_coalescing = this;
+    t_delegated.clear();
   }
   WorkPtr endCoalescing() override {
     std::vector<WorkPtr> parts;
-    {
-      std::lock_guard<std::mutex> lock(coalescing_mutex_);
-      coalescing_ = false;
-      parts.swap(delegated_);
-    }
+    parts.swap(t_delegated);
+    t_coalescing = nullptr;
     if (std::shared_ptr<Batch> batch = t_batch) {
       launch(batch);  // a refusal is raised by the batch's Works, as for any launch
       std::vector<at::Tensor> tensors;
@@ -601,8 +633,11 @@ class Backend final : public c10d::Backend {
   void shutdown() override { Queue::flush(); }  // peers may be waiting for what this thread queued
 
   void setTimeout(std::chrono::milliseconds timeout) override {
-    timeout_s_.store(timeout.count() / 1000.0);
+    // The Python group clamps it as the creator did (<= 0: the default; at most the core's
+    // maximum); this group takes the value it kept.
     delegate("set_timeout", timeout);
+    py::gil_scoped_acquire gil;
+    timeout_s_.store(delegate_.get().attr("_timeout_s").cast<double>());
   }
 
   // ---- every other collective: the Python group's (gloo for CPU tensors; for CUDA ones, a
@@ -656,21 +691,25 @@ class Backend final : public c10d::Backend {
   }
 
   WorkPtr coalesced(WorkPtr work) {
-    std::lock_guard<std::mutex> lock(coalescing_mutex_);
-    if (coalescing_) delegated_.push_back(work);
+    if (t_coalescing == this) t_delegated.push_back(work);
     return work;
   }
 
+  // The batch this thread coalesces (torch's coalescing manager: one group at a time per thread),
+  // and the Python group's Works issued in it.
+  static thread_local const Backend* t_coalescing;
+  static thread_local std::vector<WorkPtr> t_delegated;
+
   std::vector<int> pes_;  // the group's ranks as PEs
-  std::mutex coalescing_mutex_;
-  bool coalescing_ = false;
-  std::vector<WorkPtr> delegated_;  // the Python group's Works of the batch being coalesced
   std::atomic<double> timeout_s_;
   Queue queue_;
   PyRef delegate_;
 };
 
-std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule, std::uintptr_t engine, py::handle engine_owner) {
+thread_local const Backend* Backend::t_coalescing = nullptr;
+thread_local std::vector<WorkPtr> Backend::t_delegated;
+
+std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule) {
   const auto* api = static_cast<const pydatacopy_torch_backend_api*>(
       PyCapsule_GetPointer(api_capsule.ptr(), PYDATACOPY_TORCH_BACKEND_API_CAPSULE));
   if (api == nullptr) throw py::error_already_set();
@@ -679,7 +718,7 @@ std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule, std::uin
           std::to_string(api->version) + ", expected " + std::to_string(PYDATACOPY_TORCH_BACKEND_API_VERSION) +
           "); remove its build cache (pydatacopy.distributed.native.cache_dir()) and import again");
   Queue::s_max_ops = api->max_group_ops;
-  return std::make_shared<CudaDevice>(index, api, reinterpret_cast<void*>(engine), engine_owner);
+  return std::make_shared<CudaDevice>(index, api);
 }
 
 }  // namespace pydatacopy::torch_backend
@@ -694,7 +733,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"));
 
   py::class_<Device, std::shared_ptr<Device>>(m, "Device");
-  m.def("cuda_device", &cuda_device, py::arg("index"), py::arg("api"), py::arg("engine"), py::arg("engine_owner"),
+  m.def("cuda_device", &cuda_device, py::arg("index"), py::arg("api"),
         "the device of this process (CUDA `index`), its core calls through _C's table");
   py::class_<FakeDevice, Device, std::shared_ptr<FakeDevice>>(m, "FakeDevice")
       .def(py::init<>())
@@ -712,6 +751,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Queue, std::shared_ptr<Queue>>(m, "Queue")
       .def(py::init<std::shared_ptr<Device>>(), py::arg("device"))
       .def_static("flush", &Queue::flush, py::call_guard<py::gil_scoped_release>())
+      .def_static("discard", &Queue::discard)
       .def("queue", &Queue::queue, py::arg("is_send"), py::arg("tensor"), py::arg("pe"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def_static("batch_work", &Queue::batch_work, py::arg("work"), py::arg("tensor"))

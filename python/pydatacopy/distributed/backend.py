@@ -341,8 +341,8 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
 def _native_device(native):
     """This process's device for the native backend: its CUDA device, the core reached through
     _C's table (tests/test_distributed_native_cpu.py replaces it with the module's FakeDevice)."""
-    engine = _send_recv._require_engine("distributed")
-    return native.cuda_device(_C.cuda_device(), _C.torch_backend_api(), _C.engine_address(engine), engine)
+    _send_recv._require_engine("distributed")  # set up now; launches use the current one
+    return native.cuda_device(_C.cuda_device(), _C.torch_backend_api())
 
 
 def register() -> None:

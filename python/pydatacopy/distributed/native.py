@@ -14,9 +14,13 @@ Where it cannot be built, or with PYDATACOPY_DISTRIBUTED_PYTHON=1, the group is 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import sysconfig
 import threading
@@ -66,24 +70,53 @@ def cache_dir() -> Path:
     return Path(root) / "pydatacopy" / _name()
 
 
+@contextlib.contextmanager
+def _build_lock(where: Path):
+    """One builder at a time across processes (the ranks of a job start together). An fcntl lock
+    goes with its process; torch < 2.14's own (a lock file that blocks while it exists) stays
+    behind a builder that was killed, and would block every later start: a lock file found while
+    this lock is held is such a leftover, and is removed."""
+    with open(where / "pydatacopy.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (where / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """ninja from the environment's scripts folder, where pip put it, when it is not on PATH."""
+    scripts = sysconfig.get_path("scripts")
+    before = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None and scripts:
+        os.environ["PATH"] = scripts + os.pathsep + before
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = before
+
+
 def _build() -> ModuleType:
     # torch.utils.cpp_extension warns at import when it finds no CUDA runtime: none is needed here.
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    from torch.utils import cpp_extension
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        quiet.setLevel(level)
 
     name, where = _name(), cache_dir()
     where.mkdir(parents=True, exist_ok=True)
-    built = any(where.glob(f"{name}*.so"))
-    # ninja from the environment's scripts folder, where pip put it, even when that is not on PATH.
-    scripts = sysconfig.get_path("scripts")
-    if scripts and scripts not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    if not built:
-        print(f"pydatacopy.distributed: building the torch.distributed backend against torch "
-              f"{torch.__version__} (once; about 20 s) in {where}", file=sys.stderr, flush=True)
-    return cpp_extension.load(name, [str(_SOURCE)], extra_include_paths=[str(_INCLUDE)],
-                              extra_cflags=["-O2"], build_directory=str(where), with_cuda=False,
-                              verbose=False)
+    with _build_lock(where), _ninja_on_path():
+        if not any(where.glob(f"{name}*.so")):
+            print(f"pydatacopy.distributed: building the torch.distributed backend against torch "
+                  f"{torch.__version__} (once; about 20 s) in {where}", file=sys.stderr, flush=True)
+        return cpp_extension.load(name, [str(_SOURCE)], extra_include_paths=[str(_INCLUDE)],
+                                  extra_cflags=["-O2"], build_directory=str(where), with_cuda=False,
+                                  verbose=False)
 
 
 def load() -> ModuleType | None:
@@ -97,6 +130,7 @@ def load() -> ModuleType | None:
             try:
                 module = _build()
                 module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES))
+                atexit.register(module.Queue.discard)  # the main thread's queue, before Python goes
                 _module = module
             except Exception as error:  # noqa: BLE001 - any build failure falls back, said once
                 _failure = f"{type(error).__name__}: {str(error).strip()[-2000:]}"

@@ -100,7 +100,10 @@ class _Batch:
                 raise
         finally:
             if self.stream != _current_stream(self.device):
-                _keep_alive(self.stream, *self.tensors)
+                # The memory queued, not the tensors: a caller may have swapped a tensor's storage
+                # out since (the reason `storages` is kept).
+                _keep_alive(self.stream, *(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+                                           for s in self.storages))
 
     def completion(self) -> torch.cuda.Event:
         """An event after the launch on its stream (recorded when first asked for: later work on

@@ -94,6 +94,7 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     engine = _C.SendRecvEngine()
     engine.init(config.chunk_bytes, config.num_chunks, config.blocks)
     _engine = engine
+    _C.set_current_engine(engine)  # the torch.distributed backend's launches use it (torch_backend_api.h)
 
 
 def check_send_recv_refusals() -> None:
@@ -108,6 +109,7 @@ def teardown_send_recv() -> None:
     global _engine
     if _engine is not None:
         engine, _engine = _engine, None
+        _C.set_current_engine(None)
         engine.cleanup()
 
 
