@@ -37,6 +37,20 @@ def test_import_registers_the_backend():
     assert dist.Backend.backend_list.count("pydatacopy") == 1
 
 
+def cpu_send_recv_and_all_reduce(rank: int, out: dict) -> None:
+    """CPU tensors on a default group of two ranks: rank 0 sends 0..3 to rank 1 (out["recv"]),
+    then an all_reduce of each rank's rank + 1 (out["all_reduce"]: [3.0, 3.0])."""
+    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    out["recv"] = t.tolist()
+    x = torch.ones(2) * (rank + 1)
+    dist.all_reduce(x)
+    out["all_reduce"] = x.tolist()
+
+
 def _default_group_worker(rank: int, store_file: str, results) -> None:
     import pydatacopy.distributed  # noqa: F401 - registers, as a user's import does
     from pydatacopy.distributed import backend
@@ -48,15 +62,7 @@ def _default_group_worker(rank: int, store_file: str, results) -> None:
                             world_size=2, timeout=timedelta(seconds=45))
     out = {"started": started, "backend": dist.get_backend(),
            "type": type(dist.distributed_c10d._get_default_group()).__name__}
-    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
-    if rank == 0:
-        dist.send(t, 1)
-    else:
-        dist.recv(t, 0)
-    out["recv"] = t.tolist()
-    x = torch.ones(2) * (rank + 1)
-    dist.all_reduce(x)
-    out["all_reduce"] = x.tolist()
+    cpu_send_recv_and_all_reduce(rank, out)
     y = torch.zeros(3)
     for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.full((3,), float(rank)), 1 - rank),
                                         dist.P2POp(dist.irecv, y, 1 - rank)]):

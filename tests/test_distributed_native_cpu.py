@@ -356,15 +356,9 @@ def _default_group_worker(rank: int, store_file: str, results) -> None:
     cuda = group._get_backend(torch.device("cuda"))
     out = {"backend": dist.get_backend(), "native": isinstance(cuda, native.load().Backend),
            "pes": cuda.pes, "timeout_s": cuda.timeout_s}
-    t = torch.arange(4.0) if rank == 0 else torch.zeros(4)
-    if rank == 0:
-        dist.send(t, 1)
-    else:
-        dist.recv(t, 0)
-    out["recv"] = t.tolist()
-    x = torch.ones(2) * (rank + 1)
-    dist.all_reduce(x)
-    out["all_reduce"] = x.tolist()
+    from test_distributed_cpu import cpu_send_recv_and_all_reduce  # the Python group's test, reused
+
+    cpu_send_recv_and_all_reduce(rank, out)
     dist.barrier()
     sub = dist.new_group([0, 1], backend="pydatacopy")
     out["sub_pes"] = sub._get_backend(torch.device("cuda")).pes
