@@ -161,7 +161,7 @@ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,nohea
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
 # The torch.distributed backend's native part, built against this torch once, here, rather than
 # inside the first test that makes a group (python/pydatacopy/distributed/native.py).
-step build-torch-backend $PY -c "from pydatacopy.distributed import native; assert native.load() is not None, native.failure(); print(native.cache_dir())"
+step build-torch-backend env PYDATACOPY_DISTRIBUTED_NATIVE=1 $PY -c "from pydatacopy.distributed import native; assert native.load() is not None, native.failure(); print(native.cache_dir())"
 # BEFORE=DIR (a source tree of an earlier revision: `git archive REV | tar x -C DIR`): built into
 # a directory of its own while the tests run, then its bench and bench-moe run right after this
 # tree's, same call, same GPU (steps bench-before, bench-moe-before; BENCH_BEFORE_ARGS when its
@@ -247,12 +247,14 @@ if has "$STEPS" n-pes; then
   shared_mps stop
 fi
 # The torch.distributed backend as its users start it: the default group on
-# "cpu:gloo,cuda:pydatacopy" (NVSHMEM started through the group's store), with 2 and N PEs.
+# "cpu:gloo,cuda:pydatacopy" (NVSHMEM started through the group's store), with 2 and N PEs, then
+# on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1) with 2 PEs.
 if has "$STEPS" distributed; then
   shared_mps start
   # shellcheck disable=SC2046
   step distributed bash -c "env $(pes 2) timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
-    env $(pes "$N_PES") timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py"
+    env $(pes "$N_PES") timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py && \
+    env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py"
   shared_mps stop
 fi
 # The MoE tests with 8 PEs (12% of the SMs each on one GPU): asked for by name (ONLY="moe-8",

@@ -22,10 +22,10 @@ from pydatacopy.runtime import agreement as _agreement
 
 @pytest.fixture(autouse=True)
 def _python_groups(monkeypatch):
-    """This module tests the Python group (work.py's queue), which a process gets where the native
-    backend cannot be built; tests/test_distributed_native_cpu.py tests the native one. The
-    variable reaches the processes the tests spawn."""
-    monkeypatch.setenv(_native.FORCE_PYTHON_VARIABLE, "1")
+    """This module tests the Python group (work.py's queue), the default;
+    tests/test_distributed_native_cpu.py tests the native one. The variable reaches the processes
+    the tests spawn."""
+    monkeypatch.delenv(_native.NATIVE_VARIABLE, raising=False)
 
 
 def test_import_registers_the_backend():

@@ -6,7 +6,6 @@ numbers the test sets, launches recorded. The CUDA paths are tests/gpu/test_dist
 
 from __future__ import annotations
 
-import os
 import threading
 from datetime import timedelta
 
@@ -23,14 +22,13 @@ from pydatacopy.runtime import settings as _settings
 
 @pytest.fixture(scope="module")
 def native():
-    before = os.environ.pop(_native.FORCE_PYTHON_VARIABLE, None)
-    module = _native.load()
-    # Not a skip: CI's machine has a compiler and ninja, and a backend that does not build there
-    # would not build for users either.
-    assert module is not None, f"the native backend did not build: {_native.failure()}"
-    yield module
-    if before is not None:
-        os.environ[_native.FORCE_PYTHON_VARIABLE] = before
+    # Asked for through the environment, so that the processes the tests spawn ask for it too.
+    with _native.requested_as(True):
+        module = _native.load()
+        # Not a skip: CI's machine has a compiler and ninja, and a backend that does not build
+        # there would not build for users either.
+        assert module is not None, f"the native backend did not build: {_native.failure()}"
+        yield module
 
 
 class _Delegate:
@@ -385,9 +383,13 @@ def test_a_default_group_on_the_backend_is_native_for_cuda_and_gloo_for_cpu(tmp_
             assert out["after_set_timeout"] == 33.0
 
 
-def test_python_groups_on_request(monkeypatch):
-    monkeypatch.setenv(_native.FORCE_PYTHON_VARIABLE, "1")
+def test_native_only_on_request(native, monkeypatch):
+    monkeypatch.setenv(_native.NATIVE_VARIABLE, "0")
     assert _native.load() is None
-    monkeypatch.setenv(_native.FORCE_PYTHON_VARIABLE, "yes")
-    with pytest.raises(_settings.SettingError, match=_native.FORCE_PYTHON_VARIABLE):
+    monkeypatch.delenv(_native.NATIVE_VARIABLE)
+    assert _native.load() is None  # the default, until the native backend has run on a GPU
+    monkeypatch.setenv(_native.NATIVE_VARIABLE, "1")
+    assert _native.load() is native
+    monkeypatch.setenv(_native.NATIVE_VARIABLE, "yes")
+    with pytest.raises(_settings.SettingError, match=_native.NATIVE_VARIABLE):
         _native.load()

@@ -38,11 +38,14 @@ def main() -> int:
     rank, n = dist.get_rank(), dist.get_world_size()
     assert (pydatacopy.my_pe(), pydatacopy.n_pes()) == (rank, n), (pydatacopy.my_pe(), pydatacopy.n_pes())
     assert dist.get_backend() == "cpu:gloo,cuda:pydatacopy", dist.get_backend()
-    # The native backend (where it builds, as it must here), unless the Python group was asked for.
-    from pydatacopy.distributed import native
-    cuda = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
-    if not native.forced_python():
+    # The native backend where it was asked for (it must build here), else the Python group.
+    from pydatacopy.distributed import ProcessGroupPydatacopy, native
+    group = dist.distributed_c10d._get_default_group()
+    if native.requested():
+        cuda = group._get_backend(torch.device("cuda"))
         assert isinstance(cuda, native.load().Backend), (type(cuda), native.failure())
+    else:
+        assert isinstance(group, ProcessGroupPydatacopy), type(group)
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     for nbytes in (4096, 3 * (1 << 20) + 5, 64 << 20):
         for repeat in range(3):

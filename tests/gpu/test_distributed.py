@@ -9,8 +9,6 @@ scripts/gpu-check.sh's distributed step."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,19 +27,12 @@ SIZE_IDS = ["4K", "3M+5", "64M"]
 _IMPLEMENTATION: dict = {}  # group -> "native" or "python"
 
 
-@pytest.fixture(scope="module", params=["native", "python"])
+@pytest.fixture(scope="module", params=["python", "native"])
 def group(world, request):
-    """A group on the backend: its native backend (what a process gets where it builds), then its
-    Python group (where it does not); every test runs on both."""
-    before = os.environ.get(native.FORCE_PYTHON_VARIABLE)
-    os.environ[native.FORCE_PYTHON_VARIABLE] = "1" if request.param == "python" else "0"
-    try:
+    """A group on the backend: its Python group (the default), then its native backend
+    (PYDATACOPY_DISTRIBUTED_NATIVE=1); every test runs on both."""
+    with native.requested_as(request.param == "native"):
         g = dist.new_group(backend="pydatacopy")
-    finally:
-        if before is None:
-            os.environ.pop(native.FORCE_PYTHON_VARIABLE)
-        else:
-            os.environ[native.FORCE_PYTHON_VARIABLE] = before
     _IMPLEMENTATION[g] = request.param
     yield g
 

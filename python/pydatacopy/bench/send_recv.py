@@ -10,7 +10,6 @@ Where the forced rows cross is where the defaults belong."""
 from __future__ import annotations
 
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -134,7 +133,7 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
     calls back to back, the host out of the way). Checked afterwards with fresh data into a
     cleared destination."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
-    backend, python_backend = _distributed_group(), _distributed_group(python=True)
+    backend, native_backend = _distributed_group(), _distributed_group(native=True)
     null, cpp_null = _null_group(), _cpp_null_group()
     stream = torch.cuda.current_stream().cuda_stream
     sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
@@ -153,9 +152,10 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
             # nothing (its check: the destination stays as cleared).
             "dist.send | dist.recv": ((lambda: dist.send(src, peer, group=backend)) if me == 0
                                       else (lambda: dist.recv(dst, peer, group=backend))),
-            # The same on the backend's Python group (where the native one cannot be built).
-            "Python group: dist.send | dist.recv": ((lambda: dist.send(src, peer, group=python_backend)) if me == 0
-                                                   else (lambda: dist.recv(dst, peer, group=python_backend))),
+            # The same on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1).
+            "native backend: dist.send | dist.recv": (
+                (lambda: dist.send(src, peer, group=native_backend)) if me == 0
+                else (lambda: dist.recv(dst, peer, group=native_backend))),
             "torch.distributed alone: dist.send | dist.recv": (
                 (lambda: dist.send(src, peer, group=null)) if me == 0 else (lambda: dist.recv(dst, peer, group=null))),
         }
@@ -372,24 +372,17 @@ def _cpp_null_group():
     return _cpp_null_backend_group
 
 
-def _distributed_group(python: bool = False):
+def _distributed_group(native: bool = False):
     """A group of every rank on the pydatacopy torch.distributed backend (issue 38), made once,
-    collectively, the first time the row runs; it shares this process's runtime. The backend's
-    default (native where it builds), or with python=True its Python group."""
-    if python not in _backend_groups:
+    collectively, the first time the row runs; it shares this process's runtime. Its Python group
+    (the default), or with native=True its native backend."""
+    if native not in _backend_groups:
         import pydatacopy.distributed  # noqa: F401 - registers the backend
-        from pydatacopy.distributed import native
+        from pydatacopy.distributed import native as _native
 
-        before = os.environ.get(native.FORCE_PYTHON_VARIABLE)
-        os.environ[native.FORCE_PYTHON_VARIABLE] = "1" if python else "0"
-        try:
-            _backend_groups[python] = dist.new_group(backend="pydatacopy")
-        finally:
-            if before is None:
-                del os.environ[native.FORCE_PYTHON_VARIABLE]
-            else:
-                os.environ[native.FORCE_PYTHON_VARIABLE] = before
-    return _backend_groups[python]
+        with _native.requested_as(native):
+            _backend_groups[native] = dist.new_group(backend="pydatacopy")
+    return _backend_groups[native]
 
 
 def sendrecv_distributed(sweep):

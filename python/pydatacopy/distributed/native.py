@@ -8,8 +8,11 @@ in an isolated environment without the torch it will run with. So the backend sh
 is built against the installed torch when a group is first made on the backend, once per torch
 and pydatacopy version (torch.utils.cpp_extension; about 20 s with g++; cached in torch's
 extensions directory, TORCH_EXTENSIONS_DIR). It needs a C++ compiler and ninja (a dependency).
-Where it cannot be built, or with PYDATACOPY_DISTRIBUTED_PYTHON=1, the group is the Python one
-(backend.py, work.py): the same semantics, about 6 us more host time a call.
+
+Opt-in for now: PYDATACOPY_DISTRIBUTED_NATIVE=1 asks for it. It has been built on the GPU machine
+and tested on the CPU against a fake device, not yet run on a GPU; until it has, groups are the
+Python process group by default (backend.py, work.py: the same semantics, about 6 us more host
+time a call), as they are wherever it cannot be built.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ from .. import _C
 from ..runtime import settings as _settings
 from . import work as _work
 
-#: 1: the Python process group even where the native backend builds (tests, comparisons).
-FORCE_PYTHON_VARIABLE = "PYDATACOPY_DISTRIBUTED_PYTHON"
+#: 1: groups made on the backend use the native backend where it builds (0 or unset: the Python group).
+NATIVE_VARIABLE = "PYDATACOPY_DISTRIBUTED_NATIVE"
 
 _PACKAGE = Path(_C.__file__).resolve().parent
 _SOURCE = _PACKAGE / "torch_backend" / "backend.cpp"
@@ -47,9 +50,25 @@ _module: ModuleType | None = None
 _failure: str | None = None  # why it could not be built (said once, kept for doctor)
 
 
-def forced_python(environ=os.environ) -> bool:
-    return _settings.parse_switch(environ.get(FORCE_PYTHON_VARIABLE, ""), FORCE_PYTHON_VARIABLE,
-                                  "1 makes the torch.distributed backend's groups Python process groups")
+def requested(environ=os.environ) -> bool:
+    """Whether groups made now use the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1)."""
+    return _settings.parse_switch(environ.get(NATIVE_VARIABLE, ""), NATIVE_VARIABLE,
+                                  "1 makes the torch.distributed backend's groups native where it builds")
+
+
+@contextlib.contextmanager
+def requested_as(native: bool):
+    """Groups made inside use the native backend (True) or the Python group (False) - the bench
+    and the GPU tests make one of each."""
+    before = os.environ.get(NATIVE_VARIABLE)
+    os.environ[NATIVE_VARIABLE] = "1" if native else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[NATIVE_VARIABLE]
+        else:
+            os.environ[NATIVE_VARIABLE] = before
 
 
 def _name() -> str:
@@ -121,9 +140,9 @@ def _build() -> ModuleType:
 
 def load() -> ModuleType | None:
     """The native backend module, built on first use; None where it cannot be built (the reason
-    is warned once and kept in failure()) or PYDATACOPY_DISTRIBUTED_PYTHON=1."""
+    is warned once and kept in failure()) or not requested (PYDATACOPY_DISTRIBUTED_NATIVE)."""
     global _module, _failure
-    if forced_python():
+    if not requested():
         return None
     with _lock:
         if _module is None and _failure is None:
