@@ -190,6 +190,8 @@ def test_a_refused_launch_reaches_every_work_of_the_batch(native, device):
         recv.wait()
     with pytest.raises(pydatacopy.Error, match="timed out earlier"):
         recv.result()
+    with pytest.raises(pydatacopy.Error, match="timed out earlier"):
+        send.get_future().wait()  # the same exception type through torch's future
     later = _op(backend, True, 1)  # the next batch is launched again
     later.wait()
     assert len(device.launches) == 2

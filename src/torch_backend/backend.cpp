@@ -20,6 +20,7 @@
 // the backend comes. The queue is the calling thread's, shared by every group of the process.
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/pybind.h>
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
@@ -76,6 +77,19 @@ const std::string& message(const char* key) {
   throw py::error_already_set();
 }
 [[noreturn]] void raise(const std::string& text) { raise(Failure{PYDATACOPY_ERROR, text}); }
+
+bool python_alive();
+
+// A refusal as an exception_ptr that torch's bindings raise as the Python exception it was
+// (a failed Work's future, exception()): pydatacopy.Error or TimeoutError, not a RuntimeError.
+std::exception_ptr as_exception(const Failure& failure) {
+  if (!python_alive()) return std::make_exception_ptr(std::runtime_error(failure.message));
+  py::gil_scoped_acquire gil;
+  PyErr_SetString(failure.status == PYDATACOPY_TIMEOUT ? g_timeout_error : g_error, failure.message.c_str());
+  ::python_error error;  // torch/csrc/Exceptions.h
+  error.persist();
+  return std::make_exception_ptr(std::move(error));
+}
 
 bool python_alive() {
 #if PY_VERSION_HEX >= 0x030D0000
@@ -387,9 +401,12 @@ class P2PWork final : public c10d::Work {
   }
 
   std::exception_ptr exception() const override {
-    std::lock_guard<std::mutex> lock(batch_->mutex);
-    if (!batch_->failure) return nullptr;
-    return std::make_exception_ptr(std::runtime_error(batch_->failure->message));
+    std::optional<Failure> failure;
+    {
+      std::lock_guard<std::mutex> lock(batch_->mutex);
+      failure = batch_->failure;
+    }
+    return failure ? as_exception(*failure) : nullptr;
   }
 
   int sourceRank() const override { raise(message("no_source_rank")); }
@@ -412,7 +429,7 @@ class P2PWork final : public c10d::Work {
       failure = batch_->failure;
     }
     if (failure) {
-      future->setError(std::make_exception_ptr(std::runtime_error(failure->message)));
+      future->setError(as_exception(*failure));
       return future;
     }
     const c10::StreamGuard on_batch_stream(batch_->stream);
