@@ -385,11 +385,12 @@ def _distributed_group(native: bool = False):
     return _backend_groups[native]
 
 
-def sendrecv_distributed(sweep):
+def sendrecv_distributed(sweep, native: bool = False):
     """The default path through torch.distributed's API on the pydatacopy backend: dist.send /
     dist.recv one way, batch_isend_irecv with both waits both ways; what a user's unchanged
-    torch.distributed code costs beside the direct calls (the `default` row) of the same run."""
-    group = _distributed_group()
+    torch.distributed code costs beside the direct calls (the `default` row) of the same run.
+    native=True: the same on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1)."""
+    group = _distributed_group(native)
 
     def run():
         if sweep.both:
