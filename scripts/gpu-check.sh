@@ -144,8 +144,8 @@ has() { [[ " $1 " == *" $2 "* ]]; }
 case "$PART" in
   quick) STEPS="gpu2-tests gpu2-tests-rma n-pes distributed" ;;
   a) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma n-pes distributed note-test stress stress-rma stress-rma-async" ;;
-  b) STEPS="hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
-  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma gpu2-tests-expandable n-pes distributed note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
+  b) STEPS="hostile kill-ring kill-moe kill-distributed torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
+  all) STEPS="cpu-tests doctor gpu2-tests gpu2-tests-rma gpu2-tests-expandable n-pes distributed note-test stress stress-rma stress-rma-async hostile kill-ring kill-moe kill-distributed torch-order ucx-check kill-check netns-check sanitizers bench bench-moe" ;;
 esac
 # On one GPU the stress runs are cut by time (fewer rounds), so that a part fits one call.
 if [ "$ONE_GPU" = 1 ]; then
@@ -296,6 +296,13 @@ if has "$STEPS" kill-moe; then  # 4 processes of its own, one killed during MoE 
   step kill-moe env $(pes 4) timeout 240 $PY tests/stress/kill_moe.py
   shared_mps stop
 fi
+if has "$STEPS" kill-distributed; then  # the same through torch.distributed's all_to_all_single (issue 38)
+  shared_mps start
+  # shellcheck disable=SC2046  # pes prints NAME=VALUE words for env
+  step kill-distributed bash -c "env $(pes 4) timeout 200 $PY tests/stress/kill_moe.py --workload distributed --timeout 15 && \
+    env $(pes 4) timeout 200 $PY tests/stress/kill_moe.py --workload distributed-native --timeout 15"
+  shared_mps stop
+fi
 has "$STEPS" torch-order && step torch-order timeout 400 $PY tests/stress/torch_order_check.py
 has "$STEPS" ucx-check && step ucx-check timeout 200 $PY tests/stress/ucx_check.py
 if has "$STEPS" kill-check; then
@@ -416,6 +423,7 @@ for compare in bench-compare bench-moe-compare; do
   [ -s "$OUT/$compare.md" ] && { echo "--- $compare (BEFORE=${BEFORE:-} BEFORE_MOE=$BEFORE_MOE)"; cat "$OUT/$compare.md"; }
 done
 grep -h "^kill-moe" "$OUT/kill-moe.log" 2>/dev/null | tail -n 4
+grep -h "^kill-distributed" "$OUT/kill-distributed.log" 2>/dev/null | tail -n 4
 for f in control server; do  # MPS's own logs, for a client it refused
   [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
 done

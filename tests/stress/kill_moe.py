@@ -1,4 +1,11 @@
 """A PE killed during MoE dispatch/combine: python tests/stress/kill_moe.py [--timeout 5] [--scenario all]
+[--workload moe]
+
+--workload distributed (or distributed-native: PYDATACOPY_DISTRIBUTED_NATIVE=1): the same with
+torch.distributed's all_to_all_single on a default group on "cpu:gloo,cuda:pydatacopy" (issue 38:
+a dead peer gives an error from the calls within the group's timeout, never a hang), started by
+init_process_group(timeout=T) instead of pydatacopy.init(); the exit scenario only (a group's
+calls all take the group's timeout, so the dying PE cannot be given a longer one).
 
 Starts WORLD=4 worker processes itself (torch.distributed over gloo through a file:// store,
 then pydatacopy.init()); devices as tests/stress/kill_ring.py places them
@@ -52,28 +59,27 @@ def _worker() -> int:
 
     rank = int(os.environ["RANK"])
     scenario, timeout = os.environ["KILL_MOE_SCENARIO"], float(os.environ["KILL_MOE_TIMEOUT"])
-    go_file = os.environ["KILL_MOE_GO"]
+    go_file, workload = os.environ["KILL_MOE_GO"], os.environ["KILL_MOE_WORKLOAD"]
     device = rank // int(os.environ["PYDATACOPY_RANKS_PER_GPU"])
-    dist.init_process_group("gloo", init_method="file://" + os.environ["KILL_MOE_STORE"], rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=180))
-    pydatacopy.init(device=device)
-    moe = pydatacopy.MoeDispatcher(EXPERTS_PER_PE * WORLD, HIDDEN, TOPK, TOKENS, torch.bfloat16)
-    generator = torch.Generator(device="cuda").manual_seed(rank)
-    x = torch.randn(TOKENS, HIDDEN, device="cuda", generator=generator).to(torch.bfloat16)
-    ids = torch.rand(TOKENS, EXPERTS_PER_PE * WORLD, device="cuda", generator=generator).topk(TOPK, 1).indices
-    weights = torch.rand(TOKENS, TOPK, device="cuda", generator=generator)
+    store = "file://" + os.environ["KILL_MOE_STORE"]
+    if workload == "moe":
+        dist.init_process_group("gloo", init_method=store, rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=180))
+        pydatacopy.init(device=device)
+        layer, ok = _moe_layer(rank)
+    else:
+        import pydatacopy.distributed  # noqa: F401 - registers the backend
 
-    def layer(t):
-        recv_x, handle = moe.dispatch(x, ids, timeout=t)
-        return moe.combine(recv_x.clone(), handle, weights, timeout=t)
+        torch.cuda.set_device(device)
+        # The group's timeout is its calls' (and gloo's, unused after round 1).
+        dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=store, rank=rank, world_size=WORLD,
+                                timeout=datetime.timedelta(seconds=timeout))
+        layer, ok = _all_to_all_layer(rank)
 
     out = layer(timeout)
     torch.cuda.synchronize()
     pydatacopy.check_errors()
-    want = torch.zeros(TOKENS, HIDDEN, device="cuda")
-    for k in range(TOPK):
-        want = want + weights[:, k:k + 1] * x.float()
-    _emit("round1", ok=bool(torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))))
+    _emit("round1", ok=ok(out))
     dist.barrier()  # gloo is not used after this
 
     if rank == DEAD:
@@ -106,12 +112,68 @@ def _worker() -> int:
     _emit("again", seconds=time.time() - began, **again)
     began = time.time()
     try:
+        if workload != "moe":
+            dist.destroy_process_group()  # what a user's code does first
         pydatacopy.finalize()
         fin = {"error": None, "kind": None}
     except BaseException as error:  # noqa: BLE001
         fin = {"error": str(error)[:400], "kind": type(error).__name__}
     _emit("finalize", seconds=time.time() - began, **fin)
     return 0
+
+
+def _moe_layer(rank: int):
+    """Dispatch + combine through an identity expert, and its check bit for bit: out[t] = sum_k
+    w[t, k] * x[t] in float32, k in order."""
+    import torch
+
+    import pydatacopy
+
+    moe = pydatacopy.MoeDispatcher(EXPERTS_PER_PE * WORLD, HIDDEN, TOPK, TOKENS, torch.bfloat16)
+    generator = torch.Generator(device="cuda").manual_seed(rank)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", generator=generator).to(torch.bfloat16)
+    ids = torch.rand(TOKENS, EXPERTS_PER_PE * WORLD, device="cuda", generator=generator).topk(TOPK, 1).indices
+    weights = torch.rand(TOKENS, TOPK, device="cuda", generator=generator)
+
+    def layer(t):
+        recv_x, handle = moe.dispatch(x, ids, timeout=t)
+        return moe.combine(recv_x.clone(), handle, weights, timeout=t)
+
+    def ok(out) -> bool:
+        want = torch.zeros(TOKENS, HIDDEN, device="cuda")
+        for k in range(TOPK):
+            want = want + weights[:, k:k + 1] * x.float()
+        return bool(torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)))
+
+    return layer, ok
+
+
+def _all_to_all_layer(rank: int):
+    """torch.distributed's all_to_all_single of TOKENS rows to every rank (every rank exchanges with
+    every other, so every survivor meets the dead PE), waited with a bound on the host; its check:
+    the rows from rank s are s's, bit for bit. The group's timeout is the calls' (the argument is
+    moe's per-call one)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    def rows(source: int, dest: int):
+        return torch.arange(TOKENS * HIDDEN, device="cuda", dtype=torch.float32).view(TOKENS, HIDDEN) + \
+            1000.0 * source + 10.0 * dest
+
+    send = torch.cat([rows(rank, d) for d in range(WORLD)])
+
+    def layer(t):
+        out = torch.zeros_like(send)
+        work = dist.all_to_all_single(out, send, async_op=True)
+        work.wait(datetime.timedelta(seconds=3 * t + 30))  # the GPU done (or given up), then its errors
+        return out
+
+    def ok(out) -> bool:
+        return bool(torch.equal(out, torch.cat([rows(s, rank) for s in range(WORLD)])))
+
+    return layer, ok
 
 
 def _ranks_per_gpu() -> int:
@@ -126,7 +188,7 @@ def _ranks_per_gpu() -> int:
     return math.ceil(WORLD / gpus)
 
 
-def run_scenario(scenario: str, timeout: float) -> tuple[str, list[str]]:
+def run_scenario(scenario: str, timeout: float, workload: str = "moe") -> tuple[str, list[str]]:
     k = _ranks_per_gpu()
     one_gpu = k >= WORLD
     work = tempfile.mkdtemp(prefix="kill-moe-")
@@ -138,7 +200,8 @@ def run_scenario(scenario: str, timeout: float) -> tuple[str, list[str]]:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(WORLD), PYDATACOPY_RANKS_PER_GPU=str(k),
                    PYDATACOPY_TIMEOUT_S=str(timeout), KILL_MOE_SCENARIO=scenario,
-                   KILL_MOE_TIMEOUT=str(timeout), KILL_MOE_GO=go_file,
+                   KILL_MOE_TIMEOUT=str(timeout), KILL_MOE_GO=go_file, KILL_MOE_WORKLOAD=workload,
+                   PYDATACOPY_DISTRIBUTED_NATIVE="1" if workload == "distributed-native" else "0",
                    KILL_MOE_STORE=os.path.join(work, "store"))
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker"], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -226,12 +289,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--scenario", choices=["exit", "sigkill", "all"], default="all")
+    parser.add_argument("--workload", choices=["moe", "distributed", "distributed-native"], default="moe")
     args = parser.parse_args()
+    if args.workload != "moe" and args.scenario == "sigkill":
+        parser.error("the distributed workloads have the exit scenario only")
+    scenarios = ["exit", "sigkill"] if args.scenario == "all" else [args.scenario]
+    if args.workload != "moe":
+        scenarios = ["exit"]
     failed = False
-    for scenario in (["exit", "sigkill"] if args.scenario == "all" else [args.scenario]):
+    for scenario in scenarios:
         began = time.time()
-        verdict, reasons = run_scenario(scenario, args.timeout)
-        print(f"kill-moe {scenario}: {verdict} ({time.time() - began:.0f} s)", flush=True)
+        verdict, reasons = run_scenario(scenario, args.timeout, args.workload)
+        name = "kill-moe" if args.workload == "moe" else f"kill-{args.workload}"
+        print(f"{name} {scenario}: {verdict} ({time.time() - began:.0f} s)", flush=True)
         for reason in reasons:
             print(f"  {reason}", flush=True)
         failed = failed or verdict == "FAIL"
