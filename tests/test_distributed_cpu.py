@@ -6,6 +6,7 @@ NVSHMEM for the backend. The CUDA paths are tests/gpu/test_distributed.py."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -280,6 +281,30 @@ def test_a_batch_waited_on_another_thread_takes_no_more_operations(fake_cuda):
     late = _queue(False, 1)
     late.wait()
     assert fake_cuda.launches == [(11, [(True, 1)]), (11, [(False, 1)])]
+
+
+class _SlowPointer(torch.Tensor):
+    """A tensor whose data_ptr() lets other threads run for a while (Python code that sleeps or
+    does I/O releases the GIL): the window in which another thread may launch the batch."""
+
+    def data_ptr(self) -> int:
+        time.sleep(0.1)
+        return super().data_ptr()
+
+
+def test_an_operation_queued_while_another_thread_launches_is_never_lost(fake_cuda):
+    """Another thread waits on (so launches) the batch while this one is queueing into it: the
+    new operation goes to a batch of its own and is launched at its wait, never appended to the
+    launched one and lost (its peer would wait for it until the timeout)."""
+    from pydatacopy.distributed import work
+
+    first = _queue(True, 1)
+    waiter = threading.Timer(0.02, first.wait)
+    waiter.start()
+    second = work.queue(False, torch.zeros(16, dtype=torch.uint8).as_subclass(_SlowPointer), 2, 30.0)
+    waiter.join(10)
+    second.wait()
+    assert fake_cuda.launches == [(11, [(True, 1)]), (11, [(False, 2)])]
 
 
 def test_more_than_a_group_queued_without_a_wait_is_refused(fake_cuda):

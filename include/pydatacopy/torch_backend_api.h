@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised by the backend's version check: a table of another layout is refused. */
-#define PYDATACOPY_TORCH_BACKEND_API_VERSION 1
+#define PYDATACOPY_TORCH_BACKEND_API_VERSION 2
 #define PYDATACOPY_TORCH_BACKEND_API_CAPSULE "pydatacopy._C.torch_backend_api"
 
 /* A call's outcome: its Python exception type (pydatacopy.Error, pydatacopy.TimeoutError). */

@@ -4,7 +4,8 @@
 #include "bindings.hpp"
 
 #include <algorithm>
-#include <atomic>
+#include <mutex>
+#include <shared_mutex>
 #include <cstring>
 #include <vector>
 
@@ -20,14 +21,16 @@ namespace {
 
 // The engine pydatacopy.send uses (send_recv.py's setup_send_recv/teardown_send_recv set it, with
 // the GIL): a backend's group made before a setup_send_recv() launches on the new one.
+// Launches hold the lock shared; the swap holds it alone, so an engine is never freed under a
+// launch (the setter holds the GIL while it waits: the readers never take the GIL).
 PyObject* g_engine_owner = nullptr;  // a strong reference, left at exit
-std::atomic<SendRecvEngine*> g_engine{nullptr};
+SendRecvEngine* g_engine = nullptr;
+std::shared_mutex g_engine_mutex;
 
 SendRecvEngine& current_engine() {
-  SendRecvEngine* engine = g_engine.load();
-  PDC_REQUIRE(engine != nullptr, "send/recv staging is not set up: pydatacopy.init()/init_nvshmem() do it, "
-                                 "or call pydatacopy.setup_send_recv() on every PE");
-  return *engine;
+  PDC_REQUIRE(g_engine != nullptr, "send/recv staging is not set up: pydatacopy.init()/init_nvshmem() do it, "
+                                   "or call pydatacopy.setup_send_recv() on every PE");
+  return *g_engine;
 }
 
 int fail(int status, const char* what, char* message, std::size_t message_bytes) {
@@ -57,6 +60,7 @@ int as_status(Work&& work, char* message, std::size_t message_bytes) noexcept {
 int launch(const pydatacopy_p2p_op* ops, int count, void* stream, double timeout_s, char* message,
            std::size_t message_bytes) {
   return as_status([&] {
+    std::shared_lock<std::shared_mutex> engine_in_use(g_engine_mutex);
     SendRecvEngine& sender = current_engine();
     const cudaStream_t on = static_cast<cudaStream_t>(stream);
     if (count == 1) {  // the engine's one-op path, as pydatacopy.send/recv take it
@@ -81,7 +85,8 @@ int device_errors(char* message, std::size_t message_bytes) {
 
 int check_errors(char* message, std::size_t message_bytes) {
   return as_status([&] {  // the order of pydatacopy.check_errors()
-    SendRecvEngine* sender = g_engine.load();
+    std::shared_lock<std::shared_mutex> engine_in_use(g_engine_mutex);
+    SendRecvEngine* sender = g_engine;
     if (sender != nullptr && sender->initialized()) sender->service_zero_copy();
     check_device_errors();
     if (sender != nullptr && sender->initialized()) sender->check_refusals();
@@ -112,8 +117,11 @@ void bind_torch_backend_api(py::module_& m) {
   m.def("set_current_engine", [](py::object engine) {
           SendRecvEngine* pointer = engine.is_none() ? nullptr : engine.cast<SendRecvEngine*>();
           PyObject* previous = g_engine_owner;
-          g_engine_owner = engine.is_none() ? nullptr : engine.inc_ref().ptr();
-          g_engine.store(pointer);
+          {
+            std::unique_lock<std::shared_mutex> swap(g_engine_mutex);
+            g_engine_owner = engine.is_none() ? nullptr : engine.inc_ref().ptr();
+            g_engine = pointer;
+          }
           Py_XDECREF(previous);
         }, py::arg("engine"),
         "the engine the torch.distributed backend launches on (None: none); send_recv.py sets it");

@@ -186,9 +186,8 @@ class CudaDevice final : public Device {
       int symmetric = 0;
       check(api_->is_symmetric(storage.data(), &symmetric, text_, sizeof text_));
       if (symmetric || storage.nbytes() == 0) continue;
-      at::Tensor whole = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(storage.device()));
-      whole.set_(storage);
-      whole.record_stream(stream);
+      // The allocator's own record (what Tensor.record_stream does), without a dispatch.
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->recordDataPtrOnStream(storage.data_ptr(), stream);
     }
   }
   std::shared_ptr<Completion> completion_after(const c10::Stream& stream) override {
@@ -342,6 +341,9 @@ auto raising(Call&& call) -> decltype(call()) {
   }
 }
 
+// Longer bounded waits are taken as this long: a deadline past it would overflow the clock.
+constexpr std::chrono::milliseconds kLongestWait = std::chrono::hours(24 * 365 * 100);
+
 std::string seconds(std::chrono::milliseconds duration) {
   char text[32];
   std::snprintf(text, sizeof text, "%g", duration.count() / 1000.0);
@@ -368,7 +370,7 @@ class P2PWork final : public c10d::Work {
     if (timeout.count() > 0 && !raising([&] { return device.capturing(); })) {
       // A bounded wait asked for: the host waits for the GPU, at most `timeout`.
       const auto done = raising([&] { return completion(batch_); });
-      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      const auto deadline = std::chrono::steady_clock::now() + std::min(timeout, kLongestWait);
       while (!raising([&] { return done->query(); })) {
         if (std::chrono::steady_clock::now() > deadline)
           raise(Failure{PYDATACOPY_TIMEOUT, message("wait_timed_out") + " (" + seconds(timeout) + " s)"});
@@ -478,6 +480,7 @@ class AllOfWork final : public c10d::Work {
   }
   bool wait(std::chrono::milliseconds timeout) override {
     // One deadline for all the parts (0: no bound, NCCL's default).
+    timeout = std::min(timeout, kLongestWait);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     for (auto& part : parts_) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
@@ -488,7 +491,9 @@ class AllOfWork final : public c10d::Work {
   void synchronize() override {
     for (auto& part : parts_) part->synchronize();
   }
-  void blockCurrentStream() override { wait(std::chrono::milliseconds(0)); }
+  void blockCurrentStream() override {
+    for (auto& part : parts_) part->blockCurrentStream();
+  }
   std::exception_ptr exception() const override {
     for (const auto& part : parts_)
       if (auto error = part->exception()) return error;

@@ -56,7 +56,9 @@ def test_registered_group_is_the_backend(group, world):
         assert isinstance(group, ProcessGroupPydatacopy), type(group)
     else:
         cuda = group._get_backend(torch.device("cuda"))
-        assert isinstance(cuda, native.load().Backend), (type(cuda), native.failure())
+        with native.requested_as(True):
+            module = native.load()
+        assert isinstance(cuda, module.Backend), (type(cuda), native.failure())
         assert cuda.pes == list(range(dist.get_world_size()))
 
 

@@ -108,13 +108,18 @@ def _build_lock(where: Path):
 def _ninja_on_path():
     """ninja from the environment's scripts folder, where pip put it, when it is not on PATH."""
     scripts = sysconfig.get_path("scripts")
-    before = os.environ.get("PATH", "")
-    if shutil.which("ninja") is None and scripts:
-        os.environ["PATH"] = scripts + os.pathsep + before
+    if shutil.which("ninja") is not None or not scripts:
+        yield
+        return
+    before = os.environ.get("PATH")
+    os.environ["PATH"] = scripts + (os.pathsep + before if before else "")
     try:
         yield
     finally:
-        os.environ["PATH"] = before
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 def _build() -> ModuleType:

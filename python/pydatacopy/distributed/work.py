@@ -160,24 +160,37 @@ def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2
     device = tensor.get_device()
     stream = _current_stream(device)
     capturing = _capturing()
+    # What the operation records, read before the lock (data_ptr may run Python: a subclass).
+    op, storage = (is_send, tensor.data_ptr(), tensor.nbytes, pe), tensor.untyped_storage()
     batch = _queue.batch
-    if batch is not None and not batch.launched and batch.stream == stream and capturing and not batch.captured:
-        # Launched now it would enter the capture; launched later, after it: never in order.
-        batch.launched, batch.error, _queue.batch = True, Error(MESSAGES["pending_at_capture"]), None
-        raise batch.error
-    if batch is not None and (batch.launched or batch.stream != stream or batch.captured != capturing):
+    if batch is not None:
+        refusal = None
+        with _launch_lock:  # a Work of this batch waited on another thread may launch it meanwhile
+            pending = not batch.launched and batch.stream == stream
+            if pending and capturing and not batch.captured:
+                # Launched now it would enter the capture; launched later, after it: never in order.
+                batch.launched, batch.error, _queue.batch = True, Error(MESSAGES["pending_at_capture"]), None
+                refusal = batch.error
+            elif pending and batch.captured == capturing:
+                if len(batch.ops) >= _MAX_OPS:
+                    refusal = Error(MESSAGES["too_many_queued"])
+                else:
+                    _append(batch, op, tensor, storage, timeout_s)
+                    return P2PWork(batch, tensor)
+        if refusal is not None:
+            raise refusal
         batch.launch()  # on its own stream (a captured one that its capture left is refused there)
-        batch = None
-    if batch is not None and len(batch.ops) >= _MAX_OPS:
-        raise Error(MESSAGES["too_many_queued"])
-    if batch is None:
-        batch = _queue.batch = _Batch(stream, device, timeout_s, capturing)
-    batch.ops.append((is_send, tensor.data_ptr(), tensor.nbytes, pe))
+    batch = _queue.batch = _Batch(stream, device, timeout_s, capturing)
+    _append(batch, op, tensor, storage, timeout_s)
+    return P2PWork(batch, tensor)
+
+
+def _append(batch: _Batch, op: tuple, tensor: torch.Tensor, storage, timeout_s: float) -> None:
+    batch.ops.append(op)
     batch.tensors.append(tensor)
-    batch.storages.append(tensor.untyped_storage())
+    batch.storages.append(storage)
     if timeout_s > batch.timeout_s:
         batch.timeout_s = timeout_s
-    return P2PWork(batch, tensor)
 
 
 class P2PWork(dist.Work):
