@@ -4,7 +4,9 @@ pydatacopy, and whose CPU tensors go to a gloo group made from the same store.
 
 torch.distributed (2.11 on) takes a Python backend only as a whole ProcessGroup (its Backend has
 no Python constructor there), which then replaces the group on every device: so CPU tensors are
-delegated to gloo here, and "cpu:gloo,cuda:pydatacopy" keeps gloo's CPU semantics.
+delegated to gloo here, and "cpu:gloo,cuda:pydatacopy" keeps gloo's CPU semantics. With
+PYDATACOPY_DISTRIBUTED_NATIVE=1 the creator returns the native c10d::Backend instead (native.py),
+torch keeps its own group around it, and this class serves it as its delegate.
 """
 
 from __future__ import annotations
@@ -74,9 +76,10 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     """One torch.distributed group on the pydatacopy backend (made by torch through
     register_backend; see pydatacopy.distributed).
 
-    Two roles: torch's group itself when the native backend cannot be built (its queue is
-    work.py's), or the native backend's delegate (native.py), which calls it for what is not the
-    hot path (refusals, all_to_all_single, barrier) with the native queue as `queue`."""
+    Two roles: torch's group itself (the default, and wherever the native backend cannot be
+    built; its queue is work.py's), or the native backend's delegate (native.py,
+    PYDATACOPY_DISTRIBUTED_NATIVE=1), which calls it for what is not the hot path (refusals,
+    all_to_all_single, barrier, CPU tensors) with the native queue as `queue`."""
 
     # batch_isend_irecv asks this of the group's backend (torch 2.12 on): the backend coalesces
     # by itself (work.py), not through torch's coalescing manager.
@@ -232,9 +235,10 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
             for shift in shifts[first:first + per_batch]:
                 to, source = (me + shift) % self._size, (me - shift) % self._size
                 self._queue.queue(True, flat_in[send_at[to]:send_at[to] + send_rows[to] * send_row_bytes],
-                            self._pes[to], self._timeout_s)
-                last = self._queue.queue(False, flat_out[recv_at[source]:recv_at[source] + recv_rows[source] * recv_row_bytes],
-                                   self._pes[source], self._timeout_s)
+                                  self._pes[to], self._timeout_s)
+                last = self._queue.queue(
+                    False, flat_out[recv_at[source]:recv_at[source] + recv_rows[source] * recv_row_bytes],
+                    self._pes[source], self._timeout_s)
             last.result()  # launches this batch; raises a refusal at once
         return self._queue.batch_work(last, output) if last is not None else self._queue.done_work([output])
 
