@@ -304,11 +304,16 @@ def test_what_is_not_the_hot_path_goes_to_the_python_group(native, device):
     backend.barrier(dist.BarrierOptions())
     backend.set_timeout(timedelta(seconds=7))
     backend.allreduce([t], dist.AllreduceOptions())
+    backend.monitored_barrier(timedelta(seconds=3), True)
     assert delegate.calls == [("send", "list", 7, 0), ("recv", "list", 0, 0), ("send", "list", 1, 0),
                               ("send", "list", 1, 0), ("recv_anysource", "list", 0),
                               ("alltoall_base", "Tensor", "Tensor", "list", "list", "AllToAllOptions"),
                               ("barrier", "BarrierOptions"), ("set_timeout", timedelta(seconds=7)),
-                              ("allreduce", "list", "AllreduceOptions")]
+                              ("allreduce", "list", "AllreduceOptions"),
+                              ("monitored_barrier", timedelta(seconds=3), True)]
+    if hasattr(backend, "gather_single"):  # torch 2.14 on: its single-tensor gather
+        backend.gather_single(t, t, dist.GatherOptions())
+        assert delegate.calls[-1] == ("gather_into_tensor", "Tensor", "Tensor", "GatherOptions")
     assert device.launches == []
     _op(backend, True, 1).wait()
     assert device.launches[0][2] == 7.0  # the new timeout reaches the launches

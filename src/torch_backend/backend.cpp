@@ -41,6 +41,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -593,11 +594,37 @@ int Queue::s_max_ops = 64;  // init() sets the core's
 
 // ---- the backend ------------------------------------------------------------------------------
 
-class Backend final : public c10d::Backend {
+// torch 2.14 added gather_into_tensor (and gather_single, which forwards to it) to c10d::Backend;
+// 2.11 has neither. The override exists where the virtual does: a base layer chosen by a trait.
+template <typename B, typename = void>
+struct HasGatherIntoTensor : std::false_type {};
+template <typename B>
+struct HasGatherIntoTensor<B, std::void_t<decltype(&B::gather_into_tensor)>> : std::true_type {};
+
+class DelegatingBackend : public c10d::Backend {
+ public:
+  using c10d::Backend::Backend;
+  virtual WorkPtr delegate_collective(const char* method, at::Tensor& output, at::Tensor& input,
+                                      const c10d::GatherOptions& opts) = 0;
+};
+
+template <typename Base, bool = HasGatherIntoTensor<c10d::Backend>::value>
+struct WithGatherIntoTensor : Base {
+  using Base::Base;
+};
+template <typename Base>
+struct WithGatherIntoTensor<Base, true> : Base {
+  using Base::Base;
+  WorkPtr gather_into_tensor(at::Tensor& output, at::Tensor& input, const c10d::GatherOptions& opts) override {
+    return this->delegate_collective("gather_into_tensor", output, input, opts);
+  }
+};
+
+class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
  public:
   Backend(int rank, int size, std::vector<int> pes, double timeout_s, std::shared_ptr<Device> device,
           py::handle delegate)
-      : c10d::Backend(rank, size),
+      : WithGatherIntoTensor<DelegatingBackend>(rank, size),
         pes_(std::move(pes)),
         timeout_s_(timeout_s),
         queue_(std::move(device)),
@@ -692,6 +719,14 @@ class Backend final : public c10d::Backend {
   PYDATACOPY_DELEGATE3(alltoall, std::vector<at::Tensor>&, std::vector<at::Tensor>&, const c10d::AllToAllOptions&)
 #undef PYDATACOPY_DELEGATE2
 #undef PYDATACOPY_DELEGATE3
+  WorkPtr delegate_collective(const char* method, at::Tensor& output, at::Tensor& input,
+                              const c10d::GatherOptions& opts) override {
+    return delegate(method, output, input, opts);
+  }
+  // A plain "pydatacopy" group's CPU side: gloo's (the Python group's), after this thread's queue.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    delegate("monitored_barrier", opts.timeout, wait_all_ranks);
+  }
 
   const std::vector<int>& pes() const { return pes_; }
   double timeout_s() const { return timeout_s_.load(); }
