@@ -8,13 +8,15 @@
 // (include/pydatacopy/torch_backend_api.h), so one NVSHMEM state and one send/recv engine serve
 // both this backend and pydatacopy.send/recv.
 //
+// Opt-in (PYDATACOPY_DISTRIBUTED_NATIVE=1) until it has run on a GPU.
+//
 // What is not the hot path is the Python group's (python/pydatacopy/distributed/backend.py, the
-// "delegate"): argument refusals and their texts, all_to_all_single, barrier, and the texts of the
-// collectives this backend refuses. Those call back into this module's Queue, so every send and
-// recv of the process goes through one queue.
+// "delegate"): argument refusals and their texts, all_to_all_single, barrier, every other
+// collective (gloo for CPU tensors, a refusal naming the alternative for CUDA ones). Those call
+// back into this module's Queue, so the sends and recvs of a group go through one queue.
 //
 // The queue (the rules of python/pydatacopy/distributed/work.py, which the Python group uses when
-// this module cannot be built): torch hands a backend one send()/recv() per operation; each is
+// it is not the delegate): torch hands a backend one send()/recv() per operation; each is
 // queued, and the queue is launched as one pydatacopy group (one kernel) when a Work's result is
 // first asked for, at the end of a coalesced batch (batch_isend_irecv), or when another call of
 // the backend comes. The queue is the calling thread's, shared by every group of the process.
@@ -645,7 +647,6 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
     return delegate("recv_anysource", tensors, tag);
   }
 
-  // batch_isend_irecv: one launch at the end of the batch.
   // batch_isend_irecv: one launch at the end of the batch; the batch's Work also covers what the
   // Python group issued in it (CPU tensors, through gloo).
   bool supportsCoalescing() const override { return true; }
