@@ -74,7 +74,8 @@ def requested_as(native: bool):
 def _name() -> str:
     """The extension's name: one per source, torch and Python build (torch's ABI changes with each)."""
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), _HEADER.read_bytes(), torch.__version__.encode(),
+    sources = [path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()) if path.is_file()]
+    for part in (*sources, _HEADER.read_bytes(), torch.__version__.encode(),
                  str(torch.version.git_version).encode(), sys.version.encode(), _C.__version__.encode(),
                  str(torch._C._GLIBCXX_USE_CXX11_ABI).encode()):
         key.update(part)
