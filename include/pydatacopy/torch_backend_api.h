@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised by the backend's version check: a table of another layout is refused. */
-#define PYDATACOPY_TORCH_BACKEND_API_VERSION 2
+#define PYDATACOPY_TORCH_BACKEND_API_VERSION 3
 #define PYDATACOPY_TORCH_BACKEND_API_CAPSULE "pydatacopy._C.torch_backend_api"
 
 /* A call's outcome: its Python exception type (pydatacopy.Error, pydatacopy.TimeoutError). */
@@ -31,7 +31,6 @@ typedef struct pydatacopy_p2p_op {
 
 typedef struct pydatacopy_torch_backend_api {
   int version;       /* PYDATACOPY_TORCH_BACKEND_API_VERSION */
-  int max_group_ops; /* operations one launch takes at most (settings::kMaxGroupOps) */
   /* Each returns a pydatacopy_status; on a failure, the message (NUL-terminated, cut to fit). */
   /* `ops` as one launch of this process's send/recv engine (the one pydatacopy.send uses, as
    * setup_send_recv() last made it) on `stream` (a cudaStream_t). */

@@ -11,7 +11,6 @@
 
 #include "pydatacopy/runtime.hpp"
 #include "pydatacopy/send_recv.hpp"
-#include "pydatacopy/settings.hpp"
 #include "pydatacopy/symmetric.hpp"
 #include "pydatacopy/torch_backend_api.h"
 
@@ -105,8 +104,8 @@ int symmetric(const void* address, int* is_in_heap, char* message, std::size_t m
   return as_status([&] { *is_in_heap = is_symmetric(address, 1); }, message, message_bytes);
 }
 
-const pydatacopy_torch_backend_api kApi = {PYDATACOPY_TORCH_BACKEND_API_VERSION, settings::kMaxGroupOps, &launch,
-                                           &device_errors, &check_errors, &stream_capturing, &symmetric};
+const pydatacopy_torch_backend_api kApi = {PYDATACOPY_TORCH_BACKEND_API_VERSION, &launch, &device_errors,
+                                           &check_errors, &stream_capturing, &symmetric};
 
 }  // namespace
 

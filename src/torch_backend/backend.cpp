@@ -379,7 +379,7 @@ class Queue {
 
   std::shared_ptr<Device> device_;
 };
-int Queue::s_max_ops = 64;  // init() sets the core's
+int Queue::s_max_ops = 0;  // init() sets the core's (pydatacopy._C.MAX_GROUP_OPS)
 
 // ---- the backend ------------------------------------------------------------------------------
 
@@ -562,7 +562,6 @@ std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule) {
     raise("pydatacopy.distributed: the backend extension was built for another pydatacopy._C (table version " +
           std::to_string(api->version) + ", expected " + std::to_string(PYDATACOPY_TORCH_BACKEND_API_VERSION) +
           "); remove its build cache (pydatacopy.distributed.native.cache_dir()) and import again");
-  Queue::s_max_ops = api->max_group_ops;
   return std::make_shared<CudaDevice>(index, api);
 }
 
@@ -571,11 +570,13 @@ std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pydatacopy::torch_backend;
   m.doc() = "pydatacopy's torch.distributed backend (private: pydatacopy.distributed uses it)";
-  m.def("init", [](py::object error, py::object timeout_error, std::map<std::string, std::string> messages) {
+  m.def("init", [](py::object error, py::object timeout_error, std::map<std::string, std::string> messages,
+                   int max_group_ops) {
     g_error = error.release().ptr();  // module lifetime
     g_timeout_error = timeout_error.release().ptr();
     g_messages = std::move(messages);
-  }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"));
+    Queue::s_max_ops = max_group_ops;
+  }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"), py::arg("max_group_ops"));
 
   py::class_<Device, std::shared_ptr<Device>>(m, "Device");
   m.def("cuda_device", &cuda_device, py::arg("index"), py::arg("api"),
@@ -600,8 +601,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("queue", &Queue::queue, py::arg("is_send"), py::arg("tensor"), py::arg("pe"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def_static("batch_work", &Queue::batch_work, py::arg("work"), py::arg("tensor"))
-      .def_static("done_work", &Queue::done_work, py::arg("result") = std::vector<at::Tensor>{})
-      .def_static("max_ops", &Queue::max_ops);
+      .def_static("done_work", &Queue::done_work, py::arg("result") = std::vector<at::Tensor>{});
 
   py::class_<Backend, c10d::Backend, c10::intrusive_ptr<Backend>>(m, "Backend")
       .def(py::init([](int rank, int size, std::vector<int> pes, double timeout_s, std::shared_ptr<Device> device,

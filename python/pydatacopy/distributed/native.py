@@ -154,7 +154,7 @@ def load() -> ModuleType | None:
         if _module is None and _failure is None:
             try:
                 module = _build()
-                module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES))
+                module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES), _C.MAX_GROUP_OPS)
                 atexit.register(module.Queue.discard)  # the main thread's queue, before Python goes
                 _module = module
             except Exception as error:  # noqa: BLE001 - any build failure falls back, said once
