@@ -248,13 +248,14 @@ if has "$STEPS" n-pes; then
 fi
 # The torch.distributed backend as its users start it: the default group on
 # "cpu:gloo,cuda:pydatacopy" (NVSHMEM started through the group's store), with 2 and N PEs, then
-# on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1) with 2 PEs.
+# on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1) with 2 and N PEs.
 if has "$STEPS" distributed; then
   shared_mps start
   # shellcheck disable=SC2046
   step distributed bash -c "env $(pes 2) timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
     env $(pes "$N_PES") timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py && \
-    env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py"
+    env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
+    env $(pes "$N_PES") PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py"
   shared_mps stop
 fi
 # The MoE tests with 8 PEs (12% of the SMs each on one GPU): asked for by name (ONLY="moe-8",
