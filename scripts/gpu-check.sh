@@ -195,11 +195,12 @@ has "$STEPS" cpu-tests && step cpu-tests env -u PYDATACOPY_RANKS_PER_GPU -u CUDA
   $PY -m pytest tests/test_runtime.py tests/test_network.py tests/test_doctor.py tests/test_double_buffer_cpu.py \
     tests/test_host_path.py tests/test_bad_inputs.py -q
 has "$STEPS" doctor && step doctor $PY -m pydatacopy.doctor
-# GPU_TEST_K: a pytest -k expression for the 2-PE suites, spaces allowed ("compat or moe").
+# GPU_TEST_K: a pytest -k expression for the 2-PE suites, spaces allowed ("compat or moe");
+# GPU_TEST_TIMEOUT: the gpu2-tests step's limit in seconds (420).
 K_ARGS=()
 [ -n "${GPU_TEST_K:-}" ] && K_ARGS=(-k "$GPU_TEST_K")
 if has "$STEPS" gpu2-tests; then
-  step gpu2-tests timeout 420 torchrun --nproc_per_node=2 $SUITE ${K_ARGS[@]+"${K_ARGS[@]}"} ${GPU_TEST_ARGS:-}
+  step gpu2-tests timeout ${GPU_TEST_TIMEOUT:-420} torchrun --nproc_per_node=2 $SUITE ${K_ARGS[@]+"${K_ARGS[@]}"} ${GPU_TEST_ARGS:-}
   # The same suite as if no peer were directly reachable: the NVSHMEM RMA path of a remote peer,
   # with every local address handed to NVSHMEM checked to be symmetric or registered.
   step gpu2-tests-rma env PYDATACOPY_FORCE_RMA=1 PYDATACOPY_CHECK_RMA=1 timeout 420 torchrun --nproc_per_node=2 $SUITE ${K_ARGS[@]+"${K_ARGS[@]}"} ${GPU_TEST_ARGS:-}
@@ -252,8 +253,8 @@ fi
 if has "$STEPS" distributed; then
   shared_mps start
   # shellcheck disable=SC2046
-  step distributed bash -c "env $(pes 2) timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
-    env $(pes "$N_PES") timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py && \
+  step distributed bash -c "env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=0 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
+    env $(pes "$N_PES") PYDATACOPY_DISTRIBUTED_NATIVE=0 timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py && \
     env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
     env $(pes "$N_PES") PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py"
   shared_mps stop

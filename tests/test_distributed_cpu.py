@@ -23,10 +23,10 @@ from pydatacopy.runtime import agreement as _agreement
 
 @pytest.fixture(autouse=True)
 def _python_groups(monkeypatch):
-    """This module tests the Python group (work.py's queue), the default;
-    tests/test_distributed_native_cpu.py tests the native one. The variable reaches the processes
-    the tests spawn."""
-    monkeypatch.delenv(_native.NATIVE_VARIABLE, raising=False)
+    """This module tests the Python group (work.py's queue; PYDATACOPY_DISTRIBUTED_NATIVE=0, the
+    default, said explicitly); tests/test_distributed_native_cpu.py tests the native one. The
+    variable reaches the processes the tests spawn."""
+    monkeypatch.setenv(_native.NATIVE_VARIABLE, "0")
 
 
 def test_import_registers_the_backend():
@@ -228,10 +228,12 @@ class _FakeCuda:
         self.stream, self.capturing, self.launches, self.fail_with = 11, False, [], None
         monkeypatch.setattr(work, "_current_stream", lambda device: self.stream)
         monkeypatch.setattr(work, "_capturing", lambda: self.capturing)
+        # Only the current stream captures, when the test says so.
+        monkeypatch.setattr(work, "_stream_capturing", lambda stream: self.capturing and stream == self.stream)
         monkeypatch.setattr(work, "_launch_on_engine", self._launch)
         monkeypatch.setattr(work, "_keep_alive", lambda stream, *tensors: None)
         monkeypatch.setattr(work, "_check_device_errors", lambda: None)
-        monkeypatch.setattr(work._queue, "batch", None)
+        monkeypatch.setattr(work._queue, "distributed_batch", None)
 
     def _launch(self, ops, stream, timeout_s) -> None:
         self.launches.append((stream, [(is_send, pe) for is_send, _, _, pe in ops]))
@@ -307,13 +309,42 @@ def test_an_operation_queued_while_another_thread_launches_is_never_lost(fake_cu
     assert fake_cuda.launches == [(11, [(True, 1)]), (11, [(False, 2)])]
 
 
-def test_more_than_a_group_queued_without_a_wait_is_refused(fake_cuda):
+def test_more_than_a_group_queued_without_a_wait_is_refused_whole(fake_cuda):
+    """The batch's first part sent alone would pair with the wrong operations of the peers'."""
     limit = pydatacopy._C.MAX_GROUP_OPS
     works = [_queue(i % 2 == 0, 1) for i in range(limit)]
     with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
         _queue(True, 1)
-    works[-1].wait()
-    assert len(fake_cuda.launches) == 1 and len(fake_cuda.launches[0][1]) == limit
+    with pytest.raises(pydatacopy.Error, match="dropped whole"):
+        works[-1].wait()
+    assert fake_cuda.launches == []
+    _queue(True, 1).wait()  # the next batch goes
+    assert fake_cuda.launches == [(11, [(True, 1)])]
+
+
+def test_a_direct_call_launches_what_the_python_group_queued_first(fake_cuda):
+    """pydatacopy.send/recv/sendrecv/group launch this thread's queue first (their fast path
+    steps aside while one is queued): an isend queued before them goes first."""
+    from pydatacopy.send_recv import send_recv
+
+    _queue(True, 1)
+    assert send_recv._state.distributed_batch is not None  # the direct calls' fast path steps aside
+    send_recv._launch_distributed_batch()
+    assert fake_cuda.launches == [(11, [(True, 1)])] and send_recv._state.distributed_batch is None
+
+
+def test_eager_operations_a_flush_finds_inside_a_capture_are_refused_not_recorded(fake_cuda):
+    """Flushed by another call of the backend (all_to_all_single, barrier) after a capture began
+    on their stream, they would be recorded into the graph instead of running now."""
+    from pydatacopy.distributed import work
+
+    eager = _queue(True, 1)
+    fake_cuda.capturing = True
+    work.flush()
+    fake_cuda.capturing = False
+    assert fake_cuda.launches == []
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
 
 
 def test_operations_queued_in_a_capture_and_waited_after_it_are_refused_not_launched(fake_cuda):

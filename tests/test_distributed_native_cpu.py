@@ -132,14 +132,96 @@ def test_a_batch_waited_on_another_thread_takes_no_more_operations(native, devic
     assert _launches(device) == [(11, [(True, 1)]), (11, [(False, 1)])]
 
 
-def test_more_than_a_group_queued_without_a_wait_is_refused(native, device):
+def test_more_than_a_group_queued_without_a_wait_is_refused_whole(native, device):
+    """The batch's first part sent alone would pair with the wrong operations of the peers'."""
     backend = _make(native, device)
     limit = pydatacopy._C.MAX_GROUP_OPS
     works = [_op(backend, i % 2 == 0, 1) for i in range(limit)]
     with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
         _op(backend, True, 1)
-    works[-1].wait()
-    assert len(device.launches) == 1 and len(device.launches[0][0]) == limit
+    with pytest.raises(pydatacopy.Error, match="dropped whole"):
+        works[-1].wait()
+    assert device.launches == []
+    _op(backend, True, 1).wait()  # the next batch goes
+    assert _launches(device) == [(11, [(True, 1)])]
+
+
+def test_a_batch_that_raised_before_its_end_sends_nothing_and_its_retry_goes_alone(native, device):
+    """torch's coalescing manager does not end a batch_isend_irecv that raised: the user's retry
+    (split in two, as the refusal says) must not send the failed batch's operations first."""
+    backend = _make(native, device, size=2)
+    limit = pydatacopy._C.MAX_GROUP_OPS
+    backend._start_coalescing()
+    with pytest.raises(pydatacopy.Error, match="operations queued without a wait"):
+        for _ in range(limit + 6):
+            _op(backend, True, 1)
+    for half in (35, 35):
+        backend._start_coalescing()
+        for _ in range(half):
+            _op(backend, True, 1)
+        backend._end_coalescing().wait()
+    assert [len(ops) for ops, _, _ in device.launches] == [35, 35]
+
+
+def test_a_batch_refused_by_the_python_group_midway_drops_what_it_queued(native, device):
+    """A refusal raised inside a batch (here a CPU tensor the delegate refuses) ends it: its
+    queued CUDA operations are dropped, not sent with the next batch; a batch never begun by
+    torch's manager (this start) launches only its own."""
+
+    class Refusing(_Delegate):
+        def send_in_batch(self, *args):
+            raise pydatacopy.Error("refused by the Python group")
+
+    backend = _make(native, device, Refusing(), size=2)
+    backend._start_coalescing()
+    first = _op(backend, False, 1)
+    with pytest.raises(pydatacopy.Error, match="refused by the Python group"):
+        backend.send([torch.zeros(4), torch.zeros(4)], 1, 0)  # two tensors: the delegate's
+    with pytest.raises(pydatacopy.Error, match="raised before its end"):
+        first.wait()
+    backend._start_coalescing()
+    _op(backend, True, 1)
+    backend._end_coalescing().wait()
+    assert _launches(device) == [(11, [(True, 1)])]
+
+
+@pytest.mark.parametrize("flush", ["start of a batch", "another call of the backend"])
+def test_eager_operations_flushed_inside_a_capture_are_refused_not_recorded(native, device, flush):
+    """Launched by whatever call comes after a capture began on their stream, eager operations
+    would be recorded into the graph instead of running now."""
+    backend = _make(native, device)
+    eager = _op(backend, True, 1)
+    device.capturing = True
+    if flush == "start of a batch":
+        backend._start_coalescing()
+        backend._end_coalescing()
+    else:
+        native.Queue.flush()  # what all_to_all_single, barrier and the collectives do first
+    device.capturing = False
+    assert device.launches == []
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
+
+
+def test_a_direct_call_launches_what_the_backend_queued_on_its_thread_first(native, device):
+    """pydatacopy.send/recv/sendrecv/group call the core's flush first (_C's direct calls run
+    the same function before their launch): an isend queued before them goes first."""
+    backend = _make(native, device)
+    _op(backend, True, 1)
+    pydatacopy._C.flush_torch_backend_queue()
+    assert _launches(device) == [(11, [(True, 1)])]
+    pydatacopy._C.flush_torch_backend_queue()  # nothing queued: nothing launched
+    assert len(device.launches) == 1
+
+
+def test_the_sequence_number_counts_collectives_not_point_to_point(native, device):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL compares it across ranks before each collective."""
+    backend = _make(native, device)
+    assert backend._get_sequence_number_for_group() == 0
+    _op(backend, True, 1).wait()
+    backend.barrier(dist.BarrierOptions())
+    backend.alltoall_base(torch.zeros(4), torch.zeros(4), [], [], dist.AllToAllOptions())
+    assert backend._get_sequence_number_for_group() == 2
 
 
 def test_operations_queued_in_a_capture_and_waited_after_it_are_refused_not_launched(native, device):
@@ -284,7 +366,8 @@ def test_a_coalesced_batch_covers_what_the_python_group_ran_in_it(native, device
     backend.send([torch.zeros(4)], 7, 0)  # the delegate's (here: recorded, a finished Work)
     _op(backend, False, 1, nbytes=8)
     work = backend._end_coalescing()
-    assert delegate.calls == [("send", "list", 7, 0)] and _launches(device) == [(11, [(False, 1)])]
+    # ("send_in_batch": the Python group does not launch the queue for it, as its "send" would.)
+    assert delegate.calls == [("send_in_batch", "list", 7, 0)] and _launches(device) == [(11, [(False, 1)])]
     assert work.wait() and work.is_completed() and [t.numel() for t in work.result()] == [8]
     backend.send([torch.zeros(4)], 7, 0)  # after the batch: not kept for the next one
     backend._start_coalescing()
@@ -390,11 +473,37 @@ def test_a_default_group_on_the_backend_is_native_for_cuda_and_gloo_for_cpu(tmp_
             assert out["after_set_timeout"] == 33.0
 
 
+def _detail_worker(rank: int, store_file: str, results) -> None:
+    import pydatacopy.distributed  # noqa: F401
+    from pydatacopy.distributed import backend
+
+    backend._start_runtime = lambda *a: None
+    backend._this_pe = lambda: (rank, 2)
+    backend._native_device = lambda module: module.FakeDevice()
+    dist.init_process_group("pydatacopy", init_method=f"file://{store_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=45))
+    dist.barrier()
+    tensor = torch.full((2,), float(rank))
+    dist.all_reduce(tensor)  # CPU: the Python group's gloo, through torch's checking wrapper
+    results[rank] = tensor.tolist()
+    dist.destroy_process_group()
+
+
+def test_the_native_backend_runs_under_torch_distributed_debug_detail(tmp_path, monkeypatch):
+    """DETAIL wraps a C++ backend in torch's ProcessGroupWrapper, which asks its sequence number
+    at init (torch 2.11) and before each collective."""
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")
+    monkeypatch.setenv(_native.NATIVE_VARIABLE, "1")
+    results = mp.Manager().dict()
+    mp.spawn(_detail_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    assert results[0] == results[1] == [1.0, 1.0]
+
+
 def test_native_only_on_request(native, monkeypatch):
     monkeypatch.setenv(_native.NATIVE_VARIABLE, "0")
     assert _native.load() is None
     monkeypatch.delenv(_native.NATIVE_VARIABLE)
-    assert _native.load() is None  # the default, until the native backend has run on a GPU
+    assert _native.load() is None  # the default, until the native backend has passed on a GPU
     monkeypatch.setenv(_native.NATIVE_VARIABLE, "1")
     assert _native.load() is native
     monkeypatch.setenv(_native.NATIVE_VARIABLE, "yes")

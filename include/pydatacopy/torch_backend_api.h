@@ -15,7 +15,7 @@ extern "C" {
 #endif
 
 /* Raised by the backend's version check: a table of another layout is refused. */
-#define PYDATACOPY_TORCH_BACKEND_API_VERSION 3
+#define PYDATACOPY_TORCH_BACKEND_API_VERSION 4
 #define PYDATACOPY_TORCH_BACKEND_API_CAPSULE "pydatacopy._C.torch_backend_api"
 
 /* A call's outcome: its Python exception type (pydatacopy.Error, pydatacopy.TimeoutError). */
@@ -47,6 +47,10 @@ typedef struct pydatacopy_torch_backend_api {
   /* *symmetric = whether `address` is in NVSHMEM's symmetric heap (memory torch's allocator does
    * not own: no record_stream for it). */
   int (*is_symmetric)(const void* address, int* symmetric, char* message, size_t message_bytes);
+  /* The calling thread's queue: `flush` (which must not throw) launches what the backend queued
+   * on this thread. pydatacopy.send/recv/sendrecv/group call it first, so a direct call never
+   * overtakes an isend queued before it on the same channel. */
+  void (*set_thread_flush)(void (*flush)(void));
 } pydatacopy_torch_backend_api;
 
 #ifdef __cplusplus

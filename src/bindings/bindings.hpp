@@ -114,5 +114,8 @@ void bind_send_recv(py::module_& m);
 void bind_moe(py::module_& m);
 void bind_settings(py::module_& m);
 void bind_torch_backend_api(py::module_& m);
+// Launch what the torch.distributed backend's native queue holds for this thread, if anything
+// (set through its C table): the direct send/recv calls do first, keeping each channel in order.
+void flush_torch_backend_queue();
 
 }  // namespace pydatacopy::bindings

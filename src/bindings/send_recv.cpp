@@ -41,6 +41,7 @@ PyObject* one_way_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) {
       !unsigned_argument(args[4], stream) || !double_argument(args[5], timeout))
     return nullptr;
   return without_gil([&] {
+    flush_torch_backend_queue();
     if constexpr (Send)
       engine->send(as_pointer<const void>(address), bytes, peer, as_stream(stream), timeout);
     else
@@ -66,6 +67,7 @@ PyObject* sendrecv_fastcall(PyObject*, PyObject* const* args, Py_ssize_t count) 
       !double_argument(args[8], timeout))
     return nullptr;
   return without_gil([&] {
+    flush_torch_backend_queue();
     engine->sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst), recv_bytes,
                      src_pe, as_stream(stream), timeout);
   });
@@ -105,15 +107,18 @@ void bind_send_recv(py::module_& m) {
            "Raise, once per channel, a size mismatch a receiver found after this PE's send completed.")
       .def("send", [](SendRecvEngine& self, std::uintptr_t src, std::size_t bytes, int dst_pe,
                       std::uintptr_t stream, double timeout) {
+             flush_torch_backend_queue();
              self.send(as_pointer<const void>(src), bytes, dst_pe, as_stream(stream), timeout);
            }, py::arg("src"), py::arg("bytes"), py::arg("dst_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("recv", [](SendRecvEngine& self, std::uintptr_t dst, std::size_t bytes, int src_pe,
                       std::uintptr_t stream, double timeout) {
+             flush_torch_backend_queue();
              self.recv(as_pointer<void>(dst), bytes, src_pe, as_stream(stream), timeout);
            }, py::arg("dst"), py::arg("bytes"), py::arg("src_pe"), py::arg("stream"), py::arg("timeout"), release_gil())
       .def("sendrecv", [](SendRecvEngine& self, std::uintptr_t src, std::size_t send_bytes, int dst_pe,
                           std::uintptr_t dst, std::size_t recv_bytes, int src_pe, std::uintptr_t stream,
                           double timeout) {
+             flush_torch_backend_queue();
              self.sendrecv(as_pointer<const void>(src), send_bytes, dst_pe, as_pointer<void>(dst),
                            recv_bytes, src_pe, as_stream(stream), timeout);
            }, py::arg("src"), py::arg("send_bytes"), py::arg("dst_pe"), py::arg("dst"),
@@ -123,6 +128,7 @@ void bind_send_recv(py::module_& m) {
              std::vector<SendRecvEngine::Operation> list;
              for (const auto& [send, buffer, bytes, peer] : ops)
                list.push_back({send, as_pointer<void>(buffer), bytes, peer});
+             flush_torch_backend_queue();
              self.batch(list, as_stream(stream), timeout);
            }, py::arg("ops"), py::arg("stream"), py::arg("timeout"), release_gil(),
            "ops: (is_send, address, bytes, peer) tuples, run in one launch")

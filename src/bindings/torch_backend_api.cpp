@@ -104,10 +104,18 @@ int symmetric(const void* address, int* is_in_heap, char* message, std::size_t m
   return as_status([&] { *is_in_heap = is_symmetric(address, 1); }, message, message_bytes);
 }
 
+thread_local void (*t_flush)(void) = nullptr;  // this thread's backend queue (set_thread_flush)
+
+void set_thread_flush(void (*flush)(void)) { t_flush = flush; }
+
 const pydatacopy_torch_backend_api kApi = {PYDATACOPY_TORCH_BACKEND_API_VERSION, &launch, &device_errors,
-                                           &check_errors, &stream_capturing, &symmetric};
+                                           &check_errors, &stream_capturing, &symmetric, &set_thread_flush};
 
 }  // namespace
+
+void flush_torch_backend_queue() {
+  if (t_flush != nullptr) t_flush();
+}
 
 void bind_torch_backend_api(py::module_& m) {
   m.def("torch_backend_api", [] {
@@ -124,6 +132,8 @@ void bind_torch_backend_api(py::module_& m) {
           Py_XDECREF(previous);
         }, py::arg("engine"),
         "the engine the torch.distributed backend launches on (None: none); send_recv.py sets it");
+  m.def("flush_torch_backend_queue", &flush_torch_backend_queue, py::call_guard<py::gil_scoped_release>(),
+        "launch what the torch.distributed backend queued on this thread (the direct calls do first)");
 }
 
 }  // namespace pydatacopy::bindings

@@ -8,7 +8,7 @@
 // (include/pydatacopy/torch_backend_api.h), so one NVSHMEM state and one send/recv engine serve
 // both this backend and pydatacopy.send/recv.
 //
-// Opt-in (PYDATACOPY_DISTRIBUTED_NATIVE=1) until it has run on a GPU.
+// Opt-in (PYDATACOPY_DISTRIBUTED_NATIVE=1) until its GPU tests have passed on a GPU.
 //
 // What is not the hot path is the Python group's (python/pydatacopy/distributed/backend.py, the
 // "delegate"): argument refusals and their texts, all_to_all_single, barrier, every other
@@ -87,9 +87,12 @@ void launch(const std::shared_ptr<Batch>& batch) {
   if (t_batch == batch) t_batch.reset();
   Device& device = *batch->device;
   try {
-    if (batch->captured && !device.capturing()) {
-      // Launched now, it would run once, outside the graph its caller captured.
-      batch->failure = Failure{PYDATACOPY_ERROR, message("captured_not_waited")};
+    // Whoever launches (a wait, a batch's end, another call's flush), the batch's own stream decides.
+    const bool capturing = device.capturing(batch->stream);
+    if (batch->captured != capturing) {
+      // Captured and launched after its capture: it would run once, outside the graph its caller
+      // captured. Eager and launched inside a capture: it would be recorded, not run now.
+      batch->failure = Failure{PYDATACOPY_ERROR, message(batch->captured ? "captured_not_waited" : "pending_at_capture")};
       return;
     }
     try {
@@ -97,12 +100,23 @@ void launch(const std::shared_ptr<Batch>& batch) {
     } catch (const Failure& failure) {
       batch->failure = failure;  // every Work of the batch reports it, not only this caller
     }
-    if (device.current_stream() != batch->stream) device.keep_alive(batch->storages, batch->stream);
+    // As NCCL does: the allocator keeps the memory until the launch's stream is done with it (a
+    // no-op for memory allocated on that stream).
+    device.keep_alive(batch->storages, batch->stream);
   } catch (const Failure& failure) {
     batch->failure = failure;
   } catch (const std::exception& error) {
     batch->failure = Failure{PYDATACOPY_ERROR, error.what()};
   }
+}
+
+// Refuse a batch not launched yet, whole: nothing of it is sent; its Works raise `why`.
+void drop(const std::shared_ptr<Batch>& batch, const Failure& why) {
+  std::lock_guard<std::mutex> lock(batch->mutex);
+  if (batch->launched) return;
+  batch->launched = true;
+  batch->failure = why;
+  if (t_batch == batch) t_batch.reset();
 }
 
 std::shared_ptr<Completion> completion(const std::shared_ptr<Batch>& batch) {
@@ -314,6 +328,12 @@ class Queue {
   // freed after Python has gone could not free the Python-owned memory it holds).
   static void discard() { t_batch.reset(); }
 
+  // Refuse this thread's queued operations, if any, without sending anything (a batch that
+  // raised before its end: sending part of it would pair wrongly with the peers' batches).
+  static void drop_pending(const char* why) {
+    if (std::shared_ptr<Batch> batch = t_batch) drop(batch, Failure{PYDATACOPY_ERROR, message(why)});
+  }
+
   // One send or recv of a checked, contiguous tensor on this process's device: the Work that
   // launches it when asked.
   WorkPtr queue(bool is_send, const at::Tensor& tensor, int pe, double timeout_s) {
@@ -335,7 +355,12 @@ class Queue {
           refused_batch = true;
         } else if (!batch->launched && batch->stream == stream && batch->captured == capturing) {
           if (static_cast<int>(batch->ops.size()) >= max_ops()) {
-            refusal = Failure{PYDATACOPY_ERROR, message("too_many_queued")};
+            // The whole batch, not the operations past the limit: its first part sent alone
+            // would pair with the wrong operations of the peers' batches.
+            batch->launched = true;
+            batch->failure = Failure{PYDATACOPY_ERROR, message("too_many_queued")};
+            refusal = batch->failure;
+            refused_batch = true;
           } else {
             return append(*batch, batch, is_send, tensor, pe, timeout_s);
           }
@@ -348,6 +373,7 @@ class Queue {
       launch(batch);  // on its own stream (a captured one that its capture left is refused there)
     }
     auto batch = t_batch = std::make_shared<Batch>(device_, stream, timeout_s, capturing);
+    announce_thread();
     std::lock_guard<std::mutex> lock(batch->mutex);
     return append(*batch, batch, is_send, tensor, pe, timeout_s);
   }
@@ -365,8 +391,24 @@ class Queue {
 
   static int max_ops() { return s_max_ops; }
   static int s_max_ops;
+  static void (*s_set_thread_flush)(void (*)(void));  // the core's (init())
 
  private:
+  // The core launches this thread's queue before a direct pydatacopy.send/recv (torch_backend_api.h):
+  // said once per thread.
+  static void announce_thread() {
+    static thread_local bool announced = false;
+    if (announced || s_set_thread_flush == nullptr) return;
+    s_set_thread_flush(&flush_from_core);
+    announced = true;
+  }
+  static void flush_from_core() noexcept {
+    try {
+      flush();  // a refusal stays in the batch, for its Works
+    } catch (...) {
+    }
+  }
+
   // Called with the batch's lock held.
   static WorkPtr append(Batch& locked, const std::shared_ptr<Batch>& batch, bool is_send, const at::Tensor& tensor,
                         int pe, double timeout_s) {
@@ -380,6 +422,7 @@ class Queue {
   std::shared_ptr<Device> device_;
 };
 int Queue::s_max_ops = 0;  // init() sets the core's (pydatacopy._C.MAX_GROUP_OPS)
+void (*Queue::s_set_thread_flush)(void (*)(void)) = nullptr;
 
 // ---- the backend ------------------------------------------------------------------------------
 
@@ -423,12 +466,10 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
 
   // ---- point to point: the hot path, in C++ --------------------------------------------------
   WorkPtr send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
-    if (fast(tensors, dst_rank)) return queue_.queue(true, tensors[0], pes_[dst_rank], timeout_s_.load());
-    return coalesced(delegate("send", tensors, dst_rank, tag));  // CPU: gloo; else its checks refuse
+    return p2p(true, tensors, dst_rank, tag);
   }
   WorkPtr recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
-    if (fast(tensors, src_rank)) return queue_.queue(false, tensors[0], pes_[src_rank], timeout_s_.load());
-    return coalesced(delegate("recv", tensors, src_rank, tag));
+    return p2p(false, tensors, src_rank, tag);
   }
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
     return delegate("recv_anysource", tensors, tag);
@@ -438,6 +479,9 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
   // Python group issued in it (CPU tensors, through gloo).
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override {
+    // A batch left open (torch's coalescing manager does not end a batch that raised) sent
+    // nothing: what it queued is dropped, not sent ahead of this one.
+    if (t_coalescing != nullptr) abandon_batch();
     Queue::flush();
     t_coalescing = this;
     t_delegated.clear();
@@ -463,11 +507,16 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
   // ---- the Python group's --------------------------------------------------------------------
   WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_split_sizes,
                         std::vector<int64_t>& input_split_sizes, const c10d::AllToAllOptions& opts) override {
-    return delegate("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts);
+    return collective("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts);
   }
-  WorkPtr barrier(const c10d::BarrierOptions& opts) override { return delegate("barrier", opts); }
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override { return collective("barrier", opts); }
 
   void shutdown() override { Queue::flush(); }  // peers may be waiting for what this thread queued
+
+  // TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the backend and compares this number across ranks before
+  // each collective: the collectives this group was called for (every rank calls the same ones).
+  void setSequenceNumberForGroup() override { sequence_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
 
   void setTimeout(std::chrono::milliseconds timeout) override {
     // The Python group clamps it as the creator did (<= 0: the default; at most the core's
@@ -480,9 +529,9 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
   // ---- every other collective: the Python group's (gloo for CPU tensors; for CUDA ones, a
   // refusal that names what to use instead) --------------------------------------------------
 #define PYDATACOPY_DELEGATE2(method, A, B) \
-  WorkPtr method(A a, B b) override { return delegate(#method, a, b); }
+  WorkPtr method(A a, B b) override { return collective(#method, a, b); }
 #define PYDATACOPY_DELEGATE3(method, A, B, C) \
-  WorkPtr method(A a, B b, C c) override { return delegate(#method, a, b, c); }
+  WorkPtr method(A a, B b, C c) override { return collective(#method, a, b, c); }
   PYDATACOPY_DELEGATE2(broadcast, std::vector<at::Tensor>&, const c10d::BroadcastOptions&)
   PYDATACOPY_DELEGATE2(allreduce, std::vector<at::Tensor>&, const c10d::AllreduceOptions&)
   PYDATACOPY_DELEGATE2(allreduce_sparse, std::vector<at::Tensor>&, const c10d::AllreduceOptions&)
@@ -509,11 +558,11 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
 #undef PYDATACOPY_DELEGATE3
   WorkPtr delegate_collective(const char* method, at::Tensor& output, at::Tensor& input,
                               const c10d::GatherOptions& opts) override {
-    return delegate(method, output, input, opts);
+    return collective(method, output, input, opts);
   }
   // A plain "pydatacopy" group's CPU side: gloo's (the Python group's), after this thread's queue.
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
-    delegate("monitored_barrier", opts.timeout, wait_all_ranks);
+    collective("monitored_barrier", opts.timeout, wait_all_ranks);
   }
 
   const std::vector<int>& pes() const { return pes_; }
@@ -527,12 +576,41 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
            queue_.device()->accepts(tensors[0]) && tensors[0].is_contiguous();
   }
 
+  // A send or recv: one contiguous tensor on this process's device to a peer of the group is
+  // queued here; anything else goes to the delegate (CPU tensors: gloo; else its checks refuse).
+  WorkPtr p2p(bool is_send, std::vector<at::Tensor>& tensors, int peer, int tag) {
+    const bool in_batch = t_coalescing == this;
+    try {
+      if (fast(tensors, peer)) return queue_.queue(is_send, tensors[0], pes_[peer], timeout_s_.load());
+      // Inside a batch the delegate sends CPU tensors without launching this thread's queue:
+      // the batch's CUDA operations stay one launch.
+      return coalesced(delegate(is_send ? (in_batch ? "send_in_batch" : "send") : (in_batch ? "recv_in_batch" : "recv"),
+                                tensors, peer, tag));
+    } catch (...) {
+      if (in_batch) abandon_batch();  // the caller's batch raised: nothing of it is sent
+      throw;
+    }
+  }
+
+  static void abandon_batch() {
+    Queue::drop_pending("abandoned_batch");
+    t_coalescing = nullptr;
+    t_delegated.clear();
+  }
+
   template <typename... Args>
   WorkPtr delegate(const char* method, Args&&... args) {
     py::gil_scoped_acquire gil;
     py::object work = delegate_.get().attr(method)(std::forward<Args>(args)...);
     if (work.is_none()) return Queue::done_work({});
     return work.cast<WorkPtr>();
+  }
+
+  // A collective: counted (getSequenceNumberForGroup), then the delegate's.
+  template <typename... Args>
+  WorkPtr collective(const char* method, Args&&... args) {
+    ++sequence_;
+    return delegate(method, std::forward<Args>(args)...);
   }
 
   WorkPtr coalesced(WorkPtr work) {
@@ -547,6 +625,7 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
 
   std::vector<int> pes_;  // the group's ranks as PEs
   std::atomic<double> timeout_s_;
+  std::atomic<uint64_t> sequence_{0};  // collectives called (getSequenceNumberForGroup)
   Queue queue_;
   PyRef delegate_;
 };
@@ -554,7 +633,7 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
 thread_local const Backend* Backend::t_coalescing = nullptr;
 thread_local std::vector<WorkPtr> Backend::t_delegated;
 
-std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule) {
+const pydatacopy_torch_backend_api* core_api(py::capsule api_capsule) {
   const auto* api = static_cast<const pydatacopy_torch_backend_api*>(
       PyCapsule_GetPointer(api_capsule.ptr(), PYDATACOPY_TORCH_BACKEND_API_CAPSULE));
   if (api == nullptr) throw py::error_already_set();
@@ -562,7 +641,11 @@ std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule) {
     raise("pydatacopy.distributed: the backend extension was built for another pydatacopy._C (table version " +
           std::to_string(api->version) + ", expected " + std::to_string(PYDATACOPY_TORCH_BACKEND_API_VERSION) +
           "); remove its build cache (pydatacopy.distributed.native.cache_dir()) and import again");
-  return std::make_shared<CudaDevice>(index, api);
+  return api;
+}
+
+std::shared_ptr<Device> cuda_device(int index, py::capsule api_capsule) {
+  return std::make_shared<CudaDevice>(index, core_api(api_capsule));
 }
 
 }  // namespace pydatacopy::torch_backend
@@ -571,12 +654,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pydatacopy::torch_backend;
   m.doc() = "pydatacopy's torch.distributed backend (private: pydatacopy.distributed uses it)";
   m.def("init", [](py::object error, py::object timeout_error, std::map<std::string, std::string> messages,
-                   int max_group_ops) {
+                   int max_group_ops, py::capsule api) {
+    Queue::s_set_thread_flush = core_api(api)->set_thread_flush;
     g_error = error.release().ptr();  // module lifetime
     g_timeout_error = timeout_error.release().ptr();
     g_messages = std::move(messages);
     Queue::s_max_ops = max_group_ops;
-  }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"), py::arg("max_group_ops"));
+  }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"), py::arg("max_group_ops"), py::arg("api"));
 
   py::class_<Device, std::shared_ptr<Device>>(m, "Device");
   m.def("cuda_device", &cuda_device, py::arg("index"), py::arg("api"),

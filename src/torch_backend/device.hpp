@@ -111,7 +111,8 @@ class Device {
   virtual int index() const = 0;
   virtual bool accepts(const at::Tensor& tensor) const = 0;  // on this process's device
   virtual c10::Stream current_stream() = 0;
-  virtual bool capturing() = 0;  // the current stream captures a CUDA graph
+  virtual bool capturing(const c10::Stream& stream) = 0;  // `stream` captures a CUDA graph
+  bool capturing() { return capturing(current_stream()); }  // the current stream does
   virtual void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) = 0;
   virtual void check_device_errors() = 0;  // raises what the device reported (host memory only)
   virtual void check_errors() = 0;         // also the engine's refusals (reads the device: not in a capture)
@@ -142,9 +143,9 @@ class CudaDevice final : public Device {
     return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)
         ->getStream(c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index_)));
   }
-  bool capturing() override {
+  bool capturing(const c10::Stream& stream) override {
     int capturing = 0;
-    check(api_->stream_capturing(current_stream().native_handle(), &capturing, text_, sizeof text_));
+    check(api_->stream_capturing(stream.native_handle(), &capturing, text_, sizeof text_));
     return capturing != 0;
   }
   void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) override {
@@ -190,7 +191,10 @@ class FakeDevice final : public Device {
   c10::Stream current_stream() override {
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CPU), stream_id.load());
   }
-  bool capturing() override { return is_capturing.load(); }
+  // `capturing` (the test's) says whether the current stream captures; no other stream does.
+  bool capturing(const c10::Stream& stream) override {
+    return is_capturing.load() && stream.id() == stream_id.load();
+  }
   void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) override {
     std::lock_guard<std::mutex> lock(mutex);
     std::vector<std::tuple<bool, std::uintptr_t, unsigned long long, int>> list;

@@ -118,10 +118,10 @@ def pytest_configure(config):
 
 
 def pytest_runtest_logreport(report):
-    """PYDATACOPY_SEGV_BACKTRACE_SO set (gpu-check SEGV_BACKTRACE=1): a failure printed at once,
-    through the terminal (not captured), as well as in the summary: a run that a crash ends
-    later never prints its summary (2026-12-06g: test_put_many's failures unnamed twice)."""
-    if report.failed and os.environ.get("PYDATACOPY_SEGV_BACKTRACE_SO") and _config is not None:
+    """A failure printed at once, through the terminal (not captured), as well as in the summary:
+    a run that a crash or a hang (the step's timeout) ends later never prints its summary
+    (2026-12-06g: test_put_many's failures unnamed twice; 2026-12-07: four unnamed F before a hang)."""
+    if report.failed and _config is not None:
         terminal = _config.pluginmanager.getplugin("terminalreporter")
         if terminal is not None:
             terminal.write_line(f"\n=== failed at once: {report.nodeid} ({report.when}), rank "

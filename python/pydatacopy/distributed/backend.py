@@ -155,14 +155,15 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
                         "send to or receive from itself (copy the tensor instead)")
         return self._pes[group_rank]
 
-    def _p2p(self, is_send: bool, tensors: list[torch.Tensor], group_rank: int):
+    def _p2p(self, is_send: bool, tensors: list[torch.Tensor], group_rank: int, in_batch: bool = False):
         call = "send" if is_send else "recv"
         if len(tensors) != 1:
             raise Error(f"torch.distributed {call}: one tensor per call on the pydatacopy backend, "
                         f"got {len(tensors)}")
         tensor = tensors[0]
         if not tensor.is_cuda:
-            self._queue.flush()
+            if not in_batch:  # inside a batch its CUDA operations stay queued: one launch at its end
+                self._queue.flush()
             return (self._cpu.send if is_send else self._cpu.recv)(tensors, group_rank, 0)
         if tensor.get_device() != _C.cuda_device():
             raise Error(f"torch.distributed {call}: the tensor is on {tensor.device}, but this "
@@ -178,6 +179,13 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
 
     def recv(self, tensors, srcRank: int, tag: int = 0):  # noqa: N803 - torch's names
         return self._p2p(False, tensors, srcRank)
+
+    # The native backend's, inside a coalesced batch (batch_isend_irecv).
+    def send_in_batch(self, tensors, dstRank: int, tag: int = 0):  # noqa: N803
+        return self._p2p(True, tensors, dstRank, in_batch=True)
+
+    def recv_in_batch(self, tensors, srcRank: int, tag: int = 0):  # noqa: N803
+        return self._p2p(False, tensors, srcRank, in_batch=True)
 
     def recv_anysource(self, tensors, tag: int = 0):
         if all(not t.is_cuda for t in tensors):

@@ -10,9 +10,9 @@ and pydatacopy version (torch.utils.cpp_extension; about 20 s with g++; cached i
 extensions directory, TORCH_EXTENSIONS_DIR). It needs a C++ compiler and ninja (a dependency).
 
 Opt-in for now: PYDATACOPY_DISTRIBUTED_NATIVE=1 asks for it. It has been built on the GPU machine
-and tested on the CPU against a fake device, not yet run on a GPU; until it has, groups are the
-Python process group by default (backend.py, work.py: the same semantics, about 6 us more host
-time a call), as they are wherever it cannot be built.
+and tested on the CPU against a fake device; its GPU tests have not passed on a GPU yet (issue 38).
+Until they have, groups are the Python process group by default (backend.py, work.py: the same
+semantics, about 6 us more host time a call), as they are wherever it cannot be built.
 """
 
 from __future__ import annotations
@@ -154,7 +154,8 @@ def load() -> ModuleType | None:
         if _module is None and _failure is None:
             try:
                 module = _build()
-                module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES), _C.MAX_GROUP_OPS)
+                module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES), _C.MAX_GROUP_OPS,
+                            _C.torch_backend_api())
                 atexit.register(module.Queue.discard)  # the main thread's queue, before Python goes
                 _module = module
             except Exception as error:  # noqa: BLE001 - any build failure falls back, said once

@@ -47,8 +47,13 @@ MESSAGES = {
         "received: wait() on each Work before the capture"),
     "too_many_queued": (
         f"torch.distributed send/recv on the pydatacopy backend: more than {_MAX_OPS} operations queued "
-        f"without a wait (a batch launches as one group of at most {_MAX_OPS}); wait on the Works of the "
-        "first batch_isend_irecv before issuing more, or split it"),
+        f"without a wait (a batch launches as one group of at most {_MAX_OPS}), so the batch was dropped "
+        "whole: nothing of it was sent or received. Wait on the Works of a batch_isend_irecv before "
+        "issuing more, or split it (on every rank alike)"),
+    "abandoned_batch": (
+        "torch.distributed batch_isend_irecv on the pydatacopy backend: an earlier batch on this thread "
+        "raised before its end, so the operations it had queued were dropped: nothing of them was sent "
+        "or received"),
     "wait_timed_out": "torch.distributed Work.wait: the pydatacopy send/recv did not finish within the timeout",
     "completed_in_capture": (
         "torch.distributed Work.is_completed() on the pydatacopy backend cannot be asked during a CUDA "
@@ -86,11 +91,13 @@ class _Batch:
             if self.launched:
                 return
             self.launched = True
-        if _queue.batch is self:
-            _queue.batch = None
-        if self.captured and not _capturing():
-            # Launched now, it would run once, outside the graph its caller captured.
-            self.error = Error(MESSAGES["captured_not_waited"])
+        if _queue.distributed_batch is self:
+            _queue.distributed_batch = None
+        # Whoever launches (a wait, another call's flush), the batch's own stream decides.
+        if self.captured != _stream_capturing(self.stream):
+            # Captured and launched after its capture: it would run once, outside the graph its
+            # caller captured. Eager and launched inside a capture: recorded, not run now.
+            self.error = Error(MESSAGES["captured_not_waited" if self.captured else "pending_at_capture"])
             return
         try:
             _launch_on_engine(self.ops, self.stream, self.timeout_s)
@@ -99,11 +106,11 @@ class _Batch:
             if not isinstance(error, Exception):
                 raise
         finally:
-            if self.stream != _current_stream(self.device):
-                # The memory queued, not the tensors: a caller may have swapped a tensor's storage
-                # out since (the reason `storages` is kept).
-                _keep_alive(self.stream, *(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-                                           for s in self.storages))
+            # As NCCL does: the allocator keeps the memory until the launch's stream is done with
+            # it (a no-op for memory allocated on that stream). The memory queued, not the
+            # tensors: a caller may have swapped a tensor's storage out since (why `storages`).
+            _keep_alive(self.stream, *(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+                                       for s in self.storages))
 
     def completion(self) -> torch.cuda.Event:
         """An event after the launch on its stream (recorded when first asked for: later work on
@@ -139,17 +146,18 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-class _Queue(threading.local):
-    batch: _Batch | None = None
+def _stream_capturing(stream: int) -> bool:
+    return bool(_C.is_capturing(stream))
 
 
-_queue = _Queue()
+# This thread's batch: send_recv.py's thread state, whose direct calls launch it first.
+_queue = _send_recv._state
 
 
 def flush() -> None:
     """Launch this thread's queued operations, if any (every call of the backend that is not a
     send or recv does, first)."""
-    batch = _queue.batch
+    batch = _queue.distributed_batch
     if batch is not None:
         batch.launch()
 
@@ -162,27 +170,37 @@ def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2
     capturing = _capturing()
     # What the operation records, read before the lock (data_ptr may run Python: a subclass).
     op, storage = (is_send, tensor.data_ptr(), tensor.nbytes, pe), tensor.untyped_storage()
-    batch = _queue.batch
+    batch = _queue.distributed_batch
     if batch is not None:
         refusal = None
         with _launch_lock:  # a Work of this batch waited on another thread may launch it meanwhile
             pending = not batch.launched and batch.stream == stream
             if pending and capturing and not batch.captured:
                 # Launched now it would enter the capture; launched later, after it: never in order.
-                batch.launched, batch.error, _queue.batch = True, Error(MESSAGES["pending_at_capture"]), None
-                refusal = batch.error
+                refusal = _drop(batch, "pending_at_capture")
             elif pending and batch.captured == capturing:
                 if len(batch.ops) >= _MAX_OPS:
-                    refusal = Error(MESSAGES["too_many_queued"])
+                    # The whole batch, not the operations past the limit: its first part sent
+                    # alone would pair with the wrong operations of the peers' batches.
+                    refusal = _drop(batch, "too_many_queued")
                 else:
                     _append(batch, op, tensor, storage, timeout_s)
                     return P2PWork(batch, tensor)
         if refusal is not None:
             raise refusal
         batch.launch()  # on its own stream (a captured one that its capture left is refused there)
-    batch = _queue.batch = _Batch(stream, device, timeout_s, capturing)
+    batch = _queue.distributed_batch = _Batch(stream, device, timeout_s, capturing)
     _append(batch, op, tensor, storage, timeout_s)
     return P2PWork(batch, tensor)
+
+
+def _drop(batch: _Batch, why: str) -> Error:
+    """Refuse a batch not launched yet, whole (called under _launch_lock): nothing of it is sent;
+    its Works raise the refusal, returned."""
+    batch.launched, batch.error = True, Error(MESSAGES[why])
+    if _queue.distributed_batch is batch:
+        _queue.distributed_batch = None
+    return batch.error
 
 
 def _append(batch: _Batch, op: tuple, tensor: torch.Tensor, storage, timeout_s: float) -> None:

@@ -39,9 +39,20 @@ class _ThreadState(threading.local):
     # The open group()'s calls in this thread, else None. A class default: reading an attribute
     # that a thread never set would raise and catch AttributeError (0.45 us a call, measured).
     pending: dict | None = None
+    # torch.distributed's Python group: what it queued on this thread, not launched yet
+    # (distributed/work.py). A direct call launches it first: never overtakes it on a channel.
+    # (The native backend's queue is the core's to launch: _C's direct calls do.)
+    distributed_batch = None
 
 
 _state = _ThreadState()
+
+
+def _launch_distributed_batch() -> None:
+    batch = _state.distributed_batch
+    if batch is not None:
+        _state.distributed_batch = None  # (also when another thread launched it already)
+        batch.launch()
 _SETUP = "pydatacopy.setup_send_recv"  # the call a config's errors name: the one that makes it
 
 
@@ -188,6 +199,7 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
         # The engine's send/recv are a batch of one; their scalar arguments cross for a fraction
         # of a list of tuples' conversion (0.6 us against 2 us where measured).
         handle = _stream(stream)
+        _launch_distributed_batch()
         try:
             (engine.send if is_send else engine.recv)(tensor.data_ptr(), tensor.nbytes, peer, handle, seconds)
         finally:  # also when it raised: the core may have launched before refusing (a batch's others)
@@ -235,6 +247,7 @@ def group(*, stream=None) -> Iterator[None]:
     if not pending["ops"]:
         return
     handle = pending["handle"]
+    _launch_distributed_batch()
     try:
         _require_engine("group").batch(pending["ops"], handle, pending["timeout"])
     finally:
@@ -271,7 +284,7 @@ def _one_way(is_send: bool, tensor, peer, stream, timeout) -> None:
     engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
     if (engine is not None and timeout is None and seconds is not None and type(peer) is int
             and 0 <= peer < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
-            and tensor.is_contiguous() and _state.pending is None):
+            and tensor.is_contiguous() and _state.pending is None and _state.distributed_batch is None):
         handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
         try:
             (_C.send_fast if is_send else _C.recv_fast)(engine, tensor.data_ptr(), tensor.nbytes, peer,
@@ -299,7 +312,7 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
             and isinstance(send_tensor, Tensor) and isinstance(recv_tensor, Tensor)
             and send_tensor.get_device() == device and recv_tensor.get_device() == device
             and send_tensor.is_contiguous() and recv_tensor.is_contiguous()
-            and _state.pending is None):
+            and _state.pending is None and _state.distributed_batch is None):
         handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
         try:
             _C.sendrecv_fast(engine, send_tensor.data_ptr(), send_tensor.nbytes, dst_pe,
@@ -318,6 +331,7 @@ def sendrecv(send_tensor: torch.Tensor, dst_pe: int, recv_tensor: torch.Tensor, 
     _check_tensor(recv_tensor, "recv_tensor")
     send_bytes, recv_bytes = _nbytes(send_tensor), _nbytes(recv_tensor)
     handle, seconds = _stream(stream), timeout_seconds(timeout)
+    _launch_distributed_batch()
     try:
         engine.sendrecv(send_tensor.data_ptr(), send_bytes, dst_pe, recv_tensor.data_ptr(), recv_bytes,
                         src_pe, handle, seconds)
