@@ -333,6 +333,14 @@ def test_completion_and_a_bounded_wait_follow_the_device(native, device):
     assert work.get_future().wait()[0].numel() == 16
 
 
+@pytest.mark.parametrize("ask", ["is_completed", "result", "get_future"])
+def test_a_launch_from_a_work_asked_with_the_gil_lets_other_threads_run(native, device, ask):
+    """torch binds these without releasing the GIL; a launch may wait on the host for a peer."""
+    backend = _make(native, device)
+    getattr(_op(backend, True, 1), ask)()
+    assert device.gil_at_launch == [False]
+
+
 def test_destroying_a_group_launches_what_was_queued(native, device):
     backend = _make(native, device)
     _op(backend, True, 1)

@@ -119,6 +119,18 @@ void drop(const std::shared_ptr<Batch>& batch, const Failure& why) {
   if (t_batch == batch) t_batch.reset();
 }
 
+// launch() from a Work's method that torch's bindings call with the GIL held (is_completed,
+// result, get_future): a launch may wait on the host for a peer's descriptor, and other Python
+// threads go on meanwhile.
+void launch_unlocked(const std::shared_ptr<Batch>& batch) {
+  if (python_alive() && PyGILState_Check()) {
+    py::gil_scoped_release unlocked;
+    launch(batch);
+  } else {
+    launch(batch);
+  }
+}
+
 std::shared_ptr<Completion> completion(const std::shared_ptr<Batch>& batch) {
   launch(batch);
   std::lock_guard<std::mutex> lock(batch->mutex);
@@ -165,7 +177,7 @@ class P2PWork final : public c10d::Work {
   const std::shared_ptr<Batch>& batch() const { return batch_; }
 
   bool wait(std::chrono::milliseconds timeout) override {
-    launch(batch_);
+    launch_unlocked(batch_);
     raise_known(batch_);
     Device& device = *batch_->device;
     raising([&] { device.check_device_errors(); });  // what the GPU reported since (a peer that timed out)
@@ -190,7 +202,7 @@ class P2PWork final : public c10d::Work {
   void blockCurrentStream() override { wait(std::chrono::milliseconds(0)); }
 
   bool isCompleted() override {
-    launch(batch_);
+    launch_unlocked(batch_);
     raise_known(batch_);
     Device& device = *batch_->device;
     if (raising([&] { return device.capturing(); })) raise(message("completed_in_capture"));
@@ -218,7 +230,7 @@ class P2PWork final : public c10d::Work {
   int sourceRank() const override { raise(message("no_source_rank")); }
 
   std::vector<at::Tensor> result() override {
-    launch(batch_);
+    launch_unlocked(batch_);
     raise_known(batch_);
     return result_;
   }
@@ -226,7 +238,7 @@ class P2PWork final : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     // Completed once the GPU has run the work (a CUDA-aware future: waiting on it orders the
     // current stream after the work).
-    launch(batch_);
+    launch_unlocked(batch_);
     auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
                                                            batch_->device->future_devices());
     std::optional<Failure> failure;
@@ -676,7 +688,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     [](FakeDevice& d, std::string text) { std::lock_guard<std::mutex> l(d.mutex); d.fail_next_launch = std::move(text); })
       .def_property_readonly("launches", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.launches; })
       .def_property_readonly("kept_alive", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.kept_alive; })
-      .def_property_readonly("blocked", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.blocked; });
+      .def_property_readonly("blocked", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.blocked; })
+      .def_property_readonly("gil_at_launch", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.gil_at_launch; });
 
   py::class_<Queue, std::shared_ptr<Queue>>(m, "Queue")
       .def(py::init<std::shared_ptr<Device>>(), py::arg("device"))

@@ -201,6 +201,7 @@ class FakeDevice final : public Device {
     for (const auto& op : ops)
       list.emplace_back(op.is_send != 0, reinterpret_cast<std::uintptr_t>(op.buffer), op.bytes, op.peer);
     launches.emplace_back(std::move(list), stream.id(), timeout_s);
+    gil_at_launch.push_back(python_alive() && PyGILState_Check());
     if (!fail_next_launch.empty()) {
       Failure failure{PYDATACOPY_ERROR, fail_next_launch};
       fail_next_launch.clear();
@@ -226,6 +227,7 @@ class FakeDevice final : public Device {
       launches;
   std::vector<std::pair<int, c10::StreamId>> kept_alive;   // (tensors, stream) per keep_alive
   std::vector<c10::StreamId> blocked;                       // streams made to wait, in order
+  std::vector<bool> gil_at_launch;                          // whether each launch held the GIL
   std::string fail_next_launch;
 
  private:
