@@ -481,6 +481,60 @@ def test_a_default_group_on_the_backend_is_native_for_cuda_and_gloo_for_cpu(tmp_
             assert out["after_set_timeout"] == 33.0
 
 
+def _subgroup_worker(rank: int, store_file: str, results) -> None:
+    import pydatacopy.distributed  # noqa: F401
+    from pydatacopy.distributed import backend, native
+
+    started = []
+    backend._start_runtime = lambda *a: started.append(True)
+    backend._runtime_running = lambda: bool(started)  # as after the default group's start
+    backend._this_pe = lambda: (rank, 3)
+
+    def cpu_device(module):
+        device = module.FakeDevice()
+        device.cpu_is_cuda = False  # CPU tensors are CPU ones here: the path under test is gloo's
+        return device
+
+    backend._native_device = cpu_device
+    dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
+                            world_size=3, timeout=timedelta(seconds=45))
+    group = dist.new_group([1, 2], backend="pydatacopy")  # every rank calls it, as torch asks
+    out = {}
+    if rank in (1, 2):
+        cuda = group._get_backend(torch.device("cuda"))
+        out["native"] = isinstance(cuda, native.load().Backend)
+        out["pes"] = cuda.pes
+        t = torch.full((2,), float(rank))
+        if rank == 1:
+            dist.send(t, 2, group=group)  # global rank 2: group rank 1 (CPU: the delegate's gloo)
+        else:
+            dist.recv(t, 1, group=group)
+        out["cpu"] = t.tolist()
+        # CPU tensors in a batch_isend_irecv: the delegate's gloo inside the native batch.
+        mine, theirs = torch.full((3,), float(rank)), torch.zeros(3)
+        peer = 3 - rank
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer, group),
+                                            dist.P2POp(dist.irecv, theirs, peer, group)]):
+            work.wait()
+        out["batch"] = theirs.tolist()
+    dist.barrier()
+    dist.destroy_process_group()
+    results[rank] = out
+
+
+def test_a_subgroup_maps_its_ranks_to_the_jobs_pes_on_the_native_backend(tmp_path, monkeypatch):
+    """new_group([1, 2], backend="pydatacopy") in a job of 3, native: group ranks 0 and 1 are PEs
+    1 and 2; CPU tensors between them (alone and in a batch) through the Python group's gloo."""
+    monkeypatch.setenv(_native.NATIVE_VARIABLE, "1")
+    results = mp.Manager().dict()
+    mp.spawn(_subgroup_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=3, join=True)
+    assert results[0] == {}
+    for rank in (1, 2):
+        assert results[rank]["native"] and results[rank]["pes"] == [1, 2]
+        assert results[rank]["batch"] == [float(3 - rank)] * 3
+    assert results[2]["cpu"] == [1.0, 1.0]
+
+
 def _detail_worker(rank: int, store_file: str, results) -> None:
     import pydatacopy.distributed  # noqa: F401
     from pydatacopy.distributed import backend

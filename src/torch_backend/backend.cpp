@@ -684,6 +684,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property("capturing", [](FakeDevice& d) { return d.is_capturing.load(); },
                     [](FakeDevice& d, bool on) { d.is_capturing = on; })
       .def_property("done", [](FakeDevice& d) { return d.done.load(); }, [](FakeDevice& d, bool on) { d.done = on; })
+      .def_property("cpu_is_cuda", [](FakeDevice& d) { return d.cpu_is_cuda.load(); },
+                    [](FakeDevice& d, bool on) { d.cpu_is_cuda = on; })
       .def_property("fail_next_launch", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.fail_next_launch; },
                     [](FakeDevice& d, std::string text) { std::lock_guard<std::mutex> l(d.mutex); d.fail_next_launch = std::move(text); })
       .def_property_readonly("launches", [](FakeDevice& d) { std::lock_guard<std::mutex> l(d.mutex); return d.launches; })

@@ -187,7 +187,8 @@ class CudaDevice final : public Device {
 class FakeDevice final : public Device {
  public:
   int index() const override { return 0; }
-  bool accepts(const at::Tensor& tensor) const override { return tensor.device().is_cpu(); }
+  // CPU tensors stand for CUDA ones, unless a test of the CPU path (gloo) says they are CPU.
+  bool accepts(const at::Tensor& tensor) const override { return cpu_is_cuda.load() && tensor.device().is_cpu(); }
   c10::Stream current_stream() override {
     return c10::Stream(c10::Stream::UNSAFE, c10::Device(c10::DeviceType::CPU), stream_id.load());
   }
@@ -219,6 +220,7 @@ class FakeDevice final : public Device {
   }
   std::vector<c10::Device> future_devices() const override { return {}; }
 
+  std::atomic<bool> cpu_is_cuda{true};
   std::atomic<c10::StreamId> stream_id{0};
   std::atomic<bool> is_capturing{false};
   std::atomic<bool> done{true};  // what a completion's query() answers
