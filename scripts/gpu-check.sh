@@ -156,6 +156,10 @@ else
   STRESS_CAP=""; STRESS_RMA_CAP=""; STRESS_ASYNC_CAP=""
 fi
 SUITE="-m pytest tests/gpu -q -p no:cacheprovider -rs"
+# A GPU test still running after TEST_HANG_S seconds (default 180) ends its rank with every thread's
+# traceback in $OUT/hang-rank<R>.log (tests/gpu/conftest.py; packed into logs.tgz): a hang costs
+# that, not the rest of its step's limit.
+export PYDATACOPY_TEST_HANG_S=${TEST_HANG_S:-180} PYDATACOPY_TEST_HANG_DIR=$OUT
 
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 step build $PY -m pip install --no-build-isolation --no-deps --no-index -v . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
@@ -426,6 +430,9 @@ for compare in bench-compare bench-moe-compare; do
 done
 grep -h "^kill-moe" "$OUT/kill-moe.log" 2>/dev/null | tail -n 4
 grep -h "^kill-distributed" "$OUT/kill-distributed.log" 2>/dev/null | tail -n 4
+for f in "$OUT"/hang-rank*.log; do  # a GPU test that outran TEST_HANG_S (its traceback: logs.tgz)
+  [ -s "$f" ] && { echo "hang: $(head -n 1 "$f")"; grep -m 3 "tests/gpu/" "$f" | sed 's/^/  /'; }
+done
 for f in control server; do  # MPS's own logs, for a client it refused
   [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
 done

@@ -14,6 +14,7 @@ ranks need), everything is skipped with the reason."""
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import subprocess
 import sys
@@ -110,6 +111,42 @@ def _native_backtrace():
 
 
 _config = None
+_hang_file = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """PYDATACOPY_TEST_HANG_S=N (gpu-check sets it): a test that runs longer than N seconds ends
+    its process with every thread's traceback in PYDATACOPY_TEST_HANG_DIR/hang-rank<R>-<pid>.log,
+    after the test's name (a run that ends removes its file); torchrun then stops the other
+    ranks. A hang (a rank that failed and left its peers' collectives unpaired, a missed message)
+    then costs N seconds of the GPU's time, not the rest of the step's limit, and says where."""
+    global _hang_file
+    seconds = _int_env("PYDATACOPY_TEST_HANG_S", 0)
+    if seconds <= 0:
+        yield
+        return
+    if _hang_file is None:
+        folder = os.environ.get("PYDATACOPY_TEST_HANG_DIR") or "."
+        name = f"hang-rank{os.environ.get('RANK', '0')}-{os.getpid()}.log"
+        _hang_file = open(os.path.join(folder, name), "w")  # noqa: SIM115 - open until the session ends
+    _hang_file.seek(0)
+    _hang_file.truncate()
+    _hang_file.write(f"{item.nodeid}: still running after {seconds} s on rank {os.environ.get('RANK')}\n")
+    _hang_file.flush()
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_hang_file)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    global _hang_file
+    if _hang_file is not None:
+        _hang_file.close()
+        os.unlink(_hang_file.name)
+        _hang_file = None
 
 
 def pytest_configure(config):
