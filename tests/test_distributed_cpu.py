@@ -333,6 +333,29 @@ def test_a_direct_call_launches_what_the_python_group_queued_first(fake_cuda):
     assert fake_cuda.launches == [(11, [(True, 1)])] and send_recv._state.distributed_batch is None
 
 
+def test_a_group_launches_what_the_python_group_queued_before_it(fake_cuda):
+    """At its start: a dist.isend issued inside the group stays after the group's earlier calls."""
+    from pydatacopy.send_recv import send_recv
+
+    _queue(True, 1)
+    with send_recv.group():
+        assert fake_cuda.launches == [(11, [(True, 1)])]
+
+
+def test_an_eager_batch_is_not_launched_from_a_capture_on_another_stream(fake_cuda):
+    """torch.cuda.graph captures on a side stream: an eager isend left on the default stream and
+    flushed by a call inside the capture is refused, not launched."""
+    from pydatacopy.distributed import work
+
+    eager = _queue(True, 1)
+    fake_cuda.stream, fake_cuda.capturing = 22, True  # stream 22 captures; 11, the batch's, does not
+    work.flush()
+    fake_cuda.capturing = False
+    assert fake_cuda.launches == []
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
+
+
 def test_eager_operations_a_flush_finds_inside_a_capture_are_refused_not_recorded(fake_cuda):
     """Flushed by another call of the backend (all_to_all_single, barrier) after a capture began
     on their stream, they would be recorded into the graph instead of running now."""

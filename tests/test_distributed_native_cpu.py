@@ -185,6 +185,43 @@ def test_a_batch_refused_by_the_python_group_midway_drops_what_it_queued(native,
     assert _launches(device) == [(11, [(True, 1)])]
 
 
+@pytest.mark.parametrize("flush", ["direct call", "collective", "start of a batch"])
+def test_a_batch_left_open_by_an_error_torch_raised_is_dropped_by_whatever_flushes_next(native, device, flush):
+    """torch may raise inside batch_isend_irecv before the backend sees the op (a CPU tensor on
+    a "cuda:pydatacopy" group), and then never ends the batch: the next flush drops it."""
+    backend = _make(native, device)
+    backend._start_coalescing()
+    first = _op(backend, True, 1)
+    _op(backend, False, 2)  # ... and torch raises here, never calling _end_coalescing
+    if flush == "direct call":
+        pydatacopy._C.flush_torch_backend_queue()
+    elif flush == "collective":
+        backend.barrier(dist.BarrierOptions())
+    else:
+        backend._start_coalescing()
+        backend._end_coalescing()
+    assert device.launches == []
+    with pytest.raises(pydatacopy.Error, match="raised before its end"):
+        first.wait()
+    _op(backend, True, 1).wait()  # not in a batch any more: its own launch
+    assert _launches(device) == [(11, [(True, 1)])]
+
+
+def test_an_eager_batch_is_not_launched_from_a_capture_on_another_stream(native, device):
+    """torch.cuda.graph captures on a side stream: an eager isend left on the default stream and
+    flushed by a call inside the capture is refused, not launched (a capture in global mode
+    forbids what an eager launch may do, an event query)."""
+    backend = _make(native, device)
+    eager = _op(backend, True, 1)
+    device.stream = 12
+    device.capturing = True  # stream 12 captures; 11, the batch's, does not
+    native.Queue.flush()
+    device.capturing = False
+    assert device.launches == []
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
+
+
 @pytest.mark.parametrize("flush", ["start of a batch", "another call of the backend"])
 def test_eager_operations_flushed_inside_a_capture_are_refused_not_recorded(native, device, flush):
     """Launched by whatever call comes after a capture began on their stream, eager operations

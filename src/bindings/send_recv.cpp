@@ -128,8 +128,7 @@ void bind_send_recv(py::module_& m) {
              std::vector<SendRecvEngine::Operation> list;
              for (const auto& [send, buffer, bytes, peer] : ops)
                list.push_back({send, as_pointer<void>(buffer), bytes, peer});
-             flush_torch_backend_queue();
-             self.batch(list, as_stream(stream), timeout);
+             self.batch(list, as_stream(stream), timeout);  // (group() launched the backend's queue at its start)
            }, py::arg("ops"), py::arg("stream"), py::arg("timeout"), release_gil(),
            "ops: (is_send, address, bytes, peer) tuples, run in one launch")
       .def_property_readonly("zero_copy_min_bytes", without_gil_getter(&SendRecvEngine::zero_copy_min_bytes),

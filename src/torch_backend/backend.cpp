@@ -79,6 +79,9 @@ struct Batch {
 };
 
 thread_local std::shared_ptr<Batch> t_batch;  // this thread's queue
+// The backend whose coalesced batch (batch_isend_irecv) this thread is in, between torch's
+// startCoalescing and endCoalescing; still set after a batch that raised (torch does not end it).
+thread_local const void* t_coalescing = nullptr;
 
 void launch(const std::shared_ptr<Batch>& batch) {
   std::lock_guard<std::mutex> lock(batch->mutex);
@@ -87,11 +90,11 @@ void launch(const std::shared_ptr<Batch>& batch) {
   if (t_batch == batch) t_batch.reset();
   Device& device = *batch->device;
   try {
-    // Whoever launches (a wait, a batch's end, another call's flush), the batch's own stream decides.
+    // Whoever launches (a wait, a batch's end, another call's flush), the batch's own stream decides;
+    // an eager batch is not launched from inside a capture either (on its stream it would be
+    // recorded, not run; on another, a capture in global mode forbids what an eager launch may do).
     const bool capturing = device.capturing(batch->stream);
-    if (batch->captured != capturing) {
-      // Captured and launched after its capture: it would run once, outside the graph its caller
-      // captured. Eager and launched inside a capture: it would be recorded, not run now.
+    if (batch->captured ? !capturing : capturing || device.capturing()) {
       batch->failure = Failure{PYDATACOPY_ERROR, message(batch->captured ? "captured_not_waited" : "pending_at_capture")};
       return;
     }
@@ -101,8 +104,13 @@ void launch(const std::shared_ptr<Batch>& batch) {
       batch->failure = failure;  // every Work of the batch reports it, not only this caller
     }
     // As NCCL does: the allocator keeps the memory until the launch's stream is done with it (a
-    // no-op for memory allocated on that stream).
-    device.keep_alive(batch->storages, batch->stream);
+    // no-op for memory allocated on that stream). After the launch, so not the batch's failure:
+    // memory that is not the allocator's (cudaMallocAsync's allocator refuses a record of it)
+    // needs none.
+    try {
+      device.keep_alive(batch->storages, batch->stream);
+    } catch (...) {
+    }
   } catch (const Failure& failure) {
     batch->failure = failure;
   } catch (const std::exception& error) {
@@ -331,20 +339,24 @@ class Queue {
  public:
   explicit Queue(std::shared_ptr<Device> device) : device_(std::move(device)) {}
 
-  // Launch this thread's queued operations, if any.
+  // Launch this thread's queued operations, if any. A batch still open here was abandoned (it
+  // raised, and torch does not end such a batch; nothing else flushes inside one): dropped.
   static void flush() {
+    if (t_coalescing != nullptr) abandon_batch();
     if (std::shared_ptr<Batch> batch = t_batch) launch(batch);
+  }
+
+  // A batch that raised before its end sends nothing (sending part of it would pair wrongly with
+  // the peers' batches): what it queued is refused, its Works raise.
+  static void abandon_batch() {
+    if (std::shared_ptr<Batch> batch = t_batch) drop(batch, Failure{PYDATACOPY_ERROR, message("abandoned_batch")});
+    t_coalescing = nullptr;
   }
 
   // Forget this thread's queue without launching it (native.py, at interpreter exit: a batch
   // freed after Python has gone could not free the Python-owned memory it holds).
   static void discard() { t_batch.reset(); }
 
-  // Refuse this thread's queued operations, if any, without sending anything (a batch that
-  // raised before its end: sending part of it would pair wrongly with the peers' batches).
-  static void drop_pending(const char* why) {
-    if (std::shared_ptr<Batch> batch = t_batch) drop(batch, Failure{PYDATACOPY_ERROR, message(why)});
-  }
 
   // One send or recv of a checked, contiguous tensor on this process's device: the Work that
   // launches it when asked.
@@ -491,10 +503,7 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
   // Python group issued in it (CPU tensors, through gloo).
   bool supportsCoalescing() const override { return true; }
   void startCoalescing() override {
-    // A batch left open (torch's coalescing manager does not end a batch that raised) sent
-    // nothing: what it queued is dropped, not sent ahead of this one.
-    if (t_coalescing != nullptr) abandon_batch();
-    Queue::flush();
+    Queue::flush();  // (a batch left open is dropped there, not sent ahead of this one)
     t_coalescing = this;
     t_delegated.clear();
   }
@@ -599,15 +608,9 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
       return coalesced(delegate(is_send ? (in_batch ? "send_in_batch" : "send") : (in_batch ? "recv_in_batch" : "recv"),
                                 tensors, peer, tag));
     } catch (...) {
-      if (in_batch) abandon_batch();  // the caller's batch raised: nothing of it is sent
+      if (in_batch) Queue::abandon_batch();  // the caller's batch raised: nothing of it is sent
       throw;
     }
-  }
-
-  static void abandon_batch() {
-    Queue::drop_pending("abandoned_batch");
-    t_coalescing = nullptr;
-    t_delegated.clear();
   }
 
   template <typename... Args>
@@ -618,9 +621,10 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
     return work.cast<WorkPtr>();
   }
 
-  // A collective: counted (getSequenceNumberForGroup), then the delegate's.
+  // A collective: counted (getSequenceNumberForGroup), then the delegate's (which flushes first).
   template <typename... Args>
   WorkPtr collective(const char* method, Args&&... args) {
+    Queue::flush();  // (and a batch left open is dropped)
     ++sequence_;
     return delegate(method, std::forward<Args>(args)...);
   }
@@ -630,9 +634,7 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
     return work;
   }
 
-  // The batch this thread coalesces (torch's coalescing manager: one group at a time per thread),
-  // and the Python group's Works issued in it.
-  static thread_local const Backend* t_coalescing;
+  // The Python group's Works issued in this thread's coalesced batch (t_coalescing: which backend's).
   static thread_local std::vector<WorkPtr> t_delegated;
 
   std::vector<int> pes_;  // the group's ranks as PEs
@@ -642,7 +644,6 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
   PyRef delegate_;
 };
 
-thread_local const Backend* Backend::t_coalescing = nullptr;
 thread_local std::vector<WorkPtr> Backend::t_delegated;
 
 const pydatacopy_torch_backend_api* core_api(py::capsule api_capsule) {
@@ -667,11 +668,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pydatacopy's torch.distributed backend (private: pydatacopy.distributed uses it)";
   m.def("init", [](py::object error, py::object timeout_error, std::map<std::string, std::string> messages,
                    int max_group_ops, py::capsule api) {
-    Queue::s_set_thread_flush = core_api(api)->set_thread_flush;
-    g_error = error.release().ptr();  // module lifetime
+    g_error = error.release().ptr();  // module lifetime; first: core_api() raises through it
     g_timeout_error = timeout_error.release().ptr();
     g_messages = std::move(messages);
     Queue::s_max_ops = max_group_ops;
+    Queue::s_set_thread_flush = core_api(api)->set_thread_flush;
   }, py::arg("error"), py::arg("timeout_error"), py::arg("messages"), py::arg("max_group_ops"), py::arg("api"));
 
   py::class_<Device, std::shared_ptr<Device>>(m, "Device");

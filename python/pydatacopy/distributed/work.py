@@ -43,8 +43,8 @@ MESSAGES = {
         "on each Work inside the capture (nothing was sent or received)"),
     "pending_at_capture": (
         "torch.distributed send/recv on the pydatacopy backend: these operations were queued and not "
-        "waited for before a CUDA graph capture began on their stream, so they were not sent or "
-        "received: wait() on each Work before the capture"),
+        "waited for before a CUDA graph capture began, so they were not sent or received: wait() on "
+        "each Work before the capture"),
     "too_many_queued": (
         f"torch.distributed send/recv on the pydatacopy backend: more than {_MAX_OPS} operations queued "
         f"without a wait (a batch launches as one group of at most {_MAX_OPS}), so the batch was dropped "
@@ -93,10 +93,11 @@ class _Batch:
             self.launched = True
         if _queue.distributed_batch is self:
             _queue.distributed_batch = None
-        # Whoever launches (a wait, another call's flush), the batch's own stream decides.
-        if self.captured != _stream_capturing(self.stream):
-            # Captured and launched after its capture: it would run once, outside the graph its
-            # caller captured. Eager and launched inside a capture: recorded, not run now.
+        # Whoever launches (a wait, another call's flush), the batch's own stream decides; an eager
+        # batch is not launched from inside a capture either (on its stream it would be recorded,
+        # not run; on another, a capture in global mode forbids what an eager launch may do).
+        capturing = _stream_capturing(self.stream)
+        if (not capturing) if self.captured else (capturing or _capturing()):
             self.error = Error(MESSAGES["captured_not_waited" if self.captured else "pending_at_capture"])
             return
         try:
@@ -107,10 +108,17 @@ class _Batch:
                 raise
         finally:
             # As NCCL does: the allocator keeps the memory until the launch's stream is done with
-            # it (a no-op for memory allocated on that stream). The memory queued, not the
-            # tensors: a caller may have swapped a tensor's storage out since (why `storages`).
-            _keep_alive(self.stream, *(torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-                                       for s in self.storages))
+            # it (a no-op for memory allocated on that stream). The memory queued: a caller may
+            # have swapped a tensor's storage out since (why `storages`).
+            try:
+                stream = _streams.get(self.stream)
+                if stream is None:
+                    stream = _streams[self.stream] = torch.cuda.ExternalStream(self.stream, device=self.device)
+                _keep_alive(stream, *(t if t.untyped_storage().data_ptr() == s.data_ptr()
+                                      else torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
+                                      for t, s in zip(self.tensors, self.storages)))
+            except Exception:  # noqa: BLE001 - after the launch: memory not the allocator's needs no record
+                pass
 
     def completion(self) -> torch.cuda.Event:
         """An event after the launch on its stream (recorded when first asked for: later work on
@@ -122,7 +130,8 @@ class _Batch:
         return self.event
 
 
-_launch_lock = threading.Lock()
+_streams: dict[int, torch.cuda.Stream] = {}  # a launch stream's torch object, by handle
+_launch_lock = threading.RLock()  # reentrant: a direct send from a __del__ run under it launches
 
 
 # What touches CUDA and the engine, in one place (tests/test_distributed_cpu.py replaces these

@@ -237,6 +237,10 @@ def group(*, stream=None) -> Iterator[None]:
     if _state.pending is not None:
         raise Error("pydatacopy.group() cannot be nested: issue all the sends and recvs in one "
                     "group() block")
+    # What torch.distributed's backend queued before the group goes first (a dist.isend inside
+    # the group stays after the group's earlier calls).
+    _launch_distributed_batch()
+    _C.flush_torch_backend_queue()
     _state.pending = {"stream": stream, "handle": None, "explicit": stream is not None, "ops": [],
                       "tensors": [], "timeout": 0.0}
     try:
@@ -247,7 +251,6 @@ def group(*, stream=None) -> Iterator[None]:
     if not pending["ops"]:
         return
     handle = pending["handle"]
-    _launch_distributed_batch()
     try:
         _require_engine("group").batch(pending["ops"], handle, pending["timeout"])
     finally:
