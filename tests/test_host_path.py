@@ -45,6 +45,9 @@ class FakeCore:
     def is_initialized(self):
         return self.initialized
 
+    def flush_torch_backend_queue(self):  # group()'s start: no torch.distributed queue here
+        pass
+
     device = -1  # what get_device() gives the CPU tensors standing in for CUDA ones
 
     def cuda_device(self):

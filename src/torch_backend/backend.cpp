@@ -94,7 +94,8 @@ void launch(const std::shared_ptr<Batch>& batch) {
     // an eager batch is not launched from inside a capture either (on its stream it would be
     // recorded, not run; on another, a capture in global mode forbids what an eager launch may do).
     const bool capturing = device.capturing(batch->stream);
-    if (batch->captured ? !capturing : capturing || device.capturing()) {
+    if (batch->captured ? !capturing
+                        : capturing || (device.current_stream() != batch->stream && device.capturing())) {
       batch->failure = Failure{PYDATACOPY_ERROR, message(batch->captured ? "captured_not_waited" : "pending_at_capture")};
       return;
     }
@@ -356,7 +357,6 @@ class Queue {
   // Forget this thread's queue without launching it (native.py, at interpreter exit: a batch
   // freed after Python has gone could not free the Python-owned memory it holds).
   static void discard() { t_batch.reset(); }
-
 
   // One send or recv of a checked, contiguous tensor on this process's device: the Work that
   // launches it when asked.
