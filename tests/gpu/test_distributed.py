@@ -330,24 +330,38 @@ def test_one_f_one_b_schedule_matches_local_reference(group, world):
 
 def test_a_full_group_of_64_then_the_65th_refused(group, world):
     """32 sends to the next rank and 32 recvs from the previous one queued at once: one launch of
-    64 operations (32 messages on each channel), byte-exact; a 65th queued before any wait is
-    refused with the limit, and the 64 still run."""
+    64 operations (32 messages on each channel), byte-exact. Then the same 64 and a 65th before
+    any wait: the 65th is refused with the limit and the 64 with it (every rank alike, so no peer
+    waits for them): their Works raise, nothing of them moved, and the group goes on."""
     rank, n, _ = world
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     limit = pydatacopy._C.MAX_GROUP_OPS
     nbytes = 64 << 10
-    outgoing = [_payload(rank, nxt, 300 + m, nbytes) for m in range(limit // 2)]
-    received = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(limit // 2)]
-    works = []
-    for m in range(limit // 2):
-        works.append(dist.isend(outgoing[m], nxt, group=group))
-        works.append(dist.irecv(received[m], prv, group=group))
-    with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
-        dist.isend(outgoing[0], nxt, group=group)
+
+    def queue_64(tag: int):
+        outgoing = [_payload(rank, nxt, tag + m, nbytes) for m in range(limit // 2)]
+        received = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(limit // 2)]
+        works = []
+        for m in range(limit // 2):
+            works.append(dist.isend(outgoing[m], nxt, group=group))
+            works.append(dist.irecv(received[m], prv, group=group))
+        return outgoing, received, works
+
+    _, received, works = queue_64(300)
     for work in works:
         work.wait()
     for m in range(limit // 2):
         _check(received[m], _payload(prv, rank, 300 + m, nbytes), f"message {m} from {prv}")
+
+    outgoing, received, works = queue_64(400)
+    with pytest.raises(pydatacopy.Error, match=f"more than {limit} operations queued without a wait"):
+        dist.isend(outgoing[0], nxt, group=group)
+    for work in works:
+        with pytest.raises(pydatacopy.Error, match="dropped whole"):
+            work.wait()
+    torch.cuda.synchronize()
+    assert all(int(t.count_nonzero()) == 0 for t in received), "a refused batch moved bytes"
+    test_blocking_send_recv_pairs(group, world, 4096)  # the group goes on
 
 
 def test_a_pipelining_schedule_on_cuda_tensors(group, world):
