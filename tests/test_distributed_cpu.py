@@ -231,7 +231,10 @@ class _FakeCuda:
         # Only the current stream captures, when the test says so.
         monkeypatch.setattr(work, "_stream_capturing", lambda stream: self.capturing and stream == self.stream)
         monkeypatch.setattr(work, "_launch_on_engine", self._launch)
-        monkeypatch.setattr(work, "_keep_alive", lambda stream, *tensors: None)
+        self.kept_alive: list[tuple] = []  # (stream, addresses) per record after a launch
+        monkeypatch.setattr(work, "_launch_stream", lambda handle, device: ("stream", handle))
+        monkeypatch.setattr(work, "_keep_alive", lambda stream, *tensors: self.kept_alive.append(
+            (stream, [t.data_ptr() for t in tensors])))
         monkeypatch.setattr(work, "_check_device_errors", lambda: None)
         monkeypatch.setattr(work._queue, "distributed_batch", None)
 
@@ -431,7 +434,12 @@ def test_a_queued_tensors_memory_stays_until_the_launch(fake_cuda):
     out.data = torch.empty(1, dtype=torch.uint8)
     held = pending._batch.storages[0]
     assert held.data_ptr() == address and held.nbytes() == 64
+    kept = torch.zeros(8, dtype=torch.uint8)
+    _work.queue(False, kept, 1, 30.0)
     pending.wait()
+    # Recorded on the launch's stream although the wait came on it too (the memory may have been
+    # allocated on another): the swapped-out storage's memory, and the other tensor's.
+    assert fake_cuda.kept_alive == [(("stream", 11), [address, kept.data_ptr()])]
 
 
 def _subgroup_worker(rank: int, store_file: str, results) -> None:

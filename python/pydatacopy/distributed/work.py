@@ -111,10 +111,8 @@ class _Batch:
             # it (a no-op for memory allocated on that stream). The memory queued: a caller may
             # have swapped a tensor's storage out since (why `storages`).
             try:
-                stream = _streams.get(self.stream)
-                if stream is None:
-                    stream = _streams[self.stream] = torch.cuda.ExternalStream(self.stream, device=self.device)
-                _keep_alive(stream, *(t if t.untyped_storage().data_ptr() == s.data_ptr()
+                _keep_alive(_launch_stream(self.stream, self.device),
+                            *(t if t.untyped_storage().data_ptr() == s.data_ptr()
                                       else torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
                                       for t, s in zip(self.tensors, self.storages)))
             except Exception:  # noqa: BLE001 - after the launch: memory not the allocator's needs no record
@@ -130,7 +128,6 @@ class _Batch:
         return self.event
 
 
-_streams: dict[int, torch.cuda.Stream] = {}  # a launch stream's torch object, by handle
 _launch_lock = threading.RLock()  # reentrant: a direct send from a __del__ run under it launches
 
 
@@ -157,6 +154,17 @@ def _capturing() -> bool:
 
 def _stream_capturing(stream: int) -> bool:
     return bool(_C.is_capturing(stream))
+
+
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _launch_stream(handle: int, device: int) -> torch.cuda.Stream:
+    """A launch stream's torch object, made once per handle (what record_stream takes)."""
+    stream = _streams.get(handle)
+    if stream is None:
+        stream = _streams[handle] = torch.cuda.ExternalStream(handle, device=device)
+    return stream
 
 
 # This thread's batch: send_recv.py's thread state, whose direct calls launch it first.
