@@ -245,6 +245,24 @@ def test_queued_in_a_capture_and_not_waited_is_refused(group, world):
         work.wait()
 
 
+def test_an_isend_pending_when_a_capture_begins_is_refused_not_launched_into_it(group, world):
+    """An isend queued and not waited, then a capture (torch.cuda.graph: a side stream) in which
+    its Work is asked for: launched there it would run on the default stream while another
+    captures (an error that invalidates the capture) or be recorded. It is refused, on every rank
+    alike (so no peer waits for it), the capture stays valid and the group goes on."""
+    rank, n, _ = world
+    eager = dist.isend(torch.ones(4096, dtype=torch.uint8, device="cuda"), (rank + 1) % n, group=group)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+            eager.is_completed()
+        torch.ones(1, device="cuda").add_(1)  # the capture goes on: not invalidated
+    with pytest.raises(pydatacopy.Error, match="before a CUDA graph capture began"):
+        eager.wait()
+    graph.replay()
+    test_blocking_send_recv_pairs(group, world, 4096)
+
+
 def test_size_mismatch_errors_on_both_sides_then_group_works_again(group, world):
     """Rank 0 sends 4 KiB to rank 1, which receives 8 KiB: pydatacopy.Error on both, never a
     hang; after setup_send_recv() on every rank the pair moves byte-exact again."""
