@@ -132,8 +132,11 @@ void bind_torch_backend_api(py::module_& m) {
           Py_XDECREF(previous);
         }, py::arg("engine"),
         "the engine the torch.distributed backend launches on (None: none); send_recv.py sets it");
-  m.def("flush_torch_backend_queue", &flush_torch_backend_queue, py::call_guard<py::gil_scoped_release>(),
-        "launch what the torch.distributed backend queued on this thread (the direct calls do first)");
+  m.def("flush_torch_backend_queue", [] {
+          if (t_flush == nullptr) return;  // no native queue on this thread: not worth the GIL's release
+          py::gil_scoped_release unlocked;
+          t_flush();
+        }, "launch what the torch.distributed backend queued on this thread (the direct calls do first)");
 }
 
 }  // namespace pydatacopy::bindings

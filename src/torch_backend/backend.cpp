@@ -120,12 +120,15 @@ void launch(const std::shared_ptr<Batch>& batch) {
 }
 
 // Refuse a batch not launched yet, whole: nothing of it is sent; its Works raise `why`.
-void drop(const std::shared_ptr<Batch>& batch, const Failure& why) {
-  std::lock_guard<std::mutex> lock(batch->mutex);
+void drop_locked(const std::shared_ptr<Batch>& batch, const Failure& why) {  // batch->mutex held
   if (batch->launched) return;
   batch->launched = true;
   batch->failure = why;
   if (t_batch == batch) t_batch.reset();
+}
+void drop(const std::shared_ptr<Batch>& batch, const Failure& why) {
+  std::lock_guard<std::mutex> lock(batch->mutex);
+  drop_locked(batch, why);
 }
 
 // launch() from a Work's method that torch's bindings call with the GIL held (is_completed,
@@ -366,34 +369,22 @@ class Queue {
     const bool capturing = raising([&] { return device.capturing(); });
     if (std::shared_ptr<Batch> batch = t_batch) {
       std::optional<Failure> refusal;
-      bool refused_batch = false;
       {
         // Under the batch's lock: a Work of it waited on another thread launches it meanwhile,
         // and an operation appended after that launch would never run.
         std::lock_guard<std::mutex> lock(batch->mutex);
         if (!batch->launched && batch->stream == stream && capturing && !batch->captured) {
           // Launched now it would enter the capture; launched later, after it: never in order.
-          batch->launched = true;
-          batch->failure = Failure{PYDATACOPY_ERROR, message("pending_at_capture")};
-          refusal = batch->failure;
-          refused_batch = true;
+          refusal = Failure{PYDATACOPY_ERROR, message("pending_at_capture")};
         } else if (!batch->launched && batch->stream == stream && batch->captured == capturing) {
-          if (static_cast<int>(batch->ops.size()) >= max_ops()) {
-            // The whole batch, not the operations past the limit: its first part sent alone
-            // would pair with the wrong operations of the peers' batches.
-            batch->launched = true;
-            batch->failure = Failure{PYDATACOPY_ERROR, message("too_many_queued")};
-            refusal = batch->failure;
-            refused_batch = true;
-          } else {
-            return append(*batch, batch, is_send, tensor, pe, timeout_s);
-          }
+          // Over the limit, the whole batch, not the operations past it: its first part sent
+          // alone would pair with the wrong operations of the peers' batches.
+          if (static_cast<int>(batch->ops.size()) < max_ops()) return append(*batch, batch, is_send, tensor, pe, timeout_s);
+          refusal = Failure{PYDATACOPY_ERROR, message("too_many_queued")};
         }
+        if (refusal) drop_locked(batch, *refusal);
       }
-      if (refusal) {
-        if (refused_batch) t_batch.reset();
-        raise(*refusal);
-      }
+      if (refusal) raise(*refusal);
       launch(batch);  // on its own stream (a captured one that its capture left is refused there)
     }
     auto batch = t_batch = std::make_shared<Batch>(device_, stream, timeout_s, capturing);
