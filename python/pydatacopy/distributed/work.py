@@ -111,10 +111,12 @@ class _Batch:
             # it (a no-op for memory allocated on that stream). The memory queued: a caller may
             # have swapped a tensor's storage out since (why `storages`).
             try:
-                _keep_alive(_launch_stream(self.stream, self.device),
-                            *(t if t.untyped_storage().data_ptr() == s.data_ptr()
-                                      else torch.empty(0, dtype=torch.uint8, device=s.device).set_(s)
-                                      for t, s in zip(self.tensors, self.storages)))
+                kept: dict[int, torch.Tensor] = {}  # one record per memory (all_to_all's slices share two)
+                for t, s in zip(self.tensors, self.storages):
+                    if s.data_ptr() not in kept:
+                        kept[s.data_ptr()] = (t if t.untyped_storage().data_ptr() == s.data_ptr()
+                                              else torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
+                _keep_alive(_launch_stream(self.stream, self.device), *kept.values())
             except Exception:  # noqa: BLE001 - after the launch: memory not the allocator's needs no record
                 pass
 
@@ -124,7 +126,7 @@ class _Batch:
         self.launch()
         if self.event is None:
             self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.ExternalStream(self.stream, device=self.device))
+            self.event.record(_launch_stream(self.stream, self.device))
         return self.event
 
 
@@ -174,9 +176,7 @@ _queue = _send_recv._state
 def flush() -> None:
     """Launch this thread's queued operations, if any (every call of the backend that is not a
     send or recv does, first)."""
-    batch = _queue.distributed_batch
-    if batch is not None:
-        batch.launch()
+    _send_recv._launch_distributed_batch()
 
 
 def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2PWork":
@@ -296,7 +296,7 @@ class P2PWork(dist.Work):
         if batch.error is not None:
             future.set_exception(batch.error)
             return future
-        with torch.cuda.stream(torch.cuda.ExternalStream(batch.stream, device=batch.device)):
+        with torch.cuda.stream(_launch_stream(batch.stream, batch.device)):
             future.set_result([self._tensor])
         return future
 
