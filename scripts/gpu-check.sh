@@ -431,7 +431,10 @@ done
 grep -h "^kill-moe" "$OUT/kill-moe.log" 2>/dev/null | tail -n 4
 grep -h "^kill-distributed" "$OUT/kill-distributed.log" 2>/dev/null | tail -n 4
 for f in "$OUT"/hang-rank*.log; do  # a GPU test that outran TEST_HANG_S (its traceback: logs.tgz)
-  [ -s "$f" ] && { echo "hang: $(head -n 1 "$f")"; grep -m 3 "tests/gpu/" "$f" | sed 's/^/  /'; }
+  # A traceback only from the timer; a process that crashed leaves the header alone.
+  if grep -q "^Timeout (" "$f"; then
+    echo "hang: $(head -n 1 "$f")"; grep -m 3 "tests/gpu/" "$f" | sed 's/^/  /'
+  fi
 done
 for f in control server; do  # MPS's own logs, for a client it refused
   [ -f "$CUDA_MPS_LOG_DIRECTORY/$f.log" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f.log" "$OUT/mps-$f.log"
