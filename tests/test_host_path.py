@@ -407,3 +407,31 @@ def test_tensors_on_a_given_stream_are_kept_alive_also_when_the_core_raises_afte
     kept = [c for c in core.calls if c[0] == "keep_alive"]
     assert kept == [("keep_alive", 0x77, 1), ("keep_alive", 0x77, 1), ("keep_alive", 0x78, 2)] * 2 + [
         ("keep_alive", 0x79, 2)], core.calls
+
+
+def test_keep_alive_records_every_tensor_after_one_the_allocator_refuses(monkeypatch):
+    """cudaMallocAsync's allocator raises on memory not its own (DLPack, from_blob): that one
+    needs no record, and the tensors after it still get theirs (a foreign first tensor must not
+    leave the others to be handed out again while the launch still reads them)."""
+
+    class FakeStream:
+        pass
+
+    class Tensor:
+        def __init__(self, address, foreign=False):
+            self.address, self.foreign, self.recorded = address, foreign, []
+
+        def data_ptr(self):
+            return self.address
+
+        def record_stream(self, stream):
+            if self.foreign:
+                raise RuntimeError("ptr not represented in usage_streams")
+            self.recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(_torch_utils._C, "is_symmetric", lambda address, size: address == 0x30)
+    stream = FakeStream()
+    foreign, mine, symmetric, also_mine = Tensor(0x10, True), Tensor(0x20), Tensor(0x30), Tensor(0x40)
+    _torch_utils.keep_alive(stream, foreign, mine, symmetric, also_mine)
+    assert (mine.recorded, symmetric.recorded, also_mine.recorded) == ([stream], [], [stream])

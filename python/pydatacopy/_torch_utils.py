@@ -258,7 +258,12 @@ def keep_alive(stream, *tensors: torch.Tensor) -> None:
         # Symmetric tensors are not the allocator's (and its cudaMallocAsync backend asserts on
         # foreign pointers); they live until free().
         if not _C.is_symmetric(tensor.data_ptr(), 1):
-            tensor.record_stream(stream)
+            try:
+                tensor.record_stream(stream)
+            except RuntimeError:
+                # Memory not the allocator's (DLPack, from_blob: cudaMallocAsync's backend refuses
+                # it) needs no record; the tensors after it still need theirs.
+                pass
 
 
 def core_property(name: str, doc: str) -> property:

@@ -162,8 +162,13 @@ class CudaDevice final : public Device {
       int symmetric = 0;
       check(api_->is_symmetric(storage.data(), &symmetric, text_, sizeof text_));
       if (symmetric || storage.nbytes() == 0) continue;
-      // The allocator's own record (what Tensor.record_stream does), without a dispatch.
-      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->recordDataPtrOnStream(storage.data_ptr(), stream);
+      // The allocator's own record (what Tensor.record_stream does), without a dispatch. Each on
+      // its own: cudaMallocAsync's allocator refuses memory not its own (which needs no record),
+      // and the storages after such a one still need theirs.
+      try {
+        c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->recordDataPtrOnStream(storage.data_ptr(), stream);
+      } catch (const c10::Error&) {
+      }
     }
   }
   std::shared_ptr<Completion> completion_after(const c10::Stream& stream) override {
