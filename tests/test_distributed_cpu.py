@@ -288,6 +288,29 @@ def test_a_batch_waited_on_another_thread_takes_no_more_operations(fake_cuda):
     assert fake_cuda.launches == [(11, [(True, 1)]), (11, [(False, 1)])]
 
 
+def test_a_batch_another_thread_launched_lets_its_memory_go(fake_cuda):
+    """The queuing thread still names its batch after another thread's wait launched it (until it
+    queues again, which may be never): the batch must not keep the tensors' memory past the
+    launch (recorded on the launch's stream by then), or a long-lived thread pins it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    tensor = torch.zeros(16, dtype=torch.uint8)
+    memory = StorageWeakRef(tensor.untyped_storage())
+    work = _queue_tensor(True, tensor, 1)
+    waiter = threading.Thread(target=work.wait)
+    waiter.start()
+    waiter.join(10)
+    assert fake_cuda.launches == [(11, [(True, 1)])]
+    del work, tensor
+    assert memory.expired()
+
+
+def _queue_tensor(is_send: bool, tensor: torch.Tensor, pe: int):
+    from pydatacopy.distributed import work
+
+    return work.queue(is_send, tensor, pe, 30.0)
+
+
 class _SlowPointer(torch.Tensor):
     """A tensor whose data_ptr() lets other threads run for a while (Python code that sleeps or
     does I/O releases the GIL): the window in which another thread may launch the batch."""

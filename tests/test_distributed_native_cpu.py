@@ -132,6 +132,24 @@ def test_a_batch_waited_on_another_thread_takes_no_more_operations(native, devic
     assert _launches(device) == [(11, [(True, 1)]), (11, [(False, 1)])]
 
 
+def test_a_batch_another_thread_launched_lets_its_memory_go(native, device):
+    """This thread's queue still names its batch after another thread's wait launched it (until
+    it queues again, which may be never): the batch must not keep the tensors' memory past the
+    launch (recorded on the launch's stream by then), or a long-lived thread pins it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    backend = _make(native, device)
+    tensor = torch.zeros(16, dtype=torch.uint8)
+    memory = StorageWeakRef(tensor.untyped_storage())
+    work = backend.send([tensor], 1, 0)
+    waiter = threading.Thread(target=work.wait)
+    waiter.start()
+    waiter.join(10)
+    assert _launches(device) == [(11, [(True, 1)])] and device.kept_alive == [(1, 11)]
+    del work, tensor
+    assert memory.expired()
+
+
 def test_more_than_a_group_queued_without_a_wait_is_refused_whole(native, device):
     """The batch's first part sent alone would pair with the wrong operations of the peers'."""
     backend = _make(native, device)

@@ -83,11 +83,26 @@ thread_local std::shared_ptr<Batch> t_batch;  // this thread's queue
 // startCoalescing and endCoalescing; still set after a batch that raised (torch does not end it).
 thread_local const void* t_coalescing = nullptr;
 
+// What a batch holds of its tensors is not needed once it is launched or refused (recorded on the
+// launch's stream by then; each Work keeps its own tensor): let it go, since the queuing thread may
+// name the batch until it queues again (another thread's wait launched it), which may be never.
+void release_memory_locked(Batch& batch) {  // batch.mutex held
+  std::vector<at::Tensor>().swap(batch.tensors);
+  std::vector<c10::Storage>().swap(batch.storages);
+}
+
+void launch_locked(const std::shared_ptr<Batch>& batch);
+
 void launch(const std::shared_ptr<Batch>& batch) {
   std::lock_guard<std::mutex> lock(batch->mutex);
   if (batch->launched) return;
   batch->launched = true;
   if (t_batch == batch) t_batch.reset();
+  launch_locked(batch);
+  release_memory_locked(*batch);
+}
+
+void launch_locked(const std::shared_ptr<Batch>& batch) {
   Device& device = *batch->device;
   try {
     // Whoever launches (a wait, a batch's end, another call's flush), the batch's own stream decides;
@@ -125,6 +140,7 @@ void drop_locked(const std::shared_ptr<Batch>& batch, const Failure& why) {  // 
   batch->launched = true;
   batch->failure = why;
   if (t_batch == batch) t_batch.reset();
+  release_memory_locked(*batch);
 }
 void drop(const std::shared_ptr<Batch>& batch, const Failure& why) {
   std::lock_guard<std::mutex> lock(batch->mutex);
@@ -503,12 +519,12 @@ class Backend final : public WithGatherIntoTensor<DelegatingBackend> {
     parts.swap(t_delegated);
     t_coalescing = nullptr;
     if (std::shared_ptr<Batch> batch = t_batch) {
-      launch(batch);  // a refusal is raised by the batch's Works, as for any launch
       std::vector<at::Tensor> tensors;
       {
-        std::lock_guard<std::mutex> lock(batch->mutex);
+        std::lock_guard<std::mutex> lock(batch->mutex);  // (the launch lets the batch's go)
         tensors = batch->tensors;
       }
+      launch(batch);  // a refusal is raised by the batch's Works, as for any launch
       parts.push_back(c10::make_intrusive<P2PWork>(batch, std::move(tensors)));
     }
     if (parts.empty()) return Queue::done_work({});

@@ -93,32 +93,38 @@ class _Batch:
             self.launched = True
         if _queue.distributed_batch is self:
             _queue.distributed_batch = None
-        # Whoever launches (a wait, another call's flush), the batch's own stream decides; an eager
-        # batch is not launched from inside a capture either (on its stream it would be recorded,
-        # not run; on another, a capture in global mode forbids what an eager launch may do).
-        capturing = _stream_capturing(self.stream)
-        if (not capturing) if self.captured else (capturing or _capturing()):
-            self.error = Error(MESSAGES["captured_not_waited" if self.captured else "pending_at_capture"])
-            return
         try:
-            _launch_on_engine(self.ops, self.stream, self.timeout_s)
-        except BaseException as error:  # every Work of the batch reports it, not only this caller
-            self.error = error
-            if not isinstance(error, Exception):
-                raise
-        finally:
-            # As NCCL does: the allocator keeps the memory until the launch's stream is done with
-            # it (a no-op for memory allocated on that stream). The memory queued: a caller may
-            # have swapped a tensor's storage out since (why `storages`).
+            # Whoever launches (a wait, another call's flush), the batch's own stream decides; an eager
+            # batch is not launched from inside a capture either (on its stream it would be recorded,
+            # not run; on another, a capture in global mode forbids what an eager launch may do).
+            capturing = _stream_capturing(self.stream)
+            if (not capturing) if self.captured else (capturing or _capturing()):
+                self.error = Error(MESSAGES["captured_not_waited" if self.captured else "pending_at_capture"])
+                return
             try:
-                kept: dict[int, torch.Tensor] = {}  # one record per memory (all_to_all's slices share two)
-                for t, s in zip(self.tensors, self.storages):
-                    if s.data_ptr() not in kept:
-                        kept[s.data_ptr()] = (t if t.untyped_storage().data_ptr() == s.data_ptr()
-                                              else torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
-                _keep_alive(_launch_stream(self.stream, self.device), *kept.values())
-            except Exception:  # noqa: BLE001 - after the launch: memory not the allocator's needs no record
-                pass
+                _launch_on_engine(self.ops, self.stream, self.timeout_s)
+            except BaseException as error:  # every Work of the batch reports it, not only this caller
+                self.error = error
+                if not isinstance(error, Exception):
+                    raise
+            finally:
+                # As NCCL does: the allocator keeps the memory until the launch's stream is done with
+                # it (a no-op for memory allocated on that stream). The memory queued: a caller may
+                # have swapped a tensor's storage out since (why `storages`).
+                try:
+                    kept: dict[int, torch.Tensor] = {}  # one record per memory (all_to_all's slices share two)
+                    for t, s in zip(self.tensors, self.storages):
+                        if s.data_ptr() not in kept:
+                            kept[s.data_ptr()] = (t if t.untyped_storage().data_ptr() == s.data_ptr()
+                                                  else torch.empty(0, dtype=torch.uint8, device=s.device).set_(s))
+                    _keep_alive(_launch_stream(self.stream, self.device), *kept.values())
+                except Exception:  # noqa: BLE001 - after the launch: memory not the allocator's needs no record
+                    pass
+        finally:
+            # What the batch holds of its tensors is not needed once it is launched or refused
+            # (recorded on the launch's stream by then; each Work keeps its own tensor): let it go,
+            # since the queuing thread may name the batch until it queues again, maybe never.
+            self.tensors, self.storages = [], []
 
     def completion(self) -> torch.cuda.Event:
         """An event after the launch on its stream (recorded when first asked for: later work on
@@ -215,6 +221,7 @@ def _drop(batch: _Batch, why: str) -> Error:
     """Refuse a batch not launched yet, whole (called under _launch_lock): nothing of it is sent;
     its Works raise the refusal, returned."""
     batch.launched, batch.error = True, Error(MESSAGES[why])
+    batch.tensors, batch.storages = [], []
     if _queue.distributed_batch is batch:
         _queue.distributed_batch = None
     return batch.error
