@@ -305,6 +305,39 @@ def test_a_batch_another_thread_launched_lets_its_memory_go(fake_cuda):
     assert memory.expired()
 
 
+def test_a_tensor_freed_in_place_before_the_launch_refuses_its_batch(fake_cuda):
+    """FSDP frees a parameter's memory in place (storage.resize_(0)): queued before that, its
+    send would read memory the allocator gave out again. The batch is refused whole, unlaunched."""
+    freed, kept = torch.arange(64, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    first = _queue_tensor(True, freed, 1)
+    second = _queue_tensor(False, kept, 2)
+    freed.untyped_storage().resize_(0)
+    for work in (second, first):
+        with pytest.raises(pydatacopy.Error, match="freed or resized in place"):
+            work.wait()
+    assert fake_cuda.launches == []
+
+
+def test_a_launched_eager_work_waited_inside_a_capture_on_another_stream_is_refused(fake_cuda, monkeypatch):
+    """Its event would be waited on by the capturing stream: refused before any CUDA call, so the
+    capture stays valid."""
+    from pydatacopy.distributed import work as _work
+
+    waited = []
+    monkeypatch.setattr(_work._Batch, "completion", lambda self: waited.append(self) or None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+        "S", (), {"wait_event": lambda self, event: None})())
+    work = _queue(True, 1)
+    work.wait()
+    fake_cuda.stream, fake_cuda.capturing = 12, True
+    with pytest.raises(pydatacopy.Error, match="launched before the CUDA graph capture began"):
+        work.wait()
+    fake_cuda.capturing = False
+    assert waited == []
+    work.wait()  # after the capture: ordered as ever
+    assert len(waited) == 1
+
+
 def _queue_tensor(is_send: bool, tensor: torch.Tensor, pe: int):
     from pydatacopy.distributed import work
 

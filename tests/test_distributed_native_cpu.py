@@ -150,6 +150,61 @@ def test_a_batch_another_thread_launched_lets_its_memory_go(native, device):
     assert memory.expired()
 
 
+def test_a_tensor_freed_in_place_before_the_launch_refuses_its_batch(native, device):
+    """FSDP frees a parameter's memory in place (storage.resize_(0)): queued before that, its
+    send would read memory the allocator gave out again. The batch is refused whole, unlaunched."""
+    backend = _make(native, device)
+    freed, kept = torch.arange(64, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+    first = backend.send([freed], 1, 0)
+    second = backend.recv([kept], 2, 0)
+    freed.untyped_storage().resize_(0)
+    for work in (second, first):
+        with pytest.raises(pydatacopy.Error, match="freed or resized in place"):
+            work.wait()
+    assert device.launches == []
+
+
+def test_a_launched_eager_work_waited_inside_a_capture_on_another_stream_is_refused(native, device):
+    """Its event would be waited on by the capturing stream: refused before any CUDA call, so the
+    capture stays valid."""
+    backend = _make(native, device)
+    work = _op(backend, True, 1)
+    work.wait()
+    device.stream = 12
+    device.capturing = True
+    with pytest.raises(pydatacopy.Error, match="launched before the CUDA graph capture began"):
+        work.wait()
+    device.capturing = False
+    assert device.blocked == []
+    work.wait()  # after the capture: ordered as ever
+    assert device.blocked == [12]
+
+
+def test_a_coalesced_batch_with_no_cuda_operation_takes_no_batch_another_thread_launched(native, device):
+    """This thread's batch, launched by another thread's wait, is no longer this thread's queue:
+    a later coalesced batch with no CUDA operation (CPU tensors only: gloo) gets no Work of it,
+    and so does not raise that batch's refusal."""
+    backend = _make(native, device)
+    device.fail_next_launch = "the first batch's refusal"
+    first = _op(backend, True, 1)
+    refusals = []
+
+    def waiter():
+        try:
+            first.wait()
+        except pydatacopy.Error as error:
+            refusals.append(str(error))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    thread.join(10)
+    assert refusals and "the first batch's refusal" in refusals[0]
+    backend._start_coalescing()
+    work = backend._end_coalescing()
+    work.wait()
+    assert work.result() == [] and _launches(device) == [(11, [(True, 1)])]
+
+
 def test_more_than_a_group_queued_without_a_wait_is_refused_whole(native, device):
     """The batch's first part sent alone would pair with the wrong operations of the peers'."""
     backend = _make(native, device)

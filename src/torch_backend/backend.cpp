@@ -86,20 +86,43 @@ thread_local const void* t_coalescing = nullptr;
 // What a batch holds of its tensors is not needed once it is launched or refused (recorded on the
 // launch's stream by then; each Work keeps its own tensor): let it go, since the queuing thread may
 // name the batch until it queues again (another thread's wait launched it), which may be never.
-void release_memory_locked(Batch& batch) {  // batch.mutex held
-  std::vector<at::Tensor>().swap(batch.tensors);
-  std::vector<c10::Storage>().swap(batch.storages);
+// Taken out under the batch's lock and freed after it: freeing a tensor may take the GIL, which a
+// thread waiting for that lock may hold.
+struct Released {
+  std::vector<at::Tensor> tensors;
+  std::vector<c10::Storage> storages;
+};
+Released release_memory_locked(Batch& batch) {  // batch.mutex held
+  Released released;
+  released.tensors.swap(batch.tensors);
+  released.storages.swap(batch.storages);
+  return released;
 }
 
 void launch_locked(const std::shared_ptr<Batch>& batch);
 
 void launch(const std::shared_ptr<Batch>& batch) {
+  if (t_batch == batch) t_batch.reset();  // also when another thread launched it
+  Released released;  // freed after the lock
   std::lock_guard<std::mutex> lock(batch->mutex);
   if (batch->launched) return;
   batch->launched = true;
-  if (t_batch == batch) t_batch.reset();
   launch_locked(batch);
-  release_memory_locked(*batch);
+  released = release_memory_locked(*batch);
+}
+
+// Whether each operation's bytes still lie in the memory queued with it: a storage resized or
+// freed in place since (FSDP's storage.resize_(0), an offload) gave that memory back to the
+// allocator before the launch could record it, and another tensor may own it now.
+bool memory_still_held(const Batch& batch) {
+  for (size_t i = 0; i < batch.ops.size(); ++i) {
+    const pydatacopy_p2p_op& op = batch.ops[i];
+    if (op.bytes == 0) continue;
+    const auto base = reinterpret_cast<uintptr_t>(batch.storages[i].data());
+    const auto address = reinterpret_cast<uintptr_t>(op.buffer);
+    if (address < base || address - base + op.bytes > batch.storages[i].nbytes()) return false;
+  }
+  return true;
 }
 
 void launch_locked(const std::shared_ptr<Batch>& batch) {
@@ -112,6 +135,10 @@ void launch_locked(const std::shared_ptr<Batch>& batch) {
     if (batch->captured ? !capturing
                         : capturing || (device.current_stream() != batch->stream && device.capturing())) {
       batch->failure = Failure{PYDATACOPY_ERROR, message(batch->captured ? "captured_not_waited" : "pending_at_capture")};
+      return;
+    }
+    if (!memory_still_held(*batch)) {
+      batch->failure = Failure{PYDATACOPY_ERROR, message("memory_freed_before_launch")};
       return;
     }
     try {
@@ -134,17 +161,19 @@ void launch_locked(const std::shared_ptr<Batch>& batch) {
   }
 }
 
-// Refuse a batch not launched yet, whole: nothing of it is sent; its Works raise `why`.
-void drop_locked(const std::shared_ptr<Batch>& batch, const Failure& why) {  // batch->mutex held
-  if (batch->launched) return;
+// Refuse a batch not launched yet, whole: nothing of it is sent; its Works raise `why`. What it
+// held is the caller's to free after the lock.
+Released drop_locked(const std::shared_ptr<Batch>& batch, const Failure& why) {  // batch->mutex held
+  if (t_batch == batch) t_batch.reset();
+  if (batch->launched) return {};
   batch->launched = true;
   batch->failure = why;
-  if (t_batch == batch) t_batch.reset();
-  release_memory_locked(*batch);
+  return release_memory_locked(*batch);
 }
 void drop(const std::shared_ptr<Batch>& batch, const Failure& why) {
+  Released released;  // freed after the lock
   std::lock_guard<std::mutex> lock(batch->mutex);
-  drop_locked(batch, why);
+  released = drop_locked(batch, why);
 }
 
 // launch() from a Work's method that torch's bindings call with the GIL held (is_completed,
@@ -210,7 +239,11 @@ class P2PWork final : public c10d::Work {
     Device& device = *batch_->device;
     raising([&] { device.check_device_errors(); });  // what the GPU reported since (a peer that timed out)
     const c10::Stream current = raising([&] { return device.current_stream(); });
-    if (current != batch_->stream) raising([&] { completion(batch_)->block(current); });
+    if (current != batch_->stream) {
+      // An event of eager work waited on inside a capture: not something a graph can hold.
+      if (!batch_->captured && raising([&] { return device.capturing(); })) raise(message("eager_waited_in_capture"));
+      raising([&] { completion(batch_)->block(current); });
+    }
     if (timeout.count() > 0 && !raising([&] { return device.capturing(); })) {
       // A bounded wait asked for: the host waits for the GPU, at most `timeout`.
       const auto done = raising([&] { return completion(batch_); });
@@ -385,6 +418,7 @@ class Queue {
     const bool capturing = raising([&] { return device.capturing(); });
     if (std::shared_ptr<Batch> batch = t_batch) {
       std::optional<Failure> refusal;
+      Released released;  // freed after the lock
       {
         // Under the batch's lock: a Work of it waited on another thread launches it meanwhile,
         // and an operation appended after that launch would never run.
@@ -398,7 +432,7 @@ class Queue {
           if (static_cast<int>(batch->ops.size()) < max_ops()) return append(*batch, batch, is_send, tensor, pe, timeout_s);
           refusal = Failure{PYDATACOPY_ERROR, message("too_many_queued")};
         }
-        if (refusal) drop_locked(batch, *refusal);
+        if (refusal) released = drop_locked(batch, *refusal);
       }
       if (refusal) raise(*refusal);
       launch(batch);  // on its own stream (a captured one that its capture left is refused there)

@@ -159,15 +159,15 @@ class CudaDevice final : public Device {
     // another stream until that work is done. The storages, not the tensors: a caller may have
     // swapped a tensor's storage out since it was queued. Symmetric memory is not the allocator's.
     for (const c10::Storage& storage : storages) {
-      int symmetric = 0;
-      check(api_->is_symmetric(storage.data(), &symmetric, text_, sizeof text_));
-      if (symmetric || storage.nbytes() == 0) continue;
-      // The allocator's own record (what Tensor.record_stream does), without a dispatch. Each on
-      // its own: cudaMallocAsync's allocator refuses memory not its own (which needs no record),
-      // and the storages after such a one still need theirs.
+      // Each on its own: cudaMallocAsync's allocator refuses memory not its own (which needs no
+      // record), and the storages after such a one still need theirs.
       try {
+        int symmetric = 0;
+        check(api_->is_symmetric(storage.data(), &symmetric, text_, sizeof text_));
+        if (symmetric || storage.nbytes() == 0) continue;
+        // The allocator's own record (what Tensor.record_stream does), without a dispatch.
         c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->recordDataPtrOnStream(storage.data_ptr(), stream);
-      } catch (const c10::Error&) {
+      } catch (...) {
       }
     }
   }

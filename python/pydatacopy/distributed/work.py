@@ -54,6 +54,14 @@ MESSAGES = {
         "torch.distributed batch_isend_irecv on the pydatacopy backend: an earlier batch on this thread "
         "raised before its end, so the operations it had queued were dropped: nothing of them was sent "
         "or received"),
+    "memory_freed_before_launch": (
+        "torch.distributed send/recv on the pydatacopy backend: a queued tensor's memory was freed or "
+        "resized in place (storage.resize_) before its batch was launched, so the batch was dropped "
+        "whole: nothing of it was sent or received. Keep a tensor's memory until its Work is waited on"),
+    "eager_waited_in_capture": (
+        "torch.distributed Work.wait() on the pydatacopy backend: this Work's operations were launched "
+        "before the CUDA graph capture began, so waiting for them cannot be part of the graph: wait() "
+        "on it before the capture"),
     "wait_timed_out": "torch.distributed Work.wait: the pydatacopy send/recv did not finish within the timeout",
     "completed_in_capture": (
         "torch.distributed Work.is_completed() on the pydatacopy backend cannot be asked during a CUDA "
@@ -100,6 +108,9 @@ class _Batch:
             capturing = _stream_capturing(self.stream)
             if (not capturing) if self.captured else (capturing or _capturing()):
                 self.error = Error(MESSAGES["captured_not_waited" if self.captured else "pending_at_capture"])
+                return
+            if not _memory_still_held(self.ops, self.storages):
+                self.error = Error(MESSAGES["memory_freed_before_launch"])
                 return
             try:
                 _launch_on_engine(self.ops, self.stream, self.timeout_s)
@@ -217,6 +228,17 @@ def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2
     return P2PWork(batch, tensor)
 
 
+def _memory_still_held(ops: list[tuple[bool, int, int, int]], storages: list) -> bool:
+    """Whether each operation's bytes still lie in the memory queued with it: a storage resized or
+    freed in place since (FSDP's storage.resize_(0), an offload) gave that memory back to the
+    allocator before the launch could record it, and another tensor may own it now."""
+    for (_, address, nbytes, _), storage in zip(ops, storages):
+        base = storage.data_ptr()
+        if nbytes and not (base <= address and address + nbytes <= base + storage.nbytes()):
+            return False
+    return True
+
+
 def _drop(batch: _Batch, why: str) -> Error:
     """Refuse a batch not launched yet, whole (called under _launch_lock): nothing of it is sent;
     its Works raise the refusal, returned."""
@@ -255,6 +277,9 @@ class P2PWork(dist.Work):
         self._raise_known()
         _check_device_errors()  # what the GPU reported since (a peer that timed out): host memory
         if _current_stream(batch.device) != batch.stream:
+            if _capturing() and not batch.captured:
+                # An event of eager work waited on inside a capture: not something a graph can hold.
+                raise Error(MESSAGES["eager_waited_in_capture"])
             torch.cuda.current_stream(batch.device).wait_event(batch.completion())
         if timeout is not None and timeout.total_seconds() > 0 and not _capturing():
             # A bounded wait asked for: the host waits for the GPU, at most `timeout`.
