@@ -338,6 +338,16 @@ def test_a_launched_eager_work_waited_inside_a_capture_on_another_stream_is_refu
     assert len(waited) == 1
 
 
+def test_an_operation_inside_a_pydatacopy_group_is_refused(fake_cuda):
+    """group() launches its calls at its end: a dist.isend queued inside would reach the peer
+    before them (or, waited inside, before them too): refused, and the group goes on."""
+    with pydatacopy.group():
+        with pytest.raises(pydatacopy.Error, match=r"inside pydatacopy.group\(\)"):
+            _queue(True, 1)
+    _queue(True, 1).wait()  # after the group: as ever
+    assert fake_cuda.launches == [(11, [(True, 1)])]
+
+
 def _queue_tensor(is_send: bool, tensor: torch.Tensor, pe: int):
     from pydatacopy.distributed import work
 

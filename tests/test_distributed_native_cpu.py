@@ -150,6 +150,17 @@ def test_a_batch_another_thread_launched_lets_its_memory_go(native, device):
     assert memory.expired()
 
 
+def test_an_operation_inside_a_pydatacopy_group_is_refused(native, device):
+    """group() launches its calls at its end: a dist.isend queued inside would reach the peer
+    before them (or, waited inside, before them too): refused, and the group goes on."""
+    backend = _make(native, device)
+    with pydatacopy.group():
+        with pytest.raises(pydatacopy.Error, match=r"inside pydatacopy.group\(\)"):
+            _op(backend, True, 1)
+    _op(backend, True, 1).wait()  # after the group: as ever
+    assert _launches(device) == [(11, [(True, 1)])]
+
+
 def test_a_tensor_freed_in_place_before_the_launch_refuses_its_batch(native, device):
     """FSDP frees a parameter's memory in place (storage.resize_(0)): queued before that, its
     send would read memory the allocator gave out again. The batch is refused whole, unlaunched."""
@@ -591,6 +602,38 @@ def test_a_default_group_on_the_backend_is_native_for_cuda_and_gloo_for_cpu(tmp_
             assert out["after_set_timeout"] == 33.0
 
 
+def _mixed_worker(rank: int, store_file: str, results) -> None:
+    import os
+    import warnings
+
+    import pydatacopy.distributed  # noqa: F401
+    from pydatacopy.distributed import backend, native
+
+    # Rank 1 without the native backend (its build failed, or it asked for the Python group).
+    os.environ[native.NATIVE_VARIABLE] = "1" if rank == 0 else "0"
+    backend._start_runtime = lambda *a: None
+    backend._this_pe = lambda: (rank, 2)
+    backend._native_device = lambda module: module.FakeDevice()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.init_process_group("cpu:gloo,cuda:pydatacopy", init_method=f"file://{store_file}", rank=rank,
+                                world_size=2, timeout=timedelta(seconds=45))
+    group = dist.distributed_c10d._get_default_group()
+    cuda = group._get_backend(torch.device("cuda"))
+    results[rank] = {"python": isinstance(cuda, backend.ProcessGroupPydatacopy),
+                     "warned": [str(w.message) for w in caught if "Python process group" in str(w.message)]}
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_implementation(tmp_path):
+    """The native backend and the Python group batch differently, so a group where one rank could
+    not build the native backend is the Python group on every rank, said on the others."""
+    results = mp.Manager().dict()
+    mp.spawn(_mixed_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    assert results[0]["python"] and results[1]["python"]
+    assert any("rank(s) [1]" in text for text in results[0]["warned"]), results[0]["warned"]
+
+
 def _subgroup_worker(rank: int, store_file: str, results) -> None:
     import pydatacopy.distributed  # noqa: F401
     from pydatacopy.distributed import backend, native
@@ -681,3 +724,18 @@ def test_native_only_on_request(native, monkeypatch):
     monkeypatch.setenv(_native.NATIVE_VARIABLE, "yes")
     with pytest.raises(_settings.SettingError, match=_native.NATIVE_VARIABLE):
         _native.load()
+
+
+def test_a_build_lock_held_too_long_is_given_up_with_what_to_do(tmp_path, monkeypatch):
+    """A builder that hangs (a stalled filesystem) does not stall every later group's creation:
+    the wait is bounded, and the error names the lock file."""
+    import fcntl
+
+    monkeypatch.setattr(_native, "BUILD_LOCK_WAIT_S", 0.2)
+    with open(tmp_path / "pydatacopy.lock", "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: conflicts as another process would
+        with pytest.raises(TimeoutError, match="pydatacopy.lock"):
+            with _native._build_lock(tmp_path):
+                pytest.fail("the lock was held elsewhere")
+    with _native._build_lock(tmp_path):  # released: taken at once
+        pass

@@ -82,6 +82,9 @@ thread_local std::shared_ptr<Batch> t_batch;  // this thread's queue
 // The backend whose coalesced batch (batch_isend_irecv) this thread is in, between torch's
 // startCoalescing and endCoalescing; still set after a batch that raised (torch does not end it).
 thread_local const void* t_coalescing = nullptr;
+// Whether a pydatacopy.group() is open on this thread (send_recv.py's group_hooks say): its calls
+// launch at its end, so an operation queued here meanwhile would reach a peer out of order.
+thread_local bool t_in_group = false;
 
 // What a batch holds of its tensors is not needed once it is launched or refused (recorded on the
 // launch's stream by then; each Work keeps its own tensor): let it go, since the queuing thread may
@@ -413,6 +416,7 @@ class Queue {
   // One send or recv of a checked, contiguous tensor on this process's device: the Work that
   // launches it when asked.
   WorkPtr queue(bool is_send, const at::Tensor& tensor, int pe, double timeout_s) {
+    if (t_in_group) raise(message("inside_group"));
     Device& device = *device_;
     const c10::Stream stream = raising([&] { return device.current_stream(); });
     const bool capturing = raising([&] { return device.capturing(); });
@@ -739,6 +743,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::shared_ptr<Device>>(), py::arg("device"))
       .def_static("flush", &Queue::flush, py::call_guard<py::gil_scoped_release>())
       .def_static("discard", &Queue::discard)
+      .def_static("set_group_open", [](bool open) { t_in_group = open; }, py::arg("open"))
       .def("queue", &Queue::queue, py::arg("is_send"), py::arg("tensor"), py::arg("pe"), py::arg("timeout_s"),
            py::call_guard<py::gil_scoped_release>())
       .def_static("batch_work", &Queue::batch_work, py::arg("work"), py::arg("tensor"))

@@ -12,6 +12,7 @@ torch keeps its own group around it, and this class serves it as its delegate.
 from __future__ import annotations
 
 import math
+import warnings
 from datetime import timedelta
 
 import torch
@@ -333,16 +334,25 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
         _start_runtime(store, rank, size, _timeout_seconds(timeout))
     # The group's ranks are PEs: agreed through the group's store, so that a numbering that
     # differs (NVSHMEM started by init_nvshmem with other ranks) is refused on every rank alike.
+    # So is the implementation: the native backend and the Python group batch differently (one
+    # Work and a launch at a batch's end, or a queue until the first wait), so a rank whose build
+    # failed would leave its peers waiting: every rank is native, or none is.
     want = global_ranks or list(range(size))
-    pes = _agreement.StoreExchange(store, rank, size, _timeout_seconds(timeout),
-                                   "pydatacopy.distributed").gather("pes", _this_pe())
-    wrong = [r for r, (pe, n_pes) in enumerate(pes) if pe != want[r] or n_pes <= max(want)]
+    native = _native.load()
+    agreed = _agreement.StoreExchange(store, rank, size, _timeout_seconds(timeout),
+                                      "pydatacopy.distributed").gather("pes", (*_this_pe(), native is not None))
+    wrong = [r for r, (pe, n_pes, _) in enumerate(agreed) if pe != want[r] or n_pes <= max(want)]
     if wrong:
         raise Error(f"pydatacopy.distributed: rank {wrong[0]} of this group is global rank "
-                    f"{want[wrong[0]]} but runs NVSHMEM as PE {pes[wrong[0]][0]} of {pes[wrong[0]][1]}; "
+                    f"{want[wrong[0]]} but runs NVSHMEM as PE {agreed[wrong[0]][0]} of {agreed[wrong[0]][1]}; "
                     "the backend needs PE == global rank (start NVSHMEM with pydatacopy.init() on "
                     "the default group, or let the backend start it)")
-    native = _native.load()
+    without = [r for r, (_, _, built) in enumerate(agreed) if not built]
+    if native is not None and without:
+        warnings.warn(f"pydatacopy.distributed: rank(s) {without} of this group run the Python process "
+                      "group (the native backend was not built or not asked for there: their warning "
+                      "says why), so this rank does too (about 6 us more host time a call)", stacklevel=2)
+        native = None
     if native is None:
         return ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks)
     device = _native_device(native)

@@ -27,6 +27,7 @@ import shutil
 import sys
 import sysconfig
 import threading
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -35,6 +36,7 @@ import torch
 
 from .. import _C
 from ..runtime import settings as _settings
+from ..send_recv import send_recv as _send_recv
 from . import work as _work
 
 #: 1: groups made on the backend use the native backend where it builds (0 or unset: the Python group).
@@ -44,6 +46,9 @@ _PACKAGE = Path(_C.__file__).resolve().parent
 _SOURCE = _PACKAGE / "torch_backend" / "backend.cpp"
 _INCLUDE = _PACKAGE / "include"
 _HEADER = _INCLUDE / "pydatacopy" / "torch_backend_api.h"
+
+#: The longest a process waits for another's build of the backend (about 20 s with g++).
+BUILD_LOCK_WAIT_S = 300.0
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -95,9 +100,20 @@ def _build_lock(where: Path):
     """One builder at a time across processes (the ranks of a job start together). An fcntl lock
     goes with its process; torch < 2.14's own (a lock file that blocks while it exists) stays
     behind a builder that was killed, and would block every later start: a lock file found while
-    this lock is held is such a leftover, and is removed."""
-    with open(where / "pydatacopy.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    this lock is held is such a leftover, and is removed. Waited for at most BUILD_LOCK_WAIT_S:
+    a builder that hangs (a stalled filesystem) makes this process's groups Python ones, said."""
+    path = where / "pydatacopy.lock"
+    with open(path, "w") as handle:
+        deadline = time.monotonic() + BUILD_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"another process held {path} (building the native backend) for more "
+                                       f"than {BUILD_LOCK_WAIT_S:g} s; if no build runs, remove that file") from None
+                time.sleep(0.05)
         try:
             (where / "lock").unlink(missing_ok=True)
             yield
@@ -157,6 +173,7 @@ def load() -> ModuleType | None:
                 module.init(_C.Error, _C.TimeoutError, dict(_work.MESSAGES), _C.MAX_GROUP_OPS,
                             _C.torch_backend_api())
                 atexit.register(module.Queue.discard)  # the main thread's queue, before Python goes
+                _send_recv.group_hooks.append(module.Queue.set_group_open)
                 _module = module
             except Exception as error:  # noqa: BLE001 - any build failure falls back, said once
                 _failure = f"{type(error).__name__}: {str(error).strip()[-2000:]}"

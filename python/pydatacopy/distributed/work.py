@@ -62,6 +62,10 @@ MESSAGES = {
         "torch.distributed Work.wait() on the pydatacopy backend: this Work's operations were launched "
         "before the CUDA graph capture began, so waiting for them cannot be part of the graph: wait() "
         "on it before the capture"),
+    "inside_group": (
+        "torch.distributed send/recv on the pydatacopy backend cannot be issued inside pydatacopy.group(): "
+        "the group launches at its end, so the two would reach a peer out of the program's order. Issue "
+        "them before or after the group, or use pydatacopy.send/recv inside it"),
     "wait_timed_out": "torch.distributed Work.wait: the pydatacopy send/recv did not finish within the timeout",
     "completed_in_capture": (
         "torch.distributed Work.is_completed() on the pydatacopy backend cannot be asked during a CUDA "
@@ -199,6 +203,8 @@ def flush() -> None:
 def queue(is_send: bool, tensor: torch.Tensor, pe: int, timeout_s: float) -> "P2PWork":
     """Queue one send or recv of a checked, contiguous CUDA tensor on this process's device; the
     Work that launches it when asked."""
+    if _queue.pending is not None:  # a pydatacopy.group() open on this thread
+        raise Error(MESSAGES["inside_group"])
     device = tensor.get_device()
     stream = _current_stream(device)
     capturing = _capturing()

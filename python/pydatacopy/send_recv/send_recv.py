@@ -47,6 +47,10 @@ class _ThreadState(threading.local):
 
 _state = _ThreadState()
 
+#: Called with True when a group() opens on this thread and with False when it closes: the native
+#: torch.distributed backend's queue refuses operations inside one (distributed/native.py).
+group_hooks: list = []
+
 
 def _launch_distributed_batch() -> None:
     batch = _state.distributed_batch
@@ -244,10 +248,14 @@ def group(*, stream=None) -> Iterator[None]:
     _state.pending = {"stream": stream, "handle": None, "explicit": stream is not None, "ops": [],
                       "tensors": [], "timeout": 0.0}
     try:
+        for hook in group_hooks:
+            hook(True)
         yield
         pending = _state.pending
     finally:
         _state.pending = None
+        for hook in group_hooks:
+            hook(False)
     if not pending["ops"]:
         return
     handle = pending["handle"]
