@@ -332,6 +332,8 @@ def test_a_launched_eager_work_waited_inside_a_capture_on_another_stream_is_refu
     fake_cuda.stream, fake_cuda.capturing = 12, True
     with pytest.raises(pydatacopy.Error, match="launched before the CUDA graph capture began"):
         work.wait()
+    with pytest.raises(pydatacopy.Error, match="launched before the CUDA graph capture began"):
+        work.get_future()
     fake_cuda.capturing = False
     assert waited == []
     work.wait()  # after the capture: ordered as ever
@@ -346,6 +348,42 @@ def test_an_operation_inside_a_pydatacopy_group_is_refused(fake_cuda):
             _queue(True, 1)
     _queue(True, 1).wait()  # after the group: as ever
     assert fake_cuda.launches == [(11, [(True, 1)])]
+
+
+def test_a_wait_on_another_thread_waits_for_the_launch_in_progress(fake_cuda, monkeypatch):
+    """While one thread launches a batch, a Work of it waited on by another thread waits for that
+    launch: it raises the launch's refusal (or orders its stream after the kernel), never returns
+    before the launch decided."""
+    from pydatacopy.distributed import work as _work
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_refused_launch(ops, stream, timeout_s):
+        entered.set()
+        release.wait(10)
+        raise pydatacopy.Error("refused by the core")
+
+    monkeypatch.setattr(_work, "_launch_on_engine", slow_refused_launch)
+    work = _queue(True, 1)
+    launcher = threading.Thread(target=work._batch.launch)
+    launcher.start()
+    assert entered.wait(10)
+    outcome = []
+
+    def waiter():
+        try:
+            work.wait()
+            outcome.append("returned")
+        except pydatacopy.Error as error:
+            outcome.append(str(error))
+
+    other = threading.Thread(target=waiter)
+    other.start()
+    other.join(0.5)  # (a wait that does not wait for the launch has returned by now)
+    release.set()
+    launcher.join(10)
+    other.join(10)
+    assert outcome == ["refused by the core"]
 
 
 def _queue_tensor(is_send: bool, tensor: torch.Tensor, pe: int):

@@ -185,6 +185,8 @@ def test_a_launched_eager_work_waited_inside_a_capture_on_another_stream_is_refu
     device.capturing = True
     with pytest.raises(pydatacopy.Error, match="launched before the CUDA graph capture began"):
         work.wait()
+    with pytest.raises(pydatacopy.Error, match="launched before the CUDA graph capture began"):
+        work.get_future()
     device.capturing = False
     assert device.blocked == []
     work.wait()  # after the capture: ordered as ever
@@ -620,17 +622,23 @@ def _mixed_worker(rank: int, store_file: str, results) -> None:
                                 world_size=2, timeout=timedelta(seconds=45))
     group = dist.distributed_c10d._get_default_group()
     cuda = group._get_backend(torch.device("cuda"))
+    # A later group, rank 1 now with the native backend too: still Python on both (one kind of
+    # queue per process).
+    os.environ[native.NATIVE_VARIABLE] = "1"
+    later = dist.new_group([0, 1], backend="pydatacopy")
     results[rank] = {"python": isinstance(cuda, backend.ProcessGroupPydatacopy),
+                     "later_python": isinstance(later, backend.ProcessGroupPydatacopy),
                      "warned": [str(w.message) for w in caught if "Python process group" in str(w.message)]}
     dist.destroy_process_group()
 
 
-def test_ranks_agree_on_the_implementation(tmp_path):
+def test_ranks_agree_on_the_implementation(native, tmp_path):
     """The native backend and the Python group batch differently, so a group where one rank could
     not build the native backend is the Python group on every rank, said on the others."""
     results = mp.Manager().dict()
     mp.spawn(_mixed_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
     assert results[0]["python"] and results[1]["python"]
+    assert results[0]["later_python"] and results[1]["later_python"]
     assert any("rank(s) [1]" in text for text in results[0]["warned"]), results[0]["warned"]
 
 
@@ -732,10 +740,20 @@ def test_a_build_lock_held_too_long_is_given_up_with_what_to_do(tmp_path, monkey
     import fcntl
 
     monkeypatch.setattr(_native, "BUILD_LOCK_WAIT_S", 0.2)
+    outcome = []
+
+    def take():
+        try:
+            with _native._build_lock(tmp_path):
+                outcome.append("taken")
+        except TimeoutError as error:
+            outcome.append(str(error))
+
     with open(tmp_path / "pydatacopy.lock", "w") as holder:
         fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: conflicts as another process would
-        with pytest.raises(TimeoutError, match="pydatacopy.lock"):
-            with _native._build_lock(tmp_path):
-                pytest.fail("the lock was held elsewhere")
+        taker = threading.Thread(target=take, daemon=True)  # (an unbounded wait would never end)
+        taker.start()
+        taker.join(30)
+    assert len(outcome) == 1 and "pydatacopy.lock" in outcome[0], outcome
     with _native._build_lock(tmp_path):  # released: taken at once
         pass

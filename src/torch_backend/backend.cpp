@@ -303,6 +303,9 @@ class P2PWork final : public c10d::Work {
     // Completed once the GPU has run the work (a CUDA-aware future: waiting on it orders the
     // current stream after the work).
     launch_unlocked(batch_);
+    // Its completion is an event of eager work, which a capturing stream cannot wait on.
+    if (!batch_->captured && raising([&] { return batch_->device->capturing(); }))
+      raise(message("eager_waited_in_capture"));
     auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
                                                            batch_->device->future_devices());
     std::optional<Failure> failure;

@@ -316,6 +316,12 @@ def _runtime_running() -> bool:
     return _C.is_initialized()
 
 
+# Set once a group of this process fell back to the Python group for a peer without the native
+# backend: the process's later groups are Python ones too (every rank of such a group reports
+# none, so its peers follow).
+_python_only = False
+
+
 def create_process_group(options, backend_options=None) -> ProcessGroupPydatacopy:
     """register_backend's creator (extended_api=True): `options` carries the group's store, rank,
     size, timeout and global ranks (empty for the default group)."""
@@ -337,22 +343,26 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
     # So is the implementation: the native backend and the Python group batch differently (one
     # Work and a launch at a batch's end, or a queue until the first wait), so a rank whose build
     # failed would leave its peers waiting: every rank is native, or none is.
+    global _python_only
     want = global_ranks or list(range(size))
-    native = _native.load()
-    agreed = _agreement.StoreExchange(store, rank, size, _timeout_seconds(timeout),
-                                      "pydatacopy.distributed").gather("pes", (*_this_pe(), native is not None))
-    wrong = [r for r, (pe, n_pes, _) in enumerate(agreed) if pe != want[r] or n_pes <= max(want)]
+    exchange = _agreement.StoreExchange(store, rank, size, _timeout_seconds(timeout), "pydatacopy.distributed")
+    pes = exchange.gather("pes", _this_pe())
+    wrong = [r for r, (pe, n_pes) in enumerate(pes) if pe != want[r] or n_pes <= max(want)]
     if wrong:
         raise Error(f"pydatacopy.distributed: rank {wrong[0]} of this group is global rank "
-                    f"{want[wrong[0]]} but runs NVSHMEM as PE {agreed[wrong[0]][0]} of {agreed[wrong[0]][1]}; "
+                    f"{want[wrong[0]]} but runs NVSHMEM as PE {pes[wrong[0]][0]} of {pes[wrong[0]][1]}; "
                     "the backend needs PE == global rank (start NVSHMEM with pydatacopy.init() on "
                     "the default group, or let the backend start it)")
-    without = [r for r, (_, _, built) in enumerate(agreed) if not built]
+    native = None if _python_only else _native.load()
+    without = [r for r, built in enumerate(exchange.gather("native", native is not None)) if not built]
     if native is not None and without:
         warnings.warn(f"pydatacopy.distributed: rank(s) {without} of this group run the Python process "
                       "group (the native backend was not built or not asked for there: their warning "
-                      "says why), so this rank does too (about 6 us more host time a call)", stacklevel=2)
-        native = None
+                      "says why), so this rank does too, in this group and the later ones (about 6 us "
+                      "more host time a call)", stacklevel=2)
+        # For the process's later groups too: a process with groups of both kinds would keep two
+        # queues, which do not launch each other first, over the same channels.
+        native, _python_only = None, True
     if native is None:
         return ProcessGroupPydatacopy(store, rank, size, timeout, global_ranks)
     device = _native_device(native)

@@ -59,7 +59,7 @@ MESSAGES = {
         "resized in place (storage.resize_) before its batch was launched, so the batch was dropped "
         "whole: nothing of it was sent or received. Keep a tensor's memory until its Work is waited on"),
     "eager_waited_in_capture": (
-        "torch.distributed Work.wait() on the pydatacopy backend: this Work's operations were launched "
+        "torch.distributed Work.wait()/get_future() on the pydatacopy backend: this Work's operations were launched "
         "before the CUDA graph capture began, so waiting for them cannot be part of the graph: wait() "
         "on it before the capture"),
     "inside_group": (
@@ -80,7 +80,7 @@ class _Batch:
     """Operations queued on one stream, launched once as one group."""
 
     __slots__ = ("ops", "tensors", "storages", "stream", "device", "timeout_s", "launched", "error", "event",
-                 "captured")
+                 "captured", "launching", "launcher")
 
     def __init__(self, stream: int, device: int, timeout_s: float, captured: bool) -> None:
         self.ops: list[tuple[bool, int, int, int]] = []  # (is_send, address, bytes, PE)
@@ -94,17 +94,28 @@ class _Batch:
         self.error: BaseException | None = None
         self.event: torch.cuda.Event | None = None  # recorded after the launch, when asked for
         self.captured = captured  # queued during a CUDA graph capture: launched inside it, or refused
+        # Held through the launch: a Work of the batch waited on by another thread meanwhile waits
+        # for it (its refusal, or the kernel queued before its event), as the native batch's mutex.
+        self.launching = threading.Lock()
+        self.launcher: int | None = None  # the thread launching it
 
     def launch(self) -> None:
         """Launch the batch (once): one kernel for all its operations. A refusal raised by the
         core (a timed-out peer, an earlier size mismatch) is kept for the Works to raise: the
         core launched the healthy operations before it raised."""
+        me = threading.get_ident()
         with _launch_lock:  # a Work may be waited on by another thread than the one that queued it
-            if self.launched:
-                return
-            self.launched = True
+            launcher, first = self.launcher, not self.launched
+            if first:
+                self.launched, self.launcher = True, me
+                self.launching.acquire()
         if _queue.distributed_batch is self:
             _queue.distributed_batch = None
+        if not first:
+            if launcher is not None and launcher != me:
+                with self.launching:  # until that thread's launch (or refusal) is done
+                    pass
+            return
         try:
             # Whoever launches (a wait, another call's flush), the batch's own stream decides; an eager
             # batch is not launched from inside a capture either (on its stream it would be recorded,
@@ -140,6 +151,7 @@ class _Batch:
             # (recorded on the launch's stream by then; each Work keeps its own tensor): let it go,
             # since the queuing thread may name the batch until it queues again, maybe never.
             self.tensors, self.storages = [], []
+            self.launching.release()
 
     def completion(self) -> torch.cuda.Event:
         """An event after the launch on its stream (recorded when first asked for: later work on
@@ -330,6 +342,8 @@ class P2PWork(dist.Work):
         on it orders the current stream after the work)."""
         batch = self._batch
         batch.launch()
+        if _capturing() and not batch.captured:  # an event of eager work: not for a capturing stream
+            raise Error(MESSAGES["eager_waited_in_capture"])
         future = torch.futures.Future(devices=[torch.device("cuda", batch.device)])
         if batch.error is not None:
             future.set_exception(batch.error)
