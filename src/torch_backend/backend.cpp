@@ -150,13 +150,8 @@ void launch_locked(const std::shared_ptr<Batch>& batch) {
       batch->failure = failure;  // every Work of the batch reports it, not only this caller
     }
     // As NCCL does: the allocator keeps the memory until the launch's stream is done with it (a
-    // no-op for memory allocated on that stream). After the launch, so not the batch's failure:
-    // memory that is not the allocator's (cudaMallocAsync's allocator refuses a record of it)
-    // needs none.
-    try {
-      device.keep_alive(batch->storages, batch->stream);
-    } catch (...) {
-    }
+    // no-op for memory allocated on that stream). After the launch; it raises nothing.
+    device.keep_alive(batch->storages, batch->stream);
   } catch (const Failure& failure) {
     batch->failure = failure;
   } catch (const std::exception& error) {

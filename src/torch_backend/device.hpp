@@ -116,6 +116,7 @@ class Device {
   virtual void launch(const std::vector<pydatacopy_p2p_op>& ops, const c10::Stream& stream, double timeout_s) = 0;
   virtual void check_device_errors() = 0;  // raises what the device reported (host memory only)
   virtual void check_errors() = 0;         // also the engine's refusals (reads the device: not in a capture)
+  // Records each storage for `stream`; raises nothing (a storage the allocator refuses needs no record).
   virtual void keep_alive(const std::vector<c10::Storage>& storages, const c10::Stream& stream) = 0;
   virtual std::shared_ptr<Completion> completion_after(const c10::Stream& stream) = 0;
   virtual std::vector<c10::Device> future_devices() const = 0;

@@ -325,6 +325,7 @@ _python_only = False
 def create_process_group(options, backend_options=None) -> ProcessGroupPydatacopy:
     """register_backend's creator (extended_api=True): `options` carries the group's store, rank,
     size, timeout and global ranks (empty for the default group)."""
+    global _python_only
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout
     global_ranks = list(getattr(options, "global_ranks_in_group", []) or [])
@@ -343,7 +344,6 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
     # So is the implementation: the native backend and the Python group batch differently (one
     # Work and a launch at a batch's end, or a queue until the first wait), so a rank whose build
     # failed would leave its peers waiting: every rank is native, or none is.
-    global _python_only
     want = global_ranks or list(range(size))
     exchange = _agreement.StoreExchange(store, rank, size, _timeout_seconds(timeout), "pydatacopy.distributed")
     pes = exchange.gather("pes", _this_pe())
