@@ -253,14 +253,14 @@ if has "$STEPS" n-pes; then
 fi
 # The torch.distributed backend as its users start it: the default group on
 # "cpu:gloo,cuda:pydatacopy" (NVSHMEM started through the group's store), with 2 and N PEs, then
-# on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1) with 2 and N PEs.
+# as users get it (the native backend; the variable unset) with 2 and N PEs.
 if has "$STEPS" distributed; then
   shared_mps start
   # shellcheck disable=SC2046
   step distributed bash -c "env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=0 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
     env $(pes "$N_PES") PYDATACOPY_DISTRIBUTED_NATIVE=0 timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py && \
-    env $(pes 2) PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
-    env $(pes "$N_PES") PYDATACOPY_DISTRIBUTED_NATIVE=1 timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py"
+    env -u PYDATACOPY_DISTRIBUTED_NATIVE $(pes 2) timeout 200 torchrun --nproc_per_node=2 tests/gpu/distributed_default_group.py && \
+    env -u PYDATACOPY_DISTRIBUTED_NATIVE $(pes "$N_PES") timeout 200 torchrun --nproc_per_node=$N_PES tests/gpu/distributed_default_group.py"
   shared_mps stop
 fi
 # The MoE tests with 8 PEs (12% of the SMs each on one GPU): asked for by name (ONLY="moe-8",
@@ -352,7 +352,7 @@ if has "$STEPS" bench; then
   if [ "$ONE_GPU" = 1 ]; then
     # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
     # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
-    BENCH_OPS=memcpy,kernel_copy,ce_handoff,kernel_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv_distributed,sendrecv_distributed_native,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many,graph,engagement
+    BENCH_OPS=memcpy,kernel_copy,ce_handoff,kernel_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv_distributed,sendrecv_distributed_python,sendrecv,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many,graph,engagement
     DEFAULT_BENCH="$BENCH_SIZES --ops $BENCH_OPS"
   else
     BENCH_OPS=; DEFAULT_BENCH=$BENCH_SIZES  # every op but compile, NCCL and torch symm_mem too

@@ -85,7 +85,7 @@ def test_the_table_and_csv_show_p99_beside_us(tmp_path, capsys):
 
 SEND_RECV_OPS = {"sendrecv_default": "default", "sendrecv": "zero-copy", "sendrecv_staged": "staged",
                  "sendrecv_ll": "low-latency", "sendrecv_distributed": "torch.distributed",
-                 "sendrecv_distributed_native": "torch.distributed native"}
+                 "sendrecv_distributed_python": "torch.distributed Python group"}
 
 
 def test_every_send_recv_path_has_its_op_and_the_default_row_runs_first():

@@ -23,9 +23,9 @@ from pydatacopy.runtime import agreement as _agreement
 
 @pytest.fixture(autouse=True)
 def _python_groups(monkeypatch):
-    """This module tests the Python group (work.py's queue; PYDATACOPY_DISTRIBUTED_NATIVE=0, the
-    default, said explicitly); tests/test_distributed_native_cpu.py tests the native one. The
-    variable reaches the processes the tests spawn."""
+    """This module tests the Python group (work.py's queue; PYDATACOPY_DISTRIBUTED_NATIVE=0);
+    tests/test_distributed_native_cpu.py tests the native one, the default. The variable reaches
+    the processes the tests spawn."""
     monkeypatch.setenv(_native.NATIVE_VARIABLE, "0")
 
 

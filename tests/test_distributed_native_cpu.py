@@ -722,16 +722,18 @@ def test_the_native_backend_runs_under_torch_distributed_debug_detail(tmp_path, 
     assert results[0] == results[1] == [1.0, 1.0]
 
 
-def test_native_only_on_request(native, monkeypatch):
+def test_native_by_default_python_group_on_request(native, monkeypatch):
+    monkeypatch.delenv(_native.NATIVE_VARIABLE, raising=False)
+    assert _native.load() is native  # the default since its GPU tests passed
+    for text in ("", "1"):
+        monkeypatch.setenv(_native.NATIVE_VARIABLE, text)
+        assert _native.load() is native
     monkeypatch.setenv(_native.NATIVE_VARIABLE, "0")
     assert _native.load() is None
-    monkeypatch.delenv(_native.NATIVE_VARIABLE)
-    assert _native.load() is None  # the default, until the native backend has passed on a GPU
-    monkeypatch.setenv(_native.NATIVE_VARIABLE, "1")
-    assert _native.load() is native
-    monkeypatch.setenv(_native.NATIVE_VARIABLE, "yes")
-    with pytest.raises(_settings.SettingError, match=_native.NATIVE_VARIABLE):
-        _native.load()
+    for text in ("yes", " 0", "false"):
+        monkeypatch.setenv(_native.NATIVE_VARIABLE, text)
+        with pytest.raises(_settings.SettingError, match=f"{_native.NATIVE_VARIABLE}.*0 \\(the Python"):
+            _native.load()
 
 
 def test_a_build_lock_held_too_long_is_given_up_with_what_to_do(tmp_path, monkeypatch):

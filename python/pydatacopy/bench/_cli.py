@@ -45,7 +45,7 @@ def _int_at_least(minimum: int, meaning: str):
 
 #: The size sweep's rows, in the order they run at every size (after the size's local copy).
 SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "kernel_handoff", "put_ce", "put_sm", "put_rma", "torch_symm",
-             "sendrecv_default", "sendrecv_distributed", "sendrecv_distributed_native", "sendrecv",
+             "sendrecv_default", "sendrecv_distributed", "sendrecv_distributed_python", "sendrecv",
              "sendrecv_staged", "sendrecv_ll", "nccl")
 OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "engagement", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
@@ -156,7 +156,7 @@ LABELS = {"copy": ("baseline", "local copy"),
           "torch_symm": ("baseline", "torch symm_mem"),
           "sendrecv_default": ("send/recv", "default"), "sendrecv": ("send/recv", "zero-copy"),
           "sendrecv_distributed": ("send/recv", "torch.distributed"),
-          "sendrecv_distributed_native": ("send/recv", "torch.distributed native"),
+          "sendrecv_distributed_python": ("send/recv", "torch.distributed Python group"),
           "sendrecv_staged": ("send/recv", "staged"), "sendrecv_ll": ("send/recv", "low-latency"),
           "nccl": ("baseline", "NCCL"), "nixl": ("baseline", "NIXL")}
 #: What times and checks each row of the size sweep, given the size's Sweep.
@@ -166,7 +166,7 @@ SWEEP_ROWS = {"memcpy": baselines.memcpy, "kernel_copy": baselines.kernel_copy,
               **{op: lambda sweep, path=LABELS[op][1]: put.put(sweep, path) for op in ("put_ce", "put_sm", "put_rma")},
               "sendrecv_default": send_recv.sendrecv_default, "sendrecv": send_recv.sendrecv,
               "sendrecv_distributed": send_recv.sendrecv_distributed,
-              "sendrecv_distributed_native": lambda sweep: send_recv.sendrecv_distributed(sweep, native=True),
+              "sendrecv_distributed_python": lambda sweep: send_recv.sendrecv_distributed(sweep, native=False),
               "sendrecv_staged": send_recv.sendrecv_staged, "sendrecv_ll": send_recv.sendrecv_ll}
 
 SHARED_GPU_SKIPS = {

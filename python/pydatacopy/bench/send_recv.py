@@ -133,7 +133,7 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
     calls back to back, the host out of the way). Checked afterwards with fresh data into a
     cleared destination."""
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
-    backend, native_backend = _distributed_group(), _distributed_group(native=True)
+    backend, python_backend = _distributed_group(), _distributed_group(native=False)
     null, cpp_null = _null_group(), _cpp_null_group()
     stream = torch.cuda.current_stream().cuda_stream
     sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
@@ -147,15 +147,16 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
                                                                         stream),
             "send | recv": (lambda: pydatacopy.send(src, peer)) if me == 0 else (lambda: pydatacopy.recv(dst, peer)),
             "sendrecv": lambda: pydatacopy.sendrecv(src, peer, dst, peer),
-            # The same through torch.distributed on the pydatacopy backend (issue 38), and the floor
-            # of any Python backend: torch's dist.send/dist.recv and a Work, into a group that moves
-            # nothing (its check: the destination stays as cleared).
-            "dist.send | dist.recv": ((lambda: dist.send(src, peer, group=backend)) if me == 0
-                                      else (lambda: dist.recv(dst, peer, group=backend))),
-            # The same on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1).
-            "native backend: dist.send | dist.recv": (
-                (lambda: dist.send(src, peer, group=native_backend)) if me == 0
-                else (lambda: dist.recv(dst, peer, group=native_backend))),
+            # The same through torch.distributed on the pydatacopy backend (issue 38): as users get
+            # it (the native backend), and its Python group (PYDATACOPY_DISTRIBUTED_NATIVE=0); then
+            # the floor of any Python backend: torch's dist.send/dist.recv and a Work, into a group
+            # that moves nothing (its check: the destination stays as cleared).
+            "default (native backend): dist.send | dist.recv": (
+                (lambda: dist.send(src, peer, group=backend)) if me == 0
+                else (lambda: dist.recv(dst, peer, group=backend))),
+            "Python group: dist.send | dist.recv": (
+                (lambda: dist.send(src, peer, group=python_backend)) if me == 0
+                else (lambda: dist.recv(dst, peer, group=python_backend))),
             "torch.distributed alone: dist.send | dist.recv": (
                 (lambda: dist.send(src, peer, group=null)) if me == 0 else (lambda: dist.recv(dst, peer, group=null))),
         }
@@ -320,7 +321,7 @@ def bench_engagement(args, nbytes: int = ENGAGEMENT_BYTES, runs: int = ENGAGEMEN
     return rows
 
 
-_backend_groups: dict[bool, object] = {}
+_backend_groups: dict[bool | None, object] = {}
 _null_backend_group = None
 
 
@@ -372,24 +373,25 @@ def _cpp_null_group():
     return _cpp_null_backend_group
 
 
-def _distributed_group(native: bool = False):
+def _distributed_group(native: bool | None = None):
     """A group of every rank on the pydatacopy torch.distributed backend (issue 38), made once,
-    collectively, the first time the row runs; it shares this process's runtime. Its Python group
-    (the default), or with native=True its native backend."""
+    collectively, the first time the row runs; it shares this process's runtime. None: the
+    implementation users get (the native backend, unless PYDATACOPY_DISTRIBUTED_NATIVE=0 or it
+    cannot be built); False: the Python group; True: the native backend."""
     if native not in _backend_groups:
         import pydatacopy.distributed  # noqa: F401 - registers the backend
         from pydatacopy.distributed import native as _native
 
-        with _native.requested_as(native):
+        with contextlib.nullcontext() if native is None else _native.requested_as(native):
             _backend_groups[native] = dist.new_group(backend="pydatacopy")
     return _backend_groups[native]
 
 
-def sendrecv_distributed(sweep, native: bool = False):
+def sendrecv_distributed(sweep, native: bool | None = None):
     """The default path through torch.distributed's API on the pydatacopy backend: dist.send /
     dist.recv one way, batch_isend_irecv with both waits both ways; what a user's unchanged
     torch.distributed code costs beside the direct calls (the `default` row) of the same run.
-    native=True: the same on the native backend (PYDATACOPY_DISTRIBUTED_NATIVE=1)."""
+    native=False: the same on the Python group (PYDATACOPY_DISTRIBUTED_NATIVE=0)."""
     group = _distributed_group(native)
 
     def run():

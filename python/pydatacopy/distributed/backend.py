@@ -4,9 +4,10 @@ pydatacopy, and whose CPU tensors go to a gloo group made from the same store.
 
 torch.distributed (2.11 on) takes a Python backend only as a whole ProcessGroup (its Backend has
 no Python constructor there), which then replaces the group on every device: so CPU tensors are
-delegated to gloo here, and "cpu:gloo,cuda:pydatacopy" keeps gloo's CPU semantics. With
-PYDATACOPY_DISTRIBUTED_NATIVE=1 the creator returns the native c10d::Backend instead (native.py),
-torch keeps its own group around it, and this class serves it as its delegate.
+delegated to gloo here, and "cpu:gloo,cuda:pydatacopy" keeps gloo's CPU semantics. By default
+the creator returns the native c10d::Backend instead (native.py; PYDATACOPY_DISTRIBUTED_NATIVE=0
+asks for this class as the group), torch keeps its own group around it, and this class serves
+it as its delegate.
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ class ProcessGroupPydatacopy(dist.ProcessGroup):
     """One torch.distributed group on the pydatacopy backend (made by torch through
     register_backend; see pydatacopy.distributed).
 
-    Two roles: torch's group itself (the default, and wherever the native backend cannot be
-    built; its queue is work.py's), or the native backend's delegate (native.py,
-    PYDATACOPY_DISTRIBUTED_NATIVE=1), which calls it for what is not the hot path (refusals,
-    all_to_all_single, barrier, CPU tensors) with the native queue as `queue`."""
+    Two roles: the native backend's delegate (native.py; the default), which calls it for what
+    is not the hot path (refusals, all_to_all_single, barrier, CPU tensors) with the native
+    queue as `queue`; or torch's group itself (PYDATACOPY_DISTRIBUTED_NATIVE=0, and wherever the
+    native backend cannot be built; its queue is work.py's)."""
 
     # batch_isend_irecv asks this of the group's backend (torch 2.12 on): the backend coalesces
     # by itself (work.py), not through torch's coalescing manager.
