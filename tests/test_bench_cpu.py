@@ -84,7 +84,7 @@ def test_the_table_and_csv_show_p99_beside_us(tmp_path, capsys):
 
 
 SEND_RECV_OPS = {"sendrecv_default": "default", "sendrecv": "zero-copy", "sendrecv_staged": "staged",
-                 "sendrecv_ll": "low-latency", "sendrecv_distributed": "torch.distributed",
+                 "sendrecv_ll": "low-latency", "sendrecv_distributed": "torch.distributed (default)",
                  "sendrecv_distributed_python": "torch.distributed Python group"}
 
 

@@ -190,9 +190,11 @@ def test_store_exchange_gathers_every_rank_in_order():
     """Three ranks (threads here, each its own exchange on one store, as three processes would
     have): each gets every rank's part, in rank order."""
     store = dist.HashStore()
+    other = dist.HashStore()  # another group's store, where rank 1 alone made an exchange
+    _agreement.StoreExchange(other, 1, 2, 20.0, "test")
     exchanges = [_agreement.StoreExchange(store, rank, 3, 20.0, "test") for rank in range(3)]
-    for exchange in exchanges:  # one process counts its exchanges: line the prefixes up
-        exchange.prefix = "pydatacopy/start/test/"
+    # Each rank's first exchange on this store: the same keys, whatever the rank did elsewhere.
+    assert len({exchange.prefix for exchange in exchanges}) == 1, [exchange.prefix for exchange in exchanges]
     got: dict[int, list] = {}
     threads = [threading.Thread(target=lambda e=e: got.__setitem__(e.rank, e.gather("facts", ("mine", e.rank))))
                for e in exchanges]
@@ -567,6 +569,17 @@ def _subgroup_worker(rank: int, store_file: str, results) -> None:
         else:
             dist.recv(t, 1, group=group)
         out["cpu"] = t.tolist()
+    # Then the pipeline's other neighbours: rank 0 made no group since the default one, rank 1 made
+    # one more; the new group's ranks still meet on the same keys of its store.
+    neighbours = dist.new_group([0, 1], backend="pydatacopy", timeout=timedelta(seconds=20))
+    if rank in (0, 1):
+        out["neighbour_pes"] = neighbours._pes
+        t = torch.full((2,), float(10 + rank))
+        if rank == 0:
+            dist.send(t, 1, group=neighbours)
+        else:
+            dist.recv(t, 0, group=neighbours)
+        out["neighbour_cpu"] = t.tolist()
     dist.barrier()
     dist.destroy_process_group()
     results[rank] = out
@@ -574,14 +587,19 @@ def _subgroup_worker(rank: int, store_file: str, results) -> None:
 
 def test_a_subgroup_maps_its_ranks_to_the_jobs_pes(tmp_path):
     """new_group([1, 2], backend="pydatacopy") in a job of 3: group rank 0 is PE 1 and group rank
-    1 is PE 2 (the PEs agreed through the group's store); CPU tensors between them through gloo."""
+    1 is PE 2 (the PEs agreed through the group's store); CPU tensors between them through gloo.
+    Then new_group([0, 1]), which rank 2 does not join and rank 0 joins with fewer groups made
+    before it than rank 1 (a pipeline's neighbour groups)."""
     results = mp.Manager().dict()
     mp.spawn(_subgroup_worker, args=(str(tmp_path / "rendezvous"), results), nprocs=3, join=True)
-    assert results[0] == {}
+    assert set(results[0]) == {"neighbour_pes", "neighbour_cpu"}
     assert results[1]["pes"] == [1, 2] and results[2]["pes"] == [1, 2]
     assert results[1]["peer_of_group_rank"] == [None, 2]
     assert results[2]["peer_of_group_rank"] == [1, None]
     assert results[2]["cpu"] == [1.0, 1.0]
+    assert results[0]["neighbour_pes"] == [0, 1] and results[1]["neighbour_pes"] == [0, 1]
+    assert results[1]["neighbour_cpu"] == [10.0, 10.0]
+    assert "neighbour_pes" not in results[2]
 
 
 def _pipelining_worker(rank: int, store_file: str, results) -> None:

@@ -736,6 +736,49 @@ def test_native_by_default_python_group_on_request(native, monkeypatch):
             _native.load()
 
 
+def test_a_finished_build_is_imported_without_the_lock_or_a_write(native, monkeypatch):
+    """A build made ahead (an image's read-only cache) serves as it is: no lock file is opened
+    and nothing is written where it lies."""
+    where = _native.cache_dir()
+    assert (where / _native._BUILT).exists() and (where / f"{_native._name()}.so").exists()
+
+    def no_lock(where):
+        raise PermissionError(f"read-only: {where}")
+
+    monkeypatch.setattr(_native, "_build_lock", no_lock)
+    assert hasattr(_native._build(), "Backend")
+
+
+def test_a_failed_build_is_not_tried_again_at_once(tmp_path, monkeypatch):
+    """The ranks of a node wait for one another's build: the one that failed says so to the next,
+    which falls back at once instead of failing the same build in turn; a failure older than
+    BUILD_LOCK_WAIT_S is tried again (a compiler installed since)."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    builds = []
+
+    def failing_build(*args, **kwargs):
+        builds.append(args[0])
+        raise RuntimeError("Error building extension: no C++ compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_build)
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        _native._build()
+    with pytest.raises(RuntimeError, match="failed .* ago in another process .*no C\\+\\+ compiler"):
+        _native._build()
+    assert len(builds) == 1
+    failed = _native.cache_dir() / _native._FAILED
+    old = time.time() - 2 * _native.BUILD_LOCK_WAIT_S
+    os.utime(failed, (old, old))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        _native._build()
+    assert len(builds) == 2
+
+
 def test_a_build_lock_held_too_long_is_given_up_with_what_to_do(tmp_path, monkeypatch):
     """A builder that hangs (a stalled filesystem) does not stall every later group's creation:
     the wait is bounded, and the error names the lock file."""

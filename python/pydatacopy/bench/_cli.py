@@ -155,7 +155,7 @@ LABELS = {"copy": ("baseline", "local copy"),
           "put_sm": ("put", "sm"), "put_rma": ("put", "rma"),
           "torch_symm": ("baseline", "torch symm_mem"),
           "sendrecv_default": ("send/recv", "default"), "sendrecv": ("send/recv", "zero-copy"),
-          "sendrecv_distributed": ("send/recv", "torch.distributed"),
+          "sendrecv_distributed": ("send/recv", "torch.distributed (default)"),
           "sendrecv_distributed_python": ("send/recv", "torch.distributed Python group"),
           "sendrecv_staged": ("send/recv", "staged"), "sendrecv_ll": ("send/recv", "low-latency"),
           "nccl": ("baseline", "NCCL"), "nixl": ("baseline", "NIXL")}

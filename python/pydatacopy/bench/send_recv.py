@@ -151,7 +151,7 @@ def bench_host_queued(args, calls: int = 64, rounds: int = 15) -> list[dict]:
             # it (the native backend), and its Python group (PYDATACOPY_DISTRIBUTED_NATIVE=0); then
             # the floor of any Python backend: torch's dist.send/dist.recv and a Work, into a group
             # that moves nothing (its check: the destination stays as cleared).
-            "default (native backend): dist.send | dist.recv": (
+            f"default ({implementation(backend)}): dist.send | dist.recv": (
                 (lambda: dist.send(src, peer, group=backend)) if me == 0
                 else (lambda: dist.recv(dst, peer, group=backend))),
             "Python group: dist.send | dist.recv": (
@@ -408,4 +408,13 @@ def sendrecv_distributed(sweep, native: bool | None = None):
     counts: list[dict[str, int]] = []
     result = sweep.measure(run, sweep.out, around_timed=lambda: counts.append(recv_counts()))
     sweep.extra["one_copy_fraction"] = agreed_fraction(one_copy_fraction(counts[0], counts[1]))
+    sweep.extra["implementation"] = implementation(group)
     return result
+
+
+def implementation(group) -> str:
+    """Which of the backend's implementations `group` is: "native" or "python" (the default row
+    is whichever users got: the Python group where the native backend could not be built)."""
+    from pydatacopy.distributed import ProcessGroupPydatacopy
+
+    return "python" if isinstance(group, ProcessGroupPydatacopy) else "native"

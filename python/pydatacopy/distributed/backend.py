@@ -330,6 +330,9 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout
     global_ranks = list(getattr(options, "global_ranks_in_group", []) or [])
+    # The native backend first (its setting read, its build, about 20 s once): before the ranks
+    # wait for each other at the store, and before NVSHMEM starts on a setting that is refused.
+    native = None if _python_only else _native.load()
     if not _runtime_running():
         # NVSHMEM starts with the default group (torch passes it no global ranks), or with a group
         # of every rank in the default group's order; never on a part of the job.
@@ -354,12 +357,11 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
                     f"{want[wrong[0]]} but runs NVSHMEM as PE {pes[wrong[0]][0]} of {pes[wrong[0]][1]}; "
                     "the backend needs PE == global rank (start NVSHMEM with pydatacopy.init() on "
                     "the default group, or let the backend start it)")
-    native = None if _python_only else _native.load()
     without = [r for r, built in enumerate(exchange.gather("native", native is not None)) if not built]
     if native is not None and without:
         warnings.warn(f"pydatacopy.distributed: rank(s) {without} of this group run the Python process "
                       "group (the native backend was not built or not asked for there: their warning "
-                      "says why), so this rank does too, in this group and the later ones (about 6 us "
+                      "says why), so this rank does too, in this group and the later ones (about 5 us "
                       "more host time a call)", stacklevel=2)
         # For the process's later groups too: a process with groups of both kinds would keep two
         # queues, which do not launch each other first, over the same channels.

@@ -157,14 +157,61 @@ def _build() -> ModuleType:
         quiet.setLevel(level)
 
     name, where = _name(), cache_dir()
+    built, failed = where / _BUILT, where / _FAILED
+    if built.exists() and (where / f"{name}.so").exists():
+        # Finished (the mark is written after the build): imported without the lock or a write,
+        # so that a build made ahead in a read-only place (an image) serves.
+        return _import(name, where)
     where.mkdir(parents=True, exist_ok=True)
     with _build_lock(where), _ninja_on_path():
+        if built.exists() and (where / f"{name}.so").exists():  # built by another process meanwhile
+            return _import(name, where)
+        _refuse_if_failed_lately(failed)
         if not any(where.glob(f"{name}*.so")):
             print(f"pydatacopy.distributed: building the torch.distributed backend against torch "
                   f"{torch.__version__} (once; about 20 s) in {where}", file=sys.stderr, flush=True)
-        return cpp_extension.load(name, [str(_SOURCE)], extra_include_paths=[str(_INCLUDE)],
-                                  extra_cflags=["-O2"], build_directory=str(where), with_cuda=False,
-                                  verbose=False)
+        try:
+            module = cpp_extension.load(name, [str(_SOURCE)], extra_include_paths=[str(_INCLUDE)],
+                                        extra_cflags=["-O2"], build_directory=str(where), with_cuda=False,
+                                        verbose=False)
+        except Exception as error:
+            # Said to the processes waiting for this lock (the other ranks of the node), which then
+            # fall back at once instead of each failing the same build in turn.
+            with contextlib.suppress(OSError):
+                failed.write_text(f"{type(error).__name__}: {str(error).strip()[-2000:]}")
+            raise
+        failed.unlink(missing_ok=True)
+        built.write_text(name)
+        return module
+
+
+#: Marks in the build folder: a finished build, and a build that failed lately.
+_BUILT, _FAILED = "pydatacopy.built", "pydatacopy.failed"
+
+
+def _import(name: str, where: Path) -> ModuleType:
+    """The finished build in `where`, imported as torch's cpp_extension.load would."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, where / f"{name}.so")
+    if spec is None or spec.loader is None:
+        raise ImportError(f"no native backend at {where / f'{name}.so'}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _refuse_if_failed_lately(failed: Path) -> None:
+    """A build of this version that failed less than BUILD_LOCK_WAIT_S ago (in another process
+    of this job, as a rule) is not tried again now; an older failure is (a compiler installed
+    since)."""
+    try:
+        age = time.time() - failed.stat().st_mtime
+        text = failed.read_text()
+    except OSError:
+        return
+    if age < BUILD_LOCK_WAIT_S:
+        raise RuntimeError(f"its build failed {age:.0f} s ago in another process ({failed}): {text}")
 
 
 def load() -> ModuleType | None:
@@ -185,8 +232,9 @@ def load() -> ModuleType | None:
             except Exception as error:  # noqa: BLE001 - any build failure falls back, said once
                 _failure = f"{type(error).__name__}: {str(error).strip()[-2000:]}"
                 warnings.warn("pydatacopy.distributed: the native torch.distributed backend could not be "
-                              "built, so its groups are Python process groups (about 6 us more host time a "
-                              f"call; a C++ compiler and ninja build it): {_failure}", stacklevel=3)
+                              "built, so its groups are Python process groups (about 5 us more host time a "
+                              "call; a C++ compiler, ninja, Python's headers and a writable cache_dir() "
+                              f"build it): {_failure}", stacklevel=3)
     return _module
 
 

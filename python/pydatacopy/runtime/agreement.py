@@ -300,14 +300,14 @@ class StoreExchange:
     """What init() agrees on through its group's collectives, through a c10d store instead: for a
     process group that is being created (pydatacopy.distributed's backend), which cannot run
     collectives yet. Keys live under the store's own prefix (torch gives each group's backend a
-    prefix store) and a count of this process's exchanges on it."""
-
-    _exchanges = 0
+    prefix store) and the number of this exchange among this rank's on that store, counted in the
+    store: every rank of the group makes the same exchanges on it, whatever other groups it made
+    (a process-wide count would differ between ranks that joined different subgroups)."""
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, call: str) -> None:
-        StoreExchange._exchanges += 1
         self.store, self.rank, self.size, self.timeout_s, self.call = store, rank, size, timeout_s, call
-        self.prefix = f"pydatacopy/start/{StoreExchange._exchanges}/"
+        number = store.add(f"pydatacopy/exchanges/{rank}", 1)
+        self.prefix = f"pydatacopy/start/{number}/"
 
     def gather(self, name: str, mine) -> list:
         """Every rank's `mine`, indexed by rank (collective)."""
