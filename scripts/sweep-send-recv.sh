@@ -4,7 +4,7 @@
 # For each configuration, the pipeline against NCCL and the copy engine in the same run, one way.
 # SWEEP_OPS and SWEEP_SIZES replace the rows and sizes (e.g. SWEEP_OPS=kernel_handoff,sendrecv
 # SWEEP_SIZES="-b 1M -e 16M -f 4": the zero-copy row by blocks, beside its floor); SWEEP_DIRECTIONS
-# (one, both or all) the directions.
+# (one, both or all) the directions, SWEEP_REPEATS the bench's -n and -r.
 # One GPU (SWEEP=1 under scripts/gpu-check.sh, which runs MPS): two PEs share it, without the NCCL
 # baseline (NCCL refuses two ranks on one GPU).
 set -uo pipefail
@@ -16,6 +16,7 @@ CONFIGS=${CONFIGS:-"32:8:4 16:8:4 64:8:4 32:16:4 64:16:4 32:4:8"}
 OPS=${SWEEP_OPS:-memcpy,sendrecv_staged,nccl}  # by default the staged row: what the staging's shape changes
 SIZES=${SWEEP_SIZES:-"-b 256K -e 1G -f 4"}
 DIRECTIONS=${SWEEP_DIRECTIONS:-one}  # one, both or all
+REPEATS=${SWEEP_REPEATS:-"-n 10 -r 3"}  # calls per repeat and repeats (the bench's -n and -r)
 if [ "$(nvidia-smi -L | wc -l)" = 1 ]; then
   OPS=${OPS//,nccl/}
   export PYDATACOPY_RANKS_PER_GPU=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-50}
@@ -25,7 +26,7 @@ for config in $CONFIGS; do
   echo "=== sweep blocks=$blocks chunk=${chunk_mib}MiB slots=$slots"
   PYDATACOPY_SEND_BLOCKS=$blocks PYDATACOPY_CHUNK_BYTES=$((chunk_mib << 20)) PYDATACOPY_NUM_CHUNKS=$slots \
     timeout 200 torchrun --nproc_per_node=2 -m pydatacopy.bench --ops "$OPS" \
-    $SIZES -d "$DIRECTIONS" -n 10 -r 3 --json "$OUT/sweep-$blocks-$chunk_mib-$slots.json" \
+    $SIZES -d "$DIRECTIONS" $REPEATS --json "$OUT/sweep-$blocks-$chunk_mib-$slots.json" \
     > "$OUT/sweep-$blocks-$chunk_mib-$slots.log" 2>&1 || { echo "FAILED"; tail -n 20 "$OUT/sweep-$blocks-$chunk_mib-$slots.log"; continue; }
   grep -E "^(send/recv|baseline) " "$OUT/sweep-$blocks-$chunk_mib-$slots.log"
 done
