@@ -180,8 +180,9 @@ def _build() -> ModuleType:
             with contextlib.suppress(OSError):
                 failed.write_text(f"{type(error).__name__}: {str(error).strip()[-2000:]}")
             raise
-        failed.unlink(missing_ok=True)
-        built.write_text(name)
+        with contextlib.suppress(OSError):  # the marks only spare later processes the lock
+            failed.unlink(missing_ok=True)
+            built.write_text(name)
         return module
 
 
