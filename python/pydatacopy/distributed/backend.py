@@ -330,10 +330,8 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout
     global_ranks = list(getattr(options, "global_ranks_in_group", []) or [])
-    # The native backend first (its setting read, its build, about 20 s once): before the ranks
-    # wait for each other at the store, and before NVSHMEM starts on a setting that is refused.
-    native = None if _python_only else _native.load()
-    if not _runtime_running():
+    starts_runtime = not _runtime_running()
+    if starts_runtime:
         # NVSHMEM starts with the default group (torch passes it no global ranks), or with a group
         # of every rank in the default group's order; never on a part of the job.
         world = dist.get_world_size() if dist.is_initialized() else size
@@ -342,6 +340,10 @@ def create_process_group(options, backend_options=None) -> ProcessGroupPydatacop
                         "backend needs NVSHMEM running on every rank: create the default group on "
                         "this backend (init_process_group('cpu:gloo,cuda:pydatacopy')) or call "
                         "pydatacopy.init() on every rank first")
+    # The native backend (its setting read, its build, about 20 s once) before the ranks wait for
+    # each other at the store, and before NVSHMEM starts on a setting that is refused.
+    native = None if _python_only else _native.load()
+    if starts_runtime:
         _start_runtime(store, rank, size, _timeout_seconds(timeout))
     # The group's ranks are PEs: agreed through the group's store, so that a numbering that
     # differs (NVSHMEM started by init_nvshmem with other ranks) is refused on every rank alike.

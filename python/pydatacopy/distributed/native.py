@@ -157,16 +157,18 @@ def _build() -> ModuleType:
         quiet.setLevel(level)
 
     name, where = _name(), cache_dir()
-    built, failed = where / _BUILT, where / _FAILED
-    if built.exists() and (where / f"{name}.so").exists():
-        # Finished (the mark is written after the build): imported without the lock or a write,
-        # so that a build made ahead in a read-only place (an image) serves.
+    built, failed, library = where / _BUILT, where / _FAILED, where / f"{name}.so"
+    if _marked_built(built, library):
+        # Finished (the mark names the very file the build left): imported without the lock or a
+        # write, so that a build made ahead in a read-only place (an image) serves.
         return _import(name, where)
     where.mkdir(parents=True, exist_ok=True)
     with _build_lock(where), _ninja_on_path():
-        if built.exists() and (where / f"{name}.so").exists():  # built by another process meanwhile
+        if _marked_built(built, library):  # built by another process meanwhile
             return _import(name, where)
         _refuse_if_failed_lately(failed)
+        # A build may rewrite the library in place: no mark may vouch for it meanwhile.
+        built.unlink(missing_ok=True)
         if not any(where.glob(f"{name}*.so")):
             print(f"pydatacopy.distributed: building the torch.distributed backend against torch "
                   f"{torch.__version__} (once; about 20 s) in {where}", file=sys.stderr, flush=True)
@@ -182,12 +184,32 @@ def _build() -> ModuleType:
             raise
         with contextlib.suppress(OSError):  # the marks only spare later processes the lock
             failed.unlink(missing_ok=True)
-            built.write_text(name)
+            staged = where / f"{_BUILT}.{os.getpid()}"
+            staged.write_text(_identity(library))
+            os.replace(staged, built)  # whole or absent, never half written
         return module
 
 
-#: Marks in the build folder: a finished build, and a build that failed lately.
+#: Marks in the build folder: a finished build (naming its library file), and a build that failed
+#: while this process waited.
 _BUILT, _FAILED = "pydatacopy.built", "pydatacopy.failed"
+#: When this process began: a failure marked before it is another job's, tried again here.
+_STARTED = time.time()
+
+
+def _identity(library: Path) -> str:
+    """The library file as the mark names it: inode, size and modification time."""
+    facts = library.stat()
+    return f"{facts.st_ino} {facts.st_size} {facts.st_mtime_ns}"
+
+
+def _marked_built(built: Path, library: Path) -> bool:
+    """Whether `library` is the very file a finished build marked (not one rewritten since, or
+    left half-linked by a build that was killed)."""
+    try:
+        return built.read_text() == _identity(library)
+    except OSError:
+        return False
 
 
 def _import(name: str, where: Path) -> ModuleType:
@@ -203,16 +225,16 @@ def _import(name: str, where: Path) -> ModuleType:
 
 
 def _refuse_if_failed_lately(failed: Path) -> None:
-    """A build of this version that failed less than BUILD_LOCK_WAIT_S ago (in another process
-    of this job, as a rule) is not tried again now; an older failure is (a compiler installed
-    since)."""
+    """A build of this version that failed since this process began (in another process of this
+    job, which held the lock while this one waited) is not tried again; one from before (another
+    job's: a compiler installed since, a transient failure) is."""
     try:
-        age = time.time() - failed.stat().st_mtime
+        marked = failed.stat().st_mtime
         text = failed.read_text()
     except OSError:
         return
-    if age < BUILD_LOCK_WAIT_S:
-        raise RuntimeError(f"its build failed {age:.0f} s ago in another process ({failed}): {text}")
+    if marked >= _STARTED:
+        raise RuntimeError(f"its build failed in another process while this one waited ({failed}): {text}")
 
 
 def load() -> ModuleType | None:
