@@ -21,12 +21,15 @@ if [ "$(nvidia-smi -L | wc -l)" = 1 ]; then
   OPS=${OPS//,nccl/}
   export PYDATACOPY_RANKS_PER_GPU=2 CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-50}
 fi
+pass=0  # a configuration may come back (alternating passes): each pass its own files
 for config in $CONFIGS; do
   IFS=: read -r blocks chunk_mib slots <<< "$config"
-  echo "=== sweep blocks=$blocks chunk=${chunk_mib}MiB slots=$slots"
+  pass=$((pass + 1))
+  name="sweep-$pass-$blocks-$chunk_mib-$slots"
+  echo "=== sweep pass $pass blocks=$blocks chunk=${chunk_mib}MiB slots=$slots"
   PYDATACOPY_SEND_BLOCKS=$blocks PYDATACOPY_CHUNK_BYTES=$((chunk_mib << 20)) PYDATACOPY_NUM_CHUNKS=$slots \
     timeout 200 torchrun --nproc_per_node=2 -m pydatacopy.bench --ops "$OPS" \
-    $SIZES -d "$DIRECTIONS" $REPEATS --json "$OUT/sweep-$blocks-$chunk_mib-$slots.json" \
-    > "$OUT/sweep-$blocks-$chunk_mib-$slots.log" 2>&1 || { echo "FAILED"; tail -n 20 "$OUT/sweep-$blocks-$chunk_mib-$slots.log"; continue; }
-  grep -E "^(send/recv|baseline) " "$OUT/sweep-$blocks-$chunk_mib-$slots.log"
+    $SIZES -d "$DIRECTIONS" $REPEATS --json "$OUT/$name.json" \
+    > "$OUT/$name.log" 2>&1 || { echo "FAILED"; tail -n 20 "$OUT/$name.log"; continue; }
+  grep -E "^(send/recv|baseline) " "$OUT/$name.log"
 done

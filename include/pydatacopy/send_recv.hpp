@@ -237,8 +237,15 @@ class SendRecvEngine {
   // a GPU with K PEs on it), the smallest over every PE (agreed at init, so that both sides of a
   // message cut it alike).
   int max_grid() const;
-  // Slices a message of `bytes` moves on: <= blocks(), <= pages, <= kMaxSlicesPerBlock x max_grid().
+  // Slices a message of `bytes` moves on: <= blocks() (under settings::kNarrowMessageBytes <=
+  // narrow_blocks() too), <= pages, <= kMaxSlicesPerBlock x max_grid().
   int slices_for(std::size_t bytes) const;
+  // PYDATACOPY_NARROW_SEND_BLOCKS as init read it (agreed by every PE).
+  int narrow_blocks() const;
+  // The rule slices_for applies, from the engine's agreed numbers (both sides of a message must
+  // cut it alike): no GPU needed.
+  static int message_slices(std::size_t bytes, std::size_t chunk_bytes, int pages, int blocks, int narrow_blocks,
+                            int resident_blocks);
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const;
   // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).
@@ -387,7 +394,7 @@ class SendRecvEngine {
   std::vector<uint8_t*> peer_bases_;
   void* peer_address(const void* local, int peer) const;
   std::size_t chunk_bytes_ = 0, page_bytes_ = 0, symmetric_bytes_ = 0;
-  int num_chunks_ = 0, blocks_ = 0, n_pes_ = 0;
+  int num_chunks_ = 0, blocks_ = 0, narrow_blocks_ = 0, n_pes_ = 0;
   uint64_t* sequences_ = nullptr;  // device [2][n_pes]: next chunk of each send / recv channel
   uint64_t* progress_ = nullptr;   // device [2][n_pes]: %globaltimer of each channel's last chunk
   uint64_t* filled_ = nullptr;     // device [n_pes][num_chunks][pages]: sequence + 1 last put per page

@@ -30,6 +30,14 @@ constexpr int64_t kMaxSendBlocks = 1024;  // one thread block per slice of a chu
 constexpr int64_t kDefaultChunkBytes = int64_t{8} << 20;
 constexpr int64_t kDefaultNumChunks = 4;
 constexpr int64_t kDefaultSendBlocks = 128;
+// Messages under kNarrowMessageBytes move on at most PYDATACOPY_NARROW_SEND_BLOCKS slices (and
+// at most PYDATACOPY_SEND_BLOCKS): a slice then holds several of a chunk's pages, whose copies in
+// and out of the staging overlap, where 128 slices gave each slice one page and took two slices
+// per resident block. Measured on one H100 with 2 PEs at 50% (docs/perf-notes.md v25), 32 against
+// 128: a 4 MiB staged sendrecv both ways 27.5 against 55 us, 16 MiB 75-85 against 122-128 us; from
+// 64 MiB no better, at 256 MiB both ways 3% slower, so larger messages keep PYDATACOPY_SEND_BLOCKS.
+constexpr int64_t kNarrowMessageBytes = int64_t{64} << 20;
+constexpr int64_t kDefaultNarrowSendBlocks = 32;
 // MPS serves at most 48 clients per GPU on Volta and up to 60 on later GPUs; without MPS every
 // one more rank is one more time slice.
 constexpr int64_t kMaxRanksPerGpu = 64;

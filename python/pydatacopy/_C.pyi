@@ -19,6 +19,8 @@ MAX_GROUP_OPS: int
 DEFAULT_CHUNK_BYTES: int
 DEFAULT_NUM_CHUNKS: int
 DEFAULT_SEND_BLOCKS: int
+NARROW_MESSAGE_BYTES: int
+DEFAULT_NARROW_SEND_BLOCKS: int
 LOW_LATENCY_CAPACITY_BYTES: int
 DEFAULT_LOW_LATENCY_MAX_BYTES: int
 NVSHMEM_DEFAULT_SYMMETRIC_SIZE: int
@@ -279,6 +281,7 @@ class SendRecvEngine:
     chunk_bytes: int  # read-only
     num_chunks: int  # read-only
     blocks: int  # read-only
+    narrow_blocks: int  # read-only
     symmetric_bytes: int  # read-only
     max_grid: int  # read-only
     def slices_for(self, bytes: int) -> int: ...

@@ -96,6 +96,8 @@ void bind_send_recv(py::module_& m) {
       .def_property_readonly("chunk_bytes", without_gil_getter(&SendRecvEngine::chunk_bytes))
       .def_property_readonly("num_chunks", without_gil_getter(&SendRecvEngine::num_chunks))
       .def_property_readonly("blocks", without_gil_getter(&SendRecvEngine::blocks))
+      .def_property_readonly("narrow_blocks", without_gil_getter(&SendRecvEngine::narrow_blocks),
+                             "PYDATACOPY_NARROW_SEND_BLOCKS as init read it: messages under NARROW_MESSAGE_BYTES")
       .def_property_readonly("symmetric_bytes", without_gil_getter(&SendRecvEngine::symmetric_bytes))
       .def_property_readonly("max_grid", without_gil_getter(&SendRecvEngine::max_grid),
                              "blocks of a launch at most (what can be resident at once for this PE)")

@@ -32,6 +32,8 @@ void bind_settings(py::module_& m) {
   m.attr("DEFAULT_CHUNK_BYTES") = s::kDefaultChunkBytes;
   m.attr("DEFAULT_NUM_CHUNKS") = s::kDefaultNumChunks;
   m.attr("DEFAULT_SEND_BLOCKS") = s::kDefaultSendBlocks;
+  m.attr("NARROW_MESSAGE_BYTES") = s::kNarrowMessageBytes;
+  m.attr("DEFAULT_NARROW_SEND_BLOCKS") = s::kDefaultNarrowSendBlocks;
   m.attr("LOW_LATENCY_CAPACITY_BYTES") = s::kLowLatencyCapacityBytes;
   m.attr("DEFAULT_LOW_LATENCY_MAX_BYTES") = s::kDefaultLowLatencyMaxBytes;
   m.attr("NVSHMEM_DEFAULT_SYMMETRIC_SIZE") = s::kNvshmemDefaultSymmetricSize;

@@ -248,6 +248,67 @@ def test_slices_never_exceed_what_the_resident_blocks_drive(world, peer, fresh_c
     _exchange_is_exact(rank, peer, 50, [32 * MiB, 64 * MiB + 5, 4 * KiB])
 
 
+# ---- 7. messages under the narrow cut move on fewer slices ------------------------------------
+# PYDATACOPY_NARROW_SEND_BLOCKS (settings.hpp): a message under _C.NARROW_MESSAGE_BYTES moves on
+# at most that many slices, a larger one on PYDATACOPY_SEND_BLOCKS. Both sides cut a message
+# alike from its size, and the ops of one channel in a launch share the largest count, so a wide
+# and a narrow message in one group meet pages laid out by either. Before the cut existed every
+# size took up to 128 slices (slices_for(4 MiB) was 128, failing the first assertion).
+
+@pytest.mark.parametrize("zero_copy", ["on", "off"])
+def test_messages_around_the_narrow_cut(world, peer, fresh_channels, monkeypatch, zero_copy):
+    # fresh_channels before monkeypatch: the environment is restored before the rebuild.
+    rank = world[0]
+    if zero_copy == "off":  # every size staged: the wide count's pages too
+        monkeypatch.setenv("PYDATACOPY_ZERO_COPY_MIN_BYTES", "0")
+    pydatacopy.setup_send_recv()
+    engine = _send_recv._engine
+    cut = _C.NARROW_MESSAGE_BYTES
+    assert engine.narrow_blocks == _C.DEFAULT_NARROW_SEND_BLOCKS
+    most = 32 * engine.max_grid
+    narrow = min(engine.narrow_blocks, engine.blocks, most)
+    wide = min(engine.blocks, engine.chunk_bytes // (32 * KiB), most)
+    assert narrow < wide, f"narrow {narrow}, wide {wide}: the test needs them apart"
+    assert engine.slices_for(4 * MiB) == narrow
+    assert engine.slices_for(cut - 1) == narrow
+    assert engine.slices_for(cut) == wide
+    _exchange_is_exact(rank, peer, 70, [cut - 1, cut, cut + 1, 4 * MiB + 3, 1 * MiB, cut + 7])
+    # One way, narrow after wide after narrow on each channel (each its own launch).
+    for n, nbytes in enumerate([3 * MiB + 1, cut + 5, 5 * MiB]):
+        got = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        if rank == 0:
+            pydatacopy.send(_bytes(rank, 75 + n, nbytes), peer)
+        else:
+            pydatacopy.recv(got, peer)
+            _assert_bytes(got, _bytes(peer, 75 + n, nbytes), f"one way, {nbytes} bytes")
+    # One group: a wide and a narrow message on each channel, in both orders.
+    sizes = [cut + 5, 3 * MiB + 1] if rank == 0 else [3 * MiB + 1, cut + 5]
+    peer_sizes = [cut + 5, 3 * MiB + 1] if peer == 0 else [3 * MiB + 1, cut + 5]
+    received = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for nbytes in peer_sizes]
+    with pydatacopy.group():
+        for n, nbytes in enumerate(sizes):
+            pydatacopy.send(_bytes(rank, 80 + n, nbytes), peer)
+        for buffer in received:
+            pydatacopy.recv(buffer, peer)
+    for n, buffer in enumerate(received):
+        _assert_bytes(buffer, _bytes(peer, 80 + n, buffer.numel()), f"group, message {n}")
+    torch.cuda.synchronize()
+    pydatacopy.check_errors()
+
+
+@pytest.mark.parametrize("value", ["16", "lots"])
+def test_a_narrow_count_one_pe_differs_on_is_refused_on_every_pe(world, peer, fresh_channels, monkeypatch, value):
+    # Both sides of a message must cut it alike: a PE with another count (or one it cannot read)
+    # makes every PE's setup refuse, naming the variable, before anything is allocated; nobody
+    # waits for the timeout. Without the vote, the PEs would set up and then cut 4 MiB messages
+    # differently (a size mismatch or a stall).
+    rank = world[0]
+    if rank == 1:
+        monkeypatch.setenv("PYDATACOPY_NARROW_SEND_BLOCKS", value)
+    with pytest.raises(pydatacopy.Error, match="PYDATACOPY_NARROW_SEND_BLOCKS"):
+        pydatacopy.setup_send_recv()
+
+
 # ---- 5. eager calls stay ordered around a captured one ---------------------------------------
 # Rank 0 receives L1 on s1 (rank 1 sends only later), captures a recv on s2 (never replayed),
 # then receives L3 on s3. Old code kept one event per channel: the capture's record replaced

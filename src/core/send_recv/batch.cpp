@@ -23,15 +23,23 @@
 namespace pydatacopy {
 
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
+  return message_slices(bytes, chunk_bytes_, pages(), blocks_, narrow_blocks_, resident_blocks_);
+}
+
+int SendRecvEngine::message_slices(std::size_t bytes, std::size_t chunk_bytes, int pages, int blocks,
+                                   int narrow_blocks, int resident_blocks) {
   // Small messages move on few blocks: each must carry at least kMinBytesPerBlock of a chunk.
   constexpr std::size_t kMinBytesPerBlock = 32 << 10;
-  const std::size_t chunk = std::min(bytes, chunk_bytes_);
+  const std::size_t chunk = std::min(bytes, chunk_bytes);
   const std::size_t wanted = (chunk + kMinBytesPerBlock - 1) / kMinBytesPerBlock;
+  // Messages under the narrow cut on fewer (settings.hpp says why).
+  const int most = bytes < static_cast<std::size_t>(settings::kNarrowMessageBytes) ? std::min(blocks, narrow_blocks)
+                                                                                    : blocks;
   // A block owns >= 1 page, and drives at most kMaxSlicesPerBlock slices of an op: more slices
   // than that times the resident blocks would need a grid larger than what can be resident.
   const std::size_t limit =
-      std::min({static_cast<std::size_t>(blocks_), static_cast<std::size_t>(pages()),
-                static_cast<std::size_t>(kernels::kMaxSlicesPerBlock) * static_cast<std::size_t>(resident_blocks_)});
+      std::min({static_cast<std::size_t>(std::max(1, most)), static_cast<std::size_t>(std::max(1, pages)),
+                static_cast<std::size_t>(kernels::kMaxSlicesPerBlock) * static_cast<std::size_t>(std::max(1, resident_blocks))});
   return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
 }
 

@@ -95,6 +95,11 @@ int SendRecvEngine::blocks() const {
   return blocks_;
 }
 
+int SendRecvEngine::narrow_blocks() const {
+  Lock lock(mutex_);
+  return narrow_blocks_;
+}
+
 int SendRecvEngine::max_grid() const {
   Lock lock(mutex_);
   return resident_blocks_;

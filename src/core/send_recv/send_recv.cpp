@@ -164,12 +164,35 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   } catch (const std::exception& error) {
     progress_unreadable = error.what();
   }
+  // PYDATACOPY_NARROW_SEND_BLOCKS too (it cuts messages under 64 MiB): voted beside `blocks` in
+  // the word's high half, 0 where this PE cannot read it (its range starts at 1).
+  std::string narrow_unreadable;
+  int narrow_blocks = 0;
+  try {
+    narrow_blocks = static_cast<int>(settings::value("PYDATACOPY_NARROW_SEND_BLOCKS").integer);
+  } catch (const std::exception& error) {
+    narrow_unreadable = error.what();
+  }
+  constexpr int kBlocksBits = 11;  // kMaxSendBlocks < 2^11
+  static_assert(settings::kMaxSendBlocks < (1 << kBlocksBits), "blocks and narrow blocks share 32 bits");
+  const uint64_t blocks_vote = static_cast<uint64_t>(blocks) | (static_cast<uint64_t>(narrow_blocks) << kBlocksBits);
   const std::vector<uint64_t> votes = barrier_all_blocking(
       "SendRecvEngine.init (collective: every PE must set up send/recv)", default_timeout_seconds(),
-      (static_cast<uint64_t>(blocks) << 32) | (forced ? kForcedBit : 0) | (progress ? kProgressBit : 0) |
+      (blocks_vote << 32) | (forced ? kForcedBit : 0) | (progress ? kProgressBit : 0) |
           (progress_unreadable.empty() ? 0 : kProgressUnreadableBit) | (static_cast<uint32_t>(my_cap) & kGridCapMask));
   int grid_cap = my_cap;
+  PDC_REQUIRE(narrow_unreadable.empty(), narrow_unreadable << " (every PE refuses: nothing was allocated on any PE)");
   for (std::size_t pe = 0; pe < votes.size(); ++pe) {
+    const uint64_t their_blocks = (votes[pe] >> 32) & ((1u << kBlocksBits) - 1);
+    const uint64_t their_narrow = votes[pe] >> (32 + kBlocksBits);
+    PDC_REQUIRE(their_narrow != 0, "SendRecvEngine.init: PE " << pe << " cannot read PYDATACOPY_NARROW_SEND_BLOCKS "
+                                   "(its error says why); every PE refuses. Set the same valid value on every PE, "
+                                   "or unset it. Nothing was allocated on any PE");
+    PDC_REQUIRE(static_cast<int>(their_narrow) == narrow_blocks,
+                "SendRecvEngine.init: PE " << pe << " set up send/recv with PYDATACOPY_NARROW_SEND_BLOCKS="
+                                           << their_narrow << " and this PE with " << narrow_blocks
+                                           << "; every PE must use the same value (both sides of a message "
+                                              "cut it alike). Nothing was allocated on any PE");
     PDC_REQUIRE((votes[pe] & kProgressUnreadableBit) == 0,
                 "SendRecvEngine.init: PE " << pe << " cannot read PYDATACOPY_ZERO_COPY_PROGRESS"
                                            << (progress_unreadable.empty() ? "" : " (here: " + progress_unreadable + ")")
@@ -185,8 +208,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
                                            << (forced ? "with" : "without")
                                            << " it; every PE must set it alike (it decides which path "
                                               "a message takes on both sides). Nothing was allocated on any PE");
-    PDC_REQUIRE(static_cast<int>(votes[pe] >> 32) == blocks,
-                "SendRecvEngine.init: PE " << pe << " set up send/recv with blocks=" << (votes[pe] >> 32)
+    PDC_REQUIRE(static_cast<int>(their_blocks) == blocks,
+                "SendRecvEngine.init: PE " << pe << " set up send/recv with blocks=" << their_blocks
                                            << " and this PE with blocks=" << blocks
                                            << "; every PE must use the same settings "
                                               "(PYDATACOPY_SEND_BLOCKS, setup_send_recv's arguments). "
@@ -268,6 +291,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   chunk_bytes_ = chunk_bytes;
   num_chunks_ = num_chunks;
   blocks_ = blocks;
+  narrow_blocks_ = narrow_blocks;
   n_pes_ = pes;
   symmetric_bytes_ = total;
   zero_copy_min_bytes_ = min_bytes;
@@ -507,6 +531,7 @@ void SendRecvEngine::swap_state(SendRecvEngine& other) noexcept {
   swap(symmetric_bytes_, other.symmetric_bytes_);
   swap(num_chunks_, other.num_chunks_);
   swap(blocks_, other.blocks_);
+  swap(narrow_blocks_, other.narrow_blocks_);
   swap(n_pes_, other.n_pes_);
   swap(sequences_, other.sequences_);
   swap(progress_, other.progress_);

@@ -1,0 +1,61 @@
+// The slices a send/recv message moves on (SendRecvEngine::message_slices), without a GPU: both
+// sides of a message apply this rule to its size, so what it gives is the staging's layout.
+#include <cstddef>
+#include <cstdio>
+
+#include "check.hpp"
+#include "pydatacopy/send_recv.hpp"
+#include "pydatacopy/settings.hpp"
+
+namespace {
+
+using pydatacopy::SendRecvEngine;
+using pydatacopy_test::check;
+
+constexpr std::size_t KiB = 1024, MiB = 1024 * KiB;
+constexpr std::size_t kChunk = 8 * MiB;
+constexpr int kPages = static_cast<int>(kChunk / (32 * KiB));  // 32 KiB pages
+constexpr int kBlocks = static_cast<int>(pydatacopy::settings::kDefaultSendBlocks);
+constexpr int kNarrow = static_cast<int>(pydatacopy::settings::kDefaultNarrowSendBlocks);
+constexpr std::size_t kCut = static_cast<std::size_t>(pydatacopy::settings::kNarrowMessageBytes);
+
+int slices(std::size_t bytes, int blocks = kBlocks, int narrow = kNarrow, int resident = 66) {
+  return SendRecvEngine::message_slices(bytes, kChunk, kPages, blocks, narrow, resident);
+}
+
+void test_defaults() {
+  check(kBlocks == 128 && kNarrow == 32 && kCut == 64 * MiB, "the defaults this test was written for");
+  check(slices(0) == 1, "an empty message: one slice (its header)");
+  check(slices(4 * KiB) == 1, "4 KiB: one slice (32 KiB a slice at least)");
+  check(slices(256 * KiB) == 8, "256 KiB: 8 slices of 32 KiB");
+  check(slices(1 * MiB) == 32, "1 MiB: 32 slices");
+  check(slices(4 * MiB) == kNarrow, "4 MiB: the narrow count, not 128");
+  check(slices(16 * MiB) == kNarrow, "16 MiB: the narrow count");
+  check(slices(kCut - 1) == kNarrow, "one byte under the cut: narrow");
+  check(slices(kCut) == kBlocks, "at the cut: PYDATACOPY_SEND_BLOCKS");
+  check(slices(256 * MiB) == kBlocks, "256 MiB: PYDATACOPY_SEND_BLOCKS");
+}
+
+void test_settings_bound_each_other() {
+  check(slices(4 * MiB, 128, 128) == 128, "narrow = blocks: every size as before the cut existed");
+  check(slices(4 * MiB, 16, 32) == 16, "blocks under the narrow count: blocks bounds every size");
+  check(slices(kCut, 16, 32) == 16, "blocks at the cut");
+  check(slices(4 * MiB, 128, 8) == 8, "a smaller narrow count");
+  check(slices(kCut, 128, 8) == 128, "a smaller narrow count leaves the large messages alone");
+}
+
+void test_the_grid_and_the_pages_bound_it() {
+  check(slices(kCut, 1024, 32, 1) == 32, "one resident block drives at most 32 slices");
+  check(slices(256 * MiB, 1024, 1024, 66) == kPages, "no more slices than a chunk's pages");
+  check(SendRecvEngine::message_slices(4 * MiB, 64 * KiB, 2, 128, 32, 66) == 2, "a 64 KiB chunk has 2 pages");
+}
+
+}  // namespace
+
+int main() {
+  test_defaults();
+  test_settings_bound_each_other();
+  test_the_grid_and_the_pages_bound_it();
+  std::printf("test_message_slices: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
+  return pydatacopy_test::failed != 0;
+}
