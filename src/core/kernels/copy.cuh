@@ -77,13 +77,4 @@ __device__ __forceinline__ uint64_t load_acquire_gpu(const uint64_t* address) {
   return value;
 }
 
-// A count between blocks of one launch whose last adder acts on what every adder did before: one
-// instruction where a fence and an atomicAdd were two round trips (release: the adder's earlier
-// accesses, and those it saw through a barrier, come first; acquire: the last adder sees them).
-__device__ __forceinline__ unsigned fetch_add_acq_rel_gpu(unsigned* address, unsigned value) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(address), "r"(value) : "memory");
-  return old;
-}
-
 }  // namespace pydatacopy::kernels

@@ -194,19 +194,13 @@ __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint
 
 // Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
 // waiting). All threads of the block must call.
-// Thread 0 first looks at the channel's failure flag (set elsewhere in the launch: a timeout or a
-// mismatch) into the shared `failed`; when it is set, nothing else is decided for the slice. Else,
-// for a recv with `check`, thread 0 checks the slice's header (check_header) into the shared
-// `verdict`. Every thread reads both after this call's barrier (one barrier and one round trip for
-// both looks, where a barrier of its own for the flag came first until 2026-12-07). `verdict` is
-// kHeaderNotYet only when the slice is not ready either (thread 0's pages start with page `slice`,
-// and arrivals only grow), or when the channel failed.
+// For a recv with `check`, thread 0 then checks the slice's header (check_header) into the
+// shared `verdict`, which every thread reads after this call's barrier: kHeaderNotYet only when
+// the slice is not ready either (thread 0's pages start with page `slice`, and arrivals only grow).
 __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
-                                            int64_t i, uint64_t k, uint64_t message, bool check, int& verdict,
-                                            int& failed) {
+                                            int64_t i, uint64_t k, uint64_t message, bool check, int& verdict) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
   const int pages = data_pages(a, i);
-  const int first_thread_failed = threadIdx.x == 0 ? *reinterpret_cast<volatile unsigned int*>(a.failed) != 0 : 0;
   int ok = 1;
   for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; ok && p < pages;
        p += static_cast<int>(blockDim.x) * a.active_blocks) {
@@ -215,10 +209,7 @@ __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send,
     else
       ok = detail::load_acquire_sys(a.arrivals + signals + p) >= k + 1;
   }
-  if (threadIdx.x == 0) {
-    failed = first_thread_failed;
-    if (check) verdict = first_thread_failed ? kHeaderNotYet : check_header(a, slice, i, k, message);
-  }
+  if (check && threadIdx.x == 0) verdict = check_header(a, slice, i, k, message);
   return __syncthreads_and(ok) != 0;
 }
 
@@ -289,11 +280,8 @@ __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t 
     move_channel_on(a, first, message);
     return;
   }
-  // Acquire-release: each block's reads of the counters (seen through the barrier above) come
-  // before its count, and the last block's stores after everyone's: one round trip where
-  // __threadfence() and atomicAdd took two (the phase stamps of 2026-12-07: finish_slice 1.3-1.5 us
-  // a launch on 32 slices, 0.35-0.45 on one).
-  if (fetch_add_acq_rel_gpu(a.done, 1u) + 1 == static_cast<unsigned>(a.channel_blocks)) {
+  __threadfence();
+  if (atomicAdd(a.done, 1u) + 1 == static_cast<unsigned>(a.channel_blocks)) {
     *a.done = 0;
     move_channel_on(a, first, message);
     __threadfence();
@@ -354,7 +342,6 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // recv: the header of the slice's next chunk was checked (its page landed before the rest).
   __shared__ unsigned char header_ok[kCapacity][kMaxSlicesPerBlock];
   __shared__ int verdict;  // check_header's, published by slice_ready's barrier
-  __shared__ int failed_look;  // slice_ready's look at the channel's failure flag, likewise
   // The zero-copy rendezvous (zero_copy.cuh): the op's message ordinal on its channel, its mode
   // (0 while a send waits for the descriptor), a zero-copy send's target, whether this block
   // posted a recv's descriptor, and whether the block gave up on the op (for the counters).
@@ -435,12 +422,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // every thread must take the same branches (each holds a __syncthreads).
         const bool post_now = !send && slice == 0 && !posted[i];
         const bool await_now = send && mode[i] == 0;
-        // A staged visit with no descriptor to post looks at the channel's failure flag with its
-        // pages, under slice_ready's barrier (the barrier that every thread's read of `chunk`
-        // must precede is then that one: thread 0 changes next[i][j] only after it).
-        const bool staged_now = mode[i] == zero_copy_detail::kModeStaged && !post_now;
         const bool channel_failed =
-            !staged_now &&
             __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0);
         if (channel_failed && !zero_copy_under_way) {
           if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
@@ -571,13 +553,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         const uint64_t k = first[i] + chunk;
         // A recv checks its header as soon as its own page has landed (see check_header).
         const bool check = !send && slice < data_pages(a, chunk) && !header_ok[i][j];
-        const bool ready = slice_ready(a, send, slice, chunk, k, message[i], check, verdict, failed_look);
-        if (failed_look) {  // the channel failed elsewhere in the launch (above, for a visit not staged_now)
-          __syncthreads();  // every thread has read `failed_look` before thread 0 writes it again
-          if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
-          __syncthreads();
-          continue;
-        }
+        const bool ready = slice_ready(a, send, slice, chunk, k, message[i], check, verdict);
         if (check && verdict == kHeaderMismatch) {  // nothing is copied out; the channel fails
           __syncthreads();  // every thread has read `verdict` before thread 0 writes it again
           if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
