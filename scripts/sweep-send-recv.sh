@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # send/recv tuning sweep on the GPU machine (after gpu-check.sh has installed the build):
-#   bash scripts/sweep-send-recv.sh            # configurations "blocks:chunk_MiB:slots"
+#   bash scripts/sweep-send-recv.sh            # configurations "blocks:chunk_MiB:slots[:narrow_blocks]"
 # For each configuration, the pipeline against NCCL and the copy engine in the same run, one way.
 # SWEEP_OPS and SWEEP_SIZES replace the rows and sizes (e.g. SWEEP_OPS=kernel_handoff,sendrecv
 # SWEEP_SIZES="-b 1M -e 16M -f 4": the zero-copy row by blocks, beside its floor); SWEEP_DIRECTIONS
@@ -23,11 +23,13 @@ if [ "$(nvidia-smi -L | wc -l)" = 1 ]; then
 fi
 pass=0  # a configuration may come back (alternating passes): each pass its own files
 for config in $CONFIGS; do
-  IFS=: read -r blocks chunk_mib slots <<< "$config"
+  IFS=: read -r blocks chunk_mib slots narrow <<< "$config"
+  narrow=${narrow:-${PYDATACOPY_NARROW_SEND_BLOCKS:-32}}
   pass=$((pass + 1))
-  name="sweep-$pass-$blocks-$chunk_mib-$slots"
-  echo "=== sweep pass $pass blocks=$blocks chunk=${chunk_mib}MiB slots=$slots"
+  name="sweep-$pass-$blocks-$chunk_mib-$slots-$narrow"
+  echo "=== sweep pass $pass blocks=$blocks chunk=${chunk_mib}MiB slots=$slots narrow=$narrow"
   PYDATACOPY_SEND_BLOCKS=$blocks PYDATACOPY_CHUNK_BYTES=$((chunk_mib << 20)) PYDATACOPY_NUM_CHUNKS=$slots \
+    PYDATACOPY_NARROW_SEND_BLOCKS=$narrow \
     timeout 200 torchrun --nproc_per_node=2 -m pydatacopy.bench --ops "$OPS" \
     $SIZES -d "$DIRECTIONS" $REPEATS --json "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1 || { echo "FAILED"; tail -n 20 "$OUT/$name.log"; continue; }
