@@ -27,8 +27,6 @@ OWN_FACTS = {
     ("pydatacopy/compat/deep_ep/utils.py", "SCALE_BLOCK"): "DeepEP's fp8 scale granularity, 128 channels",
     ("pydatacopy/bench/_harness.py", "LARGE_MESSAGE_BYTES"): "the bench's size from which a row times fewer "
                                                             "calls, 64 MiB as the core's narrow cut by chance",
-    ("pydatacopy/compat/deep_ep/utils.py", "TOPK_ROOM"): "the compat layer's room for top-k entries, 32 as "
-                                                         "the core's narrow send blocks by chance",
     ("pydatacopy/compat/deep_ep/utils.py", "EXPERTS_ROOM"): "the compat layer's room for experts (DeepEP's "
                                                              "NUM_MAX_LOCAL_EXPERTS is also 1024)",
 }

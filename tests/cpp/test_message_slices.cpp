@@ -16,15 +16,24 @@ constexpr std::size_t KiB = 1024, MiB = 1024 * KiB;
 constexpr std::size_t kChunk = 8 * MiB;
 constexpr int kPages = static_cast<int>(kChunk / (32 * KiB));  // 32 KiB pages
 constexpr int kBlocks = static_cast<int>(pydatacopy::settings::kDefaultSendBlocks);
-constexpr int kNarrow = static_cast<int>(pydatacopy::settings::kDefaultNarrowSendBlocks);
+constexpr int kNarrow = 32;  // PYDATACOPY_NARROW_SEND_BLOCKS as measured (docs/perf-notes.md v25)
 constexpr std::size_t kCut = static_cast<std::size_t>(pydatacopy::settings::kNarrowMessageBytes);
 
 int slices(std::size_t bytes, int blocks = kBlocks, int narrow = kNarrow, int resident = 66) {
   return SendRecvEngine::message_slices(bytes, kChunk, kPages, blocks, narrow, resident);
 }
 
-void test_defaults() {
-  check(kBlocks == 128 && kNarrow == 32 && kCut == 64 * MiB, "the defaults this test was written for");
+void test_the_defaults_cut_as_before() {
+  // The narrow count's default is PYDATACOPY_SEND_BLOCKS' (settings.hpp says why): every size on
+  // the old rule's count.
+  const int narrow = static_cast<int>(pydatacopy::settings::kDefaultNarrowSendBlocks);
+  check(narrow == kBlocks, "the default narrow count is the default block count");
+  check(slices(4 * MiB, kBlocks, narrow) == kBlocks, "defaults: 4 MiB on 128 slices, as before the cut");
+  check(slices(1 * MiB, kBlocks, narrow) == 32, "defaults: 1 MiB on its 32 pages");
+}
+
+void test_a_narrow_count() {
+  check(kBlocks == 128 && kCut == 64 * MiB, "the defaults this test was written for");
   check(slices(0) == 1, "an empty message: one slice (its header)");
   check(slices(4 * KiB) == 1, "4 KiB: one slice (32 KiB a slice at least)");
   check(slices(256 * KiB) == 8, "256 KiB: 8 slices of 32 KiB");
@@ -53,7 +62,8 @@ void test_the_grid_and_the_pages_bound_it() {
 }  // namespace
 
 int main() {
-  test_defaults();
+  test_the_defaults_cut_as_before();
+  test_a_narrow_count();
   test_settings_bound_each_other();
   test_the_grid_and_the_pages_bound_it();
   std::printf("test_message_slices: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);

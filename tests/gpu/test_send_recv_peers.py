@@ -9,6 +9,7 @@ says how the code before these fixes fails it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -249,22 +250,24 @@ def test_slices_never_exceed_what_the_resident_blocks_drive(world, peer, fresh_c
 
 
 # ---- 7. messages under the narrow cut move on fewer slices ------------------------------------
-# PYDATACOPY_NARROW_SEND_BLOCKS (settings.hpp): a message under _C.NARROW_MESSAGE_BYTES moves on
-# at most that many slices, a larger one on PYDATACOPY_SEND_BLOCKS. Both sides cut a message
-# alike from its size, and the ops of one channel in a launch share the largest count, so a wide
-# and a narrow message in one group meet pages laid out by either. Before the cut existed every
-# size took up to 128 slices (slices_for(4 MiB) was 128, failing the first assertion).
+# PYDATACOPY_NARROW_SEND_BLOCKS (settings.hpp; 32 here, its default is PYDATACOPY_SEND_BLOCKS'): a
+# message under _C.NARROW_MESSAGE_BYTES moves on at most that many slices, a larger one on
+# PYDATACOPY_SEND_BLOCKS. Both sides cut a message alike from its size, and the ops of one channel
+# in a launch share the largest count. Before the cut existed every size took up to 128 slices
+# (slices_for(4 MiB) was 128, failing the first assertion).
+NARROW = 32
 
 @pytest.mark.parametrize("zero_copy", ["on", "off"])
 def test_messages_around_the_narrow_cut(world, peer, fresh_channels, monkeypatch, zero_copy):
     # fresh_channels before monkeypatch: the environment is restored before the rebuild.
     rank = world[0]
+    monkeypatch.setenv("PYDATACOPY_NARROW_SEND_BLOCKS", str(NARROW))
     if zero_copy == "off":  # every size staged: the wide count's pages too
         monkeypatch.setenv("PYDATACOPY_ZERO_COPY_MIN_BYTES", "0")
     pydatacopy.setup_send_recv()
     engine = _send_recv._engine
     cut = _C.NARROW_MESSAGE_BYTES
-    assert engine.narrow_blocks == _C.DEFAULT_NARROW_SEND_BLOCKS
+    assert engine.narrow_blocks == NARROW
     most = 32 * engine.max_grid
     narrow = min(engine.narrow_blocks, engine.blocks, most)
     wide = min(engine.blocks, engine.chunk_bytes // (32 * KiB), most)
@@ -294,6 +297,41 @@ def test_messages_around_the_narrow_cut(world, peer, fresh_channels, monkeypatch
         _assert_bytes(buffer, _bytes(peer, 80 + n, buffer.numel()), f"group, message {n}")
     torch.cuda.synchronize()
     pydatacopy.check_errors()
+
+
+@pytest.mark.parametrize("zero_copy", ["on", "off"])
+def test_a_group_that_raises_a_narrow_messages_slices_on_one_side(world, peer, fresh_channels, monkeypatch,
+                                                                  zero_copy):
+    # One PE sends a wide message and two narrow ones, each alone (its own launch: a narrow one on
+    # 32 slices); the other receives the three in one group, where the channel's ops share the
+    # wide count, so its slices 32..127 of a narrow message own pages and check headers. Before
+    # ChunkStreamArgs::header_slices they read headers the sender never wrote (stale or empty): a
+    # size mismatch refused at both ends, the message lost. Then the roles swap (the sender's group
+    # raises its own count: it writes more headers than the receiver reads, which was fine).
+    # Review finding of 2026-12-07; written after the GPU time of that session ran out.
+    rank = world[0]
+    monkeypatch.setenv("PYDATACOPY_NARROW_SEND_BLOCKS", str(NARROW))
+    if zero_copy == "off":
+        monkeypatch.setenv("PYDATACOPY_ZERO_COPY_MIN_BYTES", "0")
+    pydatacopy.setup_send_recv()
+    sizes = [_C.NARROW_MESSAGE_BYTES + 5, 4 * MiB + 3, 3 * MiB]
+    # (receiver, whose side groups): the receiver's group, the sender's, the receiver's again.
+    for round_, (receiver, receiver_groups) in enumerate([(1, True), (0, False), (1, True)]):
+        tag = 90 + 10 * round_
+        if rank != receiver:
+            sources = [_bytes(rank, tag + n, nbytes) for n, nbytes in enumerate(sizes)]
+            with pydatacopy.group() if not receiver_groups else contextlib.nullcontext():
+                for source in sources:
+                    pydatacopy.send(source, peer)
+        else:
+            got = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for nbytes in sizes]
+            with pydatacopy.group() if receiver_groups else contextlib.nullcontext():
+                for buffer in got:
+                    pydatacopy.recv(buffer, peer)
+            for n, buffer in enumerate(got):
+                _assert_bytes(buffer, _bytes(peer, tag + n, buffer.numel()), f"round {round_}, message {n}")
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
 
 
 @pytest.mark.parametrize("value", ["16", "lots"])

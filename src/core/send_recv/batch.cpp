@@ -60,6 +60,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.broken = broken(send, peer);
   a.is_send = send;
   a.active_blocks = active_blocks(bytes);
+  a.header_slices = a.active_blocks;  // kept when the batch raises active_blocks (api.cuh)
   a.my_pe = me;
   a.peer = peer;
   a.timeout_ns = timeout_nanoseconds(timeout_seconds);

@@ -156,8 +156,9 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 }
 
 // The header of slice `slice` in chunk i, checked as soon as the page that guards it (page
-// `slice`, whose arrival the sender signals after writing the header) has landed, before the
-// slice waits for the rest of its pages: a sender that cut a smaller message never fills those,
+// `slice`, whose arrival the sender signals after writing the header; with a raised slice count,
+// header and page slice % header_slices, api.cuh) has landed, before the slice waits for the rest
+// of its pages: a sender that cut a smaller message never fills those,
 // so waiting for them first turned a size mismatch into a timeout. Thread 0 only, no barrier:
 // slice_ready() calls it and publishes the verdict through its own barrier. Returns
 // kHeaderNotYet (the page has not landed), kHeaderOk, or kHeaderMismatch: the header is stale or
@@ -167,9 +168,12 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 constexpr int kHeaderNotYet = 0, kHeaderOk = 1, kHeaderMismatch = 2;
 __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k, uint64_t message) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
-  if (detail::load_acquire_sys(a.arrivals + signals + slice) < k + 1) return kHeaderNotYet;
+  // The header a sender of this size wrote for this slice, however either batch raised the count
+  // (api.cuh, header_slices): the same index as `slice` unless this receiver's batch raised it.
+  const int header = slice % a.header_slices;
+  if (detail::load_acquire_sys(a.arrivals + signals + header) < k + 1) return kHeaderNotYet;
   // Written before that arrival signal (a fence on either path).
-  const volatile SlotHeader* h = a.headers + signals + slice;
+  const volatile SlotHeader* h = a.headers + signals + header;
   const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
   if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i) &&
       h->message == message + 1)
@@ -195,8 +199,10 @@ __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint
 // Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
 // waiting). All threads of the block must call.
 // For a recv with `check`, thread 0 then checks the slice's header (check_header) into the
-// shared `verdict`, which every thread reads after this call's barrier: kHeaderNotYet only when
-// the slice is not ready either (thread 0's pages start with page `slice`, and arrivals only grow).
+// shared `verdict`, which every thread reads after this call's barrier. kHeaderNotYet: the page
+// that guards the header has not landed. That page is the slice's own first page (so the slice is
+// not ready either) unless the receiver's batch raised the slice count (api.cuh, header_slices):
+// then the caller waits for it as for a page of its own.
 __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
                                             int64_t i, uint64_t k, uint64_t message, bool check, int& verdict) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
@@ -319,6 +325,7 @@ struct SizedBatch {
   bool is_send[kCapacity];
   int count;
 };
+static_assert(sizeof(SizedBatch<kMaxBatchOps>) <= 32764, "a full batch must fit the kernel-parameter limit");
 
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
@@ -561,7 +568,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           continue;
         }
         if (check && verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
-        if (!ready) {
+        // Nothing is copied out before the slice's header was checked (check_header).
+        if (!ready || (check && verdict == kHeaderNotYet)) {
           // A staged recv's first look also finds a sender that sent the message by the
           // low-latency protocol (another size): refused at both ends.
           if (!send && slice == 0 && chunk == 0 &&
