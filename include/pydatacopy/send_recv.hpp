@@ -246,6 +246,9 @@ class SendRecvEngine {
   // cut it alike): no GPU needed.
   static int message_slices(std::size_t bytes, std::size_t chunk_bytes, int pages, int blocks, int narrow_blocks,
                             int resident_blocks);
+  // The most slices any message has under these numbers (message_slices never gives more, nor
+  // does a batch's raise): a send writes the header of each page below it.
+  static int most_message_slices(int pages, int blocks, int resident_blocks);
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const;
   // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).

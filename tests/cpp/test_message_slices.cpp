@@ -24,12 +24,26 @@ int slices(std::size_t bytes, int blocks = kBlocks, int narrow = kNarrow, int re
 }
 
 void test_the_defaults_cut_as_before() {
-  // The narrow count's default is PYDATACOPY_SEND_BLOCKS' (settings.hpp says why): every size on
-  // the old rule's count.
+  // The narrow count's default is the most blocks (settings.hpp says why): min(blocks, narrow) is
+  // blocks for every block count, so every size takes the old rule's count.
   const int narrow = static_cast<int>(pydatacopy::settings::kDefaultNarrowSendBlocks);
-  check(narrow == kBlocks, "the default narrow count is the default block count");
+  check(narrow == static_cast<int>(pydatacopy::settings::kMaxSendBlocks), "the default narrow count is the most blocks");
   check(slices(4 * MiB, kBlocks, narrow) == kBlocks, "defaults: 4 MiB on 128 slices, as before the cut");
   check(slices(1 * MiB, kBlocks, narrow) == 32, "defaults: 1 MiB on its 32 pages");
+  check(slices(4 * MiB, 256, narrow) == 128 && slices(16 * MiB, 256, narrow) == 256,
+        "blocks=256: 4 MiB on its 128 pages, 16 MiB on 256 slices, as before the cut");
+}
+
+void test_the_most_slices_bound_every_message() {
+  // A send writes the header of each page below most_message_slices: every count a message can
+  // have, or a batch can raise it to, is at most that.
+  for (int narrow : {1, 8, 32, 128, 1024})
+    for (int blocks : {1, 32, 128, 256, 1024})
+      for (std::size_t bytes : {std::size_t{0}, 4 * KiB, 1 * MiB, 4 * MiB + 3, kCut - 1, kCut, 256 * MiB})
+        check(slices(bytes, blocks, narrow) <= SendRecvEngine::most_message_slices(kPages, blocks, 66),
+              "no message has more slices than most_message_slices");
+  check(SendRecvEngine::most_message_slices(kPages, 128, 66) == 128, "the defaults: 128");
+  check(SendRecvEngine::most_message_slices(kPages, 1024, 1) == 32, "one resident block: 32");
 }
 
 void test_a_narrow_count() {
@@ -63,6 +77,7 @@ void test_the_grid_and_the_pages_bound_it() {
 
 int main() {
   test_the_defaults_cut_as_before();
+  test_the_most_slices_bound_every_message();
   test_a_narrow_count();
   test_settings_bound_each_other();
   test_the_grid_and_the_pages_bound_it();

@@ -299,24 +299,25 @@ def test_messages_around_the_narrow_cut(world, peer, fresh_channels, monkeypatch
     pydatacopy.check_errors()
 
 
-@pytest.mark.parametrize("zero_copy", ["on", "off"])
-def test_a_group_that_raises_a_narrow_messages_slices_on_one_side(world, peer, fresh_channels, monkeypatch,
-                                                                  zero_copy):
-    # One PE sends a wide message and two narrow ones, each alone (its own launch: a narrow one on
-    # 32 slices); the other receives the three in one group, where the channel's ops share the
-    # wide count, so its slices 32..127 of a narrow message own pages and check headers. Before
-    # ChunkStreamArgs::header_slices they read headers the sender never wrote (stale or empty): a
-    # size mismatch refused at both ends, the message lost. Then the roles swap (the sender's group
-    # raises its own count: it writes more headers than the receiver reads, which was fine).
-    # Review finding of 2026-12-07; written after the GPU time of that session ran out.
+def test_a_group_that_raises_a_narrow_messages_slices_on_one_side(world, peer, fresh_channels, monkeypatch):
+    # One PE sends a wide message and narrow ones, each alone (its own launch: a narrow one on 32
+    # slices); the other receives them in one group, where the channel's ops share the wide count,
+    # so its slices 32..127 of a narrow message own pages and check the headers of those pages.
+    # Before ChunkStreamArgs::header_pages a sender wrote only header `slice` of its own slices:
+    # those receiver slices read headers nobody wrote (stale or empty), a size mismatch refused at
+    # both ends, the message lost. The 32 MiB + 64 KiB message reuses its first chunk's slot within
+    # itself, and the rounds reuse every slot, with the roles of the groups swapped in the middle
+    # (the sender's group raises its own count). Zero-copy off, so that the wide recv is staged and
+    # raises the count (a zero-copy recv drives one slice). Review findings of 2026-12-07, written
+    # after that session's GPU time ran out: not yet run.
     rank = world[0]
     monkeypatch.setenv("PYDATACOPY_NARROW_SEND_BLOCKS", str(NARROW))
-    if zero_copy == "off":
-        monkeypatch.setenv("PYDATACOPY_ZERO_COPY_MIN_BYTES", "0")
+    monkeypatch.setenv("PYDATACOPY_ZERO_COPY_MIN_BYTES", "0")
     pydatacopy.setup_send_recv()
-    sizes = [_C.NARROW_MESSAGE_BYTES + 5, 4 * MiB + 3, 3 * MiB]
-    # (receiver, whose side groups): the receiver's group, the sender's, the receiver's again.
-    for round_, (receiver, receiver_groups) in enumerate([(1, True), (0, False), (1, True)]):
+    assert _send_recv._engine.slices_for(4 * MiB) == NARROW
+    sizes = [_C.NARROW_MESSAGE_BYTES + 5, 4 * MiB + 3, 32 * MiB + 64 * KiB, 256 * KiB, 3 * MiB]
+    # (receiver, whether the receiver's side groups; else the sender's does)
+    for round_, (receiver, receiver_groups) in enumerate([(1, True), (0, True), (1, False), (0, False), (1, True)]):
         tag = 90 + 10 * round_
         if rank != receiver:
             sources = [_bytes(rank, tag + n, nbytes) for n, nbytes in enumerate(sizes)]

@@ -180,12 +180,13 @@ struct ChunkStreamArgs {
   uint64_t* peer_refused_bytes;    // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
   bool is_send;              // the direction: which mismatch record a refusal goes to
   int active_blocks;         // slices moving this message (<= pages), from its size
-  // Slices of this message alone (SendRecvEngine::message_slices of its size), before the batch
-  // raises active_blocks to its channel's largest: the sender writes headers 0..header_slices-1
-  // whatever its own batch did, so a receiver slice checks header slice % header_slices (a
-  // receiver that grouped a 4 MiB recv with a 64 MiB one on the channel drives the 4 MiB message on
-  // 128 slices, its sender, alone, on 32; header 40 was never written).
-  int header_slices;
+  // send: the header of every page below this that a chunk fills goes out with the page (not only
+  // page `slice`'s): the most slices any message can have (SendRecvEngine::most_message_slices),
+  // so a receiver slice finds the header of its own first page however the batches on either side
+  // raised the count. (A receiver that groups a 4 MiB recv with a 64 MiB one drives the 4 MiB
+  // message on 128 slices where its sender, alone, used PYDATACOPY_NARROW_SEND_BLOCKS' 32: before,
+  // receiver slices 32..127 read headers nobody wrote, a false mismatch.)
+  int header_pages;
   int my_pe, peer;
   uint64_t timeout_ns;       // no progress of the channel for this long: a timeout
   detail::DeviceStatus* status;

@@ -35,12 +35,16 @@ int SendRecvEngine::message_slices(std::size_t bytes, std::size_t chunk_bytes, i
   // Messages under the narrow cut on fewer (settings.hpp says why).
   const int most = bytes < static_cast<std::size_t>(settings::kNarrowMessageBytes) ? std::min(blocks, narrow_blocks)
                                                                                     : blocks;
+  const std::size_t limit = static_cast<std::size_t>(most_message_slices(pages, std::max(1, most), resident_blocks));
+  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
+}
+
+int SendRecvEngine::most_message_slices(int pages, int blocks, int resident_blocks) {
   // A block owns >= 1 page, and drives at most kMaxSlicesPerBlock slices of an op: more slices
   // than that times the resident blocks would need a grid larger than what can be resident.
-  const std::size_t limit =
-      std::min({static_cast<std::size_t>(std::max(1, most)), static_cast<std::size_t>(std::max(1, pages)),
-                static_cast<std::size_t>(kernels::kMaxSlicesPerBlock) * static_cast<std::size_t>(std::max(1, resident_blocks))});
-  return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
+  return static_cast<int>(std::min({static_cast<std::size_t>(std::max(1, blocks)), static_cast<std::size_t>(std::max(1, pages)),
+                                    static_cast<std::size_t>(kernels::kMaxSlicesPerBlock) *
+                                        static_cast<std::size_t>(std::max(1, resident_blocks))}));
 }
 
 kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::size_t bytes,
@@ -60,7 +64,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.broken = broken(send, peer);
   a.is_send = send;
   a.active_blocks = active_blocks(bytes);
-  a.header_slices = a.active_blocks;  // kept when the batch raises active_blocks (api.cuh)
+  a.header_pages = most_message_slices(pages(), blocks_, resident_blocks_);
   a.my_pe = me;
   a.peer = peer;
   a.timeout_ns = timeout_nanoseconds(timeout_seconds);

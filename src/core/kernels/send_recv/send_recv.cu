@@ -116,13 +116,23 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   // `slice`, whose credit guards header `slice`, is not its to wait for in this chunk.
   if (slice >= pages) return;
   const SlotHeader header{k + 1, static_cast<uint64_t>(a.bytes), static_cast<uint64_t>(i), message + 1};
-  // The header first, ordered before any of the slice's arrival signals.
+  // The header first, ordered before any of the slice's arrival signals. Then the header of each
+  // further page of the slice below header_pages (api.cuh): a receiver whose batch raised the
+  // slice count checks the header of its own first page, which may be this slice's page p, and
+  // the slice waited for page p's credit before this write. Where the slice count is the old
+  // rule's (PYDATACOPY_NARROW_SEND_BLOCKS unset), no such page exists: one header, as before.
   if (threadIdx.x == 0) {
+    const int headed = min(pages, a.header_pages);
     if (a.peer_staging != nullptr) {
       a.peer_headers[signals + slice] = header;
+      for (int p = slice + a.active_blocks; p < headed; p += a.active_blocks) a.peer_headers[signals + p] = header;
     } else {
       a.outgoing[signals + slice] = header;
       nvshmem_putmem(a.headers + signals + slice, a.outgoing + signals + slice, sizeof(SlotHeader), a.peer);
+      for (int p = slice + a.active_blocks; p < headed; p += a.active_blocks) {
+        a.outgoing[signals + p] = header;
+        nvshmem_putmem(a.headers + signals + p, a.outgoing + signals + p, sizeof(SlotHeader), a.peer);
+      }
       nvshmem_fence();  // delivered before the putmem_signal calls below
     }
   }
@@ -156,9 +166,8 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 }
 
 // The header of slice `slice` in chunk i, checked as soon as the page that guards it (page
-// `slice`, whose arrival the sender signals after writing the header; with a raised slice count,
-// header and page slice % header_slices, api.cuh) has landed, before the slice waits for the rest
-// of its pages: a sender that cut a smaller message never fills those,
+// `slice`, whose arrival the sender signals after writing the header) has landed, before the
+// slice waits for the rest of its pages: a sender that cut a smaller message never fills those,
 // so waiting for them first turned a size mismatch into a timeout. Thread 0 only, no barrier:
 // slice_ready() calls it and publishes the verdict through its own barrier. Returns
 // kHeaderNotYet (the page has not landed), kHeaderOk, or kHeaderMismatch: the header is stale or
@@ -168,12 +177,10 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
 constexpr int kHeaderNotYet = 0, kHeaderOk = 1, kHeaderMismatch = 2;
 __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint64_t k, uint64_t message) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
-  // The header a sender of this size wrote for this slice, however either batch raised the count
-  // (api.cuh, header_slices): the same index as `slice` unless this receiver's batch raised it.
-  const int header = slice % a.header_slices;
-  if (detail::load_acquire_sys(a.arrivals + signals + header) < k + 1) return kHeaderNotYet;
-  // Written before that arrival signal (a fence on either path).
-  const volatile SlotHeader* h = a.headers + signals + header;
+  if (detail::load_acquire_sys(a.arrivals + signals + slice) < k + 1) return kHeaderNotYet;
+  // Written before that arrival signal (a fence on either path), by whichever sender slice sent
+  // page `slice` (header_pages, api.cuh); rewritten only after this slice credits the page.
+  const volatile SlotHeader* h = a.headers + signals + slice;
   const uint64_t sequence = h->sequence, bytes = h->message_bytes, index = h->chunk_index;
   if (sequence == k + 1 && bytes == static_cast<uint64_t>(a.bytes) && index == static_cast<uint64_t>(i) &&
       h->message == message + 1)
@@ -199,10 +206,8 @@ __device__ int check_header(const ChunkStreamArgs& a, int slice, int64_t i, uint
 // Whether every page the slice fills (send) or reads (recv) in the slot is ready (one look, no
 // waiting). All threads of the block must call.
 // For a recv with `check`, thread 0 then checks the slice's header (check_header) into the
-// shared `verdict`, which every thread reads after this call's barrier. kHeaderNotYet: the page
-// that guards the header has not landed. That page is the slice's own first page (so the slice is
-// not ready either) unless the receiver's batch raised the slice count (api.cuh, header_slices):
-// then the caller waits for it as for a page of its own.
+// shared `verdict`, which every thread reads after this call's barrier: kHeaderNotYet only when
+// the slice is not ready either (thread 0's pages start with page `slice`, and arrivals only grow).
 __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send, int slice,
                                             int64_t i, uint64_t k, uint64_t message, bool check, int& verdict) {
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
@@ -568,8 +573,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           continue;
         }
         if (check && verdict == kHeaderOk && threadIdx.x == 0) header_ok[i][j] = 1;
-        // Nothing is copied out before the slice's header was checked (check_header).
-        if (!ready || (check && verdict == kHeaderNotYet)) {
+        if (!ready) {
           // A staged recv's first look also finds a sender that sent the message by the
           // low-latency protocol (another size): refused at both ends.
           if (!send && slice == 0 && chunk == 0 &&
