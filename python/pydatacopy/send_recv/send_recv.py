@@ -100,8 +100,7 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     chose when each direction had blocks of its own, docs/perf-notes.md v6/v8). Messages under
     _C.NARROW_MESSAGE_BYTES (64 MiB) use at most PYDATACOPY_NARROW_SEND_BLOCKS (by default
     1024: no fewer than PYDATACOPY_SEND_BLOCKS; read here from the environment; docs/perf-notes.md
-    v25). Every PE must use the same
-    settings.
+    v25). Every PE must use the same settings.
     """
     global _engine
     ops.refuse_tracing("setup_send_recv")

@@ -35,7 +35,7 @@ int SendRecvEngine::message_slices(std::size_t bytes, std::size_t chunk_bytes, i
   // Messages under the narrow cut on fewer (settings.hpp says why).
   const int most = bytes < static_cast<std::size_t>(settings::kNarrowMessageBytes) ? std::min(blocks, narrow_blocks)
                                                                                     : blocks;
-  const std::size_t limit = static_cast<std::size_t>(most_message_slices(pages, std::max(1, most), resident_blocks));
+  const std::size_t limit = static_cast<std::size_t>(most_message_slices(pages, most, resident_blocks));
   return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
 }
 

@@ -122,19 +122,16 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   // the slice waited for page p's credit before this write. Where the slice count is the old
   // rule's (PYDATACOPY_NARROW_SEND_BLOCKS unset), no such page exists: one header, as before.
   if (threadIdx.x == 0) {
-    const int headed = min(pages, a.header_pages);
-    if (a.peer_staging != nullptr) {
-      a.peer_headers[signals + slice] = header;
-      for (int p = slice + a.active_blocks; p < headed; p += a.active_blocks) a.peer_headers[signals + p] = header;
-    } else {
-      a.outgoing[signals + slice] = header;
-      nvshmem_putmem(a.headers + signals + slice, a.outgoing + signals + slice, sizeof(SlotHeader), a.peer);
-      for (int p = slice + a.active_blocks; p < headed; p += a.active_blocks) {
+    const int headed = max(slice + 1, min(pages, a.header_pages));  // page `slice`'s header always
+    for (int p = slice; p < headed; p += a.active_blocks) {
+      if (a.peer_staging != nullptr) {
+        a.peer_headers[signals + p] = header;
+      } else {
         a.outgoing[signals + p] = header;
         nvshmem_putmem(a.headers + signals + p, a.outgoing + signals + p, sizeof(SlotHeader), a.peer);
       }
-      nvshmem_fence();  // delivered before the putmem_signal calls below
     }
+    if (a.peer_staging == nullptr) nvshmem_fence();  // delivered before the putmem_signal calls below
   }
   __syncthreads();
   bool fenced = false;
