@@ -36,12 +36,9 @@ constexpr int64_t kDefaultSendBlocks = 128;
 // per resident block. Measured on one H100 with 2 PEs at 50% (docs/perf-notes.md v25), 32 against
 // 128: a 4 MiB staged sendrecv both ways 27.5 against 55 us, 16 MiB 75-85 against 122-128 us; from
 // 64 MiB no better, at 256 MiB both ways 3% slower, so larger messages keep PYDATACOPY_SEND_BLOCKS.
-// The default is the most blocks (so PYDATACOPY_SEND_BLOCKS, whatever it is, cuts every size as
-// before) until the fix that a count below PYDATACOPY_SEND_BLOCKS needs has run on a GPU: a
-// receiver whose group raised a message's slices checked headers its sender never wrote
-// (ChunkStreamArgs::header_pages, docs/perf-notes.md v25).
+// PYDATACOPY_NARROW_SEND_BLOCKS=1024 (kMaxSendBlocks) cuts every size as before the cut existed.
 constexpr int64_t kNarrowMessageBytes = int64_t{64} << 20;
-constexpr int64_t kDefaultNarrowSendBlocks = kMaxSendBlocks;
+constexpr int64_t kDefaultNarrowSendBlocks = 32;
 // MPS serves at most 48 clients per GPU on Volta and up to 60 on later GPUs; without MPS every
 // one more rank is one more time slice.
 constexpr int64_t kMaxRanksPerGpu = 64;

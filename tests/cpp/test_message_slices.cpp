@@ -23,15 +23,15 @@ int slices(std::size_t bytes, int blocks = kBlocks, int narrow = kNarrow, int re
   return SendRecvEngine::message_slices(bytes, kChunk, kPages, blocks, narrow, resident);
 }
 
-void test_the_defaults_cut_as_before() {
-  // The narrow count's default is the most blocks (settings.hpp says why): min(blocks, narrow) is
-  // blocks for every block count, so every size takes the old rule's count.
-  const int narrow = static_cast<int>(pydatacopy::settings::kDefaultNarrowSendBlocks);
-  check(narrow == static_cast<int>(pydatacopy::settings::kMaxSendBlocks), "the default narrow count is the most blocks");
-  check(slices(4 * MiB, kBlocks, narrow) == kBlocks, "defaults: 4 MiB on 128 slices, as before the cut");
-  check(slices(1 * MiB, kBlocks, narrow) == 32, "defaults: 1 MiB on its 32 pages");
-  check(slices(4 * MiB, 256, narrow) == 128 && slices(16 * MiB, 256, narrow) == 256,
-        "blocks=256: 4 MiB on its 128 pages, 16 MiB on 256 slices, as before the cut");
+void test_the_defaults() {
+  // The measured narrow count is the default; 1024 (the most blocks) turns the cut off: min(blocks,
+  // narrow) is then blocks for every block count, so every size takes the rule from before the cut.
+  check(pydatacopy::settings::kDefaultNarrowSendBlocks == kNarrow, "the default narrow count is the measured 32");
+  const int off = static_cast<int>(pydatacopy::settings::kMaxSendBlocks);
+  check(slices(4 * MiB, kBlocks, off) == kBlocks, "narrow 1024: 4 MiB on 128 slices, as before the cut");
+  check(slices(1 * MiB, kBlocks, off) == 32, "narrow 1024: 1 MiB on its 32 pages");
+  check(slices(4 * MiB, 256, off) == 128 && slices(16 * MiB, 256, off) == 256,
+        "narrow 1024, blocks=256: 4 MiB on its 128 pages, 16 MiB on 256 slices, as before the cut");
 }
 
 void test_the_most_slices_bound_every_message() {
@@ -76,7 +76,7 @@ void test_the_grid_and_the_pages_bound_it() {
 }  // namespace
 
 int main() {
-  test_the_defaults_cut_as_before();
+  test_the_defaults();
   test_the_most_slices_bound_every_message();
   test_a_narrow_count();
   test_settings_bound_each_other();

@@ -250,7 +250,7 @@ def test_slices_never_exceed_what_the_resident_blocks_drive(world, peer, fresh_c
 
 
 # ---- 7. messages under the narrow cut move on fewer slices ------------------------------------
-# PYDATACOPY_NARROW_SEND_BLOCKS (settings.hpp; 32 here, its default is PYDATACOPY_SEND_BLOCKS'): a
+# PYDATACOPY_NARROW_SEND_BLOCKS (settings.hpp; 32 here, as its default): a
 # message under _C.NARROW_MESSAGE_BYTES moves on at most that many slices, a larger one on
 # PYDATACOPY_SEND_BLOCKS. Both sides cut a message alike from its size, and the ops of one channel
 # in a launch share the largest count. Before the cut existed every size took up to 128 slices

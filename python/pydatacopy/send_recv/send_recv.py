@@ -98,9 +98,9 @@ def setup_send_recv(chunk_bytes: int | None = None, num_chunks: int | None = Non
     PYDATACOPY_SEND_BLOCKS (128: the most thread blocks one message uses; since one block
     drives its slice of both directions of a sendrecv, twice the 64 that scripts/sweep-send-recv.sh
     chose when each direction had blocks of its own, docs/perf-notes.md v6/v8). Messages under
-    _C.NARROW_MESSAGE_BYTES (64 MiB) use at most PYDATACOPY_NARROW_SEND_BLOCKS (by default
-    1024: no fewer than PYDATACOPY_SEND_BLOCKS; read here from the environment; docs/perf-notes.md
-    v25). Every PE must use the same settings.
+    _C.NARROW_MESSAGE_BYTES (64 MiB) use at most PYDATACOPY_NARROW_SEND_BLOCKS
+    (_C.DEFAULT_NARROW_SEND_BLOCKS, 32; 1024 cuts them as larger ones; read here from the
+    environment; docs/perf-notes.md v25). Every PE must use the same settings.
     """
     global _engine
     ops.refuse_tracing("setup_send_recv")
