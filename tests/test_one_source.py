@@ -29,6 +29,8 @@ OWN_FACTS = {
                                                             "calls, 64 MiB as the core's narrow cut by chance",
     ("pydatacopy/compat/deep_ep/utils.py", "EXPERTS_ROOM"): "the compat layer's room for experts (DeepEP's "
                                                              "NUM_MAX_LOCAL_EXPERTS is also 1024)",
+    ("pydatacopy/compat/deep_ep/utils.py", "TOPK_ROOM"): "the compat layer's room for top-k entries a row, "
+                                                          "32 as the narrow send blocks by chance",
 }
 
 _OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
