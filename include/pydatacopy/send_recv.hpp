@@ -86,7 +86,7 @@
 //
 // Zero-copy between load/store peers (PEs on one node whose heaps nvshmem_ptr reaches, several
 // PEs on one GPU included; not under PYDATACOPY_FORCE_RMA, never to itself): a message of at
-// least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 32 MiB, agreed by every PE
+// least zero_copy_min_bytes() (PYDATACOPY_ZERO_COPY_MIN_BYTES, default 16 MiB, agreed by every PE
 // at init; 0: off) moves once, from the sender's tensor into the receiver's, inside the same
 // batch kernel (so a sendrecv's zero-copy and staged ops still run in one launch).
 // - Rendezvous: on such a channel EVERY recv (any size) posts a descriptor into the sender's
@@ -95,7 +95,9 @@
 //   ordinal last with a system-scope release, when the op's first slice gets its turn on the
 //   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
 //   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
-//   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous), checks
+//   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous; a message
+//   that fits the staging waits settings::kZeroCopyFallbackWaitNs, then moves staged if its
+//   receiver is held in a send/recv kernel: zero_copy.cuh, fall_back_to_staged), checks
 //   its bytes, then either writes straight into mapped_base[j] + offset (mapped_base[j] read from
 //   the host-mapped table once per message by block 0, which drives slice 0 and publishes it to the
 //   launch's other blocks in a device ring per channel; SM stores: slice s of
@@ -375,6 +377,9 @@ class SendRecvEngine {
   void require_ready(const char* what, int pe) const;       // the call's own arguments
 
   int active_blocks(std::size_t bytes) const;
+  // Whether a message fits the staging at once (its chunks <= PYDATACOPY_NUM_CHUNKS): a zero-copy
+  // send of it waits a bounded time for its descriptor (settings::kZeroCopyFallbackWaitNs).
+  bool fits_staging(std::size_t bytes) const;
   kernels::ChunkStreamArgs prepare(bool send, void* buffer, std::size_t bytes, int peer, double timeout);
   int pages() const { return static_cast<int>(chunk_bytes_ / page_bytes_); }
   uint8_t* staging(int src_pe) const;
@@ -386,6 +391,10 @@ class SendRecvEngine {
   uint64_t* refused_bytes(int dst_pe) const;  // send channel: the bytes + 1 its receiver saw
   kernels::RendezvousDescriptor* rendezvous_ring(int receiver) const;  // at the sender
   uint64_t* zero_copy_done(int sender) const;                          // at the receiver
+  // This PE's send/recv thread blocks inside their loops (each adds 1 on entry, takes it away on
+  // leaving): a sender whose descriptor wait outlasts kZeroCopyFallbackWaitNs gives it up only
+  // while its receiver is itself held inside a send/recv kernel (zero_copy.cuh).
+  unsigned int* activity_word() const;
   bool load_store_peer(int peer) const;  // zero-copy applies to this peer (see above)
   void decide_recv_mode(kernels::ChunkStreamArgs& a, void* dst, std::size_t bytes, int peer,
                         bool capturing, double timeout_seconds);

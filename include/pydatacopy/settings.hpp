@@ -43,8 +43,16 @@ constexpr int64_t kDefaultNarrowSendBlocks = 32;
 // one more rank is one more time slice.
 constexpr int64_t kMaxRanksPerGpu = 64;
 // Messages of at least this many bytes between load/store peers move once (measured:
-// docs/zero-copy.md); SendRecvEngine::kDefaultZeroCopyMinBytes.
-constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{32} << 20;
+// docs/zero-copy.md, docs/perf-notes.md v26: 16 MiB zero-copy 0.75x of staged's time one way, 0.73x
+// both ways, on one H100 with 2 PEs); SendRecvEngine::kDefaultZeroCopyMinBytes.
+constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{16} << 20;
+// A send of such a message that fits the staging (its chunks <= PYDATACOPY_NUM_CHUNKS) that has
+// waited this long for its receiver's descriptor moves staged if the receiver is itself held in a
+// send/recv kernel (zero_copy.cuh, fall_back_to_staged): so `send(); recv()` on two PEs without a
+// group completes, as it does below the threshold, where a wait without end would hold both
+// streams. Long against a receiver whose recv is issued with its send (a group, or the same order
+// on both PEs: a few microseconds), short against a staged message of that size.
+constexpr int64_t kZeroCopyFallbackWaitNs = 100'000;
 // The low-latency protocol (send_recv.hpp): messages of at most the cut between load/store peers
 // travel with their flags in the same 8-byte stores. The capacity is what each slot of its ring
 // holds (the cut's most); the default cut is measured (docs/perf-notes.md v13).

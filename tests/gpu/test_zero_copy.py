@@ -301,6 +301,127 @@ def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes)
     outcome.agree("the pair after setup_send_recv")
 
 
+# ---- the bounded descriptor wait: a send that fits the staging never waits without end ------------
+# settings.hpp kZeroCopyFallbackWaitNs, zero_copy.cuh fall_back_to_staged. Every size here is above
+# the 1 MiB threshold and fits the staging (4 x 8 MiB), the largest exactly.
+FALLBACK_SIZES = [THRESHOLD + 3, 5 * MiB + 1, 16 * MiB, 4 * pydatacopy._C.DEFAULT_CHUNK_BYTES]
+
+
+def _warm(outcome, rank, peer, recv, tag):
+    """Grouped sendrecvs into `recv` until its allocation is mapped at the sender (zero-copy)."""
+    for round_ in range(3):
+        _sendrecv_exact(outcome, rank, peer, tag + round_, recv.numel(), recv, what=f"warm-up {round_}")
+        _step()
+
+
+def test_send_then_recv_without_a_group_completes_above_the_threshold(world, peer):
+    """Both PEs send, then receive, with no group: each send waits for a descriptor that its peer
+    posts only after its own send. A send that fits the staging gives the wait up (its receiver is
+    held in a send/recv kernel) and moves staged, as every send under the threshold does; before,
+    both waited until the timeout (TimeoutError naming the rendezvous). The receive buffers are
+    mapped first, so each recv is posted zero-copy and learns from the sender's fallback that its
+    message came staged."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    for n, nbytes in enumerate(FALLBACK_SIZES):
+        recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        _warm(outcome, rank, peer, recv, 9000 + 10 * n)
+        before = _counters()
+        for round_ in range(3):
+            tag = 9100 + 10 * n + round_
+            with outcome.check(f"{nbytes} bytes, send then recv, round {round_}"):
+                recv.zero_()
+                # 10 s: ample for 32 MiB on a shared GPU; a wait without end (before the fallback)
+                # is a TimeoutError here, and the PE is refused at once for the later rounds.
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer, timeout=10)
+                pydatacopy.recv(recv, peer, timeout=10)
+                torch.cuda.synchronize()
+                pydatacopy.check_errors()
+                _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{nbytes} bytes, round {round_}")
+            _step()
+        after = _counters()
+        with outcome.check(f"{nbytes} bytes: the paths"):
+            sends = after["send_staged"] - before["send_staged"] + after["send_zero_copy"] - before["send_zero_copy"]
+            recvs = after["recv_staged"] - before["recv_staged"] + after["recv_zero_copy"] - before["recv_zero_copy"]
+            assert sends == 3 and recvs == 3, f"every op counted once: {before} -> {after}"
+    outcome.agree("send then recv without a group")
+
+
+def test_a_late_receiver_still_gets_the_message_once(world, peer):
+    """One way, the receiver's stream busy for about 3 ms before its recv: not held in a send/recv
+    kernel, so the sender waits for it (no fallback) and the message moves once, however late."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes = 5 * MiB + 1
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    _warm(outcome, rank, peer, recv, 9300)
+    before = _counters()
+    rounds = 4
+    for round_ in range(rounds):
+        tag = 9400 + round_
+        with outcome.check(f"late receiver, round {round_}"):
+            recv.zero_()
+            if rank == round_ % 2:
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer)
+            else:
+                torch.cuda._sleep(5_000_000)
+                pydatacopy.recv(recv, peer)
+                torch.cuda.synchronize()
+                _assert_bytes(recv, _bytes(peer, tag, nbytes), f"late receiver, round {round_}")
+        _step()
+    after = _counters()
+    with outcome.check("the late receiver's path"):
+        if _load_store():
+            moved = after["recv_zero_copy"] - before["recv_zero_copy"] + after["send_zero_copy"] - before["send_zero_copy"]
+            assert moved == rounds, f"a late receiver made its sender fall back: {before} -> {after}"
+    outcome.agree("a late receiver")
+
+
+def test_senders_giving_up_around_their_receivers_posts_agree_with_them(world, peer):
+    """Both directions at once, the posts falling before, around and after the end of the
+    descriptor wait: PE 0 sends to PE 1 and, on a side stream after a delay, receives from it;
+    PE 1 sends to PE 0 (a send that waits for that delayed recv, so PE 1 is held in a send/recv
+    kernel all along), then receives. PE 0's send gives up its wait when PE 1's recv posts late,
+    and may meet the post in the act; PE 1's may give up too. Whichever path each message takes,
+    both of its sides take the same one (the counters agree) and the bytes are exact."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes = 3 * MiB + 7
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    _warm(outcome, rank, peer, recv, 9500)
+    side = torch.cuda.Stream()
+    before = _counters()
+    rounds = 40
+    for round_ in range(rounds):
+        tag = 9600 + 2 * round_
+        delay = (round_ * 37_000) % 400_000  # GPU cycles: from none to about 250 us
+        with outcome.check(f"round {round_}"):
+            recv.zero_()
+            torch.cuda.synchronize()
+            if rank == 0:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(delay)
+                    pydatacopy.recv(recv, peer, timeout=30)
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer, timeout=30)
+            else:
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer, timeout=30)
+                pydatacopy.recv(recv, peer, timeout=30)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+            _assert_bytes(recv, _bytes(peer, tag, nbytes), f"round {round_}")
+        _step()
+    after = _counters()
+    mine = {key: after[key] - before[key] for key in ("send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy")}
+    every = [None] * world[1]
+    dist.all_gather_object(every, mine)
+    with outcome.check("both sides of each message took one path"):
+        assert every[rank]["send_zero_copy"] == every[peer]["recv_zero_copy"], every
+        assert every[rank]["send_staged"] == every[peer]["recv_staged"], every
+        assert every[rank]["send_zero_copy"] + every[rank]["send_staged"] == rounds, every
+    outcome.agree("senders giving up around their receivers' posts")
+
+
 # ---- CUDA graphs -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("warm", [True, False], ids=["mapped-before-capture", "mapped-at-capture"])

@@ -158,7 +158,7 @@ def stats() -> dict[int, dict[str, int]]:
 def zero_copy_min_bytes() -> int:
     """Messages of at least this many bytes between PEs that reach each other by load/store move
     once, from the sender's tensor into the receiver's (PYDATACOPY_ZERO_COPY_MIN_BYTES, default
-    32 MiB; 0: never). Needs the send/recv engine (init())."""
+    _C.DEFAULT_ZERO_COPY_MIN_BYTES, 16 MiB; 0: never). Needs the send/recv engine (init())."""
     return _require_engine("zero_copy_min_bytes").zero_copy_min_bytes
 
 

@@ -130,7 +130,11 @@ struct RendezvousDescriptor {
   uint32_t mode;     // kPostedStaged or kPostedZeroCopy
   int32_t index;     // zero-copy: the sender's table index of the receiver's allocation
   uint64_t offset;   // zero-copy: the receive buffer's offset in that allocation
-  uint64_t unused[3];
+  // The bounded descriptor wait (zero_copy.cuh, fall_back_to_staged): the sender's `message` + 1
+  // when it gave the wait up, and the receiver's verdict after its post, (message + 1) << 1 | staged.
+  uint64_t fallback;
+  uint64_t verdict;
+  uint64_t unused;
 };
 // The test hook's counters (device memory): ops finished per side and mode.
 enum ZeroCopyCounter {
@@ -195,6 +199,12 @@ struct ChunkStreamArgs {
   bool post_descriptor;      // recv: post a descriptor (every recv on a reachable channel)
   bool await_descriptor;     // send: wait for the receiver's descriptor (bytes >= threshold)
   bool zero_copy;            // recv: posted as zero-copy at (zc_index, zc_offset)
+  // Both: the message fits the staging (SendRecvEngine::fits_staging), so a send that awaits its
+  // descriptor waits at most settings::kZeroCopyFallbackWaitNs, then moves staged, and a zero-copy
+  // recv learns which (zero_copy.cuh, fall_back_to_staged).
+  bool zc_fallback;
+  unsigned int* activity;          // this PE's SendRecvEngine::activity_word (every op)
+  const unsigned int* peer_activity;  // send with zc_fallback: the receiver's (nvshmem_ptr)
   int zc_index;
   uint64_t zc_offset;
   int zc_slices;             // slices of a zero-copy message: from its size alone

@@ -22,6 +22,10 @@
 
 namespace pydatacopy {
 
+bool SendRecvEngine::fits_staging(std::size_t bytes) const {
+  return bytes <= chunk_bytes_ * static_cast<std::size_t>(num_chunks_);
+}
+
 int SendRecvEngine::active_blocks(std::size_t bytes) const {
   return message_slices(bytes, chunk_bytes_, pages(), blocks_, narrow_blocks_, resident_blocks_);
 }
@@ -71,6 +75,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.status = detail::device_status();
   a.messages = messages_ + channel;
   a.zc_index = -1;
+  a.activity = activity_word();
   // Slices of a zero-copy message: from its size and the agreed grid cap alone (the batch may
   // raise active_blocks), so both sides count the same; at most one per resident block, so that
   // a block streams one contiguous part instead of visiting two in turn.
@@ -99,6 +104,8 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.zc_table = zero_copy_->table_device + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
       a.zc_resolved = zc_resolved_ + static_cast<std::size_t>(peer) * 2 * kernels::kRendezvousRing;
       a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
+      a.peer_activity = static_cast<const unsigned int*>(peer_address(activity_word(), peer));
+      a.zc_fallback = a.await_descriptor && a.peer_activity != nullptr && fits_staging(bytes);
     }
     if (a.low_latency) {
       a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
@@ -123,6 +130,8 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_address(rendezvous_ring(me), peer));
       a.zc_done = zero_copy_done(peer);
       a.post_descriptor = a.peer_ring != nullptr;
+      // Used only when the recv is posted zero-copy (decide_recv_mode), at or above the threshold.
+      a.zc_fallback = a.post_descriptor && fits_staging(bytes);
     }
     // Every recv of a low-latency channel watches the ring (a sender that sent low-latency
     // another size), a low-latency one reads its message there.
@@ -227,8 +236,10 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
     if (!op.send) {
       decide_recv_mode(a, op.buffer, op.bytes, op.peer, capturing != 0, timeout_seconds);
       // A zero-copy recv waits on one block (send_recv.cu: zero_copy_recv_visit); its zc_slices,
-      // set above from the size, still counts the sender's slices.
-      if (a.zero_copy) a.active_blocks = 1;
+      // set above from the size, still counts the sender's slices. One that fits the staging keeps
+      // its staged slices: its sender may give the descriptor wait up and move it staged
+      // (zero_copy.cuh, fall_back_to_staged), and then every slice has pages to drain.
+      if (a.zero_copy && !a.zc_fallback) a.active_blocks = 1;
     }
     // A low-latency message moves on one block (its slice 0) and takes no staging chunk.
     if (a.low_latency) a.active_blocks = 1;

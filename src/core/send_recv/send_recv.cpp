@@ -91,8 +91,10 @@ std::size_t header_array_bytes(int n_pes, int num_chunks, std::size_t pages) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * pages * sizeof(kernels::SlotHeader),
                   kAlignment);
 }
+// The refusal words [2][n_pes], the refused sizes [n_pes], then this PE's count of send/recv
+// blocks waiting in their loops (SendRecvEngine::activity_word).
 std::size_t broken_array_bytes(int n_pes) {
-  return align_up(3 * static_cast<std::size_t>(n_pes) * sizeof(uint64_t), kAlignment);
+  return align_up((3 * static_cast<std::size_t>(n_pes) + 1) * sizeof(uint64_t), kAlignment);
 }
 std::size_t staging_array_bytes(int n_pes, int num_chunks, std::size_t chunk_bytes) {
   return align_up(static_cast<std::size_t>(n_pes) * num_chunks * chunk_bytes, kAlignment);
@@ -672,6 +674,9 @@ uint64_t* SendRecvEngine::broken(bool send, int peer) const {
 }
 
 uint64_t* SendRecvEngine::refused_bytes(int dst_pe) const { return broken(true, 0) + 2 * n_pes_ + dst_pe; }
+unsigned int* SendRecvEngine::activity_word() const {
+  return reinterpret_cast<unsigned int*>(broken(true, 0) + 3 * n_pes_);
+}
 kernels::RendezvousDescriptor* SendRecvEngine::rendezvous_ring(int receiver) const {
   return reinterpret_cast<kernels::RendezvousDescriptor*>(reinterpret_cast<uint8_t*>(broken(true, 0)) +
                                                           broken_array_bytes(n_pes_)) +

@@ -360,6 +360,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ bool posted[kCapacity];
   __shared__ bool gave_up[kCapacity];
   __shared__ uint64_t zc_landed[kCapacity];  // a zero-copy recv's progress at its last look
+  // A send's bounded descriptor wait (block 0: zero_copy.cuh, fall_back_to_staged): when it began,
+  // and whether the fallback store went out.
+  __shared__ uint64_t awaited_since[kCapacity];
+  __shared__ bool fallback_intent[kCapacity];
   __shared__ int64_t chunks[kCapacity];  // chunk_count of each op
   // One thread per op, then the slices' state in parallel: a single thread that set up every
   // op's 32 slices (a 64-bit division each) kept a launch 12 us in its prologue (measured
@@ -375,6 +379,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     target[i] = nullptr;
     posted[i] = !a.post_descriptor;
     zc_landed[i] = 0;
+    awaited_since[i] = 0;
+    fallback_intent[i] = false;
     chunks[i] = chunk_count(a);
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
@@ -387,13 +393,19 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     const int slice = block + j * grid;
     header_ok[i][j] = 0;
     // A zero-copy recv waits in its slice 0 alone (for every sender slice); a low-latency op
-    // moves on its slice 0 alone (the others, when its channel's ops share more, are idle).
-    const bool idle = (mode[i] == zero_copy_detail::kModeZeroCopy || mode[i] == low_latency_detail::kModeLowLatency) &&
+    // moves on its slice 0 alone (the others, when its channel's ops share more, are idle). A
+    // zero-copy recv that fits the staging keeps its other slices until its verdict says
+    // zero-copy (zero_copy.cuh, fall_back_to_staged).
+    const bool idle = ((mode[i] == zero_copy_detail::kModeZeroCopy && !batch.ops[i].zc_fallback) ||
+                       mode[i] == low_latency_detail::kModeLowLatency) &&
                       slice != 0;
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
+  // In the loop, where a block may wait on a peer: counted for the peers' bounded descriptor
+  // waits (zero_copy.cuh, fall_back_to_staged). A reduction: nothing waits for its result.
+  if (threadIdx.x == 0) atomicAdd(batch.ops[0].activity, 1u);
   // How long a recv's visit may spin on its words (low-latency lines, zero-copy done words): a
   // bounded spin while no other op's slice of this block is left to move, none otherwise (the
   // block's other ops must not wait on it: a sendrecv's send is what the peer's recv waits for).
@@ -444,6 +456,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (post_now) {
           if (threadIdx.x == 0) {
             post_descriptor(a, message[i], first[i]);
+            // A zero-copy post that its sender may have given up on: the verdict, for every slice.
+            if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
+              mode[i] = zero_copy_detail::kModeStaged;
             posted[i] = true;
             if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
           }
@@ -465,14 +480,28 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             bool may_spin = true;
             for (int e = 0; e < batch.count && block == 0; ++e) may_spin = may_spin && posted[e];
             const uint64_t spin_until = detail::globaltimer_ns() + (may_spin ? kDescriptorSpinNs : 0);
-            do {
-              // Block 0 (which drives slice 0) resolves, from whichever of its slices it waits in:
-              // when the resolver was slice 0 alone, block 0 waiting in another slice (slice grid,
-              // a message with more slices than blocks) spun out its 4 us on a target only it could
-              // publish, and every block waited with it (4-16 MiB: 8 us from the descriptor's post
-              // to its take, measured 2026-12-06).
-              taken = take_descriptor(a, message[i], first[i], block == 0, &into);
-            } while (taken == 0 && detail::globaltimer_ns() < spin_until);
+            if (fallback_intent[i]) {
+              // Block 0 stored its fallback and saw the post: the receiver's verdict decides.
+              taken = fall_back_to_staged(a, message[i], first[i], fallback_intent[i], &into);
+            } else {
+              do {
+                // Block 0 (which drives slice 0) resolves, from whichever of its slices it waits in:
+                // when the resolver was slice 0 alone, block 0 waiting in another slice (slice grid,
+                // a message with more slices than blocks) spun out its 4 us on a target only it could
+                // publish, and every block waited with it (4-16 MiB: 8 us from the descriptor's post
+                // to its take, measured 2026-12-06).
+                taken = take_descriptor(a, message[i], first[i], block == 0, &into);
+              } while (taken == 0 && detail::globaltimer_ns() < spin_until);
+              // The bounded wait of a message that fits the staging: block 0 decides for all.
+              if (taken == 0 && block == 0 && a.zc_fallback) {
+                const uint64_t now = detail::globaltimer_ns();
+                if (awaited_since[i] == 0)
+                  awaited_since[i] = now;
+                else if (now - awaited_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs) &&
+                         *reinterpret_cast<const volatile unsigned int*>(a.peer_activity) != 0)
+                  taken = fall_back_to_staged(a, message[i], first[i], fallback_intent[i], &into);
+              }
+            }
             if (taken > 0) mode[i] = taken, target[i] = into;
             if (stamping && i == 0 && taken > 0) stamp[kRendezvous] = detail::globaltimer_ns();
             if (taken < 0) next[i][j] = chunks[i], gave_up[i] = true;
@@ -549,6 +578,29 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             __syncthreads();
             continue;
           }
+          // Another slice of a zero-copy recv that fits the staging: it waits for its block 0's
+          // verdict (zero_copy.cuh, post_verdict): zero-copy leaves it nothing to do, staged gives
+          // it its pages. Without a verdict it gives up only with the channel (failed, refused, or
+          // no progress for the timeout): block 0 then posts nothing more for the message.
+          if (slice != 0) {
+            if (threadIdx.x == 0) {
+              const int verdict_now = read_verdict(a, message[i]);
+              if (verdict_now == 1) {
+                next[i][j] = chunks[i];
+              } else if (verdict_now == 2) {
+                mode[i] = zero_copy_detail::kModeStaged;
+              } else if (*reinterpret_cast<volatile unsigned int*>(a.failed) != 0 ||
+                         *reinterpret_cast<volatile uint64_t*>(a.broken) != 0) {
+                next[i][j] = chunks[i], gave_up[i] = true;
+              } else if (channel_stalled(a, since[i])) {
+                detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message[i] + 1, 0);
+                atomicExch(a.failed, 1u);
+                next[i][j] = chunks[i], gave_up[i] = true;
+              }
+            }
+            __syncthreads();
+            continue;
+          }
           // A zero-copy recv: its slice 0 watches every sender slice's done word (the recv's
           // other slices are idle from the start), see zero_copy_recv_visit.
           const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i], spin_ns(i));
@@ -619,6 +671,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // send that the peer waits for) or a PE sharing the GPU needs: a deadlock until the timeout.
   // Past the loop nothing waits on a peer any more.
   if (stamping) stamp[kLoopLeft] = detail::globaltimer_ns();
+  if (threadIdx.x == 0) atomicSub(batch.ops[0].activity, 1u);
   allow_next_grid();
   // The test hook's counters (block 0 holds every op's first slice): ops finished, by mode.
   if (block == 0 && threadIdx.x == 0) {
@@ -682,6 +735,9 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   }
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
+  // In the loop, where a block may wait on a peer: counted for the peers' bounded descriptor
+  // waits (zero_copy.cuh, fall_back_to_staged). A reduction: nothing waits for its result.
+  if (threadIdx.x == 0) atomicAdd(batch.ops[0].activity, 1u);
   for (bool all_done = false; !all_done;) {
     all_done = true;
     if (stamping && stamp[kOpDone] == 0 && over[0] != 0) stamp[kOpDone] = detail::globaltimer_ns();
@@ -746,6 +802,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
     }
   }
   if (stamping) stamp[kLoopLeft] = detail::globaltimer_ns();
+  if (threadIdx.x == 0) atomicSub(batch.ops[0].activity, 1u);
   allow_next_grid();  // nothing waits on a peer any more (chunk_batch_kernel)
   if (threadIdx.x == 0) {
     for (int i = 0; i < batch.count; ++i) {

@@ -15,6 +15,13 @@ constexpr int kModeStaged = 1, kModeZeroCopy = 2;
 // writing anything, kFinal once all its writes landed. Words only grow, so a later message never
 // looks like an earlier one's.
 constexpr uint64_t kFinal = 0xFFFFFF, kCancel = kFinal - 1, kMostProgress = kFinal - 2;
+// The resolved ring's base when the resolver gave the descriptor wait up (fall_back_to_staged):
+// the message moves staged. No allocation starts at address 1.
+constexpr uint64_t kFallbackBase = 1;
+// A zero-copy recv's verdict in the descriptor (RendezvousDescriptor::verdict).
+__device__ __forceinline__ uint64_t verdict_word(uint64_t message, bool staged) {
+  return ((message + 1) << 1) | (staged ? 1 : 0);
+}
 __device__ __forceinline__ uint64_t done_word(uint64_t message, uint64_t written) {
   return ((message + 1) << 24) | written;
 }
@@ -89,7 +96,13 @@ __device__ __forceinline__ bool zero_copy_begin(const ChunkStreamArgs& a, int sl
 __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
                                                bool resolver, uint8_t** target) {
   RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
-  if (detail::load_acquire_sys(&d->message) != message + 1) return 0;
+  uint64_t* resolved = a.zc_resolved + 2 * (message % kRendezvousRing);  // {message + 1, base}
+  // The resolver gave the wait up (fall_back_to_staged): staged, descriptor or not.
+  const auto fell_back = [&] {
+    return !resolver && a.zc_fallback && load_acquire_gpu(resolved) == message + 1 &&
+           *reinterpret_cast<volatile uint64_t*>(resolved + 1) == zero_copy_detail::kFallbackBase;
+  };
+  if (detail::load_acquire_sys(&d->message) != message + 1) return fell_back() ? zero_copy_detail::kModeStaged : 0;
   const volatile RendezvousDescriptor* v = d;
   const uint64_t bytes = v->bytes, posted_first = v->first, offset = v->offset;
   const uint32_t mode = v->mode;
@@ -99,7 +112,6 @@ __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_
     return -1;
   }
   if (mode != kPostedZeroCopy) return zero_copy_detail::kModeStaged;
-  uint64_t* resolved = a.zc_resolved + 2 * (message % kRendezvousRing);  // {message + 1, base}
   uint64_t base = 0;
   if (resolver) {
     base = index >= 0 && index < kZeroCopyTableEntries ? a.zc_table[index] : 0;
@@ -113,9 +125,77 @@ __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_
     if (load_acquire_gpu(resolved) != message + 1) return 0;
     base = *reinterpret_cast<volatile uint64_t*>(resolved + 1);
     if (base == 0) return -1;  // the resolver refused the channel (and recorded it)
+    if (base == zero_copy_detail::kFallbackBase) return zero_copy_detail::kModeStaged;
   }
   *target = reinterpret_cast<uint8_t*>(base) + offset;
   return zero_copy_detail::kModeZeroCopy;
+}
+
+// The bounded descriptor wait (send_recv.hpp, "a send that fits the staging"): a send whose
+// message fits the staging (a.zc_fallback) that has waited kZeroCopyFallbackWaitNs for its
+// descriptor moves staged once its receiver is itself held inside a send/recv kernel (its
+// activity word: blocks in their loops), so that `send(); recv()` on two PEs without a group
+// still completes, as it did below the threshold. A receiver that is late for any other reason
+// (its stream busy with other work, its host not there yet) is waited for, as before: the
+// message still moves once. Sender and receiver agree on the mode by a store-fence-load on each
+// side (a sequentially consistent system fence between each side's store and its load, so at
+// least one side sees the other's store):
+//   sender:   descriptor.fallback = message + 1; fence; look at descriptor.message
+//   receiver: descriptor.message = message + 1 (post_descriptor); fence; look at .fallback,
+//             then descriptor.verdict = (message + 1) << 1 | (it saw the fallback)
+// A sender that does not see the post moves staged, and the receiver then sees its fallback (the
+// post is later than the sender's look, so its look is later than the sender's store): staged at
+// both ends. A sender that sees the post may or may not have been seen: it waits for the
+// receiver's verdict and follows it. A send that took its descriptor in time never stores the
+// fallback, and its receiver's verdict is zero-copy. The receiver's slices other than its first
+// wait for the verdict too (zero-copy: nothing for them to do; staged: their share of the pages).
+//
+// Thread 0 of the resolver (block 0), once the wait is over: returns take_descriptor's codes;
+// `intent` (the op's, in shared memory) says that the fallback store went out already.
+__device__ __forceinline__ int fall_back_to_staged(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
+                                                   bool& intent, uint8_t** target) {
+  RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
+  uint64_t* resolved = a.zc_resolved + 2 * (message % kRendezvousRing);
+  const auto staged = [&] {  // the launch's other blocks learn it from the resolved ring
+    *reinterpret_cast<volatile uint64_t*>(resolved + 1) = zero_copy_detail::kFallbackBase;
+    store_release_gpu(resolved, message + 1);
+    return zero_copy_detail::kModeStaged;
+  };
+  if (!intent) {
+    *reinterpret_cast<volatile uint64_t*>(&d->fallback) = message + 1;
+    __threadfence_system();  // fence.sc.sys: the store before the look
+    intent = true;
+    if (detail::load_acquire_sys(&d->message) != message + 1) return staged();
+  }
+  // Posted: its sizes first (a mismatch is refused as take_descriptor does), then its mode.
+  const volatile RendezvousDescriptor* v = d;
+  if (v->bytes != static_cast<uint64_t>(a.bytes) || v->first != first + 1 || v->mode != kPostedZeroCopy)
+    return take_descriptor(a, message, first, true, target);
+  const uint64_t verdict = detail::load_acquire_sys(&d->verdict);
+  if (verdict == zero_copy_detail::verdict_word(message, true)) return staged();
+  if (verdict == zero_copy_detail::verdict_word(message, false)) return take_descriptor(a, message, first, true, target);
+  return 0;  // the receiver has posted and not yet looked: soon
+}
+
+// Thread 0 of the receiver's block 0, right after it posted a zero-copy descriptor whose message
+// fits the staging: the receiver's half of the agreement above. Returns whether the message
+// moves staged.
+__device__ __forceinline__ bool post_verdict(const ChunkStreamArgs& a, uint64_t message) {
+  RendezvousDescriptor* d = a.peer_ring + message % kRendezvousRing;
+  __threadfence_system();  // fence.sc.sys: the post before the look
+  const bool staged = *reinterpret_cast<volatile uint64_t*>(&d->fallback) == message + 1;
+  store_release_sys(&d->verdict, zero_copy_detail::verdict_word(message, staged));
+  return staged;
+}
+
+// Thread 0 of a receiver's block, for a zero-copy recv's slice other than its first: the verdict
+// of its block 0 (post_verdict), read back from the sender's ring. 0: not yet, 1: zero-copy,
+// 2: staged.
+__device__ __forceinline__ int read_verdict(const ChunkStreamArgs& a, uint64_t message) {
+  const uint64_t verdict = detail::load_acquire_sys(&a.peer_ring[message % kRendezvousRing].verdict);
+  return verdict == zero_copy_detail::verdict_word(message, false)  ? 1
+         : verdict == zero_copy_detail::verdict_word(message, true) ? 2
+                                                                    : 0;
 }
 
 // All threads, send side: the next visit of slice `slice` to its part of the message, straight
