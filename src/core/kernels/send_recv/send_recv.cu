@@ -360,9 +360,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ bool posted[kCapacity];
   __shared__ bool gave_up[kCapacity];
   __shared__ uint64_t zc_landed[kCapacity];  // a zero-copy recv's progress at its last look
-  // A send's bounded descriptor wait (block 0: zero_copy.cuh, fall_back_to_staged): when it began,
-  // and whether the fallback store went out.
-  __shared__ uint64_t awaited_since[kCapacity];
+  // A send's bounded descriptor wait (block 0: zero_copy.cuh, fall_back_to_staged): since when
+  // its receiver has been seen held in a send/recv kernel without a break (0: not seen so), and
+  // whether the fallback store went out.
+  __shared__ uint64_t held_since[kCapacity];
   __shared__ bool fallback_intent[kCapacity];
   __shared__ int64_t chunks[kCapacity];  // chunk_count of each op
   // One thread per op, then the slices' state in parallel: a single thread that set up every
@@ -379,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     target[i] = nullptr;
     posted[i] = !a.post_descriptor;
     zc_landed[i] = 0;
-    awaited_since[i] = 0;
+    held_since[i] = 0;
     fallback_intent[i] = false;
     chunks[i] = chunk_count(a);
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
@@ -492,13 +493,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                 // to its take, measured 2026-12-06).
                 taken = take_descriptor(a, message[i], first[i], block == 0, &into);
               } while (taken == 0 && detail::globaltimer_ns() < spin_until);
-              // The bounded wait of a message that fits the staging: block 0 decides for all.
+              // The bounded wait of a message that fits the staging: block 0 decides for all, once
+              // its receiver has been held in send/recv kernels for the whole wait. (Held at one
+              // look was not enough: a receiver whose kernel had just started, about to post, made
+              // senders of grouped sendrecvs fall back; seen on the GPU, 2026-12-07.)
               if (taken == 0 && block == 0 && a.zc_fallback) {
                 const uint64_t now = detail::globaltimer_ns();
-                if (awaited_since[i] == 0)
-                  awaited_since[i] = now;
-                else if (now - awaited_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs) &&
-                         *reinterpret_cast<const volatile unsigned int*>(a.peer_activity) != 0)
+                if (*reinterpret_cast<const volatile unsigned int*>(a.peer_activity) == 0)
+                  held_since[i] = 0;
+                else if (held_since[i] == 0)
+                  held_since[i] = now;
+                else if (now - held_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs))
                   taken = fall_back_to_staged(a, message[i], first[i], fallback_intent[i], &into);
               }
             }
