@@ -53,7 +53,8 @@
 // A channel that timed out fails for the rest of its launch, while the launch's other ops go
 // on; the host then refuses every call with that peer (runtime.hpp: check_peer_timeouts) and
 // keeps serving the others. A send that fits in the staging can complete although its receiver
-// is dead (as an eager send does with NCCL).
+// is dead (as an eager send does with NCCL); one at or above the zero-copy threshold after
+// settings::kZeroCopyFallbackLongWaitNs (zero_copy.cuh, fall_back_to_staged).
 //
 // Chunk sequence numbers are counted on the device, so a call captured in a CUDA graph moves a
 // fresh message at every replay, and replays mix freely with eager calls on the same channel.
@@ -96,8 +97,9 @@
 //   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
 //   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
 //   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous; a message
-//   that fits the staging waits settings::kZeroCopyFallbackWaitNs, then moves staged if its
-//   receiver is held in a send/recv kernel: zero_copy.cuh, fall_back_to_staged), checks
+//   that fits the staging moves staged once its receiver has been held in send/recv kernels for
+//   settings::kZeroCopyFallbackWaitNs, or after kZeroCopyFallbackLongWaitNs whatever holds it:
+//   zero_copy.cuh, fall_back_to_staged), checks
 //   its bytes, then either writes straight into mapped_base[j] + offset (mapped_base[j] read from
 //   the host-mapped table once per message by block 0, which drives slice 0 and publishes it to the
 //   launch's other blocks in a device ring per channel; SM stores: slice s of

@@ -53,6 +53,11 @@ constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{16} << 20;
 // streams. Long against a receiver whose recv is issued with its send (a group, or the same order
 // on both PEs: a few microseconds), short against a staged message of that size.
 constexpr int64_t kZeroCopyFallbackWaitNs = 100'000;
+// ... and after this long whatever holds its receiver (pydatacopy.barrier(), a host barrier after a
+// synchronize, a dead peer): such a send completed before zero-copy reached its size, and must not
+// now wait until the timeout. Long against a receiver whose stream is busy (a layer's compute),
+// which is otherwise waited for so that its message moves once.
+constexpr int64_t kZeroCopyFallbackLongWaitNs = 10'000'000;
 // The low-latency protocol (send_recv.hpp): messages of at most the cut between load/store peers
 // travel with their flags in the same 8-byte stores. The capacity is what each slot of its ring
 // holds (the cut's most); the default cut is measured (docs/perf-notes.md v13).

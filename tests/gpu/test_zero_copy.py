@@ -377,6 +377,37 @@ def test_a_late_receiver_still_gets_the_message_once(world, peer):
     outcome.agree("a late receiver")
 
 
+def test_a_send_before_a_barrier_completes_above_the_threshold(world, peer):
+    """PE 0 sends and then enters pydatacopy.barrier(); PE 1 enters the barrier and then receives.
+    The barrier's kernel on PE 1 waits for PE 0's, which its stream queues behind the send: a send
+    that waited for its descriptor without end held both until the timeout. Its receiver is not
+    in a send/recv kernel, so the send gives its wait up after the long bound
+    (_C.ZERO_COPY_FALLBACK_LONG_WAIT_NS) and moves staged, as every send that fits the staging
+    did before zero-copy reached its size (a review's finding, 2026-12-07)."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    nbytes = 20 * MiB + 3
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    _warm(outcome, rank, peer, recv, 9700)
+    for round_ in range(3):
+        tag = 9800 + round_
+        with outcome.check(f"a send before a barrier, round {round_}"):
+            recv.zero_()
+            torch.cuda.synchronize()
+            if rank == 0:
+                pydatacopy.send(_bytes(rank, tag, nbytes), peer, timeout=10)
+                pydatacopy.barrier(timeout=10)
+            else:
+                pydatacopy.barrier(timeout=10)
+                pydatacopy.recv(recv, peer, timeout=10)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+            if rank == 1:
+                _assert_bytes(recv, _bytes(peer, tag, nbytes), f"round {round_}")
+        _step()
+    outcome.agree("a send before a barrier")
+
+
 def test_senders_giving_up_around_their_receivers_posts_agree_with_them(world, peer):
     """Both directions at once, the posts falling before, around and after the end of the
     descriptor wait: PE 0 sends to PE 1 and, on a side stream after a delay, receives from it;

@@ -360,9 +360,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ bool posted[kCapacity];
   __shared__ bool gave_up[kCapacity];
   __shared__ uint64_t zc_landed[kCapacity];  // a zero-copy recv's progress at its last look
-  // A send's bounded descriptor wait (block 0: zero_copy.cuh, fall_back_to_staged): since when
-  // its receiver has been seen held in a send/recv kernel without a break (0: not seen so), and
-  // whether the fallback store went out.
+  // A send's bounded descriptor wait (block 0: zero_copy.cuh, fall_back_to_staged): since when it
+  // waits, since when its receiver has been seen held in a send/recv kernel without a break (0:
+  // not seen so), and whether the fallback store went out.
+  __shared__ uint64_t awaited_since[kCapacity];
   __shared__ uint64_t held_since[kCapacity];
   __shared__ bool fallback_intent[kCapacity];
   __shared__ int64_t chunks[kCapacity];  // chunk_count of each op
@@ -380,6 +381,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     target[i] = nullptr;
     posted[i] = !a.post_descriptor;
     zc_landed[i] = 0;
+    awaited_since[i] = 0;
     held_since[i] = 0;
     fallback_intent[i] = false;
     chunks[i] = chunk_count(a);
@@ -494,16 +496,21 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                 taken = take_descriptor(a, message[i], first[i], block == 0, &into);
               } while (taken == 0 && detail::globaltimer_ns() < spin_until);
               // The bounded wait of a message that fits the staging: block 0 decides for all, once
-              // its receiver has been held in send/recv kernels for the whole wait. (Held at one
-              // look was not enough: a receiver whose kernel had just started, about to post, made
-              // senders of grouped sendrecvs fall back; seen on the GPU, 2026-12-07.)
+              // its receiver has been held in send/recv kernels for kZeroCopyFallbackWaitNs without
+              // a break (held at one look was not enough: a receiver whose kernel had just
+              // started, about to post, made senders of grouped sendrecvs fall back; seen on the
+              // GPU, 2026-12-07), or after kZeroCopyFallbackLongWaitNs whatever holds it (a
+              // receiver in pydatacopy.barrier() or a host barrier that waits for this send).
               if (taken == 0 && block == 0 && a.zc_fallback) {
                 const uint64_t now = detail::globaltimer_ns();
+                if (awaited_since[i] == 0) awaited_since[i] = now;
                 if (*reinterpret_cast<const volatile unsigned int*>(a.peer_activity) == 0)
                   held_since[i] = 0;
                 else if (held_since[i] == 0)
                   held_since[i] = now;
-                else if (now - held_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs))
+                if ((held_since[i] != 0 &&
+                     now - held_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs)) ||
+                    now - awaited_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackLongWaitNs))
                   taken = fall_back_to_staged(a, message[i], first[i], fallback_intent[i], &into);
               }
             }
@@ -588,6 +595,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           // it its pages. Without a verdict it gives up only with the channel (failed, refused, or
           // no progress for the timeout): block 0 then posts nothing more for the message.
           if (slice != 0) {
+            // Every thread has read mode[i] for this visit before thread 0 may change it (a warp
+            // behind would otherwise take the staged path's barriers alone: a review's finding).
+            __syncthreads();
             if (threadIdx.x == 0) {
               const int verdict_now = read_verdict(a, message[i]);
               if (verdict_now == 1) {

@@ -132,12 +132,13 @@ __device__ __forceinline__ int take_descriptor(const ChunkStreamArgs& a, uint64_
 }
 
 // The bounded descriptor wait (send_recv.hpp, "a send that fits the staging"): a send whose
-// message fits the staging (a.zc_fallback) that has waited kZeroCopyFallbackWaitNs for its
-// descriptor moves staged once its receiver is itself held inside a send/recv kernel (its
-// activity word: blocks in their loops), so that `send(); recv()` on two PEs without a group
-// still completes, as it did below the threshold. A receiver that is late for any other reason
-// (its stream busy with other work, its host not there yet) is waited for, as before: the
-// message still moves once. Sender and receiver agree on the mode by a store-fence-load on each
+// message fits the staging (a.zc_fallback) moves staged once its receiver has been held inside
+// send/recv kernels (its activity word: blocks in their loops) for kZeroCopyFallbackWaitNs
+// without a break, so that `send(); recv()` on two PEs without a group still completes, as it did
+// below the threshold; or once it has waited kZeroCopyFallbackLongWaitNs, whatever holds its
+// receiver (a barrier queued behind this send). A receiver late for a shorter while for any other
+// reason (its stream busy, its host not there yet) is waited for, and the message moves once.
+// Sender and receiver agree on the mode by a store-fence-load on each
 // side (a sequentially consistent system fence between each side's store and its load, so at
 // least one side sees the other's store):
 //   sender:   descriptor.fallback = message + 1; fence; look at descriptor.message
