@@ -53,8 +53,8 @@
 // A channel that timed out fails for the rest of its launch, while the launch's other ops go
 // on; the host then refuses every call with that peer (runtime.hpp: check_peer_timeouts) and
 // keeps serving the others. A send that fits in the staging can complete although its receiver
-// is dead (as an eager send does with NCCL); one at or above the zero-copy threshold after
-// settings::kZeroCopyFallbackLongWaitNs (zero_copy.cuh, fall_back_to_staged).
+// is dead (as an eager send does with NCCL); one at or above the zero-copy threshold that fits
+// the staging after settings::kZeroCopyFallbackLongWaitNs (zero_copy.cuh, fall_back_to_staged).
 //
 // Chunk sequence numbers are counted on the device, so a call captured in a CUDA graph moves a
 // fresh message at every replay, and replays mix freely with eager calls on the same channel.

@@ -348,8 +348,9 @@ def test_send_then_recv_without_a_group_completes_above_the_threshold(world, pee
 
 
 def test_a_late_receiver_still_gets_the_message_once(world, peer):
-    """One way, the receiver's stream busy for about 3 ms before its recv: not held in a send/recv
-    kernel, so the sender waits for it (no fallback) and the message moves once, however late."""
+    """One way, the receiver's stream busy for about 1 ms before its recv: not held in a send/recv
+    kernel, so the sender waits for it past the 100 us bound (and well within the 10 ms one) and
+    the message moves once."""
     rank = world[0]
     outcome = _Outcome(world)
     nbytes = 5 * MiB + 1
@@ -364,7 +365,7 @@ def test_a_late_receiver_still_gets_the_message_once(world, peer):
             if rank == round_ % 2:
                 pydatacopy.send(_bytes(rank, tag, nbytes), peer)
             else:
-                torch.cuda._sleep(5_000_000)
+                torch.cuda._sleep(2_000_000)
                 pydatacopy.recv(recv, peer)
                 torch.cuda.synchronize()
                 _assert_bytes(recv, _bytes(peer, tag, nbytes), f"late receiver, round {round_}")
@@ -389,7 +390,9 @@ def test_a_send_before_a_barrier_completes_above_the_threshold(world, peer):
     nbytes = 20 * MiB + 3
     recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
     _warm(outcome, rank, peer, recv, 9700)
-    for round_ in range(3):
+    before = _counters()
+    rounds = 3
+    for round_ in range(rounds):
         tag = 9800 + round_
         with outcome.check(f"a send before a barrier, round {round_}"):
             recv.zero_()
@@ -405,6 +408,12 @@ def test_a_send_before_a_barrier_completes_above_the_threshold(world, peer):
             if rank == 1:
                 _assert_bytes(recv, _bytes(peer, tag, nbytes), f"round {round_}")
         _step()
+    after = _counters()
+    with outcome.check("the path: staged, the wait given up"):
+        side = "send" if rank == 0 else "recv"
+        staged = after[f"{side}_staged"] - before[f"{side}_staged"]
+        zero_copy = after[f"{side}_zero_copy"] - before[f"{side}_zero_copy"]
+        assert staged == rounds and zero_copy == 0, f"{side}: {staged} staged, {zero_copy} zero-copy of {rounds}"
     outcome.agree("a send before a barrier")
 
 
