@@ -175,7 +175,10 @@ BEFORE_MOE=${BEFORE_MOE:-${BEFORE:-}}
 declare -A BEFORE_PID
 build_before() {  # build_before NAME DIR: DIR built into /tmp/pydatacopy-NAME in the background
   rm -rf "/tmp/pydatacopy-$1"
-  ( nice -n 19 $PY -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/pydatacopy-$1" "$2" \
+  # A bare directory name is a requirement to pip (BEFORE=before-REV built nothing, 2026-12-07).
+  local dir=$2
+  case "$dir" in /*|./*|../*) ;; *) dir=./$dir ;; esac
+  ( nice -n 19 $PY -m pip install --no-build-isolation --no-deps --no-index --target "/tmp/pydatacopy-$1" "$dir" \
       > "$OUT/build-$1.log" 2>&1 &&
     # Its module finds NVSHMEM at $ORIGIN/../nvidia/nvshmem/lib (the installed layout): the same
     # nvidia packages as this tree's, beside it.
@@ -401,6 +404,18 @@ if has "$STEPS" bench-moe; then
   shared_mps stop
 fi
 if [ "${SWEEP:-0}" = 1 ]; then step sweep bash scripts/sweep-send-recv.sh; fi
+# BEFORE_TESTS="pytest arguments" (with BEFORE=DIR; ONLY must name tests-before where ONLY is set):
+# this tree's tests run against the earlier tree's build, 2 PEs, in the same call: a hostile test
+# written for a fix must FAIL here (the step's FAIL is that evidence), and pass in gpu2-tests.
+if [ -n "${BEFORE_TESTS:-}" ]; then
+  if before_site before; then
+    # shellcheck disable=SC2086  # BEFORE_TESTS: pytest's words
+    step tests-before env PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 300 \
+      torchrun --nproc_per_node=2 -m pytest -q -p no:cacheprovider $BEFORE_TESTS
+  else
+    NOTES+=("BEFORE_TESTS: no earlier tree was built (BEFORE=DIR)")
+  fi
+fi
 mps stop
 
 echo
