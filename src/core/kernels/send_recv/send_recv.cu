@@ -120,7 +120,8 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   // further page of the slice below header_pages (api.cuh): a receiver whose batch raised the
   // slice count checks the header of its own first page, which may be this slice's page p, and
   // the slice waited for page p's credit before this write. Where the slice count is the old
-  // rule's (PYDATACOPY_NARROW_SEND_BLOCKS not under PYDATACOPY_SEND_BLOCKS), no such page exists: one header, as before.
+  // rule's (PYDATACOPY_NARROW_SEND_BLOCKS not under PYDATACOPY_SEND_BLOCKS), no such page exists:
+  // one header, as before.
   if (threadIdx.x == 0) {
     const int headed = max(slice + 1, min(pages, a.header_pages));  // page `slice`'s header always
     for (int p = slice; p < headed; p += a.active_blocks) {

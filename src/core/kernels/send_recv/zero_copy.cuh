@@ -174,7 +174,8 @@ __device__ __forceinline__ int fall_back_to_staged(const ChunkStreamArgs& a, uin
     return take_descriptor(a, message, first, true, target);
   const uint64_t verdict = detail::load_acquire_sys(&d->verdict);
   if (verdict == zero_copy_detail::verdict_word(message, true)) return staged();
-  if (verdict == zero_copy_detail::verdict_word(message, false)) return take_descriptor(a, message, first, true, target);
+  if (verdict == zero_copy_detail::verdict_word(message, false))
+    return take_descriptor(a, message, first, true, target);
   return 0;  // the receiver has posted and not yet looked: soon
 }
 
