@@ -253,6 +253,14 @@ class SendRecvEngine {
   // The most slices any message has under these numbers (message_slices never gives more, nor
   // does a batch's raise): a send writes the header of each page below it.
   static int most_message_slices(int pages, int blocks, int resident_blocks);
+  // The slices of a message that moves zero-copy (each writes one contiguous part straight into
+  // the receive buffer), from the same agreed numbers on both sides: message_slices without the
+  // narrow cut, at most one per resident block. The narrow count serves the staging, whose pages
+  // a slice fills and drains in turn; a zero-copy part has no pages, and fewer slices only leave
+  // SMs idle (16 MiB on 32 slices of one H100's 66: 15.8 us from the descriptor to block 0's last
+  // write, docs/perf-notes.md v27). A send that awaits a descriptor launches this many slices.
+  static int zero_copy_slices(std::size_t bytes, std::size_t chunk_bytes, int pages, int blocks,
+                              int resident_blocks);
   // Symmetric bytes one PE holds for staging and signals.
   std::size_t symmetric_bytes() const;
   // What init(chunk_bytes, num_chunks, blocks) takes on each of n_pes PEs (no GPU needed).

@@ -73,6 +73,26 @@ void test_the_grid_and_the_pages_bound_it() {
   check(SendRecvEngine::message_slices(4 * MiB, 64 * KiB, 2, 128, 32, 66) == 2, "a 64 KiB chunk has 2 pages");
 }
 
+void test_zero_copy_slices() {
+  // A zero-copy message is not narrowed: one contiguous part per resident block, on every SM the
+  // PE may use (the narrow count left half of one H100's 66 idle at 4-32 MiB).
+  const auto zc = [](std::size_t bytes, int blocks = kBlocks, int resident = 66) {
+    return SendRecvEngine::zero_copy_slices(bytes, kChunk, kPages, blocks, resident);
+  };
+  check(zc(4 * MiB) == 66 && zc(16 * MiB) == 66 && zc(kCut - 1) == 66, "4 MiB to the cut: one slice per resident block");
+  check(zc(256 * MiB) == 66, "above the cut: one slice per resident block");
+  check(zc(1 * MiB) == 32, "1 MiB: its 32 slices of 32 KiB, as staged");
+  check(zc(4 * KiB) == 1, "4 KiB: one slice");
+  check(zc(16 * MiB, 16) == 16, "PYDATACOPY_SEND_BLOCKS still bounds it");
+  check(zc(16 * MiB, kBlocks, 1) == 1, "one resident block: one slice");
+  for (std::size_t bytes : {std::size_t{0}, 4 * KiB, 1 * MiB, 4 * MiB + 3, kCut - 1, kCut, 256 * MiB})
+    for (int resident : {1, 8, 66, 132})
+      check(zc(bytes, kBlocks, resident) >= 1 && zc(bytes, kBlocks, resident) <= resident &&
+                zc(bytes, kBlocks, resident) <= SendRecvEngine::most_message_slices(kPages, kBlocks, resident),
+            "a zero-copy message: between 1 and the resident blocks, within most_message_slices (a send's "
+            "staged fallback on these slices writes every header a receiver slice reads)");
+}
+
 }  // namespace
 
 int main() {
@@ -81,6 +101,7 @@ int main() {
   test_a_narrow_count();
   test_settings_bound_each_other();
   test_the_grid_and_the_pages_bound_it();
+  test_zero_copy_slices();
   std::printf("test_message_slices: %d passed, %d failed\n", pydatacopy_test::passed, pydatacopy_test::failed);
   return pydatacopy_test::failed != 0;
 }

@@ -43,6 +43,11 @@ int SendRecvEngine::message_slices(std::size_t bytes, std::size_t chunk_bytes, i
   return static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(wanted, limit)));
 }
 
+int SendRecvEngine::zero_copy_slices(std::size_t bytes, std::size_t chunk_bytes, int pages, int blocks,
+                                     int resident_blocks) {
+  return std::min(message_slices(bytes, chunk_bytes, pages, blocks, blocks, resident_blocks), std::max(1, resident_blocks));
+}
+
 int SendRecvEngine::most_message_slices(int pages, int blocks, int resident_blocks) {
   // A block owns >= 1 page, and drives at most kMaxSlicesPerBlock slices of an op: more slices
   // than that times the resident blocks would need a grid larger than what can be resident.
@@ -76,10 +81,10 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.messages = messages_ + channel;
   a.zc_index = -1;
   a.activity = activity_word();
-  // Slices of a zero-copy message: from its size and the agreed grid cap alone (the batch may
+  // Slices of a zero-copy message: from its size and the agreed numbers alone (the batch may
   // raise active_blocks), so both sides count the same; at most one per resident block, so that
-  // a block streams one contiguous part instead of visiting two in turn.
-  a.zc_slices = std::min(a.active_blocks, std::max(1, resident_blocks_));
+  // a block streams one contiguous part instead of visiting two in turn; not narrowed.
+  a.zc_slices = zero_copy_slices(bytes, chunk_bytes_, pages(), blocks_, resident_blocks_);
   a.zc_counters = reinterpret_cast<unsigned long long*>(zc_counts_) +
                   static_cast<std::size_t>(peer) * kernels::kZeroCopyCounters;  // this peer's
   const bool load_store = load_store_peer(peer);
@@ -106,6 +111,11 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
       a.peer_activity = static_cast<const unsigned int*>(peer_address(activity_word(), peer));
       a.zc_fallback = a.await_descriptor && a.peer_activity != nullptr && fits_staging(bytes);
+      // Every zero-copy slice needs its block. If the send moves staged after all (its receiver's
+      // descriptor says so, or the bounded wait ran out), its staged slices then differ from the
+      // receiver's count, which the staging allows (each page's header names its message:
+      // ChunkStreamArgs::header_pages; a group raises one side's count the same way).
+      if (a.await_descriptor) a.active_blocks = std::max(a.active_blocks, a.zc_slices);
     }
     if (a.low_latency) {
       a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
