@@ -348,11 +348,13 @@ class SendRecvEngine {
   };
   std::vector<PeerStats> stats();
   // Test hook (the timeline's probe, issue 35): while on, every send/recv launch of this process
-  // records %globaltimer at its phases (kernels/api.cuh: entry, grid wait, prologue, op 0's
-  // rendezvous, op 0 done, loop left, counters, end); turning it on empties the ring. phase_stamps(): the last 1024 launches,
-  // oldest first, each {8 stamps in ns (0: not reached), op 0's mode, op 0 is a send}.
+  // records %globaltimer at its phases (kernels/api.cuh, phase_stamp_names()); turning it on
+  // empties the ring. phase_stamps(): the last 1024 launches, oldest first, each {the stamps in ns
+  // (0: not reached), op 0's mode, op 0 is a send}.
   static void set_phase_stamps(bool on);
   static std::vector<std::vector<uint64_t>> phase_stamps();
+  // The names of a record's stamps, in order (kernels::kPhaseStampNames).
+  static std::vector<std::string> phase_stamp_names();
 
  private:
   // agree_zero_copy_min_bytes with this PE's reading of the variable: `unreadable` (the

@@ -145,8 +145,10 @@ void bind_send_recv(py::module_& m) {
       .def_static("set_phase_stamps", &SendRecvEngine::set_phase_stamps, py::arg("on"), release_gil(),
                   "test hook: every send/recv launch records its phases' %globaltimer (on: empties the ring)")
       .def_static("phase_stamps", &SendRecvEngine::phase_stamps, release_gil(),
-                  "test hook: the last 1024 launches' [entry, grid wait, prologue, rendezvous, op done, loop "
-                  "left, counters, end] in ns (0: not reached), then op 0's mode and whether it is a send")
+                  "test hook: the last 1024 launches' stamps in ns (phase_stamp_names(); 0: not reached), then "
+                  "op 0's mode and whether it is a send")
+      .def_static("phase_stamp_names", &SendRecvEngine::phase_stamp_names,
+                  "the names of a phase_stamps() record's stamps, in order")
       .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
       .def("set_zero_copy_wait_seconds", &SendRecvEngine::set_zero_copy_wait_seconds, py::arg("seconds"),
            "test hook: how long an eager recv waits once for its mapping (PYDATACOPY_ZERO_COPY_PROGRESS)")

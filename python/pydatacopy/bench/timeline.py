@@ -68,12 +68,12 @@ def summarize(spans: list[tuple[float, float]]) -> dict:
 
 #: The send/recv kernel's phase stamps, in the order the engine's test hook gives them
 #: (SendRecvEngine.phase_stamps, kernels/api.cuh), then the spans reported between them.
-PHASES = ("entered", "grid_waited", "prologue_done", "rendezvous", "op_done", "loop_left",
-          "counters_done", "ended")
+PHASES = tuple(pydatacopy._C.SendRecvEngine.phase_stamp_names())
 #: (name, from, to): a span is reported where both of its stamps were reached. `rendezvous` is 0
 #: where the op had none (a low-latency or staged message below the zero-copy cut).
 SPANS = (("grid_wait", "entered", "grid_waited"), ("prologue", "grid_waited", "prologue_done"),
          ("to_rendezvous", "prologue_done", "rendezvous"), ("rendezvous_to_done", "rendezvous", "op_done"),
+         ("to_copy", "rendezvous", "copy_begun"), ("copy", "copy_begun", "copied"), ("final", "copied", "op_done"),
          ("prologue_to_done", "prologue_done", "op_done"), ("loop_tail", "op_done", "loop_left"),
          ("counters", "loop_left", "counters_done"), ("finish", "counters_done", "ended"),
          ("entered_to_ended", "entered", "ended"))

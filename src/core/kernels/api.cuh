@@ -255,9 +255,14 @@ int chunk_batch_blocks_per_sm();
 // The send/recv kernel's phase stamps (issue 35's probe; a test hook, off unless asked for): while
 // on, thread 0 of block 0 of every send/recv launch reads %globaltimer at each phase and stores the
 // launch's record in a ring on the device. Phases: entry, after the wait for the previous grid,
-// after the prologue, op 0's rendezvous (a recv's descriptor posted, a send's taken; 0: none), op 0
-// finished, the loop left, the counters done, the end (after finish_slice).
-constexpr int kPhaseStamps = 8;
+// after the prologue, op 0's rendezvous (a recv's descriptor posted, a send's taken; 0: none), a
+// zero-copy send's slice 0 begun (zero_copy_begin) and copied (before its final fence; 0: not a
+// zero-copy send), op 0 finished, the loop left, the counters done, the end (after finish_slice).
+constexpr int kPhaseStamps = 10;
+// Their names, in the record's order (the timeline's columns: SendRecvEngine::phase_stamp_names).
+constexpr const char* kPhaseStampNames[kPhaseStamps] = {
+    "entered", "grid_waited", "prologue_done", "rendezvous", "copy_begun",
+    "copied",  "op_done",     "loop_left",     "counters_done", "ended"};
 constexpr int kPhaseStampRing = 1024;
 struct PhaseStampRecord {
   uint64_t at[kPhaseStamps];

@@ -457,6 +457,10 @@ bool SendRecvEngine::serve_zero_copy_progress() {
 
 void SendRecvEngine::set_phase_stamps(bool on) { kernels::set_phase_stamps(on); }
 
+std::vector<std::string> SendRecvEngine::phase_stamp_names() {
+  return std::vector<std::string>(kernels::kPhaseStampNames, kernels::kPhaseStampNames + kernels::kPhaseStamps);
+}
+
 std::vector<std::vector<uint64_t>> SendRecvEngine::phase_stamps() {
   std::vector<std::vector<uint64_t>> rows;
   for (const kernels::PhaseStampRecord& record : kernels::read_phase_stamps()) {

@@ -310,7 +310,8 @@ __device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& fir
 __device__ int g_phase_stamps_on;
 __device__ unsigned long long g_phase_stamp_count;
 __device__ PhaseStampRecord g_phase_stamps[kPhaseStampRing];
-enum Phase { kEntered, kGridWaited, kPrologueDone, kRendezvous, kOpDone, kLoopLeft, kCountersDone, kEnded };
+enum Phase { kEntered, kGridWaited, kPrologueDone, kRendezvous, kCopyBegun, kCopied, kOpDone, kLoopLeft, kCountersDone, kEnded };
+static_assert(kEnded + 1 == kPhaseStamps, "api.cuh's kPhaseStampNames names every phase");
 // Thread 0 of the stamping block: the launch's record into the ring.
 __device__ __forceinline__ void record_phase_stamps(const uint64_t* stamp, int mode, bool is_send) {
   PhaseStampRecord& record = g_phase_stamps[atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing];
@@ -575,6 +576,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             if (slice < a.zc_slices && chunk == 0) {
               __shared__ int begun;
               if (threadIdx.x == 0) begun = zero_copy_begin(a, slice, message[i]);
+              if (stamping && i == 0 && j == 0 && begun) stamp[kCopyBegun] = detail::globaltimer_ns();
               __syncthreads();
               if (!begun) {
                 if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
@@ -583,7 +585,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               }
             }
             const int64_t done_to =
-                slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i]) : chunks[i];
+                slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i],
+                                                       stamping && i == 0 && j == 0 ? &stamp[kCopied] : nullptr)
+                                    : chunks[i];
             if (threadIdx.x == 0) {
               next[i][j] = done_to;
               moved(a, since[i]);

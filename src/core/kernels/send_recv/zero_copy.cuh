@@ -211,9 +211,11 @@ __device__ __forceinline__ int read_verdict(const ChunkStreamArgs& a, uint64_t m
 // final word means done). A visit is long enough that the block's bookkeeping between visits costs
 // little, short enough that the block soon polls its other ops again. Progress words need no fence
 // (they only feed the watchdog); the last one follows a system fence: the writes land first.
+// `copied_at` (thread 0 of block 0 with the phase stamps on, else null): the time the slice's last
+// visit finished its copy, before that fence.
 constexpr int64_t kVisitBytes = 2 << 20;
 __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, int slice, int64_t i,
-                                                    uint64_t message, uint8_t* target) {
+                                                    uint64_t message, uint8_t* target, uint64_t* copied_at) {
   const int64_t units = chunk_count(a);
   const int64_t per = (((a.bytes + a.zc_slices - 1) / a.zc_slices) + 255) / 256 * 256;
   const int64_t begin = min(a.bytes, slice * per), end = min(a.bytes, begin + per);
@@ -224,6 +226,7 @@ __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, in
   __syncthreads();
   if (threadIdx.x == 0) {
     if (next >= units) {
+      if (copied_at != nullptr) *copied_at = detail::globaltimer_ns();
       __threadfence_system();  // cumulative: the block's stores, seen through the barrier
       store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
     } else {
