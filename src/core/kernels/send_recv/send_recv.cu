@@ -423,6 +423,40 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   for (bool all_done = false; !all_done;) {
     all_done = true;
     if (stamping && stamp[kOpDone] == 0 && next[0][0] >= chunks[0]) stamp[kOpDone] = detail::globaltimer_ns();
+    // Block 0 posts every recv descriptor whose turn has come before this round's visits, as a
+    // visit to the recv's slice 0 would (below), so that a recv late in a batch is not posted only
+    // after the visits of the ops before it (a zero-copy send's visit moves up to kVisitBytes a
+    // slice): its sender would wait that long, and one that fits the staging could give its
+    // descriptor wait up (a review's finding, 2026-12-07). Every thread reads the same posted[]
+    // and next[][] here (each change by thread 0 is followed by a barrier).
+    if (block == 0) {
+      // Due: not posted, its first slice not done, and its turn on the channel (every earlier
+      // op's first slice done).
+      const auto due = [&](int i) {
+        if (posted[i] || next[i][0] >= chunks[i]) return false;
+        for (int e = 0; e < i; ++e)
+          if (batch.ops[e].sequence == batch.ops[i].sequence && next[e][0] < chunks[e]) return false;
+        return true;
+      };
+      bool any_due = false;
+      for (int i = 0; i < batch.count; ++i) any_due = any_due || due(i);
+      if (any_due) {
+        __syncthreads();  // every thread has read posted[] before thread 0 changes it
+        if (threadIdx.x == 0) {
+          for (int i = 0; i < batch.count; ++i) {
+            const ChunkStreamArgs& a = batch.ops[i];
+            // A failed channel gives the op up at its visit; nothing is posted for it.
+            if (!due(i) || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) continue;
+            post_descriptor(a, message[i], first[i]);
+            if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
+              mode[i] = zero_copy_detail::kModeStaged;
+            posted[i] = true;
+            if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
+          }
+        }
+        __syncthreads();
+      }
+    }
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
       const bool send = batch.is_send[i];
