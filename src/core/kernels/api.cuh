@@ -183,7 +183,11 @@ struct ChunkStreamArgs {
   uint64_t* remote_refused_bytes;  // recv: beside it, the sender's message bytes + 1 as its header said
   uint64_t* peer_refused_bytes;    // recv: the same through nvshmem_ptr, or null for NVSHMEM RMA
   bool is_send;              // the direction: which mismatch record a refusal goes to
-  int active_blocks;         // slices moving this message (<= pages), from its size
+  int active_blocks;         // slices of this op in the launch (<= pages), from its size
+  // The slices among which a staged message's pages are dealt (send_recv.cu): active_blocks, except
+  // for a send that awaits a zero-copy descriptor, whose active_blocks is raised to zc_slices
+  // (SendRecvEngine::zero_copy_slices) while its staged pages stay on the narrower count.
+  int page_slices;
   // send: the header of every page below this that a chunk fills goes out with the page (not only
   // page `slice`'s): the most slices any message can have (SendRecvEngine::most_message_slices),
   // so a receiver slice finds the header of its own first page however the batches on either side

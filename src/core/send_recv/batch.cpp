@@ -73,6 +73,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
   a.broken = broken(send, peer);
   a.is_send = send;
   a.active_blocks = active_blocks(bytes);
+  a.page_slices = a.active_blocks;
   a.header_pages = most_message_slices(pages(), blocks_, resident_blocks_);
   a.my_pe = me;
   a.peer = peer;
@@ -111,10 +112,10 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.await_descriptor = a.peer_zc_done != nullptr && a.peer_recv_broken != nullptr;
       a.peer_activity = static_cast<const unsigned int*>(peer_address(activity_word(), peer));
       a.zc_fallback = a.await_descriptor && a.peer_activity != nullptr && fits_staging(bytes);
-      // Every zero-copy slice needs its block. If the send moves staged after all (its receiver's
-      // descriptor says so, or the bounded wait ran out), its staged slices then differ from the
-      // receiver's count, which the staging allows (each page's header names its message:
-      // ChunkStreamArgs::header_pages; a group raises one side's count the same way).
+      // Every zero-copy part needs its slice. If the send moves staged after all (its receiver's
+      // descriptor says so: a buffer not mapped yet, memory CUDA IPC cannot export; or the bounded
+      // wait ran out), its pages stay on page_slices, the narrow count the receiver uses too, and
+      // the slices past it end at once.
       if (a.await_descriptor) a.active_blocks = std::max(a.active_blocks, a.zc_slices);
     }
     if (a.low_latency) {
@@ -249,22 +250,25 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       // set above from the size, still counts the sender's slices. One that fits the staging keeps
       // its staged slices: its sender may give the descriptor wait up and move it staged
       // (zero_copy.cuh, fall_back_to_staged), and then every slice has pages to drain.
-      if (a.zero_copy && !a.zc_fallback) a.active_blocks = 1;
+      if (a.zero_copy && !a.zc_fallback) a.active_blocks = a.page_slices = 1;
     }
     // A low-latency message moves on one block (its slice 0) and takes no staging chunk.
-    if (a.low_latency) a.active_blocks = 1;
+    if (a.low_latency) a.active_blocks = a.page_slices = 1;
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }
   // Several ops of the batch on one channel (direction and peer) follow each other in the
   // channel's sequence: each learns its offset, and all learn the channel's totals. They share
-  // one block count (the largest), so that a page of the channel has one owner in the launch:
-  // the slice that sends (receives) a message's page also drained (filled) it for the last one.
+  // one block count and one page count (the largest of each), so that a page of the channel has
+  // one owner in the launch: the slice that sends (receives) a message's page also drained
+  // (filled) it for the last one.
   for (int i = 0; i < launch.count; ++i) {
     kernels::ChunkStreamArgs& op = launch.ops[i];
     for (int j = 0; j < launch.count; ++j)
-      if (launch.ops[j].sequence == op.sequence)
+      if (launch.ops[j].sequence == op.sequence) {
         op.active_blocks = std::max(op.active_blocks, launch.ops[j].active_blocks);
+        op.page_slices = std::max(op.page_slices, launch.ops[j].page_slices);
+      }
   }
   for (int i = 0; i < launch.count; ++i) {
     kernels::ChunkStreamArgs& op = launch.ops[i];

@@ -26,9 +26,11 @@ constexpr uint64_t kDescriptorSpinNs = 4000;  // a visit's bounded spin: a send 
 // slices never wait for blocks that start only when others end.
 
 // A staging slot is cut into fixed pages, each with its own arrival and credit signal, the same
-// for every message; a message moving on `active_blocks` slices gives slice s the pages s,
-// s + active, s + 2 * active, ... of every slot, and every op of a batch on one channel uses the
-// same count. Block b of the launch drives slices b, b + grid, ... of every op of the batch
+// for every message; a message moving on `page_slices` slices gives slice s the pages s,
+// s + page_slices, s + 2 * page_slices, ... of every slot, and every op of a batch on one channel
+// uses the same count. (A send that awaits a zero-copy descriptor launches more slices than that,
+// `active_blocks`, one per part of a zero-copy message; if it moves staged after all, its slices
+// from page_slices on have no pages and end at once.) Block b of the launch drives slices b, b + grid, ... of every op of the batch
 // (sends and recvs alike) with a loop that never blocks on one op: it moves whichever slice's
 // next chunk is ready. Slice s needs only slice s of the peer's launch, and the grid is no
 // larger than what can be resident, so no slice waits for another block to end: a dead peer's
@@ -66,8 +68,8 @@ __device__ __forceinline__ bool report_timeout(const ChunkStreamArgs& a, bool se
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
   const int pages = data_pages(a, i);
   int short_page = 0;
-  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; !short_page && p < pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.page_slices; !short_page && p < pages;
+       p += static_cast<int>(blockDim.x) * a.page_slices) {
     const uint64_t* signal = (send ? a.credits : a.arrivals) + signals + p;
     const uint64_t expected = send ? a.filled[signals + p] : k + 1;
     const uint64_t seen = detail::load_acquire_sys(signal);
@@ -124,7 +126,7 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   // one header, as before.
   if (threadIdx.x == 0) {
     const int headed = max(slice + 1, min(pages, a.header_pages));  // page `slice`'s header always
-    for (int p = slice; p < headed; p += a.active_blocks) {
+    for (int p = slice; p < headed; p += a.page_slices) {
       if (a.peer_staging != nullptr) {
         a.peer_headers[signals + p] = header;
       } else {
@@ -136,7 +138,7 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   }
   __syncthreads();
   bool fenced = false;
-  for (int p = slice; p < pages; p += a.active_blocks) {
+  for (int p = slice; p < pages; p += a.page_slices) {
     const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
     if (a.peer_staging != nullptr) {
       if (n > 0) copy_bytes(a.peer_staging + to + offset, from + offset, n, threadIdx.x, blockDim.x);
@@ -152,8 +154,8 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
     }
   }
   __syncthreads();
-  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; p < pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.page_slices; p < pages;
+       p += static_cast<int>(blockDim.x) * a.page_slices) {
     a.filled[signals + p] = k + 1;  // the credit that frees this page again
     if (a.peer_staging != nullptr) {
       if (!fenced) __threadfence_system();  // cumulative: covers the block's stores seen through the barrier
@@ -211,8 +213,8 @@ __device__ __forceinline__ bool slice_ready(const ChunkStreamArgs& a, bool send,
   const int64_t signals = static_cast<int64_t>(k % a.num_slots) * a.pages;
   const int pages = data_pages(a, i);
   int ok = 1;
-  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; ok && p < pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.page_slices; ok && p < pages;
+       p += static_cast<int>(blockDim.x) * a.page_slices) {
     if (send)
       ok = detail::load_acquire_sys(a.credits + signals + p) >= a.filled[signals + p];
     else
@@ -230,7 +232,7 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   const int64_t length = chunk_length(a, i);
   const int pages = data_pages(a, i);
   if (slice >= pages) return;  // no page of this chunk: nothing to check or copy
-  for (int p = slice; p < pages; p += a.active_blocks) {
+  for (int p = slice; p < pages; p += a.page_slices) {
     const int64_t offset = p * a.page_bytes, n = min(a.page_bytes, length - offset);
     if (n > 0)  // an empty message's page carries only its header
       copy_bytes(a.dst + i * a.chunk_bytes + offset, a.staging + slot * a.chunk_bytes + offset, n,
@@ -239,8 +241,8 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   __syncthreads();
   // Our reads of the slot are done: the sender may overwrite the pages.
   bool fenced = false;
-  for (int p = slice + static_cast<int>(threadIdx.x) * a.active_blocks; p < pages;
-       p += static_cast<int>(blockDim.x) * a.active_blocks) {
+  for (int p = slice + static_cast<int>(threadIdx.x) * a.page_slices; p < pages;
+       p += static_cast<int>(blockDim.x) * a.page_slices) {
     if (a.peer_credits != nullptr) {
       if (!fenced) __threadfence_system();
       fenced = true;
@@ -662,6 +664,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             next[i][j] = chunks[i];
             if (seen == kZeroCopyGaveUp) gave_up[i] = true;
           }
+          __syncthreads();
+          continue;
+        }
+        // Staged: a slice past the message's page slices (a send raised for zero-copy parts that
+        // moved staged after all) owns no page.
+        if (slice >= a.page_slices) {
+          if (threadIdx.x == 0) next[i][j] = chunks[i];
           __syncthreads();
           continue;
         }
