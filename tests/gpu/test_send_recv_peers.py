@@ -335,6 +335,41 @@ def test_a_group_that_raises_a_narrow_messages_slices_on_one_side(world, peer, f
         pydatacopy.check_errors()
 
 
+def test_a_send_raised_for_zero_copy_parts_keeps_its_staged_pages(world, peer, fresh_channels, monkeypatch):
+    # A send at or above the zero-copy threshold launches one slice per zero-copy part
+    # (SendRecvEngine::zero_copy_slices, not narrowed: 66 on one H100 at 50%), while its staged
+    # pages stay on the narrow count (ChunkStreamArgs::page_slices), as its receiver's do; if it
+    # moves staged (its receiver posts staged: a new buffer, memory CUDA IPC cannot export; or the
+    # bounded wait runs out), its slices past that count end at once. Here such sends share their
+    # channel with narrow staged ones in one group (the channel takes the largest of each count),
+    # into buffers new in the first round (staged, or zero-copy where the allocator reuses mapped
+    # memory) and reused in the next (zero-copy): a slice past the page count that took a page
+    # (two owners) or never ended would show here as wrong bytes or a timeout. Written with
+    # page_slices (2026-12-07, after a review), so it has not been seen failing.
+    rank = world[0]
+    monkeypatch.setenv("PYDATACOPY_NARROW_SEND_BLOCKS", str(NARROW))
+    monkeypatch.delenv("PYDATACOPY_ZERO_COPY_MIN_BYTES", raising=False)
+    pydatacopy.setup_send_recv()
+    engine = _send_recv._require_engine("zero_copy_counters")
+    threshold = _C.DEFAULT_ZERO_COPY_MIN_BYTES
+    assert engine.slices_for(threshold) == NARROW
+    sizes = [threshold + 5, 4 * MiB + 3, 2 * threshold - 7, 256 * KiB + 1]
+    received = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for nbytes in sizes]
+    for round_ in range(4):
+        tag = 200 + 10 * round_
+        sources = [_bytes(rank, tag + n, nbytes) for n, nbytes in enumerate(sizes)]
+        for buffer in received:
+            buffer.zero_()
+        with pydatacopy.group():
+            for source, buffer in zip(sources, received):
+                pydatacopy.send(source, peer)
+                pydatacopy.recv(buffer, peer)
+        for n, buffer in enumerate(received):
+            _assert_bytes(buffer, _bytes(peer, tag + n, buffer.numel()), f"round {round_}, message {n}")
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+
+
 @pytest.mark.parametrize("value", ["16", "lots"])
 def test_a_narrow_count_one_pe_differs_on_is_refused_on_every_pe(world, peer, fresh_channels, monkeypatch, value):
     # Both sides of a message must cut it alike: a PE with another count (or one it cannot read)
