@@ -422,16 +422,6 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (e != op && next[e][j] < chunks[e]) return uint64_t{0};
     return kDescriptorSpinNs;
   };
-  // Thread 0: recv op i's descriptor goes out; a zero-copy post that its sender may have given up
-  // on takes the verdict, for every slice (zero_copy.cuh, post_verdict).
-  const auto post_recv = [&](int i) {
-    const ChunkStreamArgs& a = batch.ops[i];
-    post_descriptor(a, message[i], first[i]);
-    if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
-      mode[i] = zero_copy_detail::kModeStaged;
-    posted[i] = true;
-    if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
-  };
   for (bool all_done = false; !all_done;) {
     all_done = true;
     if (stamping && stamp[kOpDone] == 0 && next[0][0] >= chunks[0]) stamp[kOpDone] = detail::globaltimer_ns();
@@ -459,7 +449,11 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             const ChunkStreamArgs& a = batch.ops[i];
             // A failed channel gives the op up at its visit; nothing is posted for it.
             if (!due(i) || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) continue;
-            post_recv(i);
+            post_descriptor(a, message[i], first[i]);
+            if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
+              mode[i] = zero_copy_detail::kModeStaged;
+            posted[i] = true;
+            if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
           }
         }
         __syncthreads();
@@ -501,7 +495,14 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // earlier op's first slice done, none refused), so that a descriptor is never posted
         // for an op that the receiver then gives up on while the sender writes.
         if (post_now) {
-          if (threadIdx.x == 0) post_recv(i);
+          if (threadIdx.x == 0) {
+            post_descriptor(a, message[i], first[i]);
+            // A zero-copy post that its sender may have given up on: the verdict, for every slice.
+            if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
+              mode[i] = zero_copy_detail::kModeStaged;
+            posted[i] = true;
+            if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
+          }
           __syncthreads();
         }
         // A send above the threshold first takes the receiver's descriptor (same size, and the
