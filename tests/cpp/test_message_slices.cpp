@@ -79,7 +79,8 @@ void test_zero_copy_slices() {
   const auto zc = [](std::size_t bytes, int blocks = kBlocks, int resident = 66) {
     return SendRecvEngine::zero_copy_slices(bytes, kChunk, kPages, blocks, resident);
   };
-  check(zc(4 * MiB) == 66 && zc(16 * MiB) == 66 && zc(kCut - 1) == 66, "4 MiB to the cut: one slice per resident block");
+  check(zc(4 * MiB) == 66 && zc(16 * MiB) == 66 && zc(kCut - 1) == 66,
+        "4 MiB to the cut: one slice per resident block");
   check(zc(256 * MiB) == 66, "above the cut: one slice per resident block");
   check(zc(1 * MiB) == 32, "1 MiB: its 32 slices of 32 KiB, as staged");
   check(zc(4 * KiB) == 1, "4 KiB: one slice");

@@ -45,7 +45,8 @@ int SendRecvEngine::message_slices(std::size_t bytes, std::size_t chunk_bytes, i
 
 int SendRecvEngine::zero_copy_slices(std::size_t bytes, std::size_t chunk_bytes, int pages, int blocks,
                                      int resident_blocks) {
-  return std::min(message_slices(bytes, chunk_bytes, pages, blocks, blocks, resident_blocks), std::max(1, resident_blocks));
+  return std::min(message_slices(bytes, chunk_bytes, pages, blocks, blocks, resident_blocks),
+                  std::max(1, resident_blocks));
 }
 
 int SendRecvEngine::most_message_slices(int pages, int blocks, int resident_blocks) {

@@ -30,11 +30,11 @@ constexpr uint64_t kDescriptorSpinNs = 4000;  // a visit's bounded spin: a send 
 // s + page_slices, s + 2 * page_slices, ... of every slot, and every op of a batch on one channel
 // uses the same count. (A send that awaits a zero-copy descriptor launches more slices than that,
 // `active_blocks`, one per part of a zero-copy message; if it moves staged after all, its slices
-// from page_slices on have no pages and end at once.) Block b of the launch drives slices b, b + grid, ... of every op of the batch
-// (sends and recvs alike) with a loop that never blocks on one op: it moves whichever slice's
-// next chunk is ready. Slice s needs only slice s of the peer's launch, and the grid is no
-// larger than what can be resident, so no slice waits for another block to end: a dead peer's
-// op holds no live op back.
+// from page_slices on have no pages and end at once.) Block b of the launch drives slices b,
+// b + grid, ... of every op of the batch (sends and recvs alike) with a loop that never blocks on
+// one op: it moves whichever slice's next chunk is ready. Slice s needs only slice s of the peer's
+// launch, and the grid is no larger than what can be resident, so no slice waits for another
+// block to end: a dead peer's op holds no live op back.
 //
 // Only the pages a chunk fills are signalled (send_recv.hpp): the receiver waits for the
 // arrival (sequence + 1) of the pages its chunk fills; the sender remembers in `filled` which
@@ -312,7 +312,9 @@ __device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& fir
 __device__ int g_phase_stamps_on;
 __device__ unsigned long long g_phase_stamp_count;
 __device__ PhaseStampRecord g_phase_stamps[kPhaseStampRing];
-enum Phase { kEntered, kGridWaited, kPrologueDone, kRendezvous, kCopyBegun, kCopied, kOpDone, kLoopLeft, kCountersDone, kEnded };
+enum Phase {
+  kEntered, kGridWaited, kPrologueDone, kRendezvous, kCopyBegun, kCopied, kOpDone, kLoopLeft, kCountersDone, kEnded
+};
 static_assert(kEnded + 1 == kPhaseStamps, "api.cuh's kPhaseStampNames names every phase");
 // Thread 0 of the stamping block: the launch's record into the ring.
 __device__ __forceinline__ void record_phase_stamps(const uint64_t* stamp, int mode, bool is_send) {
