@@ -115,8 +115,9 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.zc_fallback = a.await_descriptor && a.peer_activity != nullptr && fits_staging(bytes);
       // Every zero-copy part needs its slice. If the send moves staged after all (its receiver's
       // descriptor says so: a buffer not mapped yet, memory CUDA IPC cannot export; or the bounded
-      // wait ran out), its pages stay on page_slices, the narrow count the receiver uses too, and
-      // the slices past it end at once.
+      // wait ran out), its pages stay on page_slices (the staged count; the receiver's may differ,
+      // as either side's batch may raise it, which the staging allows), and the slices past it end
+      // at once.
       if (a.await_descriptor) a.active_blocks = std::max(a.active_blocks, a.zc_slices);
     }
     if (a.low_latency) {
