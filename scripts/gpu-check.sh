@@ -385,6 +385,11 @@ fi
 if [[ " ${ONLY:-} " == *" timeline "* ]]; then
   step timeline timeout 240 torchrun --nproc_per_node=2 -m pydatacopy.bench.timeline \
     --sizes "${TIMELINE_SIZES:-4K,1M,4M,16M}" --json "$OUT/timeline.json"
+  # BEFORE=DIR: the earlier tree's timeline right after, same sizes (its own stamps and columns).
+  if before_site before; then
+    step timeline-before env PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" timeout 240 torchrun --nproc_per_node=2 \
+      -m pydatacopy.bench.timeline --sizes "${TIMELINE_SIZES:-4K,1M,4M,16M}" --json "$OUT/timeline-before.json"
+  fi
 fi
 # MoE dispatch/combine with N_PES PEs (4: the target shape; N_PES=8 for eight).
 if has "$STEPS" bench-moe; then
@@ -440,6 +445,7 @@ grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$OUT"/sanitizer-*.log 2>/dev/null | 
 [ -s "$OUT/bench.log" ] && sed -n '/^op /,$p' "$OUT/bench.log"
 [ -s "$OUT/bench-moe.log" ] && sed -n '/^op /,$p' "$OUT/bench-moe.log"
 [ -s "$OUT/timeline.log" ] && sed -n '/^path /,$p' "$OUT/timeline.log"
+[ -s "$OUT/timeline-before.log" ] && { echo "--- timeline-before (BEFORE=${BEFORE:-})"; sed -n '/^path /,$p' "$OUT/timeline-before.log"; }
 for compare in bench-compare bench-moe-compare; do
   [ -s "$OUT/$compare.md" ] && { echo "--- $compare (BEFORE=${BEFORE:-} BEFORE_MOE=$BEFORE_MOE)"; cat "$OUT/$compare.md"; }
 done

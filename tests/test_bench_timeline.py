@@ -61,3 +61,22 @@ def test_modes_count_each_launch_by_the_path_op_0_took():
 def test_no_launch_gives_no_span():
     out = phase_summary([])
     assert out["launches"] == 0 and out["grid_wait"] is None and out["ended_to_next_entered"] is None
+
+
+def test_handoff_steps_pair_the_ranks_launches_and_skip_messages_without_parts():
+    from pydatacopy.bench.timeline import HANDOFF_STEPS, handoff_summary
+
+    # Two zero-copy messages 30 us apart, then a staged one (no parts stamped): not counted.
+    sender = [_record(rendezvous=1 + 30 * k, copied=9 + 30 * k, parts_last_final=12 + 30 * k) for k in range(2)]
+    sender.append(_record(rendezvous=61))
+    receiver = [_record(posted=0.5 + 30 * k, op_done=16 + 30 * k) for k in range(3)]
+    out = handoff_summary(sender, receiver)
+    assert set(out) == set(HANDOFF_STEPS) | {"messages"}
+    assert out["messages"] == 2
+    assert out["post_to_take"] == 0.5 and out["take_to_block0_copied"] == 8.0
+    assert out["block0_copied_to_last_final"] == 3.0 and out["last_final_to_seen"] == 4.0
+    assert out["seen_to_next_post"] == 14.5 and out["post_period"] == 30.0
+    # Fewer receiver launches than sender ones: the pairs that exist; no message at all: None.
+    assert handoff_summary(sender, receiver[:1])["messages"] == 1
+    empty = handoff_summary([], [])
+    assert empty["messages"] == 0 and empty["post_to_take"] is None

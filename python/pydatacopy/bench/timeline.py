@@ -76,7 +76,11 @@ SPANS = (("grid_wait", "entered", "grid_waited"), ("prologue", "grid_waited", "p
          ("to_copy", "rendezvous", "copy_begun"), ("copy", "copy_begun", "copied"), ("final", "copied", "op_done"),
          ("prologue_to_done", "prologue_done", "op_done"), ("loop_tail", "op_done", "loop_left"),
          ("counters", "loop_left", "counters_done"), ("finish", "counters_done", "ended"),
-         ("entered_to_ended", "entered", "ended"))
+         ("entered_to_ended", "entered", "ended"),
+         # A recv's descriptor stored, then its verdict; a zero-copy send's parts on every block: the
+         # last part begun after block 0's, the last final store after block 0's copy.
+         ("to_post", "prologue_done", "posted"), ("verdict", "posted", "rendezvous"),
+         ("parts_begun_spread", "copy_begun", "parts_last_begun"), ("parts_final_after_block0", "copied", "parts_last_final"))
 
 
 #: The record's mode field (kernels/api.cuh PhaseStampRecord): the path op 0 took.
@@ -102,6 +106,40 @@ def phase_summary(records: list[list[int]]) -> dict:
     # only where every launch took it.
     out["modes"] = {name: sum(1 for record in records if len(record) > len(PHASES) and record[len(PHASES)] == code)
                     for code, name in MODES.items()}
+    return out
+
+
+#: The steps of one zero-copy message across the two ranks (their stamps share the GPU's clock),
+#: in order: the receiver's descriptor stored -> taken by the sender's block 0 -> block 0's part
+#: copied -> the sender's last part final -> the receiver has seen every part -> its next
+#: descriptor stored; and the period between two stores.
+HANDOFF_STEPS = ("post_to_take", "take_to_block0_copied", "block0_copied_to_last_final", "last_final_to_seen",
+                 "seen_to_next_post", "post_period")
+
+
+def handoff_summary(sender_records: list[list[int]], receiver_records: list[list[int]]) -> dict:
+    """Median microseconds of each step of HANDOFF_STEPS over messages one way (launch k of the
+    sender and of the receiver move message k; both ranks' records as _profile gives them), and the
+    median period from one receiver post to the next. Only messages whose sender stamped its
+    parts (zero-copy) count; a step with no message gives None."""
+    send = [dict(zip(PHASES, record[:len(PHASES)])) for record in sender_records]
+    recv = [dict(zip(PHASES, record[:len(PHASES)])) for record in receiver_records]
+    n = min(len(send), len(recv))
+    moved = [k for k in range(n) if send[k]["parts_last_final"]]
+    stamp = {  # each step's (from, to) for message k, or None where a stamp is missing
+        "post_to_take": lambda k: (recv[k]["posted"], send[k]["rendezvous"]),
+        "take_to_block0_copied": lambda k: (send[k]["rendezvous"], send[k]["copied"]),
+        "block0_copied_to_last_final": lambda k: (send[k]["copied"], send[k]["parts_last_final"]),
+        "last_final_to_seen": lambda k: (send[k]["parts_last_final"], recv[k]["op_done"]),
+        "seen_to_next_post": lambda k: (recv[k]["op_done"], recv[k + 1]["posted"]) if k + 1 < n else (0, 0),
+        "post_period": lambda k: (recv[k]["posted"], recv[k + 1]["posted"]) if k + 1 < n else (0, 0),
+    }
+    assert tuple(stamp) == HANDOFF_STEPS
+    out = {}
+    for name, span in stamp.items():
+        values = [(end - begin) / 1e3 for begin, end in map(span, moved) if begin and end]
+        out[name] = statistics.median(values) if values else None
+    out["messages"] = len(moved)
     return out
 
 
@@ -208,6 +246,25 @@ def main(argv: list[str] | None = None) -> int:
                 modes = ", ".join(f"{count} {name}" for name, count in row["phases"].get("modes", {}).items() if count)
                 print(f"{row['path']:<18} {human(row['bytes']):>6} {row['rank']:>4} "
                       + " ".join(f"{fmt(row['phases'].get(n)):>12}" for n in names) + f"  ({modes})")
+            # Across the ranks (rank 0 sends, rank 1 receives): where a zero-copy message's period goes.
+            handoffs = []
+            for row in every:
+                if row["rank"] != 0 or not row.get("phases", {}).get("records"):
+                    continue
+                peer = next((other for other in every if other["rank"] == 1 and other["path"] == row["path"]
+                             and other["bytes"] == row["bytes"]), None)
+                if peer is None or not peer.get("phases", {}).get("records"):
+                    continue
+                handoff = handoff_summary(row["phases"]["records"], peer["phases"]["records"])
+                if handoff["messages"]:
+                    row["handoff"] = handoff
+                    handoffs.append((row, handoff))
+            if handoffs:
+                print("\nzero-copy messages across the ranks (median us; sender's parts on every block):")
+                print(f"{'path':<18} {'size':>6} " + " ".join(f"{n[:14]:>14}" for n in HANDOFF_STEPS) + "  messages")
+                for row, handoff in handoffs:
+                    print(f"{row['path']:<18} {human(row['bytes']):>6} "
+                          + " ".join(f"{fmt(handoff[n]):>14}" for n in HANDOFF_STEPS) + f"  {handoff['messages']}")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(every, f, indent=1)

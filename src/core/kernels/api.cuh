@@ -259,14 +259,19 @@ int chunk_batch_blocks_per_sm();
 // The send/recv kernel's phase stamps (issue 35's probe; a test hook, off unless asked for): while
 // on, thread 0 of block 0 of every send/recv launch reads %globaltimer at each phase and stores the
 // launch's record in a ring on the device. Phases: entry, after the wait for the previous grid,
-// after the prologue, op 0's rendezvous (a recv's descriptor posted, a send's taken; 0: none), a
-// zero-copy send's slice 0 begun (zero_copy_begin) and copied (before its final fence; 0: not a
-// zero-copy send), op 0 finished, the loop left, the counters done, the end (after finish_slice).
-constexpr int kPhaseStamps = 10;
+// after the prologue, op 0's rendezvous (a recv's descriptor posted, with its verdict where it
+// takes one; a send's taken; 0: none), a zero-copy send's slice 0 begun (zero_copy_begin) and
+// copied (before its final fence; 0: not a zero-copy send), op 0 finished, the loop left, the
+// counters done, the end (after finish_slice); then a recv's descriptor stored (before the
+// verdict), and, from every block of the launch (not only block 0), the latest zero-copy part
+// begun and the latest part's final store (0: no zero-copy part). The record's slot is taken at
+// entry, so a launch's blocks find it; the stamps are meant for one stream's launches in a row.
+constexpr int kPhaseStamps = 13;
 // Their names, in the record's order (the timeline's columns: SendRecvEngine::phase_stamp_names).
 constexpr const char* kPhaseStampNames[kPhaseStamps] = {
     "entered", "grid_waited", "prologue_done", "rendezvous", "copy_begun",
-    "copied",  "op_done",     "loop_left",     "counters_done", "ended"};
+    "copied",  "op_done",     "loop_left",     "counters_done", "ended",
+    "posted",  "parts_last_begun", "parts_last_final"};
 constexpr int kPhaseStampRing = 1024;
 struct PhaseStampRecord {
   uint64_t at[kPhaseStamps];

@@ -312,16 +312,37 @@ __device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& fir
 __device__ int g_phase_stamps_on;
 __device__ unsigned long long g_phase_stamp_count;
 __device__ PhaseStampRecord g_phase_stamps[kPhaseStampRing];
+// The ring slot of the launch that stamps now: taken by its block 0 at entry, read by its other
+// blocks for the stamps they share (the parts').
+__device__ unsigned long long g_phase_stamp_slot;
 enum Phase {
-  kEntered, kGridWaited, kPrologueDone, kRendezvous, kCopyBegun, kCopied, kOpDone, kLoopLeft, kCountersDone, kEnded
+  kEntered, kGridWaited, kPrologueDone, kRendezvous, kCopyBegun, kCopied, kOpDone, kLoopLeft, kCountersDone, kEnded,
+  kPosted, kPartsLastBegun, kPartsLastFinal
 };
-static_assert(kEnded + 1 == kPhaseStamps, "api.cuh's kPhaseStampNames names every phase");
-// Thread 0 of the stamping block: the launch's record into the ring.
+static_assert(kPartsLastFinal + 1 == kPhaseStamps, "api.cuh's kPhaseStampNames names every phase");
+// Block 0's own stamps end at kPosted; the parts' stamps are every block's (shared_phase_stamp).
+constexpr int kBlockZeroStamps = kPosted + 1;
+// Thread 0 of block 0, at entry: the launch's slot in the ring, its shared stamps cleared, then
+// published for the launch's other blocks (which read it only after block 0 resolved a zero-copy
+// descriptor, a release after this).
+__device__ __forceinline__ void take_phase_stamp_slot() {
+  const unsigned long long slot = atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing;
+  for (int p = kBlockZeroStamps; p < kPhaseStamps; ++p) g_phase_stamps[slot].at[p] = 0;
+  *reinterpret_cast<volatile unsigned long long*>(&g_phase_stamp_slot) = slot;
+  __threadfence();
+}
+// Thread 0 of block 0, at the end: the launch's record, but the stamps its other blocks share.
 __device__ __forceinline__ void record_phase_stamps(const uint64_t* stamp, int mode, bool is_send) {
-  PhaseStampRecord& record = g_phase_stamps[atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing];
-  for (int p = 0; p < kPhaseStamps; ++p) record.at[p] = stamp[p];
+  PhaseStampRecord& record = g_phase_stamps[*reinterpret_cast<volatile unsigned long long*>(&g_phase_stamp_slot)];
+  for (int p = 0; p < kBlockZeroStamps; ++p) record.at[p] = stamp[p];
   record.mode = mode;
   record.is_send = is_send ? 1 : 0;
+}
+// Thread 0 of any block: the latest time of phase `p` (kPartsLastBegun, kPartsLastFinal).
+__device__ __forceinline__ void shared_phase_stamp(int p) {
+  const unsigned long long slot = *reinterpret_cast<volatile unsigned long long*>(&g_phase_stamp_slot);
+  atomicMax(reinterpret_cast<unsigned long long*>(&g_phase_stamps[slot].at[p]),
+            static_cast<unsigned long long>(detail::globaltimer_ns()));
 }
 __device__ __forceinline__ bool phase_stamps_on() { return *reinterpret_cast<volatile int*>(&g_phase_stamps_on) != 0; }
 
@@ -339,13 +360,18 @@ template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
   // The probe's stamps, thread 0 of block 0 only (its flag is not the previous grid's output).
   __shared__ uint64_t stamp[kPhaseStamps];
-  const bool stamping = blockIdx.x == 0 && threadIdx.x == 0 && phase_stamps_on();
+  // Every block's thread 0 stamps its zero-copy parts (shared_phase_stamp); block 0's the rest.
+  const bool part_stamping = threadIdx.x == 0 && phase_stamps_on();
+  const bool stamping = blockIdx.x == 0 && part_stamping;
   if (stamping) {
     for (int p = 0; p < kPhaseStamps; ++p) stamp[p] = 0;
     stamp[kEntered] = detail::globaltimer_ns();
   }
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
-  if (stamping) stamp[kGridWaited] = detail::globaltimer_ns();
+  if (stamping) {
+    stamp[kGridWaited] = detail::globaltimer_ns();
+    take_phase_stamp_slot();  // after the previous launch's blocks are gone: none stamps it any more
+  }
   const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // Per op: the channel's sequence number of the message's first chunk (the device counter,
   // advanced by the previous launch on the channel, plus the chunks of earlier ops of this batch
@@ -424,6 +450,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         if (e != op && next[e][j] < chunks[e]) return uint64_t{0};
     return kDescriptorSpinNs;
   };
+  // Thread 0: recv op i's descriptor goes out; a zero-copy post that its sender may have given up
+  // on takes the verdict, for every slice (zero_copy.cuh, post_verdict).
+  const auto post_recv = [&](int i) {
+    const ChunkStreamArgs& a = batch.ops[i];
+    post_descriptor(a, message[i], first[i]);
+    if (stamping && i == 0) stamp[kPosted] = detail::globaltimer_ns();
+    if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
+      mode[i] = zero_copy_detail::kModeStaged;
+    posted[i] = true;
+    if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
+  };
   for (bool all_done = false; !all_done;) {
     all_done = true;
     if (stamping && stamp[kOpDone] == 0 && next[0][0] >= chunks[0]) stamp[kOpDone] = detail::globaltimer_ns();
@@ -451,11 +488,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             const ChunkStreamArgs& a = batch.ops[i];
             // A failed channel gives the op up at its visit; nothing is posted for it.
             if (!due(i) || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) continue;
-            post_descriptor(a, message[i], first[i]);
-            if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
-              mode[i] = zero_copy_detail::kModeStaged;
-            posted[i] = true;
-            if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
+            post_recv(i);
           }
         }
         __syncthreads();
@@ -497,14 +530,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // earlier op's first slice done, none refused), so that a descriptor is never posted
         // for an op that the receiver then gives up on while the sender writes.
         if (post_now) {
-          if (threadIdx.x == 0) {
-            post_descriptor(a, message[i], first[i]);
-            // A zero-copy post that its sender may have given up on: the verdict, for every slice.
-            if (mode[i] == zero_copy_detail::kModeZeroCopy && a.zc_fallback && post_verdict(a, message[i]))
-              mode[i] = zero_copy_detail::kModeStaged;
-            posted[i] = true;
-            if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
-          }
+          if (threadIdx.x == 0) post_recv(i);
           __syncthreads();
         }
         // A send above the threshold first takes the receiver's descriptor (same size, and the
@@ -615,6 +641,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               __shared__ int begun;
               if (threadIdx.x == 0) begun = zero_copy_begin(a, slice, message[i]);
               if (stamping && i == 0 && j == 0 && begun) stamp[kCopyBegun] = detail::globaltimer_ns();
+              if (part_stamping && begun) shared_phase_stamp(kPartsLastBegun);
               __syncthreads();
               if (!begun) {
                 if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
@@ -626,6 +653,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                 slice < a.zc_slices ? zero_copy_chunks(a, slice, chunk, message[i], target[i],
                                                        stamping && i == 0 && j == 0 ? &stamp[kCopied] : nullptr)
                                     : chunks[i];
+            if (part_stamping && slice < a.zc_slices && done_to >= chunks[i]) shared_phase_stamp(kPartsLastFinal);
             if (threadIdx.x == 0) {
               next[i][j] = done_to;
               moved(a, since[i]);
@@ -780,7 +808,10 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
     stamp[kEntered] = detail::globaltimer_ns();
   }
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
-  if (stamping) stamp[kGridWaited] = detail::globaltimer_ns();
+  if (stamping) {
+    stamp[kGridWaited] = detail::globaltimer_ns();
+    take_phase_stamp_slot();
+  }
   // Per op (thread 0 changes them, between barriers): the channel's chunk sequence and message
   // ordinal, its last progress, whether it is over (finished, or given up) and given up, and
   // whether a recv's rendezvous descriptor is out.
@@ -831,7 +862,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
         if (threadIdx.x == 0) {
           post_descriptor(a, message[i], first[i]);
           posted[i] = true;
-          if (stamping && i == 0) stamp[kRendezvous] = detail::globaltimer_ns();
+          if (stamping && i == 0) stamp[kPosted] = stamp[kRendezvous] = detail::globaltimer_ns();
         }
         __syncthreads();
       }
