@@ -66,6 +66,15 @@ __device__ __forceinline__ void store_release_sys(uint64_t* address, uint64_t va
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
+// A strong store for the thread that has just issued __threadfence_system() (fence.sc.sys): the
+// fence and this store are a release pattern at system scope (PTX ISA, memory consistency model,
+// "release patterns": a fence.sc or fence.acq_rel followed by a strong write), so a reader that
+// acquires the word sees every write the fence ordered. st.release.sys there would add a second
+// system fence with nothing left for it to order.
+__device__ __forceinline__ void store_after_fence_sys(uint64_t* address, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
 // Between blocks of one launch (device memory only this GPU's kernels touch).
 __device__ __forceinline__ void store_release_gpu(uint64_t* address, uint64_t value) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");

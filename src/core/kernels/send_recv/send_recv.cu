@@ -160,7 +160,7 @@ __device__ void send_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
     if (a.peer_staging != nullptr) {
       if (!fenced) __threadfence_system();  // cumulative: covers the block's stores seen through the barrier
       fenced = true;
-      store_release_sys(a.peer_arrivals + signals + p, k + 1);
+      store_after_fence_sys(a.peer_arrivals + signals + p, k + 1);
     }
   }
 }
@@ -244,9 +244,9 @@ __device__ void recv_chunk(const ChunkStreamArgs& a, int slice, int64_t i, uint6
   for (int p = slice + static_cast<int>(threadIdx.x) * a.page_slices; p < pages;
        p += static_cast<int>(blockDim.x) * a.page_slices) {
     if (a.peer_credits != nullptr) {
-      if (!fenced) __threadfence_system();
+      if (!fenced) __threadfence_system();  // our reads of the pages are done before the credit
       fenced = true;
-      store_release_sys(a.peer_credits + signals + p, k + 1);
+      store_after_fence_sys(a.peer_credits + signals + p, k + 1);
     } else {
       nvshmemx_signal_op(a.credits + signals + p, k + 1, NVSHMEM_SIGNAL_SET, a.peer);
     }

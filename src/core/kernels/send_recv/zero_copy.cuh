@@ -228,7 +228,7 @@ __device__ __forceinline__ int64_t zero_copy_chunks(const ChunkStreamArgs& a, in
     if (next >= units) {
       if (copied_at != nullptr) *copied_at = detail::globaltimer_ns();
       __threadfence_system();  // cumulative: the block's stores, seen through the barrier
-      store_release_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
+      store_after_fence_sys(a.peer_zc_done + slice, zero_copy_detail::done_word(message, zero_copy_detail::kFinal));
     } else {
       *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + slice) =
           zero_copy_detail::done_word(message, min(static_cast<uint64_t>(next), zero_copy_detail::kMostProgress));
