@@ -352,6 +352,11 @@ class SendRecvEngine {
   // empties the ring. phase_stamps(): the last 1024 launches, oldest first, each {the stamps in ns
   // (0: not reached), op 0's mode, op 0 is a send}.
   static void set_phase_stamps(bool on);
+  // Test hook: a send that fits the staging gives its descriptor wait up after `held_seconds` with
+  // its receiver held in send/recv kernels, or after `long_seconds` whatever holds it (defaults:
+  // settings::kZeroCopyFallbackWaitNs, kZeroCopyFallbackLongWaitNs). For tests that count the
+  // path each message took on a slowed-down GPU (compute-sanitizer). Process-wide, between calls.
+  static void set_zero_copy_fallback_waits(double held_seconds, double long_seconds);
   static std::vector<std::vector<uint64_t>> phase_stamps();
   // The names of a record's stamps, in order (kernels::kPhaseStampNames).
   static std::vector<std::string> phase_stamp_names();

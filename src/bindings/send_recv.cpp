@@ -147,6 +147,10 @@ void bind_send_recv(py::module_& m) {
       .def_static("phase_stamps", &SendRecvEngine::phase_stamps, release_gil(),
                   "test hook: the last 1024 launches' stamps in ns (phase_stamp_names(); 0: not reached), then "
                   "op 0's mode and whether it is a send")
+      .def_static("set_zero_copy_fallback_waits", &SendRecvEngine::set_zero_copy_fallback_waits,
+                  py::arg("held_seconds"), py::arg("long_seconds"), release_gil(),
+                  "test hook: the bounded descriptor wait's two bounds (ZERO_COPY_FALLBACK_WAIT_NS, "
+                  "ZERO_COPY_FALLBACK_LONG_WAIT_NS by default); process-wide, between calls")
       .def_static("phase_stamp_names", &SendRecvEngine::phase_stamp_names,
                   "the names of a phase_stamps() record's stamps, in order")
       .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")

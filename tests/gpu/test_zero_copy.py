@@ -654,10 +654,19 @@ def _sendrecv_rounds(outcome, rank, peer, recv, tags, what):
 
 @pytest.fixture
 def answers_waited_for():
-    """A second call's wait for its mapping up to the call's timeout (not 20 ms), so that the
-    counts below do not rest on this machine's speed."""
-    _send_recv._require_engine("answers_waited_for").set_zero_copy_wait_seconds(pydatacopy._C.default_timeout_seconds())
-    yield
+    """A second call's wait for its mapping up to the call's timeout (not 20 ms), and a send's
+    bounded wait for its descriptor half of it (not 100 us), so that the counts below do not rest
+    on this machine's speed: under compute-sanitizer's racecheck a receiver posted later than
+    100 us and its sender moved staged (2026-12-07, 2 of 3 recvs one-copy)."""
+    timeout = pydatacopy._C.default_timeout_seconds()
+    _send_recv._require_engine("answers_waited_for").set_zero_copy_wait_seconds(timeout)
+    engine = pydatacopy._C.SendRecvEngine
+    engine.set_zero_copy_fallback_waits(timeout / 2, timeout / 2)
+    try:
+        yield
+    finally:
+        engine.set_zero_copy_fallback_waits(pydatacopy._C.ZERO_COPY_FALLBACK_WAIT_NS / 1e9,
+                                            pydatacopy._C.ZERO_COPY_FALLBACK_LONG_WAIT_NS / 1e9)
 
 
 def test_expandable_memory_moves_once_chunk_by_chunk_and_follows_its_chunks(world, peer, answers_waited_for):

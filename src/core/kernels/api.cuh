@@ -279,6 +279,12 @@ struct PhaseStampRecord {
   int32_t is_send;  // op 0's direction
 };
 void set_phase_stamps(bool on);  // on: also empties the ring
+// Test hook: the bounded descriptor wait's two bounds (settings::kZeroCopyFallbackWaitNs and
+// kZeroCopyFallbackLongWaitNs by default), for tests that count which path each message took
+// and must not depend on the machine's speed (a receiver slowed down by compute-sanitizer posts
+// later than 100 us, and its sender moves staged: 2026-12-07). Process-wide; between calls only
+// (no send/recv kernel of this process in flight).
+void set_zero_copy_fallback_waits(uint64_t held_ns, uint64_t long_ns);
 std::vector<PhaseStampRecord> read_phase_stamps();  // the last kPhaseStampRing launches, oldest first
 // `programmatic`: launch_kernel's (launch.cuh); callers pass programmatic_launch_enabled() for an
 // eager launch, false while capturing.

@@ -457,6 +457,14 @@ bool SendRecvEngine::serve_zero_copy_progress() {
 
 void SendRecvEngine::set_phase_stamps(bool on) { kernels::set_phase_stamps(on); }
 
+void SendRecvEngine::set_zero_copy_fallback_waits(double held_seconds, double long_seconds) {
+  PDC_REQUIRE(held_seconds >= 0 && long_seconds >= 0 && held_seconds <= 3600 && long_seconds <= 3600,
+              "set_zero_copy_fallback_waits: " << held_seconds << " s and " << long_seconds
+                                               << " s: each must lie in [0, 3600] seconds");
+  kernels::set_zero_copy_fallback_waits(static_cast<uint64_t>(held_seconds * 1e9),
+                                        static_cast<uint64_t>(long_seconds * 1e9));
+}
+
 std::vector<std::string> SendRecvEngine::phase_stamp_names() {
   return std::vector<std::string>(kernels::kPhaseStampNames, kernels::kPhaseStampNames + kernels::kPhaseStamps);
 }

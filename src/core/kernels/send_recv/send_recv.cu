@@ -308,6 +308,11 @@ __device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& fir
   since = detail::globaltimer_ns();
 }
 
+// The bounded descriptor wait's bounds (api.cuh, set_zero_copy_fallback_waits): held, long. In
+// constant memory: read at every look of a waiting send, without a trip to global memory.
+__constant__ uint64_t c_zero_copy_fallback_waits[2] = {static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs),
+                                                       static_cast<uint64_t>(settings::kZeroCopyFallbackLongWaitNs)};
+
 // The phase stamps (api.cuh's probe): off unless set_phase_stamps(true).
 __device__ int g_phase_stamps_on;
 __device__ unsigned long long g_phase_stamp_count;
@@ -574,9 +579,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                   held_since[i] = 0;
                 else if (held_since[i] == 0)
                   held_since[i] = now;
-                if ((held_since[i] != 0 &&
-                     now - held_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs)) ||
-                    now - awaited_since[i] >= static_cast<uint64_t>(settings::kZeroCopyFallbackLongWaitNs))
+                if ((held_since[i] != 0 && now - held_since[i] >= c_zero_copy_fallback_waits[0]) ||
+                    now - awaited_since[i] >= c_zero_copy_fallback_waits[1])
                   taken = fall_back_to_staged(a, message[i], first[i], fallback_intent[i], &into);
               }
             }
@@ -639,9 +643,15 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             // before their first write, unless the channel failed meanwhile.
             if (slice < a.zc_slices && chunk == 0) {
               __shared__ int begun;
-              if (threadIdx.x == 0) begun = zero_copy_begin(a, slice, message[i]);
-              if (stamping && i == 0 && j == 0 && begun) stamp[kCopyBegun] = detail::globaltimer_ns();
-              if (part_stamping && begun) shared_phase_stamp(kPartsLastBegun);
+              if (threadIdx.x == 0) {
+                // The stamps read thread 0's own result, not the shared word: a load of `begun`
+                // that the compiler hoists above `stamping` in the other threads is a race with
+                // this store (compute-sanitizer's racecheck, 2026-12-07).
+                const bool started = zero_copy_begin(a, slice, message[i]);
+                begun = started;
+                if (stamping && i == 0 && j == 0 && started) stamp[kCopyBegun] = detail::globaltimer_ns();
+                if (part_stamping && started) shared_phase_stamp(kPartsLastBegun);
+              }
               __syncthreads();
               if (!begun) {
                 if (threadIdx.x == 0) next[i][j] = chunks[i], gave_up[i] = true;
@@ -980,6 +990,11 @@ void set_phase_stamps(bool on) {
   const unsigned long long zero = 0;
   if (on) PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamp_count, &zero, sizeof(zero)));
   PDC_CHECK_CUDA(cudaMemcpyToSymbol(g_phase_stamps_on, &flag, sizeof(flag)));
+}
+
+void set_zero_copy_fallback_waits(uint64_t held_ns, uint64_t long_ns) {
+  const uint64_t waits[2] = {held_ns, long_ns};
+  PDC_CHECK_CUDA(cudaMemcpyToSymbol(c_zero_copy_fallback_waits, waits, sizeof(waits)));
 }
 
 std::vector<PhaseStampRecord> read_phase_stamps() {
