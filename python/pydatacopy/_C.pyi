@@ -24,6 +24,7 @@ DEFAULT_NARROW_SEND_BLOCKS: int
 DEFAULT_ZERO_COPY_MIN_BYTES: int
 ZERO_COPY_FALLBACK_WAIT_NS: int  # a send that fits the staging waits this long for a held receiver
 ZERO_COPY_FALLBACK_LONG_WAIT_NS: int  # ... and this long for any receiver, then moves staged
+LATE_POST_NS: int  # a recv below the zero-copy threshold posts its descriptor after this long without progress
 LOW_LATENCY_CAPACITY_BYTES: int
 DEFAULT_LOW_LATENCY_MAX_BYTES: int
 NVSHMEM_DEFAULT_SYMMETRIC_SIZE: int

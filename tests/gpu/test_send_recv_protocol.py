@@ -228,12 +228,15 @@ def test_a_size_mismatch_either_way_raises_on_both_pes_before_the_timeout(world,
 
 # Other cuts: the receiver has more slices than the sender filled pages (4 KiB into 64 KiB), an
 # empty message against a non-empty one, one byte over a page, and sends larger than the 32 MiB
-# staging (the sender waits for credits and reads the refusal word on the device).
+# staging (the sender waits for credits and reads the refusal word on the device). 64M-into-1M: a
+# zero-copy send too large for the staging (it waits for its descriptor, with no staged fallback)
+# into a recv below the threshold, which posts its descriptor only after settings::kLatePostNs
+# without progress: without that late post both would wait for the timeout.
 @pytest.mark.parametrize("send_bytes, recv_bytes", [(4 * KiB, 64 * KiB), (64 * KiB, 4 * KiB), (0, 4 * KiB),
                                                     (4 * KiB, 0), (32 * KiB, 32 * KiB + 1),
-                                                    (64 * MiB, 128 * MiB), (128 * MiB, 64 * MiB)],
+                                                    (64 * MiB, 128 * MiB), (128 * MiB, 64 * MiB), (64 * MiB, MiB)],
                          ids=["4K-into-64K", "64K-into-4K", "0-into-4K", "4K-into-0", "32K-into-32K+1",
-                              "64M-into-128M", "128M-into-64M"])
+                              "64M-into-128M", "128M-into-64M", "64M-into-1M"])
 def test_a_size_mismatch_of_any_cut_raises_on_both_pes_once(world, peer, path, send_bytes, recv_bytes,
                                                             fresh_channels):
     rank = world[0]

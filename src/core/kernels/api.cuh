@@ -201,6 +201,7 @@ struct ChunkStreamArgs {
   // The zero-copy rendezvous (send_recv.hpp). Both sides decide `rendezvous` alike from the
   // channel (load/store reachable, not forced RMA, zero-copy on) and the size (>= threshold).
   bool post_descriptor;      // recv: post a descriptor (every recv on a reachable channel)
+  bool post_late;            // recv: ... only after settings::kLatePostNs without progress (below the threshold)
   bool await_descriptor;     // send: wait for the receiver's descriptor (bytes >= threshold)
   bool zero_copy;            // recv: posted as zero-copy at (zc_index, zc_offset)
   // Both: the message fits the staging (SendRecvEngine::fits_staging), so a send that awaits its

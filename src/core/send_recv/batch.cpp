@@ -143,6 +143,9 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       a.peer_ring = static_cast<kernels::RendezvousDescriptor*>(peer_address(rendezvous_ring(me), peer));
       a.zc_done = zero_copy_done(peer);
       a.post_descriptor = a.peer_ring != nullptr;
+      // Below the threshold a sender of this size never reads it: it goes out only for a sender of
+      // another size that waits for it (settings::kLatePostNs).
+      a.post_late = a.post_descriptor && bytes < zero_copy_min_bytes_;
       // Used only when the recv is posted zero-copy (decide_recv_mode), at or above the threshold.
       a.zc_fallback = a.post_descriptor && fits_staging(bytes);
     }

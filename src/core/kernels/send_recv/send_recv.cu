@@ -395,6 +395,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ int mode[kCapacity];
   __shared__ uint8_t* target[kCapacity];
   __shared__ bool posted[kCapacity];
+  // A recv that posts late (a.post_late): its time has come. Set by thread 0 before a barrier.
+  __shared__ bool late_due[kCapacity];
   __shared__ bool gave_up[kCapacity];
   __shared__ uint64_t zc_landed[kCapacity];  // a zero-copy recv's progress at its last look
   // A send's bounded descriptor wait (block 0: zero_copy.cuh, fall_back_to_staged): since when it
@@ -417,6 +419,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
                             : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
     target[i] = nullptr;
     posted[i] = !a.post_descriptor;
+    late_due[i] = false;
     zc_landed[i] = 0;
     awaited_since[i] = 0;
     held_since[i] = 0;
@@ -479,7 +482,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       // Due: not posted, its first slice not done, and its turn on the channel (every earlier
       // op's first slice done).
       const auto due = [&](int i) {
-        if (posted[i] || next[i][0] >= chunks[i]) return false;
+        if (posted[i] || next[i][0] >= chunks[i] || (batch.ops[i].post_late && !late_due[i])) return false;
         for (int e = 0; e < i; ++e)
           if (batch.ops[e].sequence == batch.ops[i].sequence && next[e][0] < chunks[e]) return false;
         return true;
@@ -522,7 +525,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i]);
         // Read before the barrier below, after which thread 0 may change posted[i] and mode[i]:
         // every thread must take the same branches (each holds a __syncthreads).
-        const bool post_now = !send && slice == 0 && !posted[i];
+        const bool post_now = !send && slice == 0 && !posted[i] && (!a.post_late || late_due[i]);
         const bool await_now = send && mode[i] == 0;
         const bool channel_failed =
             __syncthreads_or(threadIdx.x == 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0);
@@ -745,6 +748,11 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             __syncthreads();
             continue;
           }
+          // A recv that posts late and has waited that long without progress: its descriptor goes
+          // out at the next round (late_due is read after the barrier below).
+          if (threadIdx.x == 0 && !send && slice == 0 && a.post_late && !posted[i] && !late_due[i] &&
+              detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
+            late_due[i] = true;
           // The watchdog, on one clock reading for the whole block (thread 0's): threads that
           // disagreed would break the block's barriers.
           const bool over = threadIdx.x == 0 && channel_stalled(a, since[i]);
@@ -828,11 +836,13 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   __shared__ uint64_t first[kCapacity], message[kCapacity], since[kCapacity];
   __shared__ int64_t over[kCapacity];  // 0 or 1: receiver_refused's `next` against 1 chunk
   __shared__ bool gave_up[kCapacity], posted[kCapacity];
+  __shared__ bool late_due[kCapacity];  // a recv that posts late (a.post_late): its time has come
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
     const ChunkStreamArgs& a = batch.ops[i];
     op_start(a, first[i], message[i], since[i]);
     posted[i] = batch.is_send[i] || !a.post_descriptor;
+    late_due[i] = false;
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
     gave_up[i] = broken != 0;
@@ -858,7 +868,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
         behind = behind || (e < i && over[e] == 0);  // ops of one channel move in its order
         channel_failed = channel_failed || gave_up[e];  // the channel failed in this launch
       }
-      const bool post_now = !posted[i];
+      const bool post_now = !posted[i] && (!a.post_late || late_due[i]);
       __syncthreads();
       if (op_over) continue;
       all_done = false;
@@ -904,6 +914,10 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
         over[i] = 1;
         if (seen == kLowLatencyGaveUp) gave_up[i] = true;
       }
+      // No message yet after settings::kLatePostNs: a recv that posts late posts at its next visit.
+      if (threadIdx.x == 0 && seen == kLowLatencyWaiting && a.post_late && !posted[i] && !late_due[i] &&
+          detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
+        late_due[i] = true;
       __syncthreads();
     }
   }
