@@ -330,15 +330,20 @@ constexpr int kBlockZeroStamps = kPosted + 1;
 // Thread 0 of block 0, at entry: the launch's slot in the ring, its shared stamps cleared, then
 // published for the launch's other blocks (which read it only after block 0 resolved a zero-copy
 // descriptor, a release after this).
-__device__ __forceinline__ void take_phase_stamp_slot() {
+// Returns the slot, which block 0 keeps for its record (another stream's launch may publish its own
+// slot meanwhile: the stamps are for one stream's launches in a row, api.cuh).
+__device__ __forceinline__ unsigned long long take_phase_stamp_slot() {
   const unsigned long long slot = atomicAdd(&g_phase_stamp_count, 1ull) % kPhaseStampRing;
   for (int p = kBlockZeroStamps; p < kPhaseStamps; ++p) g_phase_stamps[slot].at[p] = 0;
   *reinterpret_cast<volatile unsigned long long*>(&g_phase_stamp_slot) = slot;
   __threadfence();
+  return slot;
 }
-// Thread 0 of block 0, at the end: the launch's record, but the stamps its other blocks share.
-__device__ __forceinline__ void record_phase_stamps(const uint64_t* stamp, int mode, bool is_send) {
-  PhaseStampRecord& record = g_phase_stamps[*reinterpret_cast<volatile unsigned long long*>(&g_phase_stamp_slot)];
+// Thread 0 of block 0, at the end: the launch's record in its slot, but the stamps its other
+// blocks share.
+__device__ __forceinline__ void record_phase_stamps(unsigned long long slot, const uint64_t* stamp, int mode,
+                                                    bool is_send) {
+  PhaseStampRecord& record = g_phase_stamps[slot];
   for (int p = 0; p < kBlockZeroStamps; ++p) record.at[p] = stamp[p];
   record.mode = mode;
   record.is_send = is_send ? 1 : 0;
@@ -368,6 +373,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // Every block's thread 0 stamps its zero-copy parts (shared_phase_stamp); block 0's the rest.
   const bool part_stamping = threadIdx.x == 0 && phase_stamps_on();
   const bool stamping = blockIdx.x == 0 && part_stamping;
+  unsigned long long stamp_slot = 0;  // the record's slot in the ring (stamping only)
   if (stamping) {
     for (int p = 0; p < kPhaseStamps; ++p) stamp[p] = 0;
     stamp[kEntered] = detail::globaltimer_ns();
@@ -375,7 +381,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
   if (stamping) {
     stamp[kGridWaited] = detail::globaltimer_ns();
-    take_phase_stamp_slot();  // after the previous launch's blocks are gone: none stamps it any more
+    stamp_slot = take_phase_stamp_slot();  // after the previous launch's blocks are gone: none stamps it any more
   }
   const int block = static_cast<int>(blockIdx.x), grid = static_cast<int>(gridDim.x);
   // Per op: the channel's sequence number of the message's first chunk (the device counter,
@@ -554,8 +560,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             // of a sendrecv, after its send): the peer's send waits for that descriptor, so a
             // spin here would only delay both sides.
             // (Slice 0, which posts, is always block 0's.)
+            // A recv that posts late and whose time has not come (a.post_late) holds no one up.
             bool may_spin = true;
-            for (int e = 0; e < batch.count && block == 0; ++e) may_spin = may_spin && posted[e];
+            for (int e = 0; e < batch.count && block == 0; ++e)
+              may_spin = may_spin && (posted[e] || (batch.ops[e].post_late && !late_due[e]) || next[e][0] >= chunks[e]);
             const uint64_t spin_until = detail::globaltimer_ns() + (may_spin ? kDescriptorSpinNs : 0);
             if (fallback_intent[i]) {
               // Block 0 stored its fallback and saw the post: the receiver's verdict decides.
@@ -637,6 +645,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             next[i][j] = chunks[i];
             if (seen == kLowLatencyGaveUp) gave_up[i] = true;
           }
+          // No message yet after settings::kLatePostNs: a recv that posts late posts at the next
+          // round (a review's finding: without this a low-latency recv in this kernel never
+          // posted, and a sender of another size too large for the staging waited until the
+          // timeout). late_due is read after the barrier below.
+          if (threadIdx.x == 0 && seen == kLowLatencyWaiting && a.post_late && !posted[i] && !late_due[i] &&
+              detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
+            late_due[i] = true;
           __syncthreads();
           continue;
         }
@@ -750,7 +765,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A recv that posts late and has waited that long without progress: its descriptor goes
           // out at the next round (late_due is read after the barrier below).
-          if (threadIdx.x == 0 && !send && slice == 0 && a.post_late && !posted[i] && !late_due[i] &&
+          if (threadIdx.x == 0 && !send && slice == 0 && chunk == 0 && a.post_late && !posted[i] && !late_due[i] &&
               detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
             late_due[i] = true;
           // The watchdog, on one clock reading for the whole block (thread 0's): threads that
@@ -803,7 +818,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       finish_slice(batch.ops[i], first[i], message[i]);
   if (stamping) {
     stamp[kEnded] = detail::globaltimer_ns();
-    record_phase_stamps(stamp, mode[0], batch.is_send[0]);
+    record_phase_stamps(stamp_slot, stamp, mode[0], batch.is_send[0]);
   }
 }
 
@@ -821,6 +836,7 @@ template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const SizedBatch<kCapacity> batch) {
   __shared__ uint64_t stamp[kPhaseStamps];
   const bool stamping = threadIdx.x == 0 && phase_stamps_on();
+  unsigned long long stamp_slot = 0;  // the record's slot in the ring (stamping only)
   if (stamping) {
     for (int p = 0; p < kPhaseStamps; ++p) stamp[p] = 0;
     stamp[kEntered] = detail::globaltimer_ns();
@@ -828,7 +844,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
   if (stamping) {
     stamp[kGridWaited] = detail::globaltimer_ns();
-    take_phase_stamp_slot();
+    stamp_slot = take_phase_stamp_slot();
   }
   // Per op (thread 0 changes them, between barriers): the channel's chunk sequence and message
   // ordinal, its last progress, whether it is over (finished, or given up) and given up, and
@@ -946,7 +962,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
     }
     if (stamping) {
       stamp[kEnded] = detail::globaltimer_ns();
-      record_phase_stamps(stamp, low_latency_detail::kModeLowLatency, batch.is_send[0]);
+      record_phase_stamps(stamp_slot, stamp, low_latency_detail::kModeLowLatency, batch.is_send[0]);
     }
   }
 }
