@@ -258,6 +258,50 @@ def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, pe
     outcome.agree("the pair after setup_send_recv")
 
 
+def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_staging(world, peer):
+    """A 4 KiB recv grouped with a 1 MiB send (so both run in the general kernel, not the
+    low-latency one) facing a 64 MiB send: that send is above the zero-copy threshold and too large
+    for the staging, so it waits for the recv's descriptor with no staged fallback; the recv is
+    below the threshold and posts its descriptor only after settings::kLatePostNs without its
+    message. Both PEs must raise the mismatch well before the timeout (a review's finding on
+    2026-12-07: the general kernel's low-latency recv never posted late, and both waited for it)."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    send_bytes, recv_bytes, other_bytes = 64 * MiB, 4 * KiB, MiB
+    got = torch.zeros(recv_bytes if rank == 1 else other_bytes, dtype=torch.uint8, device="cuda")
+    outgoing = _bytes(rank, 700, send_bytes if rank == 0 else other_bytes)
+    _step()
+    begin = time.monotonic()
+    with outcome.check("the mismatched group"):
+        with pydatacopy.group():
+            pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+            pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    with outcome.check("the calls' duration"):
+        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors",
+                                  rf"{send_bytes} bytes.*{recv_bytes}|{recv_bytes}.*{send_bytes} bytes"):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
+    outcome.agree("the receiver's refusal")
+    if rank == 0:
+        with outcome.expect_error("the sender's check_errors", rf"receiver expected {recv_bytes} bytes"):
+            pydatacopy.check_errors()
+    with outcome.check("no peer marked dead"):
+        pydatacopy.check_errors()
+        assert not _C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
+    outcome.agree("the sender's refusal")
+    pydatacopy.setup_send_recv()
+    for n, nbytes in enumerate([recv_bytes, other_bytes]):
+        with outcome.check(f"sendrecv of {nbytes} bytes after setup_send_recv"):
+            recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+            pydatacopy.sendrecv(_bytes(rank, 710 + n, nbytes), peer, recv, peer)
+            _assert_bytes(recv, _bytes(peer, 710 + n, nbytes), f"sendrecv of {nbytes} bytes")
+    outcome.agree("the pair after setup_send_recv")
+
+
 def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
     """PE 0 sends 1 KiB then 1 MiB, PE 1 receives 1 MiB then 1 KiB. The 1 KiB message takes no
     staging chunk, so the 1 MiB one starts at the chunk PE 1's first recv expects: before staged
