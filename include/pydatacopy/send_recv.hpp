@@ -94,7 +94,9 @@
 //   ring (slot: the message's ordinal on the channel modulo kRendezvousRing, 64, counted on the device like the
 //   sequences): {ordinal + 1, first chunk's sequence + 1, its bytes, mode, index, offset}, the
 //   ordinal last with a system-scope release, when the op's first slice gets its turn on the
-//   channel. mode ZERO_COPY when the receiver's host knows that the sender has the receive
+//   channel; a recv below the threshold (a.post_late) only once it has waited
+//   settings::kLatePostNs (20 us) more without progress, since only a sender of another size reads
+//   it (below). mode ZERO_COPY when the receiver's host knows that the sender has the receive
 //   buffer's allocation mapped at index j (zero_copy.hpp), else STAGED. A send at or above the
 //   threshold waits for that descriptor (watchdog: TimeoutError naming the rendezvous; a message
 //   that fits the staging moves staged once its receiver has been held in send/recv kernels for
@@ -117,8 +119,10 @@
 //     both ends (its own refusal word, and the receiver's with its bytes + 1); the receiver,
 //     waiting for done words or staged chunks, watches its refusal word and refuses too.
 //   * sender above, receiver below: the receiver posts a STAGED descriptor anyway (every recv on
-//     the channel does, which is why small recvs post too), so the sender reads it and refuses
-//     both ends as above; the receiver's staged wait watches its refusal word.
+//     the channel does, which is why small recvs post too: late, after kLatePostNs without its
+//     message, since 2026-12-07), so the sender reads it and refuses both ends as above; the
+//     receiver's staged wait watches its refusal word. (A sender that fits the staging may give
+//     its wait up first, after kZeroCopyFallbackWaitNs: its staged header then names its size.)
 //   * receiver above (posted ZERO_COPY), sender below: the sender sends staged; the receiver's
 //     first slice, while it waits for done words, also watches the arrival signal of the
 //     message's first staged page, reads that header (another size) and refuses both ends.
