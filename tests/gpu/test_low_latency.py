@@ -209,6 +209,43 @@ def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, p
     outcome.agree("the low-latency group")
 
 
+def _size_error(send_bytes: int, recv_bytes: int) -> str:
+    """The receiver's error for a message of send_bytes into a recv of recv_bytes (either order)."""
+    return rf"{send_bytes} bytes.*{recv_bytes}|{recv_bytes}.*{send_bytes} bytes"
+
+
+def _refused_on_both_pes(outcome, rank: int, peer: int, begin: float, got: torch.Tensor, receiver_error: str,
+                         sender_error: str, sizes_after: tuple[int, ...] = (), tag: int = 0) -> None:
+    """After PE 0's send met PE 1's recv into `got` with another size (the calls issued at
+    `begin`): both PEs raise the mismatch (the errors match these patterns) well before the
+    timeout, PE 1 copied nothing out, no peer is marked dead, and after setup_send_recv() a
+    sendrecv of each of `sizes_after` is exact."""
+    with outcome.check("the calls' duration"):
+        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors", receiver_error):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
+    outcome.agree("the receiver's refusal")
+    if rank == 0:
+        with outcome.expect_error("the sender's check_errors", sender_error):
+            pydatacopy.check_errors()
+    with outcome.check("no peer marked dead"):
+        pydatacopy.check_errors()
+        assert not _C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
+    outcome.agree("the sender's refusal")
+    if not sizes_after:
+        return
+    pydatacopy.setup_send_recv()
+    for n, nbytes in enumerate(sizes_after):
+        with outcome.check(f"sendrecv of {nbytes} bytes after setup_send_recv"):
+            recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+            pydatacopy.sendrecv(_bytes(rank, tag + n, nbytes), peer, recv, peer)
+            _assert_bytes(recv, _bytes(peer, tag + n, nbytes), f"sendrecv of {nbytes} bytes")
+    outcome.agree("the pair after setup_send_recv")
+
+
 # A mismatch across paths: one side's size within the cut, the other's over it (staged, or with the
 # zero-copy threshold at 1 MiB zero-copy). Before the receivers watched the other path, the side
 # waiting on its own path saw nothing and timed out; now both PEs raise the mismatch at once.
@@ -233,29 +270,8 @@ def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, pe
         else:
             pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
         torch.cuda.synchronize()
-    with outcome.check("the calls' duration"):
-        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
-    if rank == 1:
-        with outcome.expect_error("the receiver's check_errors",
-                                  rf"{send_bytes} bytes.*{recv_bytes}|{recv_bytes}.*{send_bytes} bytes"):
-            pydatacopy.check_errors()
-        with outcome.check("nothing delivered"):
-            assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
-    outcome.agree("the receiver's refusal")
-    if rank == 0:
-        with outcome.expect_error("the sender's check_errors", rf"receiver expected {recv_bytes} bytes"):
-            pydatacopy.check_errors()
-    with outcome.check("no peer marked dead"):
-        pydatacopy.check_errors()
-        assert not _C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
-    outcome.agree("the sender's refusal")
-    pydatacopy.setup_send_recv()
-    for n, nbytes in enumerate([recv_bytes, send_bytes, 4 * KiB]):
-        with outcome.check(f"sendrecv of {nbytes} bytes after setup_send_recv"):
-            recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-            pydatacopy.sendrecv(_bytes(rank, 600 + n, nbytes), peer, recv, peer)
-            _assert_bytes(recv, _bytes(peer, 600 + n, nbytes), f"sendrecv of {nbytes} bytes")
-    outcome.agree("the pair after setup_send_recv")
+    _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
+                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), 600)
 
 
 def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_staging(world, peer):
@@ -277,29 +293,8 @@ def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_s
             pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
             pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
         torch.cuda.synchronize()
-    with outcome.check("the calls' duration"):
-        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
-    if rank == 1:
-        with outcome.expect_error("the receiver's check_errors",
-                                  rf"{send_bytes} bytes.*{recv_bytes}|{recv_bytes}.*{send_bytes} bytes"):
-            pydatacopy.check_errors()
-        with outcome.check("nothing delivered"):
-            assert torch.count_nonzero(got).item() == 0, "the mismatched recv copied data out"
-    outcome.agree("the receiver's refusal")
-    if rank == 0:
-        with outcome.expect_error("the sender's check_errors", rf"receiver expected {recv_bytes} bytes"):
-            pydatacopy.check_errors()
-    with outcome.check("no peer marked dead"):
-        pydatacopy.check_errors()
-        assert not _C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
-    outcome.agree("the sender's refusal")
-    pydatacopy.setup_send_recv()
-    for n, nbytes in enumerate([recv_bytes, other_bytes]):
-        with outcome.check(f"sendrecv of {nbytes} bytes after setup_send_recv"):
-            recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-            pydatacopy.sendrecv(_bytes(rank, 710 + n, nbytes), peer, recv, peer)
-            _assert_bytes(recv, _bytes(peer, 710 + n, nbytes), f"sendrecv of {nbytes} bytes")
-    outcome.agree("the pair after setup_send_recv")
+    _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
+                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, other_bytes), 710)
 
 
 def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
@@ -321,24 +316,12 @@ def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
             pydatacopy.recv(first, peer, timeout=MISMATCH_TIMEOUT_S)
             pydatacopy.recv(second, peer, timeout=MISMATCH_TIMEOUT_S)
         torch.cuda.synchronize()
-    with outcome.check("the calls' duration"):
-        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
-    if rank == 1:
-        # Found by the header's ordinal (the staged message is another one) or by the ring (the
-        # 1 KiB one went low-latency), or the channel's refusal: never two equal sizes as a mismatch.
-        with outcome.expect_error("the receiver's check_errors",
-                                  r"took another path|sender's message is 1024 bytes|the other side's: 1024 bytes"):
-            pydatacopy.check_errors()
-        with outcome.check("nothing delivered"):
-            assert torch.count_nonzero(first).item() == 0, "the 1 MiB recv took another message's bytes"
-    outcome.agree("the receiver's refusal")
-    if rank == 0:
-        with outcome.expect_error("the sender's check_errors", r"receiver expected"):
-            pydatacopy.check_errors()
-    with outcome.check("no peer marked dead"):
-        pydatacopy.check_errors()
-        assert not _C.peer_timed_out(peer), "a size mismatch marked the peer as timed out"
-    outcome.agree("the sender's refusal")
+    # Found by the header's ordinal (the staged message is another one) or by the ring (the 1 KiB
+    # one went low-latency), or the channel's refusal: never two equal sizes as a mismatch. `first`
+    # (the 1 MiB recv) must not have taken another message's bytes.
+    _refused_on_both_pes(outcome, rank, peer, begin, first,
+                         r"took another path|sender's message is 1024 bytes|the other side's: 1024 bytes",
+                         r"receiver expected")
 
 
 def test_a_captured_sendrecv_replays_fresh_data(world, peer):
