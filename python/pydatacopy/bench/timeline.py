@@ -112,32 +112,34 @@ def phase_summary(records: list[list[int]]) -> dict:
 #: The steps of one zero-copy message across the two ranks (their stamps share the GPU's clock),
 #: in order: the receiver's descriptor stored -> taken by the sender's block 0 -> block 0's part
 #: copied -> the sender's last part final -> the receiver has seen every part -> its next
-#: descriptor stored; and the period between two stores.
-HANDOFF_STEPS = ("post_to_take", "take_to_block0_copied", "block0_copied_to_last_final", "last_final_to_seen",
-                 "seen_to_next_post", "post_period")
+#: descriptor stored; and the period between two stores. Each: (name, from, to), a stamp as
+#: (rank's side, phase, 0 for message k's launch or 1 for the next one's).
+HANDOFF_STEPS = (
+    ("post_to_take", ("recv", "posted", 0), ("send", "rendezvous", 0)),
+    ("take_to_block0_copied", ("send", "rendezvous", 0), ("send", "copied", 0)),
+    ("block0_copied_to_last_final", ("send", "copied", 0), ("send", "parts_last_final", 0)),
+    ("last_final_to_seen", ("send", "parts_last_final", 0), ("recv", "op_done", 0)),
+    ("seen_to_next_post", ("recv", "op_done", 0), ("recv", "posted", 1)),
+    ("post_period", ("recv", "posted", 0), ("recv", "posted", 1)),
+)
 
 
 def handoff_summary(sender_records: list[list[int]], receiver_records: list[list[int]]) -> dict:
     """Median microseconds of each step of HANDOFF_STEPS over messages one way (launch k of the
-    sender and of the receiver move message k; both ranks' records as _profile gives them), and the
-    median period from one receiver post to the next. Only messages whose sender stamped its
-    parts (zero-copy) count; a step with no message gives None."""
-    send = [dict(zip(PHASES, record[:len(PHASES)])) for record in sender_records]
-    recv = [dict(zip(PHASES, record[:len(PHASES)])) for record in receiver_records]
-    n = min(len(send), len(recv))
-    moved = [k for k in range(n) if send[k]["parts_last_final"]]
-    stamp = {  # each step's (from, to) for message k, or None where a stamp is missing
-        "post_to_take": lambda k: (recv[k]["posted"], send[k]["rendezvous"]),
-        "take_to_block0_copied": lambda k: (send[k]["rendezvous"], send[k]["copied"]),
-        "block0_copied_to_last_final": lambda k: (send[k]["copied"], send[k]["parts_last_final"]),
-        "last_final_to_seen": lambda k: (send[k]["parts_last_final"], recv[k]["op_done"]),
-        "seen_to_next_post": lambda k: (recv[k]["op_done"], recv[k + 1]["posted"]) if k + 1 < n else (0, 0),
-        "post_period": lambda k: (recv[k]["posted"], recv[k + 1]["posted"]) if k + 1 < n else (0, 0),
-    }
-    assert tuple(stamp) == HANDOFF_STEPS
+    sender and of the receiver move message k; both ranks' records as _profile gives them). Only
+    messages whose sender stamped its parts (zero-copy) count; a step with no message gives None."""
+    launches = {side: [dict(zip(PHASES, record[:len(PHASES)])) for record in records]
+                for side, records in (("send", sender_records), ("recv", receiver_records))}
+    n = min(len(launches["send"]), len(launches["recv"]))
+    moved = [k for k in range(n) if launches["send"][k]["parts_last_final"]]
+
+    def at(k: int, stamp: tuple[str, str, int]) -> int:  # 0: not reached, or no such launch
+        side, phase, later = stamp
+        return launches[side][k + later][phase] if k + later < n else 0
+
     out = {}
-    for name, span in stamp.items():
-        values = [(end - begin) / 1e3 for begin, end in map(span, moved) if begin and end]
+    for name, begin, end in HANDOFF_STEPS:
+        values = [(at(k, end) - at(k, begin)) / 1e3 for k in moved if at(k, begin) and at(k, end)]
         out[name] = statistics.median(values) if values else None
     out["messages"] = len(moved)
     return out
@@ -261,10 +263,11 @@ def main(argv: list[str] | None = None) -> int:
                     handoffs.append((row, handoff))
             if handoffs:
                 print("\nzero-copy messages across the ranks (median us; sender's parts on every block):")
-                print(f"{'path':<18} {'size':>6} " + " ".join(f"{n[:14]:>14}" for n in HANDOFF_STEPS) + "  messages")
+                steps = [name for name, _, _ in HANDOFF_STEPS]
+                print(f"{'path':<18} {'size':>6} " + " ".join(f"{n[:14]:>14}" for n in steps) + "  messages")
                 for row, handoff in handoffs:
                     print(f"{row['path']:<18} {human(row['bytes']):>6} "
-                          + " ".join(f"{fmt(handoff[n]):>14}" for n in HANDOFF_STEPS) + f"  {handoff['messages']}")
+                          + " ".join(f"{fmt(handoff[n]):>14}" for n in steps) + f"  {handoff['messages']}")
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(every, f, indent=1)
