@@ -178,6 +178,7 @@
 namespace pydatacopy {
 namespace kernels {
 struct ChunkStreamArgs;
+struct ChunkBatch;
 struct SlotHeader;
 struct RendezvousDescriptor;
 }
@@ -344,6 +345,7 @@ class SendRecvEngine {
   struct PeerStats {
     int peer = 0;
     uint64_t send_one_copy = 0, send_staged = 0, send_low_latency = 0;  // sends to `peer`
+    uint64_t send_copy_engine = 0;  // of send_one_copy: those the copy engine moved
     uint64_t recv_one_copy = 0, recv_staged = 0, recv_low_latency = 0;  // recvs from `peer`
     uint64_t map_requests = 0;    // receive allocations (or expandable chunks) this PE asked `peer` to map
     uint64_t not_exportable = 0;  // receive allocations that cannot be exported: staged on purpose
@@ -351,6 +353,10 @@ class SendRecvEngine {
     uint64_t mapped_here = 0;     // `peer`'s allocations (chunks) this process mapped to send into
   };
   std::vector<PeerStats> stats();
+  // The copy engine (see above): "on from N bytes", or "off: " and why (the setting at 0, zero-copy
+  // off, or what CUDA refused when its graph was built, set or launched: the engine's sends then
+  // move by the SM kernel). Local; no GPU work.
+  std::string copy_engine_status();
   // Test hook (the timeline's probe, issue 35): while on, every send/recv launch of this process
   // records %globaltimer at its phases (kernels/api.cuh, phase_stamp_names()); turning it on
   // empties the ring. phase_stamps(): the last 1024 launches, oldest first, each {the stamps in ns
@@ -443,6 +449,12 @@ class SendRecvEngine {
   uint64_t* zc_counts_ = nullptr;    // device [n_pes][kZeroCopyCounters]: ops finished, by peer and mode
   std::size_t zero_copy_min_bytes_ = 0;
   std::size_t low_latency_max_bytes_ = 0;
+  std::size_t copy_engine_min_bytes_ = 0;  // PYDATACOPY_COPY_ENGINE_MIN_BYTES as init read it (0: off)
+  // The copy engine (see above): launches `launch` as its graph when its ops allow it (one send
+  // of at least copy_engine_min_bytes_ that awaits a descriptor and has a guess, maybe one recv),
+  // and says whether it did. Never throws before a launch; what the graph's calls refuse turns the
+  // copy engine off (said once, zero_copy.md).
+  bool launch_copy_engine(const kernels::ChunkBatch& launch, cudaStream_t stream);
   uint64_t* ll_filled_ = nullptr;  // device [n_pes][kLowLatencySlots]: per send channel, ordinal + 1 that last used each slot
   uint64_t* ll_lines(int src_pe) const;    // at the receiver: the ring of src_pe's channel
   uint64_t* ll_credits(int dst_pe) const;  // at the sender: the word dst_pe advances

@@ -46,6 +46,13 @@ constexpr int64_t kMaxRanksPerGpu = 64;
 // docs/zero-copy.md, docs/perf-notes.md v26: 16 MiB zero-copy 0.75x of staged's time one way, 0.73x
 // both ways, on one H100 with 2 PEs); SendRecvEngine::kDefaultZeroCopyMinBytes.
 constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{16} << 20;
+// A zero-copy send of at least this many bytes is copied by the copy engine when its sender's host
+// guessed the receiver's address right (the device checks the guess and skips the copy engine when
+// it is wrong: send_recv.hpp, "The copy engine"); 0: off. The copy engine with a stream handshake
+// measured 1.10x a local copy at 64 MiB against the SM kernel's 1.20x, and 1.53x against 1.59x at
+// 16 MiB, 2.12x against 1.84x at 4 MiB (one H100, 2 PEs, 2026-12-07, benchmarks.md): from 64 MiB.
+// Only the sender decides: its receiver's recv is a zero-copy recv either way.
+constexpr int64_t kDefaultCopyEngineMinBytes = int64_t{64} << 20;
 // A send of such a message that fits the staging (its chunks <= PYDATACOPY_NUM_CHUNKS) that has
 // waited this long for its receiver's descriptor moves staged if the receiver is itself held in a
 // send/recv kernel (zero_copy.cuh, fall_back_to_staged): so `send(); recv()` on two PEs without a

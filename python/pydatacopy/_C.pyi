@@ -22,6 +22,7 @@ DEFAULT_SEND_BLOCKS: int
 NARROW_MESSAGE_BYTES: int
 DEFAULT_NARROW_SEND_BLOCKS: int
 DEFAULT_ZERO_COPY_MIN_BYTES: int
+DEFAULT_COPY_ENGINE_MIN_BYTES: int
 ZERO_COPY_FALLBACK_WAIT_NS: int  # a send that fits the staging waits this long for a held receiver
 ZERO_COPY_FALLBACK_LONG_WAIT_NS: int  # ... and this long for any receiver, then moves staged
 LATE_POST_NS: int  # a recv below the zero-copy threshold posts its descriptor after this long without progress
@@ -305,6 +306,7 @@ class SendRecvEngine:
     DEFAULT_ZERO_COPY_WAIT_SECONDS: float
     def zero_copy_counters(self) -> dict[str, int]: ...
     def stats(self) -> list[dict[str, int]]: ...
+    def copy_engine_status(self) -> str: ...
     @staticmethod
     def set_phase_stamps(on: bool) -> None: ...
     @staticmethod

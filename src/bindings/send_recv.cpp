@@ -158,6 +158,8 @@ void bind_send_recv(py::module_& m) {
            "test hook: how long an eager recv waits once for its mapping (PYDATACOPY_ZERO_COPY_PROGRESS)")
       .def_property_readonly_static("DEFAULT_ZERO_COPY_WAIT_SECONDS",
                                     [](py::object) { return SendRecvEngine::kDefaultZeroCopyWaitSeconds; })
+      .def("copy_engine_status", &SendRecvEngine::copy_engine_status, release_gil(),
+           "the copy engine's sends: 'on from N bytes', or 'off: ' and why")
       .def("stats", [](SendRecvEngine& self) {
              const std::vector<SendRecvEngine::PeerStats> all = [&self] {
                py::gil_scoped_release release;  // the engine's lock
@@ -168,7 +170,7 @@ void bind_send_recv(py::module_& m) {
                py::dict d;
                d["peer"] = s.peer;
                d["send_one_copy"] = s.send_one_copy, d["send_staged"] = s.send_staged;
-               d["send_low_latency"] = s.send_low_latency;
+               d["send_low_latency"] = s.send_low_latency, d["send_copy_engine"] = s.send_copy_engine;
                d["recv_one_copy"] = s.recv_one_copy, d["recv_staged"] = s.recv_staged;
                d["recv_low_latency"] = s.recv_low_latency;
                d["map_requests"] = s.map_requests, d["not_exportable"] = s.not_exportable;
@@ -184,7 +186,7 @@ void bind_send_recv(py::module_& m) {
                return self.zero_copy_counters();
              }();
              static const char* names[] = {"send_staged", "send_zero_copy", "recv_staged", "recv_zero_copy",
-                                           "send_low_latency", "recv_low_latency",
+                                           "send_low_latency", "recv_low_latency", "send_copy_engine",
                                            "map_requests", "acked", "refused", "not_exportable",
                                            "stale_dropped", "evicted", "opened", "closed",
                                            "chunk_requests", "chunks_acked", "chunks_dropped",

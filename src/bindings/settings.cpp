@@ -35,6 +35,7 @@ void bind_settings(py::module_& m) {
   m.attr("NARROW_MESSAGE_BYTES") = s::kNarrowMessageBytes;
   m.attr("DEFAULT_NARROW_SEND_BLOCKS") = s::kDefaultNarrowSendBlocks;
   m.attr("DEFAULT_ZERO_COPY_MIN_BYTES") = s::kDefaultZeroCopyMinBytes;
+  m.attr("DEFAULT_COPY_ENGINE_MIN_BYTES") = s::kDefaultCopyEngineMinBytes;
   m.attr("ZERO_COPY_FALLBACK_WAIT_NS") = s::kZeroCopyFallbackWaitNs;
   m.attr("ZERO_COPY_FALLBACK_LONG_WAIT_NS") = s::kZeroCopyFallbackLongWaitNs;
   m.attr("LATE_POST_NS") = s::kLatePostNs;

@@ -581,6 +581,49 @@ void test_expandable_recv_spanning_chunks_moves_once() {
   check(d.zero_copy && p.table[d.index] == mirror && p.vmm.sender_reserved.size() == 1, "into the same mirror");
 }
 
+// The copy engine's guess (send_recv.hpp, "The copy engine") is used only where the sender maps
+// the receiver's memory now: an allocation in the table, whole; never one that was unmapped.
+void test_maps_says_where_the_sender_maps_the_receiver() {
+  Pair p;
+  p.cuda.allocate(kBase, kBytes);
+  const void* dst = at(kBase + 4096);
+  p.exporter.prepare(dst, 1 << 20, false);
+  check(!p.importer.maps(0x7000, 16), "nothing is mapped before the first answer");
+  p.importer.drain();
+  const zc::Exporter::Decision d = p.exporter.prepare(dst, 1 << 20, false);
+  check(d.zero_copy, "mapped");
+  const uint64_t mapped = p.table[d.index];
+  check(p.importer.maps(mapped, kBytes), "the whole allocation");
+  check(p.importer.maps(mapped + 4096, 1 << 20), "a range inside it");
+  check(!p.importer.maps(mapped + kBytes - 16, 17), "not one byte past its end");
+  check(!p.importer.maps(mapped - 1, 2), "nor before its start");
+  check(!p.importer.maps(~uint64_t{0} - 4, 16), "a range that wraps is no range");
+  // Freed and reused (another buffer ID): the sender clears the entry; the mapping waits, unmapped,
+  // for an idle channel before it closes, and is no target meanwhile.
+  p.cuda.release(kBase);
+  p.cuda.allocate(kBase, kBytes);
+  p.cuda.send_idle = false;
+  p.exporter.prepare(dst, 1 << 20, false);
+  p.importer.drain();
+  check(p.table[d.index] == 0, "the stale entry is cleared");
+  check(!p.importer.maps(mapped, 1 << 20), "an unmapped allocation is no target, closed or not");
+}
+
+void test_maps_needs_every_chunk_of_a_mirror_range() {
+  VmmPair p;
+  p.reservation_with(4);
+  const void* dst = at(kReservation);
+  p.call(dst, 2 * kChunk, false);  // chunks 0 and 1
+  p.importer.drain();
+  const zc::Exporter::Decision d = p.call(dst, 2 * kChunk, false);
+  check(d.zero_copy, "two chunks mapped");
+  const uint64_t mirror = p.table[d.index];
+  check(p.importer.maps(mirror, 2 * kChunk), "the two chunks mapped, one range");
+  check(p.importer.maps(mirror + kChunk - 8, 16), "a range across the two");
+  check(!p.importer.maps(mirror + kChunk, kChunk + 1), "not into chunk 2, which is not mapped");
+  check(!p.importer.maps(mirror + 3 * kChunk, 16), "nor chunk 3");
+}
+
 void test_expandable_chunk_mapped_again_moves_to_a_new_mirror() {
   VmmPair p;
   p.reservation_with(2);
@@ -943,6 +986,8 @@ void test_close_all_releases_mirrors() {
 }  // namespace
 
 int main() {
+  test_maps_says_where_the_sender_maps_the_receiver();
+  test_maps_needs_every_chunk_of_a_mirror_range();
   test_expandable_recv_spanning_chunks_moves_once();
   test_expandable_chunk_mapped_again_moves_to_a_new_mirror();
   test_expandable_memory_that_cannot_be_exported_stays_staged();

@@ -865,3 +865,157 @@ def test_memory_given_back_returns_to_the_driver(world, peer, progress_thread, a
         if allocator == "expandable_segments":
             torch.cuda.memory._set_allocator_settings("expandable_segments:False")
     outcome.agree("memory given back")
+
+
+# ---- the copy engine (send_recv.hpp, "The copy engine") ------------------------------------------
+# A zero-copy send of at least PYDATACOPY_COPY_ENGINE_MIN_BYTES (64 MiB by default) that does not
+# fit the staging is launched as a graph: a probe kernel compares the receiver's target with the
+# host's guess (the channel's last target), the copy engine copies when they agree, the SM kernel
+# when not. The sizes here are above the default cut and above the staging (4 x 8 MiB).
+CE_BYTES = pydatacopy._C.DEFAULT_COPY_ENGINE_MIN_BYTES + 5
+
+
+def test_a_repeated_sendrecv_moves_by_the_copy_engine_byte_exact(world, peer):
+    """Six sendrecvs into one view (an odd offset into a larger buffer, from an odd send offset):
+    every round exact and the bytes around the view untouched; from the third round on, the copy
+    engine moves each message (the first asks for the mapping, the second may still find none, and
+    a guess needs one zero-copy message before it)."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    with outcome.check("the copy engine's status"):
+        status = _send_recv._require_engine("copy_engine_status").copy_engine_status()
+        if _load_store():
+            assert status == f"on from {pydatacopy._C.DEFAULT_COPY_ENGINE_MIN_BYTES} bytes", status
+    storage = torch.zeros(CE_BYTES + 64, dtype=torch.uint8, device="cuda")
+    recv = storage[3:3 + CE_BYTES]
+    before = pydatacopy.stats()
+    rounds = 6
+    for round_ in range(rounds):
+        _sendrecv_exact(outcome, rank, peer, 9000 + round_, CE_BYTES, recv, send_offset=round_ + 1,
+                        what=f"round {round_}")
+        with outcome.check(f"round {round_}: nothing outside the view"):
+            assert torch.count_nonzero(storage[:3]).item() == 0, "a byte before the view was written"
+            assert torch.count_nonzero(storage[3 + CE_BYTES:]).item() == 0, "a byte past the view was written"
+        _step()
+    after = pydatacopy.stats()
+    with outcome.check("the copy engine's count"):
+        moved = {key: after[peer][key] - before[peer][key] for key in after[peer]}
+        if _load_store():
+            assert moved["send_copy_engine"] >= rounds - 3, f"{moved['send_copy_engine']} of {rounds} by the copy engine: {moved}"
+            assert moved["send_copy_engine"] <= moved["send_one_copy"], f"a copy-engine send is a one-copy send: {moved}"
+        else:
+            assert moved["send_copy_engine"] == 0, f"forced RMA used the copy engine: {moved}"
+    outcome.agree("sendrecv by the copy engine")
+
+
+def test_a_wrong_guess_never_writes_into_the_guessed_buffer(world, peer):
+    """Receive buffers that alternate between two places of one allocation: each message's guess is
+    the other place (the last target), mapped and valid, and wrong. The probe must see it and leave
+    the message to the SM kernel; a copy into the guess would overwrite the other place, which
+    holds fresh bytes of its own each round (checked), and leave the receive buffer empty."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    pool = torch.zeros(2 * CE_BYTES + 4096, dtype=torch.uint8, device="cuda")
+    places = [pool[:CE_BYTES], pool[CE_BYTES + 4096 - 7:2 * CE_BYTES + 4096 - 7]]
+    for round_ in range(3):  # the mapping, and a zero-copy message so that there is a guess
+        _sendrecv_exact(outcome, rank, peer, 9100 + round_, CE_BYTES, places[0], what=f"warm-up {round_}")
+        _step()
+    before = pydatacopy.stats()
+    rounds = 6
+    for round_ in range(rounds):
+        recv, other = places[(round_ + 1) % 2], places[round_ % 2]
+        sentinel = _bytes(rank, 9200 + round_, CE_BYTES)
+        other.copy_(sentinel)
+        _sendrecv_exact(outcome, rank, peer, 9300 + round_, CE_BYTES, recv, what=f"round {round_}")
+        with outcome.check(f"round {round_}: the other place"):
+            _assert_bytes(other, sentinel, "the place the guess named")
+        _step()
+    after = pydatacopy.stats()
+    with outcome.check("the paths"):
+        moved = {key: after[peer][key] - before[peer][key] for key in after[peer]}
+        if _load_store():
+            # Each guess named the other place: every message by the SM kernel, one copy still.
+            assert moved["send_copy_engine"] == 0, f"a wrong guess went by the copy engine: {moved}"
+            assert moved["send_one_copy"] == rounds, f"not every message one copy: {moved}"
+    outcome.agree("wrong guesses")
+
+
+def test_one_way_copy_engine_sends_in_a_row_then_the_other_way(world, peer):
+    """Five sends in a row from one PE (no step between: the host runs ahead of the GPU, and reads
+    a guess that may be older than the last message), then five the other way; each checked."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    recv = torch.zeros(CE_BYTES, dtype=torch.uint8, device="cuda")
+    before = pydatacopy.stats()
+    for sender in (0, 1):
+        for round_ in range(5):
+            tag = 9400 + 10 * sender + round_
+            with outcome.check(f"sender {sender}, round {round_}"):
+                if rank == sender:
+                    pydatacopy.send(_bytes(rank, tag, CE_BYTES), peer)
+                else:
+                    pydatacopy.recv(recv, peer)
+                    _assert_bytes(recv, _bytes(peer, tag, CE_BYTES), f"from PE {sender}, round {round_}")
+        _step()
+    after = pydatacopy.stats()
+    with outcome.check("the counts"):
+        moved = {key: after[peer][key] - before[peer][key] for key in after[peer]}
+        total = moved["send_one_copy"] + moved["send_staged"]
+        assert total == 5, f"five sends each way: {moved}"
+        if _load_store():
+            assert moved["send_copy_engine"] >= 2, f"the copy engine never moved a send in a row: {moved}"
+    outcome.agree("one-way copy-engine sends")
+
+
+def test_a_size_mismatch_after_the_copy_engine_engaged_is_an_error_on_both_pes(world, peer):
+    """With the copy engine engaged on the channel (the guess right), the receiver posts one byte
+    less into the same place: the probe refuses the descriptor and both PEs get pydatacopy.Error
+    naming both sizes; nothing is written; the pair works again after setup_send_recv()."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    recv = torch.zeros(CE_BYTES, dtype=torch.uint8, device="cuda")
+    before = pydatacopy.stats()
+    for round_ in range(4):
+        with outcome.check(f"warm-up {round_}"):
+            if rank == 0:
+                pydatacopy.send(_bytes(rank, 9500 + round_, CE_BYTES), peer)
+            else:
+                pydatacopy.recv(recv, peer)
+                _assert_bytes(recv, _bytes(peer, 9500 + round_, CE_BYTES), "warm-up")
+        _step()
+    with outcome.check("engaged"):
+        if rank == 0 and _load_store():
+            assert pydatacopy.stats()[peer]["send_copy_engine"] > before[peer]["send_copy_engine"], \
+                "the copy engine never engaged before the mismatch"
+    outcome.agree("the warm-up")
+    recv.zero_()
+    send_bytes, recv_bytes = CE_BYTES, CE_BYTES - 1
+    with outcome.check("the mismatched send/recv"):
+        if rank == 0:
+            pydatacopy.send(_bytes(rank, 9600, send_bytes), peer, timeout=60)
+        else:
+            pydatacopy.recv(recv[:recv_bytes], peer, timeout=60)
+        torch.cuda.synchronize()
+    dist.barrier()
+    both = rf"({send_bytes}.*{recv_bytes}|{recv_bytes}.*{send_bytes})"
+    if rank == 1:
+        with outcome.expect_error("the receiver's check_errors", both):
+            pydatacopy.check_errors()
+        with outcome.check("nothing delivered"):
+            assert torch.count_nonzero(recv).item() == 0, "the mismatched recv delivered data"
+    else:
+        with outcome.expect_error("the sender", rf"{both}|refused"):
+            pydatacopy.check_errors()
+            pydatacopy.send(_bytes(rank, 9700, 4 * KiB), peer, timeout=60)
+            torch.cuda.synchronize()
+            pydatacopy.check_errors()
+    _step()
+    outcome.agree("the mismatch")
+    pydatacopy.setup_send_recv()
+    _send_recv.set_zero_copy_min_bytes(THRESHOLD)
+    for round_ in range(4):
+        _sendrecv_exact(outcome, rank, peer, 9800 + round_, CE_BYTES, what=f"after setup_send_recv {round_}")
+        _step()
+    with outcome.check("after setup_send_recv"):
+        pydatacopy.check_errors()
+    outcome.agree("the pair after setup_send_recv")

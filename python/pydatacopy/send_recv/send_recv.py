@@ -141,8 +141,9 @@ def stats() -> dict[int, dict[str, int]]:
     """What this PE's send/recv calls did with each other PE since the engine was set up (init()
     or setup_send_recv()), by peer: ops finished by the path their bytes took
     (``send_one_copy``/``recv_one_copy``: zero-copy, from the sender's tensor straight into the
-    receiver's; ``*_staged``: through the receiver's staging, two copies; ``*_low_latency``: small
-    messages, data and flags in the same stores), and the zero-copy bookkeeping with that peer:
+    receiver's; ``send_copy_engine``: those of ``send_one_copy`` the copy engine moved, see
+    docs/zero-copy.md; ``*_staged``: through the receiver's staging, two copies; ``*_low_latency``:
+    small messages, data and flags in the same stores), and the zero-copy bookkeeping with that peer:
     ``map_requests`` (receive allocations, or chunks of torch's expandable segments, this PE asked
     the peer to map), ``not_exportable`` (receive allocations whose memory cannot be exported,
     e.g. a cudaMallocAsync pool's: staged on purpose), ``refused`` (mappings the peer could not

@@ -139,8 +139,22 @@ struct RendezvousDescriptor {
 // The test hook's counters (device memory): ops finished per side and mode.
 enum ZeroCopyCounter {
   kSendStaged = 0, kSendZeroCopy = 1, kRecvStaged = 2, kRecvZeroCopy = 3,
-  kSendLowLatency = 4, kRecvLowLatency = 5, kZeroCopyCounters = 6
+  kSendLowLatency = 4, kRecvLowLatency = 5,
+  kSendCopyEngine = 6,  // zero-copy sends the copy engine moved (counted in kSendZeroCopy too)
+  kZeroCopyCounters = 7
 };
+
+// The copy engine (send_recv.hpp, "The copy engine"): a send launched as a CUDA graph,
+//   probe -> IF (the probe's verdict) { memcpy into the guessed target -> copied } ELSE { ordinary }
+// where each step is the send/recv kernel on the same ops in one of these phases.
+constexpr int kCopyEngineOff = 0;       // an ordinary launch
+constexpr int kCopyEngineProbe = 1;     // one block: posts the batch's recv descriptors; the send takes
+                                        // its descriptor and compares the target with the guess
+constexpr int kCopyEngineCopied = 2;    // after the copy engine moved the send: its done words, and the recvs
+constexpr int kCopyEngineOrdinary = 3;  // the guess was wrong (or no zero-copy): the ordinary kernel,
+                                        // its recv descriptors already posted by the probe
+// The probe's verdict, in the send channel's device word (ChunkStreamArgs::ce_state).
+constexpr unsigned kCopyEngineVerdictCopy = 1, kCopyEngineVerdictOrdinary = 2, kCopyEngineVerdictGaveUp = 3;
 
 // The low-latency protocol (send_recv.hpp): per channel, a ring of kLowLatencySlots slots at the
 // receiver, slot = the message's ordinal modulo the ring. A slot is lines of 8 bytes, each
@@ -233,6 +247,13 @@ struct ChunkStreamArgs {
   const uint64_t* ll_lines;  // recv: this PE's ring from the sender; set on every recv of a low-latency
                              // channel (a staged or zero-copy recv watches it for a sender that sent low-latency)
   uint64_t* peer_ll_credit;  // recv: the sender's credit word for this channel (nvshmem_ptr)
+  // The copy engine (kCopyEngine* above). ce_last_target is set on every send that awaits a
+  // descriptor, the rest only in a copy-engine launch.
+  int ce_phase;              // kCopyEngineOff, Probe, Copied or Ordinary (the same in every op of a launch)
+  uint8_t* ce_guess;         // send: the host's guess of the zero-copy target (the last one's)
+  unsigned int* ce_state;    // send, device: the probe's verdict for the step after the copy
+  uint64_t* ce_last_target;  // send, host-mapped: the channel's last zero-copy target (the next guess)
+  cudaGraphConditionalHandle ce_handle;  // send, probe: the IF node the verdict sets
 };
 
 // Several sends and recvs in one launch, passed by value: 64 ops (about 26 KiB of arguments)
@@ -290,6 +311,15 @@ std::vector<PhaseStampRecord> read_phase_stamps();  // the last kPhaseStampRing 
 // `programmatic`: launch_kernel's (launch.cuh); callers pass programmatic_launch_enabled() for an
 // eager launch, false while capturing.
 void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic);
+// The kernel node of such a launch, for a CUDA graph (the copy engine's steps): its function, grid
+// and parameters for `batch` (at most 2 ops), in `params` (which holds the parameter block the
+// node's kernelParams point at; keep it alive until the node is set).
+struct ChunkBatchNode {
+  cudaKernelNodeParams node;
+  void* args[1];
+  alignas(16) unsigned char storage[2 * sizeof(ChunkStreamArgs) + 64];
+};
+void chunk_batch_node(const ChunkBatch& batch, ChunkBatchNode& params);
 // Launches may be programmatic (launch.cuh): compute capability 9.0 or later on the current device,
 // the kernels built for sm_90+ (their PTX), and PYDATACOPY_PROGRAMMATIC_LAUNCH neither empty nor 0 (read
 // once per process).

@@ -119,6 +119,12 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
       // as either side's batch may raise it, which the staging allows), and the slices past it end
       // at once.
       if (a.await_descriptor) a.active_blocks = std::max(a.active_blocks, a.zc_slices);
+      // The copy engine's places (launch_copy_engine): where the kernels leave the host its next
+      // guess, and the probe its verdict.
+      if (a.await_descriptor && copy_engine_min_bytes_ != 0 && bytes >= copy_engine_min_bytes_) {
+        a.ce_last_target = zero_copy_->ce_last_target_device + peer;
+        a.ce_state = zero_copy_->ce_state + peer;
+      }
     }
     if (a.low_latency) {
       a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
@@ -295,13 +301,61 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
     for (int i = 0; i < launch.count; ++i)
       order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture,
                               stream_id);
-    kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
+    // A capture keeps the ordinary kernel (its graph would freeze the guess).
+    if (capture != 0 || !launch_copy_engine(launch, stream))
+      kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
     for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
     int channels[kernels::kMaxBatchOps];
     for (int i = 0; i < launch.count; ++i) channels[i] = static_cast<int>(launch.ops[i].sequence - sequences_);
     order_.record_launch(channels, launch.count, stream, capture, stream_id);
   }
   if (refused) std::rethrow_exception(refused);
+}
+
+bool SendRecvEngine::launch_copy_engine(const kernels::ChunkBatch& launch, cudaStream_t stream) {
+  if (copy_engine_min_bytes_ == 0 || zero_copy_ == nullptr || !zero_copy_->copy_engine_off.empty()) return false;
+  if (launch.count < 1 || launch.count > 2) return false;
+  int send = -1;
+  for (int i = 0; i < launch.count; ++i) {
+    if (launch.is_send[i]) {
+      if (send >= 0) return false;  // one send a launch: one copy, one verdict
+      send = i;
+    } else if (launch.ops[i].zero_copy && launch.ops[i].zc_fallback) {
+      return false;  // its post takes the bounded wait's verdict (zero_copy.cuh), which the probe does not
+    }
+  }
+  if (send < 0) return false;
+  const kernels::ChunkStreamArgs& s = launch.ops[send];
+  // A message that fits the staging may fall back to staged after a bounded wait: not here.
+  if (!s.await_descriptor || s.zc_fallback || s.low_latency || s.ce_state == nullptr || s.ce_last_target == nullptr)
+    return false;
+  // The guess: the channel's last zero-copy target (0: none yet). The probe checks it against the
+  // receiver's descriptor before the copy engine writes anything.
+  const uint64_t guess = *reinterpret_cast<volatile uint64_t*>(zero_copy_->ce_last_target_host + s.peer);
+  if (guess == 0 || !zero_copy_->importers[static_cast<std::size_t>(s.peer)]->maps(guess, static_cast<std::size_t>(s.bytes)))
+    return false;  // none yet, or memory this PE no longer maps (the copy node must not be set to it)
+  copy_engine::Call call;
+  call.ordinary = launch;
+  for (int i = 0; i < call.ordinary.count; ++i) call.ordinary.ops[i].ce_phase = kernels::kCopyEngineOrdinary;
+  call.ordinary.ops[send].ce_guess = reinterpret_cast<uint8_t*>(guess);
+  call.probe = call.ordinary;
+  for (int i = 0; i < call.probe.count; ++i) {
+    call.probe.ops[i].ce_phase = kernels::kCopyEngineProbe;
+    call.probe.ops[i].active_blocks = call.probe.ops[i].page_slices = 1;  // one block
+  }
+  call.copied = call.ordinary;
+  for (int i = 0; i < call.copied.count; ++i) call.copied.ops[i].ce_phase = kernels::kCopyEngineCopied;
+  // The send has nothing left but its done words: one slice (its channel holds only this op).
+  kernels::ChunkStreamArgs& copied = call.copied.ops[send];
+  copied.active_blocks = copied.page_slices = copied.channel_blocks = 1;
+  call.target = reinterpret_cast<void*>(guess);
+  call.src = s.src;
+  call.bytes = static_cast<std::size_t>(s.bytes);
+  std::string why;
+  const cudaError_t e = zero_copy_->ce_graphs[static_cast<std::size_t>(s.peer)].launch(call, stream, why);
+  if (e == cudaSuccess) return true;
+  zero_copy_->copy_engine_off = why + ": " + cudaGetErrorString(e);
+  return false;
 }
 
 }  // namespace pydatacopy

@@ -14,6 +14,7 @@
 
 #include "pydatacopy/error.hpp"
 #include "send_recv/progress_thread.hpp"
+#include "send_recv/zero_copy_state.hpp"
 
 namespace pydatacopy {
 
@@ -193,6 +194,16 @@ std::vector<uint64_t> SendRecvEngine::zero_copy_counters() {
 std::vector<SendRecvEngine::PeerStats> SendRecvEngine::stats() {
   Lock lock(mutex_);
   return peer_stats_locked();
+}
+
+std::string SendRecvEngine::copy_engine_status() {
+  Lock lock(mutex_);
+  if (base_ == nullptr) return "off: the send/recv engine is not set up";
+  if (copy_engine_min_bytes_ == 0) return "off: PYDATACOPY_COPY_ENGINE_MIN_BYTES=0";
+  if (zero_copy_min_bytes_ == 0) return "off: zero-copy is off (PYDATACOPY_ZERO_COPY_MIN_BYTES=0)";
+  if (zero_copy_ != nullptr && !zero_copy_->copy_engine_off.empty())
+    return "off: CUDA refused its graph (" + zero_copy_->copy_engine_off + ")";
+  return "on from " + std::to_string(copy_engine_min_bytes_) + " bytes";
 }
 
 }  // namespace pydatacopy

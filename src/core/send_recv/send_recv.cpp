@@ -157,7 +157,10 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // PYDATACOPY_ZERO_COPY_PROGRESS too: a receiver waits for answers that its sender's thread gives,
   // so PEs that disagree would wait for nothing; a value one PE cannot read refuses on every PE.
   constexpr uint64_t kForcedBit = 1ull << 31, kProgressBit = 1ull << 30, kProgressUnreadableBit = 1ull << 29;
-  constexpr uint64_t kGridCapMask = kProgressUnreadableBit - 1;  // a grid cap is far below 2^29
+  // PYDATACOPY_COPY_ENGINE_MIN_BYTES is this PE's alone (only a sender decides), but a value one PE
+  // cannot read refuses on every PE, as the others do.
+  constexpr uint64_t kCopyEngineUnreadableBit = 1ull << 28;
+  constexpr uint64_t kGridCapMask = kCopyEngineUnreadableBit - 1;  // a grid cap is far below 2^28
   const bool forced = rma_forced();
   bool progress = false;
   std::string progress_unreadable;
@@ -166,6 +169,10 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   } catch (const std::exception& error) {
     progress_unreadable = error.what();
   }
+  std::string copy_engine_unreadable;
+  const std::size_t copy_engine_min_bytes = read_setting(
+      [] { return static_cast<std::size_t>(settings::value("PYDATACOPY_COPY_ENGINE_MIN_BYTES").integer); },
+      copy_engine_unreadable);
   // PYDATACOPY_NARROW_SEND_BLOCKS too (it cuts messages under 64 MiB): voted beside `blocks` in
   // the word's high half, 0 where this PE cannot read it (its range starts at 1).
   std::string narrow_unreadable;
@@ -181,7 +188,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   const std::vector<uint64_t> votes = barrier_all_blocking(
       "SendRecvEngine.init (collective: every PE must set up send/recv)", default_timeout_seconds(),
       (blocks_vote << 32) | (forced ? kForcedBit : 0) | (progress ? kProgressBit : 0) |
-          (progress_unreadable.empty() ? 0 : kProgressUnreadableBit) | (static_cast<uint32_t>(my_cap) & kGridCapMask));
+          (progress_unreadable.empty() ? 0 : kProgressUnreadableBit) |
+          (copy_engine_unreadable.empty() ? 0 : kCopyEngineUnreadableBit) | (static_cast<uint32_t>(my_cap) & kGridCapMask));
   int grid_cap = my_cap;
   PDC_REQUIRE(narrow_unreadable.empty(), narrow_unreadable << " (every PE refuses: nothing was allocated on any PE)");
   for (std::size_t pe = 0; pe < votes.size(); ++pe) {
@@ -195,6 +203,11 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
                                            << their_narrow << " and this PE with " << narrow_blocks
                                            << "; every PE must use the same value (both sides of a message "
                                               "cut it alike). Nothing was allocated on any PE");
+    PDC_REQUIRE((votes[pe] & kCopyEngineUnreadableBit) == 0,
+                "SendRecvEngine.init: PE " << pe << " cannot read PYDATACOPY_COPY_ENGINE_MIN_BYTES"
+                                           << (copy_engine_unreadable.empty() ? "" : " (here: " + copy_engine_unreadable + ")")
+                                           << "; every PE refuses. Set a valid value or unset it. Nothing was "
+                                              "allocated on any PE");
     PDC_REQUIRE((votes[pe] & kProgressUnreadableBit) == 0,
                 "SendRecvEngine.init: PE " << pe << " cannot read PYDATACOPY_ZERO_COPY_PROGRESS"
                                            << (progress_unreadable.empty() ? "" : " (here: " + progress_unreadable + ")")
@@ -298,6 +311,8 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   symmetric_bytes_ = total;
   zero_copy_min_bytes_ = min_bytes;
   low_latency_max_bytes_ = ll_max_bytes;
+  // Only the sender decides (its receiver's recv is a zero-copy recv either way): no vote.
+  copy_engine_min_bytes_ = copy_engine_min_bytes;
   PDC_CHECK_CUDA(cudaDeviceSynchronize());
   clear_size_mismatch();  // about channels that no longer exist
   // Zero-copy's host side: the table the send kernels read (host-mapped: the importer updates
@@ -313,6 +328,14 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
                                cudaHostAllocMapped));
   std::memset(state->table_host, 0, table_words * sizeof(uint64_t));
   PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state->table_device), state->table_host, 0));
+  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&state->ce_last_target_host), pes * sizeof(uint64_t),
+                               cudaHostAllocMapped));
+  std::memset(state->ce_last_target_host, 0, pes * sizeof(uint64_t));
+  PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state->ce_last_target_device),
+                                          state->ce_last_target_host, 0));
+  PDC_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&state->ce_state), pes * sizeof(unsigned int)));
+  PDC_CHECK_CUDA(cudaMemset(state->ce_state, 0, pes * sizeof(unsigned int)));
+  state->ce_graphs.resize(static_cast<std::size_t>(pes));
   const int me = my_pe();
   auto table_of = [&state](int peer) {
     return state->table_host + static_cast<std::size_t>(peer) * zero_copy::kTableEntries;
@@ -493,6 +516,7 @@ std::vector<SendRecvEngine::PeerStats> SendRecvEngine::peer_stats_locked() {
     s.peer = peer;
     s.send_one_copy = c[kernels::kSendZeroCopy], s.send_staged = c[kernels::kSendStaged];
     s.send_low_latency = c[kernels::kSendLowLatency];
+    s.send_copy_engine = c[kernels::kSendCopyEngine];
     s.recv_one_copy = c[kernels::kRecvZeroCopy], s.recv_staged = c[kernels::kRecvStaged];
     s.recv_low_latency = c[kernels::kRecvLowLatency];
     const auto& x = zero_copy_->exporters[peer]->stats();
@@ -561,6 +585,7 @@ void SendRecvEngine::swap_state(SendRecvEngine& other) noexcept {
   swap(zc_counts_, other.zc_counts_);
   swap(zero_copy_min_bytes_, other.zero_copy_min_bytes_);
   swap(low_latency_max_bytes_, other.low_latency_max_bytes_);
+  swap(copy_engine_min_bytes_, other.copy_engine_min_bytes_);
   swap(ll_filled_, other.ll_filled_);
   swap(zero_copy_, other.zero_copy_);
   // The backend asks the engine's own channel events.

@@ -471,7 +471,7 @@ bool Importer::serve(const Request& request) {
       return true;
     }
     ++stats_.opened;
-    it = mappings_.emplace(key, Mapping{mapped, 0}).first;
+    it = mappings_.emplace(key, Mapping{mapped, 0, static_cast<std::size_t>(request.bytes)}).first;
   }
   ++it->second.refs;
   table_[request.index] = reinterpret_cast<uint64_t>(it->second.mapped);
@@ -637,6 +637,30 @@ void Importer::serve_deferred(bool idle) {
       map_chunk(d.request, d.fd);  // in order among those that can go now
     }
   }
+}
+
+bool Importer::maps(uint64_t address, std::size_t bytes) const {
+  const uint64_t end = address + bytes;
+  if (end < address) return false;
+  for (const auto& entry : mappings_) {  // CUDA IPC: whole allocations
+    const Mapping& m = entry.second;
+    const auto base = reinterpret_cast<uint64_t>(m.mapped);
+    if (m.refs > 0 && m.mapped != nullptr && address >= base && end <= base + m.bytes) return true;
+  }
+  for (const auto& entry : mirrors_) {  // virtual-memory chunks: every byte's chunk mapped
+    const Mirror& mirror = entry.second;
+    if (address < mirror.address || end > mirror.address + mirror.bytes) continue;
+    uint64_t at = address;
+    for (const auto& chunk : mirror.chunks) {
+      const uint64_t from = mirror.address + chunk.first, to = from + chunk.second.bytes;
+      if (to <= at) continue;
+      if (from > at) return false;  // a hole
+      at = to;
+      if (at >= end) return true;
+    }
+    return false;
+  }
+  return false;
 }
 
 void Importer::close_all() {

@@ -326,6 +326,10 @@ class Importer {
   void close_all();
   const Stats& stats() const { return stats_; }
   int open_handles() const { return static_cast<int>(mappings_.size()); }
+  // Whether [address, address + bytes) lies in what this PE maps of the receiver's memory now (an
+  // allocation in the table, or chunks of a mirror, every byte's mapped): a guess of the copy
+  // engine's target must, before a copy node is set to it (send_recv.hpp, "The copy engine").
+  bool maps(uint64_t address, std::size_t bytes) const;
   int pending_closes() const { return static_cast<int>(closing_.size() + chunk_closing_.size()); }
   int deferred_chunks() const { return static_cast<int>(deferred_.size()); }
   int mapped_chunks() const {
@@ -337,7 +341,8 @@ class Importer {
  private:
   struct Mapping {
     void* mapped = nullptr;
-    int refs = 0;
+    int refs = 0;            // table entries holding it (0: unmapped, not closed yet)
+    std::size_t bytes = 0;   // the allocation's
   };
   struct MappedChunk {
     std::size_t bytes = 0;

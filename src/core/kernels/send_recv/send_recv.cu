@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -308,6 +309,65 @@ __device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& fir
   since = detail::globaltimer_ns();
 }
 
+// Thread 0 of the probe's one block (kCopyEngineProbe): the batch's recv descriptors go out (their
+// ops wait in the step after the copy, which does not post them again), and the send (at most one
+// per launch, the host's rule) takes its descriptor. When its receiver posted zero-copy at exactly
+// the host's guess, every part of the message is marked started (zero_copy_begin's protocol, for
+// all parts at once) and the IF node is set, so that the copy engine moves the message; otherwise
+// the ordinary step does the whole send, as it would have. No channel counter moves here: the next
+// step finds the ops at the same places on their channels. A recv of a refused channel is not
+// posted (the next step gives it up at its start, as it reads the same word).
+__device__ __forceinline__ void copy_engine_probe(const ChunkStreamArgs* ops, const bool* is_send, int count) {
+  for (int i = 0; i < count; ++i) {
+    const ChunkStreamArgs& a = ops[i];
+    uint64_t first = 0, message = 0, since = 0;
+    op_start(a, first, message, since);
+    const bool refused = *reinterpret_cast<volatile uint64_t*>(a.broken) != 0;
+    if (!is_send[i]) {
+      if (a.post_descriptor && !refused) post_descriptor(a, message, first);
+      continue;
+    }
+    if (a.ce_state == nullptr) continue;
+    unsigned verdict = kCopyEngineVerdictOrdinary;
+    if (a.ce_guess != nullptr && a.await_descriptor && !refused) {
+      uint8_t* into = nullptr;
+      int taken = 0;
+      for (;;) {
+        taken = take_descriptor(a, message, first, true, &into);
+        if (taken != 0 || *reinterpret_cast<volatile uint64_t*>(a.broken) != 0) break;
+        if (channel_stalled(a, since)) {  // the ordinary step then finds the channel failed and gives up
+          const RendezvousDescriptor* d = a.ring + message % kRendezvousRing;
+          detail::record_timeout(a.status, detail::WaitOp::kRendezvous, a.peer, a.my_pe, message + 1,
+                                 detail::load_acquire_sys(&d->message));
+          atomicExch(a.failed, 1u);
+          break;
+        }
+      }
+      if (taken == zero_copy_detail::kModeZeroCopy) {
+        moved(a, since);
+        if (a.ce_last_target != nullptr) *reinterpret_cast<volatile uint64_t*>(a.ce_last_target) = reinterpret_cast<uint64_t>(into);
+        if (into == a.ce_guess) {
+          for (int s = 0; s < a.zc_slices; ++s)
+            *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + s) = zero_copy_detail::done_word(message, 0);
+          __threadfence_system();
+          const bool failed = *reinterpret_cast<volatile unsigned int*>(a.failed) != 0 ||
+                              *reinterpret_cast<volatile uint64_t*>(a.broken) != 0;
+          if (failed) {
+            for (int s = 0; s < a.zc_slices; ++s)
+              *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + s) =
+                  zero_copy_detail::done_word(message, zero_copy_detail::kCancel);
+            verdict = kCopyEngineVerdictGaveUp;
+          } else {
+            verdict = kCopyEngineVerdictCopy;
+          }
+        }
+      }
+    }
+    *reinterpret_cast<volatile unsigned int*>(a.ce_state) = verdict;
+    if (verdict == kCopyEngineVerdictCopy) cudaGraphSetConditional(a.ce_handle, 1);
+  }
+}
+
 // The bounded descriptor wait's bounds (api.cuh, set_zero_copy_fallback_waits): held, long. In
 // constant memory: read at every look of a waiting send, without a trip to global memory.
 __constant__ uint64_t c_zero_copy_fallback_waits[2] = {static_cast<uint64_t>(settings::kZeroCopyFallbackWaitNs),
@@ -379,6 +439,11 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     stamp[kEntered] = detail::globaltimer_ns();
   }
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
+  // The copy engine's probe (one block): nothing of the loop below.
+  if (batch.ops[0].ce_phase == kCopyEngineProbe) {
+    if (threadIdx.x == 0) copy_engine_probe(batch.ops, batch.is_send, batch.count);
+    return;
+  }
   if (stamping) {
     stamp[kGridWaited] = detail::globaltimer_ns();
     stamp_slot = take_phase_stamp_slot();  // after the previous launch's blocks are gone: none stamps it any more
@@ -424,7 +489,19 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               : send        ? (a.await_descriptor ? 0 : zero_copy_detail::kModeStaged)
                             : (a.zero_copy ? zero_copy_detail::kModeZeroCopy : zero_copy_detail::kModeStaged);
     target[i] = nullptr;
-    posted[i] = !a.post_descriptor;
+    // After the copy engine's probe, which posted the recv descriptors (a refused channel's recv,
+    // which it did not post, is given up below) and left its verdict on the send.
+    posted[i] = !a.post_descriptor || a.ce_phase != kCopyEngineOff;
+    bool ce_gave_up = false;
+    if (send && a.ce_phase == kCopyEngineCopied) {
+      mode[i] = zero_copy_detail::kModeCopyEngine;
+    } else if (send && a.ce_phase == kCopyEngineOrdinary && a.ce_state != nullptr) {
+      const unsigned verdict = *reinterpret_cast<volatile unsigned int*>(a.ce_state);
+      // (Copy cannot reach this branch of the graph; were it to, the parts are started at the
+      // guess, which the probe checked: the SM copy writes them.)
+      if (verdict == kCopyEngineVerdictCopy) mode[i] = zero_copy_detail::kModeZeroCopy, target[i] = a.ce_guess;
+      ce_gave_up = verdict == kCopyEngineVerdictGaveUp;
+    }
     late_due[i] = false;
     zc_landed[i] = 0;
     awaited_since[i] = 0;
@@ -433,7 +510,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     chunks[i] = chunk_count(a);
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
-    gave_up[i] = broken != 0;
+    gave_up[i] = broken != 0 || ce_gave_up;
     if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
   }
   __syncthreads();
@@ -528,7 +605,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         // (The barrier is taken either way: every thread has read `chunk` before thread 0 may
         // change next[i][j] in this visit.)
         const bool zero_copy_under_way =
-            mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i]);
+            (mode[i] == zero_copy_detail::kModeZeroCopy && (send ? chunk > 0 : slice != 0 || posted[i])) ||
+            mode[i] == zero_copy_detail::kModeCopyEngine;  // its bytes are there: the parts must say final
         // Read before the barrier below, after which thread 0 may change posted[i] and mode[i]:
         // every thread must take the same branches (each holds a __syncthreads).
         const bool post_now = !send && slice == 0 && !posted[i] && (!a.post_late || late_due[i]);
@@ -596,6 +674,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
               }
             }
             if (taken > 0) mode[i] = taken, target[i] = into;
+            // The host's next guess of a copy-engine send (a store into host memory, once a message).
+            if (taken == zero_copy_detail::kModeZeroCopy && block == 0 && a.ce_last_target != nullptr)
+              *reinterpret_cast<volatile uint64_t*>(a.ce_last_target) = reinterpret_cast<uint64_t>(into);
             if (stamping && i == 0 && taken > 0) stamp[kRendezvous] = detail::globaltimer_ns();
             if (taken < 0) next[i][j] = chunks[i], gave_up[i] = true;
             if (taken != 0) {
@@ -616,6 +697,15 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             __syncthreads();
             continue;
           }
+        }
+        if (mode[i] == zero_copy_detail::kModeCopyEngine) {  // a send on one slice (the host's rule)
+          if (threadIdx.x == 0) {
+            copy_engine_done(a, message[i]);
+            next[i][j] = chunks[i];
+            moved(a, since[i]);
+          }
+          __syncthreads();
+          continue;
         }
         if (mode[i] == low_latency_detail::kModeLowLatency) {
           if (send) {
@@ -805,11 +895,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       const ChunkStreamArgs& a = batch.ops[i];
       if (gave_up[i] || a.zc_counters == nullptr || *reinterpret_cast<volatile unsigned int*>(a.failed) != 0)
         continue;
-      const bool zero_copy = mode[i] == zero_copy_detail::kModeZeroCopy;
+      const bool copy_engine = mode[i] == zero_copy_detail::kModeCopyEngine;
+      const bool zero_copy = mode[i] == zero_copy_detail::kModeZeroCopy || copy_engine;
       const bool low_latency = mode[i] == low_latency_detail::kModeLowLatency;
       const int counter = batch.is_send[i] ? (low_latency ? kSendLowLatency : zero_copy ? kSendZeroCopy : kSendStaged)
                                            : (low_latency ? kRecvLowLatency : zero_copy ? kRecvZeroCopy : kRecvStaged);
       atomicAdd(a.zc_counters + counter, 1ull);
+      if (copy_engine) atomicAdd(a.zc_counters + kSendCopyEngine, 1ull);
     }
   }
   if (stamping) stamp[kCountersDone] = detail::globaltimer_ns();
@@ -984,14 +1076,38 @@ cudaError_t launch_sized(const ChunkBatch& batch, int blocks, cudaStream_t strea
   return launch_kernel(chunk_batch_kernel<kCapacity>, dim3(blocks), dim3(kThreads), 0, stream, programmatic, sized);
 }
 
-void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic) {
-  int slices = 0;  // block b drives slices b, b + grid, ... of every op
+namespace {
+// The launch's blocks (0: nothing to launch): block b drives slices b, b + grid, ... of every op.
+// No more blocks than can be resident at once (a block that waits its turn would hold its
+// slices' peers back until a block ahead of it ends), and no more slices than a block holds.
+int chunk_batch_blocks(const ChunkBatch& batch) {
+  int slices = 0;
   for (int i = 0; i < batch.count; ++i) slices = max(slices, batch.ops[i].active_blocks);
-  if (slices == 0) return;
-  // No more blocks than can be resident at once (a block that waits its turn would hold its
-  // slices' peers back until a block ahead of it ends), and no more slices than a block holds.
+  if (slices == 0) return 0;
   const int least = (slices + kMaxSlicesPerBlock - 1) / kMaxSlicesPerBlock;
-  const int blocks = max(least, min(slices, max(1, batch.max_grid)));
+  return max(least, min(slices, max(1, batch.max_grid)));
+}
+}  // namespace
+
+void chunk_batch_node(const ChunkBatch& batch, ChunkBatchNode& params) {
+  static_assert(sizeof(SizedBatch<2>) <= sizeof(params.storage), "ChunkBatchNode holds a batch of 2 ops");
+  PDC_REQUIRE(batch.count >= 1 && batch.count <= 2, "a copy-engine launch holds 1 or 2 ops, got " << batch.count);
+  SizedBatch<2>* sized = new (params.storage) SizedBatch<2>{};
+  for (int i = 0; i < batch.count; ++i) sized->ops[i] = batch.ops[i], sized->is_send[i] = batch.is_send[i];
+  sized->count = batch.count;
+  params.args[0] = sized;
+  params.node = cudaKernelNodeParams{};
+  params.node.func = reinterpret_cast<void*>(chunk_batch_kernel<2>);
+  params.node.gridDim = dim3(static_cast<unsigned>(max(1, chunk_batch_blocks(batch))));
+  params.node.blockDim = dim3(kThreads);
+  params.node.sharedMemBytes = 0;
+  params.node.kernelParams = params.args;
+  params.node.extra = nullptr;
+}
+
+void launch_chunk_batch(const ChunkBatch& batch, cudaStream_t stream, bool programmatic) {
+  const int blocks = chunk_batch_blocks(batch);
+  if (blocks == 0) return;
   const cudaError_t launched =
       batch.count <= 2             ? launch_sized<2>(batch, blocks, stream, programmatic)
       : batch.count <= kMidBatchOps ? launch_sized<kMidBatchOps>(batch, blocks, stream, programmatic)

@@ -10,6 +10,8 @@
 
 namespace zero_copy_detail {
 constexpr int kModeStaged = 1, kModeZeroCopy = 2;
+// A send the copy engine moved (the copy-engine graph's step after its copy: kCopyEngineCopied).
+constexpr int kModeCopyEngine = 4;  // beside low_latency_detail's kModeLowLatency (3)
 // A sender slice's done word: (message + 1) << 24 | chunks written: 0 once the slice has
 // started the message (before it writes anything), kCancel when it gave the message up before
 // writing anything, kFinal once all its writes landed. Words only grow, so a later message never
@@ -366,4 +368,15 @@ __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, ui
   const int result = verdict;
   __syncthreads();  // every thread has read it before the next visit's thread 0 writes it
   return result;
+}
+
+// ---- The copy engine (send_recv.hpp, "The copy engine") --------------------------------------
+
+// Thread 0, the step after the copy engine moved a send (kCopyEngineCopied): every part of the
+// message final. The copy completed before this kernel started (the graph's edge); the fence
+// orders that before the words for a reader on another GPU as for one on this.
+__device__ __forceinline__ void copy_engine_done(const ChunkStreamArgs& a, uint64_t message) {
+  __threadfence_system();
+  for (int s = 0; s < a.zc_slices; ++s)
+    *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + s) = zero_copy_detail::done_word(message, zero_copy_detail::kFinal);
 }

@@ -1,0 +1,97 @@
+#include "send_recv/copy_engine.hpp"
+
+#include <utility>
+
+namespace pydatacopy::copy_engine {
+
+Graph::~Graph() {
+  // A launch in flight completes first (the driver defers the release of an executing graph).
+  if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  if (graph_ != nullptr) cudaGraphDestroy(graph_);
+}
+
+void Graph::swap(Graph& other) noexcept {
+  std::swap(graph_, other.graph_);
+  std::swap(exec_, other.exec_);
+  std::swap(handle_, other.handle_);
+  std::swap(probe_, other.probe_);
+  std::swap(copy_, other.copy_);
+  std::swap(copied_, other.copied_);
+  std::swap(ordinary_, other.ordinary_);
+}
+
+namespace {
+void set_handle(kernels::ChunkBatch& batch, cudaGraphConditionalHandle handle) {
+  for (int i = 0; i < batch.count; ++i) batch.ops[i].ce_handle = handle;
+}
+}  // namespace
+
+cudaError_t Graph::build(Call& call, std::string& why) {
+  const auto failed = [&](cudaError_t e, const char* step) {
+    why = step;
+    cudaGetLastError();
+    Graph gone;
+    swap(gone);  // whatever was made goes
+    return e;
+  };
+  cudaError_t e = cudaGraphCreate(&graph_, 0);
+  if (e != cudaSuccess) return failed(e, "cudaGraphCreate");
+  // Reset to 0 at every launch: only a probe that found the guess right sets it.
+  e = cudaGraphConditionalHandleCreate(&handle_, graph_, 0, cudaGraphCondAssignDefault);
+  if (e != cudaSuccess) return failed(e, "cudaGraphConditionalHandleCreate");
+  set_handle(call.probe, handle_);
+  kernels::ChunkBatchNode node;
+  kernels::chunk_batch_node(call.probe, node);
+  e = cudaGraphAddKernelNode(&probe_, graph_, nullptr, 0, &node.node);
+  if (e != cudaSuccess) return failed(e, "cudaGraphAddKernelNode (probe)");
+  cudaGraphNodeParams branch{};
+  branch.type = cudaGraphNodeTypeConditional;
+  branch.conditional.handle = handle_;
+  branch.conditional.type = cudaGraphCondTypeIf;
+  branch.conditional.size = 2;  // [0]: the guess was right, [1]: it was not
+  cudaGraphNode_t conditional = nullptr;
+  e = cudaGraphAddNode(&conditional, graph_, &probe_, nullptr, 1, &branch);
+  if (e != cudaSuccess) return failed(e, "cudaGraphAddNode (IF/ELSE)");
+  cudaGraph_t right = branch.conditional.phGraph_out[0], wrong = branch.conditional.phGraph_out[1];
+  e = cudaGraphAddMemcpyNode1D(&copy_, right, nullptr, 0, call.target, call.src, call.bytes, cudaMemcpyDeviceToDevice);
+  if (e != cudaSuccess) return failed(e, "cudaGraphAddMemcpyNode1D");
+  kernels::chunk_batch_node(call.copied, node);
+  e = cudaGraphAddKernelNode(&copied_, right, &copy_, 1, &node.node);
+  if (e != cudaSuccess) return failed(e, "cudaGraphAddKernelNode (copied)");
+  kernels::chunk_batch_node(call.ordinary, node);
+  e = cudaGraphAddKernelNode(&ordinary_, wrong, nullptr, 0, &node.node);
+  if (e != cudaSuccess) return failed(e, "cudaGraphAddKernelNode (ordinary)");
+  e = cudaGraphInstantiate(&exec_, graph_, 0);
+  if (e != cudaSuccess) return failed(e, "cudaGraphInstantiate");
+  return cudaSuccess;
+}
+
+cudaError_t Graph::launch(Call& call, cudaStream_t stream, std::string& why) {
+  if (exec_ == nullptr) {
+    if (cudaError_t e = build(call, why); e != cudaSuccess) return e;
+  } else {
+    set_handle(call.probe, handle_);
+  }
+  const auto failed = [&](cudaError_t e, const char* step) {
+    why = step;
+    cudaGetLastError();
+    return e;
+  };
+  kernels::ChunkBatchNode node;
+  kernels::chunk_batch_node(call.probe, node);
+  cudaError_t e = cudaGraphExecKernelNodeSetParams(exec_, probe_, &node.node);
+  if (e != cudaSuccess) return failed(e, "cudaGraphExecKernelNodeSetParams (probe)");
+  e = cudaGraphExecMemcpyNodeSetParams1D(exec_, copy_, call.target, call.src, call.bytes, cudaMemcpyDeviceToDevice);
+  if (e != cudaSuccess) return failed(e, "cudaGraphExecMemcpyNodeSetParams1D");
+  kernels::chunk_batch_node(call.copied, node);
+  e = cudaGraphExecKernelNodeSetParams(exec_, copied_, &node.node);
+  if (e != cudaSuccess) return failed(e, "cudaGraphExecKernelNodeSetParams (copied)");
+  kernels::chunk_batch_node(call.ordinary, node);
+  e = cudaGraphExecKernelNodeSetParams(exec_, ordinary_, &node.node);
+  if (e != cudaSuccess) return failed(e, "cudaGraphExecKernelNodeSetParams (ordinary)");
+  e = cudaGraphLaunch(exec_, stream);
+  if (e != cudaSuccess) return failed(e, "cudaGraphLaunch");
+  return cudaSuccess;
+}
+
+}  // namespace pydatacopy::copy_engine
