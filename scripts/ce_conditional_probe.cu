@@ -134,6 +134,23 @@ static int run_import(const char* path) {
   std::printf("instantiate: %s\n", cudaGetErrorString(inst));
   if (inst != cudaSuccess) return 1;
 
+  // The same three steps without the conditional (kernel -> memcpy -> kernel): whether a memcpy
+  // node inside a conditional body runs slower than one at the top of a graph (a body is launched
+  // from the device; if its memcpy became a kernel, its time would grow with the bytes).
+  cudaGraph_t plain_graph;
+  CHECK(cudaGraphCreate(&plain_graph, 0));
+  cudaGraphNode_t plain_first, plain_copy, plain_last;
+  cudaKernelNodeParams fp{};
+  fp.func = reinterpret_cast<void*>(finish);
+  fp.gridDim = dim3(1);
+  fp.blockDim = dim3(1);
+  fp.kernelParams = finish_args;
+  CHECK(cudaGraphAddKernelNode(&plain_first, plain_graph, nullptr, 0, &fp));
+  CHECK(cudaGraphAddMemcpyNode1D(&plain_copy, plain_graph, &plain_first, 1, peer, src, kMaxBytes, cudaMemcpyDeviceToDevice));
+  CHECK(cudaGraphAddKernelNode(&plain_last, plain_graph, &plain_copy, 1, &fp));
+  cudaGraphExec_t plain_exec;
+  CHECK(cudaGraphInstantiate(&plain_exec, plain_graph, 0));
+
   auto set_call = [&](uint8_t* dst, const uint8_t* from, size_t bytes) {
     // Per call: the decision kernel's arguments (as the real one's would change) and the copy.
     void* args[] = {&handle, &verdict, &counters};
@@ -176,7 +193,7 @@ static int run_import(const char* path) {
   // Timing: GPU time per call (events around kReps calls) and host time per call (update + launch).
   constexpr int kReps = 20;
   for (size_t bytes : {size_t{4096}, size_t{1} << 20, size_t{16} << 20, size_t{64} << 20, size_t{256} << 20}) {
-    std::vector<double> bare, graphed, host_us;
+    std::vector<double> bare, graphed, host_us, plain;
     for (int trial = 0; trial < 7; ++trial) {
       CHECK(cudaEventRecord(e0, stream));
       for (int i = 0; i < kReps; ++i) CHECK(cudaMemcpyAsync(peer, src, bytes, cudaMemcpyDeviceToDevice, stream));
@@ -199,7 +216,20 @@ static int run_import(const char* path) {
       CHECK(cudaEventElapsedTime(&ms, e0, e1));
       graphed.push_back(ms * 1000.0 / kReps);
       host_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count() / kReps);
+      CHECK(cudaEventRecord(e0, stream));
+      for (int i = 0; i < kReps; ++i) {
+        const size_t off = (i & 1) * 256;
+        CHECK(cudaGraphExecMemcpyNodeSetParams1D(plain_exec, plain_copy, peer + off, src + off, bytes - off,
+                                                 cudaMemcpyDeviceToDevice));
+        CHECK(cudaGraphLaunch(plain_exec, stream));
+      }
+      CHECK(cudaEventRecord(e1, stream));
+      CHECK(cudaEventSynchronize(e1));
+      CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      plain.push_back(ms * 1000.0 / kReps);
     }
+    std::printf("bytes %10zu: kernel -> memcpy -> kernel, no conditional: %8.1f us (%.3fx)\n", bytes, median(plain),
+                median(plain) / median(bare));
     // the host cost alone: updates + launches queued behind nothing long (GPU may be the limit for large sizes)
     std::printf("bytes %10zu: bare memcpy %8.1f us, decide+IF{memcpy}+finish %8.1f us (%.3fx), host update+launch %.2f us/call\n",
                 bytes, median(bare), median(graphed), median(graphed) / median(bare), median(host_us));
