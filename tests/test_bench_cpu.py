@@ -83,7 +83,8 @@ def test_the_table_and_csv_show_p99_beside_us(tmp_path, capsys):
     assert markdown[2].startswith("| send/recv | default | one | 4K | 10.0 | 25.0 |")
 
 
-SEND_RECV_OPS = {"sendrecv_default": "default", "sendrecv": "zero-copy", "sendrecv_staged": "staged",
+SEND_RECV_OPS = {"sendrecv_default": "default", "sendrecv": "zero-copy", "sendrecv_ce": "copy-engine",
+                 "sendrecv_staged": "staged",
                  "sendrecv_ll": "low-latency", "sendrecv_distributed": "torch.distributed (default)",
                  "sendrecv_distributed_python": "torch.distributed Python group"}
 
@@ -97,11 +98,13 @@ def test_every_send_recv_path_has_its_op_and_the_default_row_runs_first():
 
 
 class _FakeEngineSettings:
-    """The two cuts of pydatacopy.send_recv.send_recv, kept here: what engine_cuts sets."""
+    """The cuts of pydatacopy.send_recv.send_recv, kept here: what engine_cuts sets."""
 
-    def __init__(self, monkeypatch, zero_copy_min: int, low_latency_max: int):
-        self.zero_copy_min, self.low_latency_max = zero_copy_min, low_latency_max
+    def __init__(self, monkeypatch, zero_copy_min: int, low_latency_max: int, copy_engine_min: int = 64 << 20):
+        self.zero_copy_min, self.low_latency_max, self.copy_engine_min = zero_copy_min, low_latency_max, copy_engine_min
         module = bench_send_recv._send_recv
+        monkeypatch.setattr(module, "copy_engine_min_bytes", lambda: self.copy_engine_min)
+        monkeypatch.setattr(module, "set_copy_engine_min_bytes", lambda n: setattr(self, "copy_engine_min", n))
         monkeypatch.setattr(module, "zero_copy_min_bytes", lambda: self.zero_copy_min)
         monkeypatch.setattr(module, "low_latency_max_bytes", lambda: self.low_latency_max, raising=False)
         monkeypatch.setattr(module, "set_zero_copy_min_bytes", lambda n: setattr(self, "zero_copy_min", n))
@@ -109,15 +112,19 @@ class _FakeEngineSettings:
                             raising=False)
 
 
-def test_a_forced_row_sets_both_cuts_and_puts_back_the_ones_before(monkeypatch):
+def test_a_forced_row_sets_the_cuts_and_puts_back_the_ones_before(monkeypatch):
     engine = _FakeEngineSettings(monkeypatch, zero_copy_min=32 << 20, low_latency_max=16 << 10)
+    cuts = lambda: (engine.zero_copy_min, engine.low_latency_max, engine.copy_engine_min)  # noqa: E731
     with bench_send_recv.engine_cuts(zero_copy_min_bytes=0, low_latency_max_bytes=64 << 10):
-        assert (engine.zero_copy_min, engine.low_latency_max) == (0, 64 << 10)
-    assert (engine.zero_copy_min, engine.low_latency_max) == (32 << 20, 16 << 10)
+        assert cuts() == (0, 64 << 10, 0)  # the copy engine off unless the row asks for it
+    assert cuts() == (32 << 20, 16 << 10, 64 << 20)
+    with bench_send_recv.engine_cuts(zero_copy_min_bytes=1, low_latency_max_bytes=0, copy_engine_min_bytes=1):
+        assert cuts() == (1, 0, 1)
+    assert cuts() == (32 << 20, 16 << 10, 64 << 20)
     with pytest.raises(RuntimeError):
         with bench_send_recv.engine_cuts(zero_copy_min_bytes=1, low_latency_max_bytes=0):
             raise RuntimeError("the row failed")
-    assert (engine.zero_copy_min, engine.low_latency_max) == (32 << 20, 16 << 10)
+    assert cuts() == (32 << 20, 16 << 10, 64 << 20)
 
 
 def test_the_low_latency_row_runs_only_up_to_the_capacity(monkeypatch):

@@ -153,6 +153,28 @@
 //   zero-copy; a one-way capture whose sender is not calling meanwhile stays staged. Entries used
 //   by captures are pinned until cleanup().
 //
+// The copy engine (settings::kDefaultCopyEngineMinBytes, PYDATACOPY_COPY_ENGINE_MIN_BYTES; 0: off):
+// a zero-copy send of at least that many bytes that does not fit the staging (so it has no bounded
+// fallback), launched eagerly (not captured) in a launch of at most one send and one recv (a recv
+// posted zero-copy that fits the staging excepted: its post takes the fallback's verdict), to a
+// receive allocation the sender maps now (zero_copy::Importer::maps), is launched as a CUDA graph
+// (copy_engine.hpp), one per send channel:
+//   probe (one block) -> IF { cudaMemcpy into the guess -> copied } ELSE { ordinary }
+// - The guess is the channel's last zero-copy target, which the kernels leave in host-mapped memory
+//   (a loop into one receive buffer guesses right from its second zero-copy message). Only the
+//   sender decides; the receiver's recv is the usual zero-copy recv, waiting for its done words.
+// - The probe posts the launch's recv descriptors (before it waits for anything: a sendrecv's peer
+//   waits for them), then takes the send's descriptor as the kernel does (sizes checked, refused at
+//   both ends on a mismatch). When the target is the guess it marks every part started
+//   (zero_copy_begin's protocol for all parts) and sets the IF node; the copy engine writes the
+//   message, and the `copied` kernel stores every part's final word (after the copy, by the graph's
+//   order) and runs the recv. Otherwise (another target, staged, refused, a timeout) the
+//   `ordinary` kernel runs the launch as an eager launch would, its recvs already posted. The probe
+//   moves no channel counter: both steps find the ops where the probe did.
+// - A wrong guess never reaches the copy: the memcpy node runs only in the IF branch.
+// - CUDA refusing the graph (build, update or launch) turns the copy engine off for the engine's
+//   life (copy_engine_status() says why); those sends take the ordinary kernel.
+//
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
 // once issues both in one batch() (or sendrecv()): one kernel launch, in which all of them are
@@ -357,6 +379,11 @@ class SendRecvEngine {
   // off, or what CUDA refused when its graph was built, set or launched: the engine's sends then
   // move by the SM kernel). Local; no GPU work.
   std::string copy_engine_status();
+  // PYDATACOPY_COPY_ENGINE_MIN_BYTES as init read it, and a local change of it (0: off), between
+  // calls: only the sender decides, so no PE needs to agree. A CUDA graph captured before keeps
+  // its ordinary kernel (a capture never takes the copy engine).
+  std::size_t copy_engine_min_bytes() const;
+  void set_copy_engine_min_bytes(std::size_t bytes);
   // Test hook (the timeline's probe, issue 35): while on, every send/recv launch of this process
   // records %globaltimer at its phases (kernels/api.cuh, phase_stamp_names()); turning it on
   // empties the ring. phase_stamps(): the last 1024 launches, oldest first, each {the stamps in ns

@@ -158,6 +158,9 @@ void bind_send_recv(py::module_& m) {
            "test hook: how long an eager recv waits once for its mapping (PYDATACOPY_ZERO_COPY_PROGRESS)")
       .def_property_readonly_static("DEFAULT_ZERO_COPY_WAIT_SECONDS",
                                     [](py::object) { return SendRecvEngine::kDefaultZeroCopyWaitSeconds; })
+      .def_property_readonly("copy_engine_min_bytes", without_gil_getter(&SendRecvEngine::copy_engine_min_bytes))
+      .def("set_copy_engine_min_bytes", &SendRecvEngine::set_copy_engine_min_bytes, py::arg("bytes"), release_gil(),
+           "local, between calls: the smallest zero-copy send the copy engine may move (0: off)")
       .def("copy_engine_status", &SendRecvEngine::copy_engine_status, release_gil(),
            "the copy engine's sends: 'on from N bytes', or 'off: ' and why")
       .def("stats", [](SendRecvEngine& self) {

@@ -46,7 +46,7 @@ def _int_at_least(minimum: int, meaning: str):
 #: The size sweep's rows, in the order they run at every size (after the size's local copy).
 SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "kernel_handoff", "put_ce", "put_sm", "put_rma", "torch_symm",
              "sendrecv_default", "sendrecv_distributed", "sendrecv_distributed_python", "sendrecv",
-             "sendrecv_staged", "sendrecv_ll", "nccl")
+             "sendrecv_ce", "sendrecv_staged", "sendrecv_ll", "nccl")
 OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "engagement", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
 DEFAULT_OPS = tuple(op for op in OPS if op != "compile")
@@ -157,6 +157,7 @@ LABELS = {"copy": ("baseline", "local copy"),
           "sendrecv_default": ("send/recv", "default"), "sendrecv": ("send/recv", "zero-copy"),
           "sendrecv_distributed": ("send/recv", "torch.distributed (default)"),
           "sendrecv_distributed_python": ("send/recv", "torch.distributed Python group"),
+          "sendrecv_ce": ("send/recv", "copy-engine"),
           "sendrecv_staged": ("send/recv", "staged"), "sendrecv_ll": ("send/recv", "low-latency"),
           "nccl": ("baseline", "NCCL"), "nixl": ("baseline", "NIXL")}
 #: What times and checks each row of the size sweep, given the size's Sweep.
@@ -167,6 +168,7 @@ SWEEP_ROWS = {"memcpy": baselines.memcpy, "kernel_copy": baselines.kernel_copy,
               "sendrecv_default": send_recv.sendrecv_default, "sendrecv": send_recv.sendrecv,
               "sendrecv_distributed": send_recv.sendrecv_distributed,
               "sendrecv_distributed_python": lambda sweep: send_recv.sendrecv_distributed(sweep, native=False),
+              "sendrecv_ce": send_recv.sendrecv_ce,
               "sendrecv_staged": send_recv.sendrecv_staged, "sendrecv_ll": send_recv.sendrecv_ll}
 
 SHARED_GPU_SKIPS = {
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # torch's put reads and writes one tensor: one direction only
                 if op == "sendrecv_ll" and not send_recv.low_latency_fits(nbytes):
                     continue  # larger than the low-latency protocol can carry
+                if op == "sendrecv_ce" and not send_recv.copy_engine_fits(nbytes):
+                    continue  # fits the staging: never the copy engine
                 add_row(op, direction, nbytes, *SWEEP_ROWS[op](sweep), base=base).update(sweep.extra)
                 sweep.extra = {}
             del sweep

@@ -24,16 +24,20 @@ from ._harness import agree, allocator_setting, device_clean, fill, human, perce
 
 
 @contextlib.contextmanager
-def engine_cuts(zero_copy_min_bytes: int, low_latency_max_bytes: int):
-    """The engine's two cuts for one row, on both PEs (collective), then the ones before."""
-    before = _send_recv.zero_copy_min_bytes(), _send_recv.low_latency_max_bytes()
+def engine_cuts(zero_copy_min_bytes: int, low_latency_max_bytes: int, copy_engine_min_bytes: int = 0):
+    """The engine's cuts for one row, on both PEs (the first two collective), then the ones
+    before. The copy engine is off unless the row asks for it."""
+    before = (_send_recv.zero_copy_min_bytes(), _send_recv.low_latency_max_bytes(),
+              _send_recv.copy_engine_min_bytes())
     _send_recv.set_zero_copy_min_bytes(zero_copy_min_bytes)
     _send_recv.set_low_latency_max_bytes(low_latency_max_bytes)
+    _send_recv.set_copy_engine_min_bytes(copy_engine_min_bytes)
     try:
         yield
     finally:
         _send_recv.set_zero_copy_min_bytes(before[0])
         _send_recv.set_low_latency_max_bytes(before[1])
+        _send_recv.set_copy_engine_min_bytes(before[2])
 
 
 def _run(sweep):
@@ -96,11 +100,32 @@ def sendrecv_default(sweep):
 
 
 def sendrecv(sweep):
-    """Zero-copy at every size (the threshold at 1 byte, low-latency off; the warm-up makes the
-    handshake, as a user's repeated calls into one buffer do)."""
+    """Zero-copy by the SM kernel at every size (the threshold at 1 byte, low-latency and the copy
+    engine off; the warm-up makes the handshake, as a user's repeated calls into one buffer do)."""
     with engine_cuts(zero_copy_min_bytes=1, low_latency_max_bytes=0):
         return _measure_counted(sweep, "zero_copy", "zero-copy", "peer not load/store reachable, "
                                 "PYDATACOPY_FORCE_RMA, or memory CUDA IPC cannot export")
+
+
+def copy_engine_fits(nbytes: int) -> bool:
+    """Whether a message of `nbytes` can take the copy engine at all: larger than the staging
+    (a message that fits it keeps the bounded fallback, which the copy engine's launch does not)."""
+    engine = _send_recv._require_engine("bench")
+    return nbytes > engine.chunk_bytes * engine.num_chunks
+
+
+def sendrecv_ce(sweep):
+    """Zero-copy with the copy engine from 1 byte (only sizes copy_engine_fits): each message the
+    copy engine moves when the device finds the guess right, the SM kernel otherwise."""
+    counters = _send_recv._require_engine("bench").zero_copy_counters
+    before = counters()["send_copy_engine"]
+    with engine_cuts(zero_copy_min_bytes=1, low_latency_max_bytes=0, copy_engine_min_bytes=1):
+        result = _measure_counted(sweep, "zero_copy", "copy-engine", "peer not load/store reachable, "
+                                  "PYDATACOPY_FORCE_RMA, or memory CUDA IPC cannot export")
+    if sweep.sends and counters()["send_copy_engine"] == before:
+        print(f"  rank {sweep.me}: the copy-engine row of {sweep.nbytes} bytes never took the copy engine "
+              f"({_send_recv.copy_engine_status()}): its figures are the SM kernel's", file=sys.stderr, flush=True)
+    return result
 
 
 def sendrecv_staged(sweep):

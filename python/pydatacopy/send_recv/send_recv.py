@@ -172,6 +172,27 @@ def set_zero_copy_min_bytes(nbytes: int) -> None:
     _require_engine("set_zero_copy_min_bytes").set_zero_copy_min_bytes(nbytes)
 
 
+def copy_engine_min_bytes() -> int:
+    """Zero-copy sends of at least this many bytes that do not fit the staging may be moved by
+    the copy engine (PYDATACOPY_COPY_ENGINE_MIN_BYTES, default ``_C.DEFAULT_COPY_ENGINE_MIN_BYTES``;
+    0: never): docs/zero-copy.md, "The copy engine". Needs the send/recv engine (init())."""
+    return _require_engine("copy_engine_min_bytes").copy_engine_min_bytes
+
+
+def set_copy_engine_min_bytes(nbytes: int) -> None:
+    """Local, between this PE's calls (only a sender decides, so its peers need not call it; 0
+    turns the copy engine off). A capture never takes the copy engine."""
+    check_int("nbytes", nbytes, 0, 2**63 - 1, call="pydatacopy.set_copy_engine_min_bytes")
+    refuse_capture("set_copy_engine_min_bytes")
+    _require_engine("set_copy_engine_min_bytes").set_copy_engine_min_bytes(nbytes)
+
+
+def copy_engine_status() -> str:
+    """'on from N bytes', or 'off: ' and why (the setting, zero-copy off, or what CUDA refused
+    when the copy engine's graph was built, set or launched: then those sends take the SM kernel)."""
+    return _require_engine("copy_engine_status").copy_engine_status()
+
+
 def low_latency_max_bytes() -> int:
     """Messages of at most this many bytes between PEs that reach each other by load/store (and
     not moving zero-copy) travel by the low-latency protocol: data and flags in the same stores,

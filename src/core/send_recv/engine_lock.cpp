@@ -196,6 +196,17 @@ std::vector<SendRecvEngine::PeerStats> SendRecvEngine::stats() {
   return peer_stats_locked();
 }
 
+std::size_t SendRecvEngine::copy_engine_min_bytes() const {
+  Lock lock(mutex_);
+  return copy_engine_min_bytes_;
+}
+
+void SendRecvEngine::set_copy_engine_min_bytes(std::size_t bytes) {
+  Lock lock(mutex_);
+  PDC_REQUIRE(base_ != nullptr, "set_copy_engine_min_bytes: the send/recv engine is not set up");
+  copy_engine_min_bytes_ = bytes;
+}
+
 std::string SendRecvEngine::copy_engine_status() {
   Lock lock(mutex_);
   if (base_ == nullptr) return "off: the send/recv engine is not set up";

@@ -318,16 +318,20 @@ __device__ __forceinline__ void op_start(const ChunkStreamArgs& a, uint64_t& fir
 // step finds the ops at the same places on their channels. A recv of a refused channel is not
 // posted (the next step gives it up at its start, as it reads the same word).
 __device__ __forceinline__ void copy_engine_probe(const ChunkStreamArgs* ops, const bool* is_send, int count) {
+  // Every recv's descriptor first: the peer's probe of a sendrecv waits for it before it posts its own.
   for (int i = 0; i < count; ++i) {
     const ChunkStreamArgs& a = ops[i];
+    if (is_send[i] || !a.post_descriptor || *reinterpret_cast<volatile uint64_t*>(a.broken) != 0) continue;
+    uint64_t first = 0, message = 0, since = 0;
+    op_start(a, first, message, since);
+    post_descriptor(a, message, first);
+  }
+  for (int i = 0; i < count; ++i) {
+    const ChunkStreamArgs& a = ops[i];
+    if (!is_send[i] || a.ce_state == nullptr) continue;
     uint64_t first = 0, message = 0, since = 0;
     op_start(a, first, message, since);
     const bool refused = *reinterpret_cast<volatile uint64_t*>(a.broken) != 0;
-    if (!is_send[i]) {
-      if (a.post_descriptor && !refused) post_descriptor(a, message, first);
-      continue;
-    }
-    if (a.ce_state == nullptr) continue;
     unsigned verdict = kCopyEngineVerdictOrdinary;
     if (a.ce_guess != nullptr && a.await_descriptor && !refused) {
       uint8_t* into = nullptr;
