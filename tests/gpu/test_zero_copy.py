@@ -267,10 +267,18 @@ def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes)
                 _assert_bytes(recv[:recv_bytes], _bytes(peer, 5000 + round_, recv_bytes), "warm-up")
         _step()
     outcome.agree("the warm-up")
+    _refused_on_both_pes_then_rebuilt(outcome, world, peer, recv, send_bytes, recv_bytes, 5100, 2 * THRESHOLD + 3)
+
+
+def _refused_on_both_pes_then_rebuilt(outcome, world, peer, recv, send_bytes, recv_bytes, tag, after_bytes):
+    """Rank 0 sends `send_bytes`, rank 1 receives `recv_bytes` into `recv`: pydatacopy.Error naming
+    both sizes on both PEs, nothing delivered; then setup_send_recv() and three exact sendrecvs of
+    `after_bytes`. A 60 s timeout: a hang would end in TimeoutError (and fail)."""
+    rank = world[0]
     recv.zero_()
     with outcome.check("the mismatched send/recv"):
         if rank == 0:
-            pydatacopy.send(_bytes(rank, 5100, send_bytes), peer, timeout=60)
+            pydatacopy.send(_bytes(rank, tag, send_bytes), peer, timeout=60)
         else:
             pydatacopy.recv(recv[:recv_bytes], peer, timeout=60)
         torch.cuda.synchronize()
@@ -286,7 +294,7 @@ def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes)
         # or, when its staged send fit in the receiver's staging, at its next call on the channel.
         with outcome.expect_error("the sender", rf"{both}|refused"):
             pydatacopy.check_errors()
-            pydatacopy.send(_bytes(rank, 5200, 4 * KiB), peer, timeout=60)
+            pydatacopy.send(_bytes(rank, tag + 100, 4 * KiB), peer, timeout=60)
             torch.cuda.synchronize()
             pydatacopy.check_errors()
     _step()
@@ -294,7 +302,7 @@ def test_size_mismatch_is_an_error_on_both_pes_not_a_timeout(world, peer, sizes)
     pydatacopy.setup_send_recv()
     _send_recv.set_zero_copy_min_bytes(THRESHOLD)
     for round_ in range(3):
-        _sendrecv_exact(outcome, rank, peer, 5300 + round_, 2 * THRESHOLD + 3, what=f"after setup_send_recv {round_}")
+        _sendrecv_exact(outcome, rank, peer, tag + 200 + round_, after_bytes, what=f"after setup_send_recv {round_}")
         _step()
     with outcome.check("after setup_send_recv"):
         pydatacopy.check_errors()
@@ -988,34 +996,4 @@ def test_a_size_mismatch_after_the_copy_engine_engaged_is_an_error_on_both_pes(w
             assert pydatacopy.stats()[peer]["send_copy_engine"] > before[peer]["send_copy_engine"], \
                 "the copy engine never engaged before the mismatch"
     outcome.agree("the warm-up")
-    recv.zero_()
-    send_bytes, recv_bytes = CE_BYTES, CE_BYTES - 1
-    with outcome.check("the mismatched send/recv"):
-        if rank == 0:
-            pydatacopy.send(_bytes(rank, 9600, send_bytes), peer, timeout=60)
-        else:
-            pydatacopy.recv(recv[:recv_bytes], peer, timeout=60)
-        torch.cuda.synchronize()
-    dist.barrier()
-    both = rf"({send_bytes}.*{recv_bytes}|{recv_bytes}.*{send_bytes})"
-    if rank == 1:
-        with outcome.expect_error("the receiver's check_errors", both):
-            pydatacopy.check_errors()
-        with outcome.check("nothing delivered"):
-            assert torch.count_nonzero(recv).item() == 0, "the mismatched recv delivered data"
-    else:
-        with outcome.expect_error("the sender", rf"{both}|refused"):
-            pydatacopy.check_errors()
-            pydatacopy.send(_bytes(rank, 9700, 4 * KiB), peer, timeout=60)
-            torch.cuda.synchronize()
-            pydatacopy.check_errors()
-    _step()
-    outcome.agree("the mismatch")
-    pydatacopy.setup_send_recv()
-    _send_recv.set_zero_copy_min_bytes(THRESHOLD)
-    for round_ in range(4):
-        _sendrecv_exact(outcome, rank, peer, 9800 + round_, CE_BYTES, what=f"after setup_send_recv {round_}")
-        _step()
-    with outcome.check("after setup_send_recv"):
-        pydatacopy.check_errors()
-    outcome.agree("the pair after setup_send_recv")
+    _refused_on_both_pes_then_rebuilt(outcome, world, peer, recv, CE_BYTES, CE_BYTES - 1, 9600, CE_BYTES)
