@@ -48,11 +48,13 @@ constexpr int64_t kMaxRanksPerGpu = 64;
 constexpr int64_t kDefaultZeroCopyMinBytes = int64_t{16} << 20;
 // A zero-copy send of at least this many bytes is copied by the copy engine when its sender's host
 // guessed the receiver's address right (the device checks the guess and skips the copy engine when
-// it is wrong: send_recv.hpp, "The copy engine"); 0: off. The copy engine with a stream handshake
-// measured 1.10x a local copy at 64 MiB against the SM kernel's 1.20x, and 1.53x against 1.59x at
-// 16 MiB, 2.12x against 1.84x at 4 MiB (one H100, 2 PEs, 2026-12-07, benchmarks.md): from 64 MiB.
-// Only the sender decides: its receiver's recv is a zero-copy recv either way.
-constexpr int64_t kDefaultCopyEngineMinBytes = int64_t{64} << 20;
+// it is wrong: send_recv.hpp, "The copy engine"); 0: off. Off by default: the copy engine with a
+// stream handshake measured 1.15x a local copy at 64 MiB one way against the SM kernel's 1.31x
+// (2026-12-07, one H100, 2 PEs), but a graph that lets the device choose the copy measured 1.39x
+// at 64 MiB and 1.20x at 256 MiB in scripts/ce_conditional_probe.cu, and the engine's own path has
+// not run on a GPU yet (docs/perf-notes.md v29). Only the sender decides: its receiver's recv is a
+// zero-copy recv either way.
+constexpr int64_t kDefaultCopyEngineMinBytes = 0;
 // A send of such a message that fits the staging (its chunks <= PYDATACOPY_NUM_CHUNKS) that has
 // waited this long for its receiver's descriptor moves staged if the receiver is itself held in a
 // send/recv kernel (zero_copy.cuh, fall_back_to_staged): so `send(); recv()` on two PEs without a

@@ -876,14 +876,24 @@ def test_memory_given_back_returns_to_the_driver(world, peer, progress_thread, a
 
 
 # ---- the copy engine (send_recv.hpp, "The copy engine") ------------------------------------------
-# A zero-copy send of at least PYDATACOPY_COPY_ENGINE_MIN_BYTES (64 MiB by default) that does not
-# fit the staging is launched as a graph: a probe kernel compares the receiver's target with the
-# host's guess (the channel's last target), the copy engine copies when they agree, the SM kernel
-# when not. The sizes here are above the default cut and above the staging (4 x 8 MiB).
-CE_BYTES = pydatacopy._C.DEFAULT_COPY_ENGINE_MIN_BYTES + 5
+# A zero-copy send of at least PYDATACOPY_COPY_ENGINE_MIN_BYTES (off by default; 64 MiB here) that
+# does not fit the staging is launched as a graph: a probe kernel compares the receiver's target with
+# the host's guess (the channel's last target), the copy engine copies when they agree, the SM kernel
+# when not. The sizes here are above that cut and above the staging (4 x 8 MiB).
+CE_MIN_BYTES = 64 * MiB
+CE_BYTES = CE_MIN_BYTES + 5
 
 
-def test_a_repeated_sendrecv_moves_by_the_copy_engine_byte_exact(world, peer):
+@pytest.fixture
+def copy_engine():
+    """The copy engine from CE_MIN_BYTES on this PE (a local setting), then as it was."""
+    before = _send_recv.copy_engine_min_bytes()
+    _send_recv.set_copy_engine_min_bytes(CE_MIN_BYTES)
+    yield
+    _send_recv.set_copy_engine_min_bytes(before)
+
+
+def test_a_repeated_sendrecv_moves_by_the_copy_engine_byte_exact(world, peer, copy_engine):
     """Six sendrecvs into one view (an odd offset into a larger buffer, from an odd send offset):
     every round exact and the bytes around the view untouched; from the third round on, the copy
     engine moves each message (the first asks for the mapping, the second may still find none, and
@@ -893,7 +903,7 @@ def test_a_repeated_sendrecv_moves_by_the_copy_engine_byte_exact(world, peer):
     with outcome.check("the copy engine's status"):
         status = _send_recv._require_engine("copy_engine_status").copy_engine_status()
         if _load_store():
-            assert status == f"on from {pydatacopy._C.DEFAULT_COPY_ENGINE_MIN_BYTES} bytes", status
+            assert status == f"on from {CE_MIN_BYTES} bytes", status
     storage = torch.zeros(CE_BYTES + 64, dtype=torch.uint8, device="cuda")
     recv = storage[3:3 + CE_BYTES]
     before = pydatacopy.stats()
@@ -916,7 +926,7 @@ def test_a_repeated_sendrecv_moves_by_the_copy_engine_byte_exact(world, peer):
     outcome.agree("sendrecv by the copy engine")
 
 
-def test_a_wrong_guess_never_writes_into_the_guessed_buffer(world, peer):
+def test_a_wrong_guess_never_writes_into_the_guessed_buffer(world, peer, copy_engine):
     """Receive buffers that alternate between two places of one allocation: each message's guess is
     the other place (the last target), mapped and valid, and wrong. The probe must see it and leave
     the message to the SM kernel; a copy into the guess would overwrite the other place, which
@@ -948,7 +958,7 @@ def test_a_wrong_guess_never_writes_into_the_guessed_buffer(world, peer):
     outcome.agree("wrong guesses")
 
 
-def test_one_way_copy_engine_sends_in_a_row_then_the_other_way(world, peer):
+def test_one_way_copy_engine_sends_in_a_row_then_the_other_way(world, peer, copy_engine):
     """Five sends in a row from one PE (no step between: the host runs ahead of the GPU, and reads
     a guess that may be older than the last message), then five the other way; each checked."""
     rank = world[0]
@@ -975,7 +985,7 @@ def test_one_way_copy_engine_sends_in_a_row_then_the_other_way(world, peer):
     outcome.agree("one-way copy-engine sends")
 
 
-def test_a_size_mismatch_after_the_copy_engine_engaged_is_an_error_on_both_pes(world, peer):
+def test_a_size_mismatch_after_the_copy_engine_engaged_is_an_error_on_both_pes(world, peer, copy_engine):
     """With the copy engine engaged on the channel (the guess right), the receiver posts one byte
     less into the same place: the probe refuses the descriptor and both PEs get pydatacopy.Error
     naming both sizes; nothing is written; the pair works again after setup_send_recv()."""

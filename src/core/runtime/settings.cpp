@@ -243,7 +243,7 @@ const std::vector<Setting>& table() {
       {"PYDATACOPY_COPY_ENGINE_MIN_BYTES", Kind::kInt, std::to_string(kDefaultCopyEngineMinBytes), 0, INT64_MAX,
        "the smallest zero-copy send (a sendrecv or a send alone, not captured) that the copy engine moves when "
        "the device finds its guess of the receiver's address right, 0: off",
-       "67108864"},
+       "67108864"},  // (an example value; the default is off)
       {"PYDATACOPY_ZERO_COPY_PROGRESS", Kind::kSwitch, "1", 0, 1,
        "a thread that serves the peers' zero-copy mapping requests between this process's calls, and a "
        "recv's one bounded wait for its buffer's mapping (zero-copy from a receive buffer's second call "
