@@ -48,14 +48,14 @@ def test_phase_spans_skip_unreached_stamps_and_measure_between_launches():
     assert out["to_rendezvous"] == 1.0 and out["rendezvous_to_done"] == 3.0  # the second launch only
     assert out["prologue_to_done"] == 3.0 and out["entered_to_ended"] == 7.5
     assert out["ended_to_next_entered"] == -1.0 and out["ended_to_next_waited"] == 0.5
-    assert out["modes"] == {"no descriptor": 0, "staged": 0, "zero-copy": 0, "low-latency": 2}
+    assert out["modes"] == {"no descriptor": 0, "staged": 0, "zero-copy": 0, "low-latency": 2, "copy-engine": 0}
 
 
 def test_modes_count_each_launch_by_the_path_op_0_took():
     staged, zero_copy = _record(entered=0, ended=1), _record(entered=2, ended=3)
     staged[len(PHASES)], zero_copy[len(PHASES)] = 1, 2
     out = phase_summary([staged, zero_copy, zero_copy])
-    assert out["modes"] == {"no descriptor": 0, "staged": 1, "zero-copy": 2, "low-latency": 0}
+    assert out["modes"] == {"no descriptor": 0, "staged": 1, "zero-copy": 2, "low-latency": 0, "copy-engine": 0}
 
 
 def test_no_launch_gives_no_span():

@@ -172,8 +172,12 @@
 //   `ordinary` kernel runs the launch as an eager launch would, its recvs already posted. The probe
 //   moves no channel counter: both steps find the ops where the probe did.
 // - A wrong guess never reaches the copy: the memcpy node runs only in the IF branch.
-// - CUDA refusing the graph (build, update or launch) turns the copy engine off for the engine's
-//   life (copy_engine_status() says why); those sends take the ordinary kernel.
+// - Only with a recv posted zero-copy beside it (or none): a staged recv drains in the step after
+//   the probe, and its sender may wait for that before it posts what the probe waits for. The
+//   probe counts as held in a send/recv kernel (the activity word) while it waits.
+// - CUDA refusing the graph (build, update or launch) turns the copy engine off until the next
+//   setup (copy_engine_status() says why); those sends take the ordinary kernel. The cut set by
+//   set_copy_engine_min_bytes() also lasts until the next setup, which rereads the variable.
 //
 // Both sides must move the same number of bytes, in the same order per peer pair. Every call is
 // stream-ordered and runs until its whole message has moved, so a PE that sends and receives at
@@ -379,8 +383,8 @@ class SendRecvEngine {
   // off, or what CUDA refused when its graph was built, set or launched: the engine's sends then
   // move by the SM kernel). Local; no GPU work.
   std::string copy_engine_status();
-  // PYDATACOPY_COPY_ENGINE_MIN_BYTES as init read it, and a local change of it (0: off), between
-  // calls: only the sender decides, so no PE needs to agree. A CUDA graph captured before keeps
+  // PYDATACOPY_COPY_ENGINE_MIN_BYTES as init read it, and a local change of it (0: off) until the
+  // next init, between calls: only the sender decides, so no PE needs to agree. A CUDA graph captured before keeps
   // its ordinary kernel (a capture never takes the copy engine).
   std::size_t copy_engine_min_bytes() const;
   void set_copy_engine_min_bytes(std::size_t bytes);

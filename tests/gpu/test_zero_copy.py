@@ -935,10 +935,16 @@ def test_a_wrong_guess_never_writes_into_the_guessed_buffer(world, peer, copy_en
     outcome = _Outcome(world)
     pool = torch.zeros(2 * CE_BYTES + 4096, dtype=torch.uint8, device="cuda")
     places = [pool[:CE_BYTES], pool[CE_BYTES + 4096 - 7:2 * CE_BYTES + 4096 - 7]]
-    for round_ in range(3):  # the mapping, and a zero-copy message so that there is a guess
+    warm = pydatacopy.stats()
+    for round_ in range(4):  # the mapping, a zero-copy message (the guess), then the copy engine
         _sendrecv_exact(outcome, rank, peer, 9100 + round_, CE_BYTES, places[0], what=f"warm-up {round_}")
         _step()
     before = pydatacopy.stats()
+    with outcome.check("the copy engine engaged in the warm-up (so the rounds below test its probe)"):
+        if _load_store():
+            status = _send_recv.copy_engine_status()
+            assert status.startswith("on"), status
+            assert before[peer]["send_copy_engine"] > warm[peer]["send_copy_engine"], f"{before[peer]}"
     rounds = 6
     for round_ in range(rounds):
         recv, other = places[(round_ + 1) % 2], places[round_ % 2]

@@ -84,7 +84,7 @@ SPANS = (("grid_wait", "entered", "grid_waited"), ("prologue", "grid_waited", "p
 
 
 #: The record's mode field (kernels/api.cuh PhaseStampRecord): the path op 0 took.
-MODES = {0: "no descriptor", 1: "staged", 2: "zero-copy", 3: "low-latency"}
+MODES = {0: "no descriptor", 1: "staged", 2: "zero-copy", 3: "low-latency", 4: "copy-engine"}
 
 
 def phase_summary(records: list[list[int]]) -> dict:

@@ -320,8 +320,13 @@ bool SendRecvEngine::launch_copy_engine(const kernels::ChunkBatch& launch, cudaS
     if (launch.is_send[i]) {
       if (send >= 0) return false;  // one send a launch: one copy, one verdict
       send = i;
-    } else if (launch.ops[i].zero_copy && launch.ops[i].zc_fallback) {
-      return false;  // its post takes the bounded wait's verdict (zero_copy.cuh), which the probe does not
+    } else if (!launch.ops[i].zero_copy || launch.ops[i].zc_fallback || launch.ops[i].low_latency) {
+      // Only a recv that needs nothing of this PE's kernel while the probe waits: one posted
+      // zero-copy, which its sender writes itself. A staged recv drains the staging in the step
+      // after the probe, and its sender (an ungrouped send(); recv() on the peer) may wait for that
+      // before it posts the descriptor the probe waits for: a deadlock (a review's finding). One
+      // that fits the staging takes the bounded wait's verdict at its post, which the probe does not.
+      return false;
     }
   }
   if (send < 0) return false;
@@ -334,17 +339,22 @@ bool SendRecvEngine::launch_copy_engine(const kernels::ChunkBatch& launch, cudaS
   const uint64_t guess = *reinterpret_cast<volatile uint64_t*>(zero_copy_->ce_last_target_host + s.peer);
   if (guess == 0 || !zero_copy_->importers[static_cast<std::size_t>(s.peer)]->maps(guess, static_cast<std::size_t>(s.bytes)))
     return false;  // none yet, or memory this PE no longer maps (the copy node must not be set to it)
-  copy_engine::Call call;
-  call.ordinary = launch;
-  for (int i = 0; i < call.ordinary.count; ++i) call.ordinary.ops[i].ce_phase = kernels::kCopyEngineOrdinary;
-  call.ordinary.ops[send].ce_guess = reinterpret_cast<uint8_t*>(guess);
-  call.probe = call.ordinary;
-  for (int i = 0; i < call.probe.count; ++i) {
-    call.probe.ops[i].ce_phase = kernels::kCopyEngineProbe;
-    call.probe.ops[i].active_blocks = call.probe.ops[i].page_slices = 1;  // one block
-  }
-  call.copied = call.ordinary;
-  for (int i = 0; i < call.copied.count; ++i) call.copied.ops[i].ce_phase = kernels::kCopyEngineCopied;
+  // The three kernels' batches: only the launch's (at most two) ops are copied, not the 64-op arrays.
+  static thread_local copy_engine::Call call;
+  const auto with_phase = [&](kernels::ChunkBatch& batch, int phase) {
+    batch.count = launch.count;
+    batch.max_grid = launch.max_grid;
+    for (int i = 0; i < launch.count; ++i) {
+      batch.ops[i] = launch.ops[i];
+      batch.is_send[i] = launch.is_send[i];
+      batch.ops[i].ce_phase = phase;
+    }
+    batch.ops[send].ce_guess = reinterpret_cast<uint8_t*>(guess);
+  };
+  with_phase(call.ordinary, kernels::kCopyEngineOrdinary);
+  with_phase(call.probe, kernels::kCopyEngineProbe);
+  for (int i = 0; i < call.probe.count; ++i) call.probe.ops[i].active_blocks = call.probe.ops[i].page_slices = 1;
+  with_phase(call.copied, kernels::kCopyEngineCopied);
   // The send has nothing left but its done words: one slice (its channel holds only this op).
   kernels::ChunkStreamArgs& copied = call.copied.ops[send];
   copied.active_blocks = copied.page_slices = copied.channel_blocks = 1;

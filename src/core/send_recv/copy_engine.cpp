@@ -2,6 +2,8 @@
 
 #include <utility>
 
+#include "common/cuda_calls.hpp"
+
 namespace pydatacopy::copy_engine {
 
 Graph::~Graph() {
@@ -67,6 +69,9 @@ cudaError_t Graph::build(Call& call, std::string& why) {
 }
 
 cudaError_t Graph::launch(Call& call, cudaStream_t stream, std::string& why) {
+  // Not stream work of a capture (the caller's stream is not capturing: batch.cpp): neither
+  // refused by nor invalidating a global-mode capture on another thread.
+  detail::RelaxedCaptureMode relaxed;
   if (exec_ == nullptr) {
     if (cudaError_t e = build(call, why); e != cudaSuccess) return e;
   } else {

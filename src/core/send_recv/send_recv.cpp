@@ -615,6 +615,9 @@ void SendRecvEngine::release() {
     // its transfers were given up): the peers' allocations close here.
     for (auto& importer : zero_copy->importers) importer->close_all();
     if (zero_copy->table_host != nullptr) cudaFreeHost(zero_copy->table_host);
+    zero_copy->ce_graphs.clear();
+    if (zero_copy->ce_last_target_host != nullptr) cudaFreeHost(zero_copy->ce_last_target_host);
+    if (zero_copy->ce_state != nullptr) cudaFree(zero_copy->ce_state);
   }
   order_ = ChannelOrder();  // local events; nothing depends on them
   refusal_poll_ = RefusalPoll();  // local: a copy and a stream that nothing else uses

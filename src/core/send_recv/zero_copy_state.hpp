@@ -29,9 +29,6 @@ namespace pydatacopy {
 struct ZeroCopyState final : zero_copy::Backend {
   explicit ZeroCopyState(const ChannelOrder* order, int n_pes) : order_(order), n_pes_(n_pes) {}
   ~ZeroCopyState() override {
-    ce_graphs.clear();  // (a launch in flight completes first)
-    if (ce_last_target_host != nullptr) cudaFreeHost(ce_last_target_host);
-    if (ce_state != nullptr) cudaFree(ce_state);
     for (zero_copy::Mailbox* m : created) zero_copy::unmap_mailbox(m);
     for (zero_copy::Mailbox* m : opened) zero_copy::unmap_mailbox(m);
     for (const std::string& name : names) zero_copy::unlink_mailbox(name);
@@ -262,8 +259,9 @@ struct ZeroCopyState final : zero_copy::Backend {
   // The copy engine (send_recv.hpp), per send channel: the last zero-copy target its kernels
   // resolved (host-mapped, the host's next guess), the probe's verdict (device), and the graph,
   // built at the channel's first copy-engine send. A graph that cannot be built, set or launched
-  // turns the copy engine off for the engine's life (copy_engine_off says why; those sends move
-  // by the SM kernel, as with the copy engine off).
+  // turns the copy engine off until the next setup (copy_engine_off says why; those sends move by
+  // the SM kernel, as with the copy engine off). Freed by release(), after the device is idle, as
+  // the table is (never by a destructor: cudaFree would wait for kernels still in flight).
   uint64_t* ce_last_target_host = nullptr;  // cudaHostAlloc'd, mapped: [n_pes]
   uint64_t* ce_last_target_device = nullptr;
   unsigned int* ce_state = nullptr;         // device [n_pes]

@@ -336,6 +336,9 @@ __device__ __forceinline__ void copy_engine_probe(const ChunkStreamArgs* ops, co
     if (a.ce_guess != nullptr && a.await_descriptor && !refused) {
       uint8_t* into = nullptr;
       int taken = 0;
+      // Held in a send/recv kernel while it waits, as the ordinary kernel's loop is: a peer's
+      // bounded descriptor wait counts it (zero_copy.cuh, fall_back_to_staged).
+      atomicAdd(a.activity, 1u);
       for (;;) {
         taken = take_descriptor(a, message, first, true, &into);
         if (taken != 0 || *reinterpret_cast<volatile uint64_t*>(a.broken) != 0) break;
@@ -347,6 +350,7 @@ __device__ __forceinline__ void copy_engine_probe(const ChunkStreamArgs* ops, co
           break;
         }
       }
+      atomicSub(a.activity, 1u);
       if (taken == zero_copy_detail::kModeZeroCopy) {
         moved(a, since);
         if (a.ce_last_target != nullptr) *reinterpret_cast<volatile uint64_t*>(a.ce_last_target) = reinterpret_cast<uint64_t>(into);
@@ -363,9 +367,17 @@ __device__ __forceinline__ void copy_engine_probe(const ChunkStreamArgs* ops, co
             verdict = kCopyEngineVerdictGaveUp;
           } else {
             verdict = kCopyEngineVerdictCopy;
+            // Progress, so that a receiver that waited long for this message restarts its watchdog
+            // for the copy (words only grow: started, then 1, then final; the message has more
+            // than one chunk, being larger than the staging).
+            for (int s = 0; s < a.zc_slices; ++s)
+              *reinterpret_cast<volatile uint64_t*>(a.peer_zc_done + s) = zero_copy_detail::done_word(message, 1);
           }
         }
       }
+      // The ordinary kernel resolves the target afresh (block 0 from the table, as in any launch):
+      // none of its blocks may take the base this probe read.
+      *reinterpret_cast<volatile uint64_t*>(a.zc_resolved + 2 * (message % kRendezvousRing)) = 0;
     }
     *reinterpret_cast<volatile unsigned int*>(a.ce_state) = verdict;
     if (verdict == kCopyEngineVerdictCopy) cudaGraphSetConditional(a.ce_handle, 1);
@@ -430,6 +442,12 @@ struct SizedBatch {
 };
 static_assert(sizeof(SizedBatch<kMaxBatchOps>) <= 32764, "a full batch must fit the kernel-parameter limit");
 
+// The copy engine's probe (kCopyEngineProbe), a kernel of its own: one block, thread 0.
+template <int kCapacity>
+__global__ void __launch_bounds__(kThreads) copy_engine_probe_kernel(const SizedBatch<kCapacity> batch) {
+  if (threadIdx.x == 0) copy_engine_probe(batch.ops, batch.is_send, batch.count);
+}
+
 template <int kCapacity>
 __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<kCapacity> batch) {
   // The probe's stamps, thread 0 of block 0 only (its flag is not the previous grid's output).
@@ -443,11 +461,6 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     stamp[kEntered] = detail::globaltimer_ns();
   }
   wait_for_previous_grid();  // launch_kernel: the channel's counters and the user's data are ready
-  // The copy engine's probe (one block): nothing of the loop below.
-  if (batch.ops[0].ce_phase == kCopyEngineProbe) {
-    if (threadIdx.x == 0) copy_engine_probe(batch.ops, batch.is_send, batch.count);
-    return;
-  }
   if (stamping) {
     stamp[kGridWaited] = detail::globaltimer_ns();
     stamp_slot = take_phase_stamp_slot();  // after the previous launch's blocks are gone: none stamps it any more
@@ -514,7 +527,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     chunks[i] = chunk_count(a);
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
-    gave_up[i] = broken != 0 || ce_gave_up;
+    // (A copy-engine send whose bytes are written says final whatever its channel says since.)
+    gave_up[i] = (broken != 0 && mode[i] != zero_copy_detail::kModeCopyEngine) || ce_gave_up;
     if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
   }
   __syncthreads();
@@ -1101,7 +1115,8 @@ void chunk_batch_node(const ChunkBatch& batch, ChunkBatchNode& params) {
   sized->count = batch.count;
   params.args[0] = sized;
   params.node = cudaKernelNodeParams{};
-  params.node.func = reinterpret_cast<void*>(chunk_batch_kernel<2>);
+  params.node.func = batch.ops[0].ce_phase == kCopyEngineProbe ? reinterpret_cast<void*>(copy_engine_probe_kernel<2>)
+                                                                : reinterpret_cast<void*>(chunk_batch_kernel<2>);
   params.node.gridDim = dim3(static_cast<unsigned>(max(1, chunk_batch_blocks(batch))));
   params.node.blockDim = dim3(kThreads);
   params.node.sharedMemBytes = 0;
