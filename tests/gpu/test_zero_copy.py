@@ -973,26 +973,23 @@ def test_one_way_copy_engine_sends_in_a_row_then_the_other_way(world, peer, copy
     rank = world[0]
     outcome = _Outcome(world)
     recv = torch.zeros(CE_BYTES, dtype=torch.uint8, device="cuda")
+
+    def one_way(sender, round_, tag, what):
+        with outcome.check(f"{what}: sender {sender}, round {round_}"):
+            if rank == sender:
+                pydatacopy.send(_bytes(rank, tag, CE_BYTES), peer)
+            else:
+                pydatacopy.recv(recv, peer)
+                _assert_bytes(recv, _bytes(peer, tag, CE_BYTES), f"{what} from PE {sender}, round {round_}")
+
     for sender in (0, 1):
         for round_ in range(2):
-            tag = 9450 + 10 * sender + round_
-            with outcome.check(f"warm-up: sender {sender}, round {round_}"):
-                if rank == sender:
-                    pydatacopy.send(_bytes(rank, tag, CE_BYTES), peer)
-                else:
-                    pydatacopy.recv(recv, peer)
-                    _assert_bytes(recv, _bytes(peer, tag, CE_BYTES), f"warm-up from PE {sender}")
+            one_way(sender, round_, 9450 + 10 * sender + round_, "warm-up")
             _step()
     before = pydatacopy.stats()
     for sender in (0, 1):
         for round_ in range(5):
-            tag = 9400 + 10 * sender + round_
-            with outcome.check(f"sender {sender}, round {round_}"):
-                if rank == sender:
-                    pydatacopy.send(_bytes(rank, tag, CE_BYTES), peer)
-                else:
-                    pydatacopy.recv(recv, peer)
-                    _assert_bytes(recv, _bytes(peer, tag, CE_BYTES), f"from PE {sender}, round {round_}")
+            one_way(sender, round_, 9400 + 10 * sender + round_, "in a row")
         _step()
     after = pydatacopy.stats()
     with outcome.check("the counts"):
