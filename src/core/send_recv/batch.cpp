@@ -331,9 +331,9 @@ bool SendRecvEngine::launch_copy_engine(const kernels::ChunkBatch& launch, cudaS
   }
   if (send < 0) return false;
   const kernels::ChunkStreamArgs& s = launch.ops[send];
-  // A message that fits the staging may fall back to staged after a bounded wait: not here.
-  if (!s.await_descriptor || s.zc_fallback || s.low_latency || s.ce_state == nullptr || s.ce_last_target == nullptr)
-    return false;
+  // ce_state is set (prepare) only on a send that awaits a descriptor, at or above the cut. A message
+  // that fits the staging may fall back to staged after a bounded wait: not here.
+  if (s.ce_state == nullptr || s.zc_fallback) return false;
   // The guess: the channel's last zero-copy target (0: none yet). The probe checks it against the
   // receiver's descriptor before the copy engine writes anything.
   const uint64_t guess = *reinterpret_cast<volatile uint64_t*>(zero_copy_->ce_last_target_host + s.peer);

@@ -26,15 +26,19 @@ namespace {
 void set_handle(kernels::ChunkBatch& batch, cudaGraphConditionalHandle handle) {
   for (int i = 0; i < batch.count; ++i) batch.ops[i].ce_handle = handle;
 }
+// A step CUDA refused: named in `why`, the thread's last error cleared.
+cudaError_t refused(cudaError_t e, const char* step, std::string& why) {
+  why = step;
+  cudaGetLastError();
+  return e;
+}
 }  // namespace
 
 cudaError_t Graph::build(Call& call, std::string& why) {
   const auto failed = [&](cudaError_t e, const char* step) {
-    why = step;
-    cudaGetLastError();
     Graph gone;
     swap(gone);  // whatever was made goes
-    return e;
+    return refused(e, step, why);
   };
   cudaError_t e = cudaGraphCreate(&graph_, 0);
   if (e != cudaSuccess) return failed(e, "cudaGraphCreate");
@@ -68,35 +72,32 @@ cudaError_t Graph::build(Call& call, std::string& why) {
   return cudaSuccess;
 }
 
+cudaError_t Graph::set(Call& call, std::string& why) {
+  set_handle(call.probe, handle_);
+  kernels::ChunkBatchNode node;
+  kernels::chunk_batch_node(call.probe, node);
+  cudaError_t e = cudaGraphExecKernelNodeSetParams(exec_, probe_, &node.node);
+  if (e != cudaSuccess) return refused(e, "cudaGraphExecKernelNodeSetParams (probe)", why);
+  e = cudaGraphExecMemcpyNodeSetParams1D(exec_, copy_, call.target, call.src, call.bytes, cudaMemcpyDeviceToDevice);
+  if (e != cudaSuccess) return refused(e, "cudaGraphExecMemcpyNodeSetParams1D", why);
+  kernels::chunk_batch_node(call.copied, node);
+  e = cudaGraphExecKernelNodeSetParams(exec_, copied_, &node.node);
+  if (e != cudaSuccess) return refused(e, "cudaGraphExecKernelNodeSetParams (copied)", why);
+  kernels::chunk_batch_node(call.ordinary, node);
+  e = cudaGraphExecKernelNodeSetParams(exec_, ordinary_, &node.node);
+  if (e != cudaSuccess) return refused(e, "cudaGraphExecKernelNodeSetParams (ordinary)", why);
+  return cudaSuccess;
+}
+
 cudaError_t Graph::launch(Call& call, cudaStream_t stream, std::string& why) {
   // Not stream work of a capture (the caller's stream is not capturing: batch.cpp): neither
   // refused by nor invalidating a global-mode capture on another thread.
   detail::RelaxedCaptureMode relaxed;
-  if (exec_ == nullptr) {
-    if (cudaError_t e = build(call, why); e != cudaSuccess) return e;
-  } else {
-    set_handle(call.probe, handle_);
-  }
-  const auto failed = [&](cudaError_t e, const char* step) {
-    why = step;
-    cudaGetLastError();
-    return e;
-  };
-  kernels::ChunkBatchNode node;
-  kernels::chunk_batch_node(call.probe, node);
-  cudaError_t e = cudaGraphExecKernelNodeSetParams(exec_, probe_, &node.node);
-  if (e != cudaSuccess) return failed(e, "cudaGraphExecKernelNodeSetParams (probe)");
-  e = cudaGraphExecMemcpyNodeSetParams1D(exec_, copy_, call.target, call.src, call.bytes, cudaMemcpyDeviceToDevice);
-  if (e != cudaSuccess) return failed(e, "cudaGraphExecMemcpyNodeSetParams1D");
-  kernels::chunk_batch_node(call.copied, node);
-  e = cudaGraphExecKernelNodeSetParams(exec_, copied_, &node.node);
-  if (e != cudaSuccess) return failed(e, "cudaGraphExecKernelNodeSetParams (copied)");
-  kernels::chunk_batch_node(call.ordinary, node);
-  e = cudaGraphExecKernelNodeSetParams(exec_, ordinary_, &node.node);
-  if (e != cudaSuccess) return failed(e, "cudaGraphExecKernelNodeSetParams (ordinary)");
+  // A graph built for this call holds its nodes already; one built before is set for it.
+  cudaError_t e = exec_ == nullptr ? build(call, why) : set(call, why);
+  if (e != cudaSuccess) return e;
   e = cudaGraphLaunch(exec_, stream);
-  if (e != cudaSuccess) return failed(e, "cudaGraphLaunch");
-  return cudaSuccess;
+  return e == cudaSuccess ? e : refused(e, "cudaGraphLaunch", why);
 }
 
 }  // namespace pydatacopy::copy_engine

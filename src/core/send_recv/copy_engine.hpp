@@ -44,7 +44,8 @@ class Graph {
   cudaError_t launch(Call& call, cudaStream_t stream, std::string& why);
 
  private:
-  cudaError_t build(Call& call, std::string& why);
+  cudaError_t build(Call& call, std::string& why);  // the graph, its nodes set for `call`
+  cudaError_t set(Call& call, std::string& why);    // a built graph's nodes set for `call`
   cudaGraph_t graph_ = nullptr;
   cudaGraphExec_t exec_ = nullptr;
   cudaGraphConditionalHandle handle_ = 0;

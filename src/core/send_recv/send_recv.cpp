@@ -323,16 +323,14 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   // Its senders connect to this listener from their first recv into expandable memory, after the
   // barriers below (a listener that cannot open keeps that memory staged).
   state->open_fd_channel(job, fd_key, my_pe(), device);
-  const std::size_t table_words = static_cast<std::size_t>(pes) * zero_copy::kTableEntries;
-  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&state->table_host), table_words * sizeof(uint64_t),
-                               cudaHostAllocMapped));
-  std::memset(state->table_host, 0, table_words * sizeof(uint64_t));
-  PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state->table_device), state->table_host, 0));
-  PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&state->ce_last_target_host), pes * sizeof(uint64_t),
-                               cudaHostAllocMapped));
-  std::memset(state->ce_last_target_host, 0, pes * sizeof(uint64_t));
-  PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&state->ce_last_target_device),
-                                          state->ce_last_target_host, 0));
+  // Zeroed host-mapped words: the host's address in `host`, the kernels' in `device`.
+  const auto mapped_words = [](std::size_t words, uint64_t*& host, uint64_t*& device) {
+    PDC_CHECK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&host), words * sizeof(uint64_t), cudaHostAllocMapped));
+    std::memset(host, 0, words * sizeof(uint64_t));
+    PDC_CHECK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&device), host, 0));
+  };
+  mapped_words(static_cast<std::size_t>(pes) * zero_copy::kTableEntries, state->table_host, state->table_device);
+  mapped_words(static_cast<std::size_t>(pes), state->ce_last_target_host, state->ce_last_target_device);
   PDC_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&state->ce_state), pes * sizeof(unsigned int)));
   PDC_CHECK_CUDA(cudaMemset(state->ce_state, 0, pes * sizeof(unsigned int)));
   state->ce_graphs.resize(static_cast<std::size_t>(pes));
