@@ -936,9 +936,15 @@ def test_a_wrong_guess_never_writes_into_the_guessed_buffer(world, peer, copy_en
     pool = torch.zeros(2 * CE_BYTES + 4096, dtype=torch.uint8, device="cuda")
     places = [pool[:CE_BYTES], pool[CE_BYTES + 4096 - 7:2 * CE_BYTES + 4096 - 7]]
     warm = pydatacopy.stats()
-    for round_ in range(4):  # the mapping, a zero-copy message (the guess), then the copy engine
+    # The mapping, a zero-copy message (the guess), then the copy engine: until it has engaged on
+    # both PEs (agreed, so that both make the same calls), at most eight rounds.
+    for round_ in range(8):
         _sendrecv_exact(outcome, rank, peer, 9100 + round_, CE_BYTES, places[0], what=f"warm-up {round_}")
         _step()
+        engaged = [None] * world[1]
+        dist.all_gather_object(engaged, pydatacopy.stats()[peer]["send_copy_engine"] > warm[peer]["send_copy_engine"])
+        if all(engaged):
+            break
     before = pydatacopy.stats()
     with outcome.check("the copy engine engaged in the warm-up (so the rounds below test its probe)"):
         if _load_store():

@@ -2,7 +2,6 @@
 
 #include <utility>
 
-#include "common/cuda_calls.hpp"
 
 namespace pydatacopy::copy_engine {
 
@@ -91,13 +90,19 @@ cudaError_t Graph::set(Call& call, std::string& why) {
 
 cudaError_t Graph::launch(Call& call, cudaStream_t stream, std::string& why) {
   // Not stream work of a capture (the caller's stream is not capturing: batch.cpp): neither
-  // refused by nor invalidating a global-mode capture on another thread.
-  detail::RelaxedCaptureMode relaxed;
+  // refused by nor invalidating a global-mode capture on another thread. (Not RelaxedCaptureMode,
+  // which throws: the caller has ordered its channels already, and must launch something.)
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  cudaError_t e = cudaThreadExchangeStreamCaptureMode(&mode);
+  if (e != cudaSuccess) return refused(e, "cudaThreadExchangeStreamCaptureMode", why);
   // A graph built for this call holds its nodes already; one built before is set for it.
-  cudaError_t e = exec_ == nullptr ? build(call, why) : set(call, why);
-  if (e != cudaSuccess) return e;
-  e = cudaGraphLaunch(exec_, stream);
-  return e == cudaSuccess ? e : refused(e, "cudaGraphLaunch", why);
+  e = exec_ == nullptr ? build(call, why) : set(call, why);
+  if (e == cudaSuccess) {
+    e = cudaGraphLaunch(exec_, stream);
+    if (e != cudaSuccess) refused(e, "cudaGraphLaunch", why);
+  }
+  if (cudaThreadExchangeStreamCaptureMode(&mode) != cudaSuccess) cudaGetLastError();  // the thread's mode as it was
+  return e;
 }
 
 }  // namespace pydatacopy::copy_engine

@@ -37,10 +37,10 @@ class Graph {
   void swap(Graph& other) noexcept;
 
   bool built() const { return exec_ != nullptr; }
-  // Builds the graph for this call's shapes (the nodes' kernels and the copy), then sets and
+  // Builds the graph for this call (its first), or sets the built graph's nodes for it, then
   // launches it. Returns the CUDA error of a step that failed (nothing launched, the thread's last
-  // error cleared, `why` says which step), else cudaSuccess once launched. The probe's
-  // ce_handle is filled in here.
+  // error cleared, `why` says which step), else cudaSuccess once launched. Never throws. The
+  // probe's ce_handle is filled in here.
   cudaError_t launch(Call& call, cudaStream_t stream, std::string& why);
 
  private:
