@@ -12,6 +12,8 @@
 namespace low_latency_detail {
 constexpr int kModeLowLatency = 3;  // beside zero_copy_detail's kModeStaged / kModeZeroCopy
 constexpr int64_t kSlotStride = kLowLatencySlotStride;
+// Line pairs in flight per thread, each way (a 64 KiB message is 16 pairs per thread of a block).
+constexpr int kUnroll = 8;
 
 // A line's flag: the low 31 bits of the ordinal + 1 with bit 31 set, so never 0 (a ring line never
 // written, zero since the rebuild, matches no message). Flags repeat every 2^31 messages of a
@@ -94,8 +96,22 @@ __device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a,
   if (threadIdx.x == 0)
     store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)),
                line(flag, epoch_word(message) | (new_epoch ? kRewritten : 0u)));
+  // Each thread's source words are loaded kUnroll pairs at a time before their stores: a store's
+  // "memory" clobber keeps every later load behind it, so one pair a round made each thread wait
+  // a load's latency per 8 bytes (64 KiB: 16 rounds a thread).
   const int64_t pairs = (a.bytes + 7) / 8;
-  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x)
+  const int64_t threads = blockDim.x;
+  const int64_t whole_pairs = (reinterpret_cast<uintptr_t>(a.src) & 7) == 0 ? a.bytes / 8 : 0;
+  int64_t p = threadIdx.x;
+  for (; p + (kUnroll - 1) * threads < whole_pairs; p += kUnroll * threads) {
+    uint2 words[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) words[u] = *reinterpret_cast<const uint2*>(a.src + 8 * (p + u * threads));
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      store_pair(lines + 2 + 2 * (p + u * threads), line(flag, words[u].x), line(flag, words[u].y));
+  }
+  for (; p < pairs; p += threads)
     store_pair(lines + 2 + 2 * p, line(flag, load_word(a.src, 8 * p, a.bytes)),
                line(flag, load_word(a.src, 8 * p + 4, a.bytes)));
   __syncthreads();
@@ -154,20 +170,38 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
     __syncthreads();  // every thread has read it before the next visit's thread 0 writes it
     return header_verdict;
   }
-  // The data: each thread its pairs of lines, spun on until the deadline, copied out as they come.
+  // The data: each thread its pairs of lines, kUnroll loads in flight (as the sender's), each
+  // pair not yet in spun on until the deadline, copied out as they come.
   const int64_t pairs = (a.bytes + 7) / 8;
+  const int64_t threads = blockDim.x;
+  const bool dst_aligned = (reinterpret_cast<uintptr_t>(a.dst) & 7) == 0;
   bool all_in = true;
-  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
-    uint64_t low = 0, high = 0;
-    load_pair(lines + 2 + 2 * p, low, high);
+  auto take = [&](int64_t p, uint64_t low, uint64_t high) {
     while (((low >> 32) != flag || (high >> 32) != flag) && detail::globaltimer_ns() < deadline)
       load_pair(lines + 2 + 2 * p, low, high);
     if ((low >> 32) != flag || (high >> 32) != flag) {
       all_in = false;
-      continue;
+      return;
+    }
+    if (dst_aligned && 8 * p + 8 <= a.bytes) {
+      *reinterpret_cast<uint2*>(a.dst + 8 * p) = make_uint2(static_cast<uint32_t>(low), static_cast<uint32_t>(high));
+      return;
     }
     store_word(a.dst, 8 * p, a.bytes, static_cast<uint32_t>(low));
     store_word(a.dst, 8 * p + 4, a.bytes, static_cast<uint32_t>(high));
+  };
+  int64_t p = threadIdx.x;
+  for (; p + (kUnroll - 1) * threads < pairs; p += kUnroll * threads) {
+    uint64_t low[kUnroll], high[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load_pair(lines + 2 + 2 * (p + u * threads), low[u], high[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) take(p + u * threads, low[u], high[u]);
+  }
+  for (; p < pairs; p += threads) {
+    uint64_t low = 0, high = 0;
+    load_pair(lines + 2 + 2 * p, low, high);
+    take(p, low, high);
   }
   if (!__syncthreads_and(all_in)) {
     // A sender still writing (or dead mid-message: the watchdog, on thread 0's clock).

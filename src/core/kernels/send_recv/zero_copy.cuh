@@ -313,11 +313,11 @@ __device__ __forceinline__ int zero_copy_recv_visit(const ChunkStreamArgs& a, ui
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned seen = flags;
-    const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
-    const bool failed = *reinterpret_cast<volatile unsigned int*>(a.failed) != 0;
     if (!(seen & kUnfinished)) {
-      verdict = kZeroCopyDone;
+      verdict = kZeroCopyDone;  // (the refusal and failure words are read only while waiting)
     } else {
+      const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+      const bool failed = *reinterpret_cast<volatile unsigned int*>(a.failed) != 0;
       // A slice the sender cancelled: it gave the message up (the channel is refused).
       if ((seen & kCancelled) && !failed)
         refuse(a, broken != 0 ? detail::WaitOp::kChunkArrival : detail::WaitOp::kChannelRefused,
