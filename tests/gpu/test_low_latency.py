@@ -119,6 +119,53 @@ def test_sizes_around_the_cut_are_exact_and_take_the_protocol(world, peer, direc
     outcome.agree("the sizes around the cut")
 
 
+@pytest.mark.parametrize("direction", ["sendrecv", "one-way"])
+def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
+    """With the cut at the ring's capacity, messages long enough that each thread of the block
+    keeps several line pairs in flight (from 32 KiB: 8 pairs of 512 threads) and their tails,
+    with source and destination at offsets 0, 8, 4 and 3 of an allocation: byte-exact, every one
+    by the protocol."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    capacity = _C.LOW_LATENCY_CAPACITY_BYTES
+    _send_recv.set_low_latency_max_bytes(capacity)
+    sizes = [32 * KiB - 8, 32 * KiB, 32 * KiB + 1, 48 * KiB + 5, capacity - 1, capacity]
+    sizes = sorted({n for n in sizes if n <= capacity})
+    before = _counters()
+    for offset in (0, 8, 4, 3):
+        for n, nbytes in enumerate(sizes):
+            tag = 1000 + 10 * offset + n
+            # The destination at the offset, the source one pair further (both aligned at 0).
+            source_offset = offset + (8 if offset else 0)
+            recv = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")[offset:offset + nbytes]
+            send = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")[source_offset:source_offset + nbytes]
+            with outcome.check(f"{direction} of {nbytes} bytes at offset {offset}"):
+                send.copy_(_bytes(rank, tag, nbytes))
+                if direction == "sendrecv":
+                    pydatacopy.sendrecv(send, peer, recv, peer)
+                elif rank == 0:
+                    pydatacopy.send(send, peer)
+                else:
+                    pydatacopy.recv(recv, peer)
+                torch.cuda.synchronize()
+                if direction == "sendrecv" or rank == 1:
+                    _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{direction} of {nbytes} bytes at offset {offset}")
+        _step()
+    after = _counters()
+    with outcome.check("the paths taken"):
+        messages = 4 * len(sizes)
+        received = after["recv_low_latency"] - before["recv_low_latency"]
+        sent = after["send_low_latency"] - before["send_low_latency"]
+        if not _load_store():
+            assert received == 0 and sent == 0, f"forced RMA took the low-latency protocol: {after}"
+        else:
+            if direction == "sendrecv" or rank == 1:
+                assert received == messages, f"{received} of {messages} recvs took the protocol: {after}"
+            if direction == "sendrecv" or rank == 0:
+                assert sent == messages, f"{sent} of {messages} sends took the protocol: {after}"
+    outcome.agree("messages up to the capacity")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int64])
 def test_views_and_dtypes(world, peer, dtype):
     rank = world[0]
