@@ -121,15 +121,17 @@ def test_sizes_around_the_cut_are_exact_and_take_the_protocol(world, peer, direc
 
 @pytest.mark.parametrize("direction", ["sendrecv", "one-way"])
 def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
-    """With the cut at the ring's capacity, messages long enough that each thread of the block
-    keeps several line pairs in flight (from 32 KiB: 8 pairs of 512 threads) and their tails,
-    with source and destination at offsets 0, 8, 4 and 3 of an allocation: byte-exact, every one
-    by the protocol."""
+    """With the cut at the ring's capacity, messages long enough that each thread of a block
+    keeps several line pairs in flight (from 32 KiB: 8 pairs of 512 threads), messages of several
+    parts (a block each) with their last part whole, one byte long or one byte short, and their
+    tails, with source and destination at offsets 0, 8, 4 and 3 of an allocation: byte-exact,
+    every one by the protocol."""
     rank = world[0]
     outcome = _Outcome(world)
-    capacity = _C.LOW_LATENCY_CAPACITY_BYTES
+    capacity, part = _C.LOW_LATENCY_CAPACITY_BYTES, _C.LOW_LATENCY_PART_BYTES
     _send_recv.set_low_latency_max_bytes(capacity)
-    sizes = [32 * KiB - 8, 32 * KiB, 32 * KiB + 1, 48 * KiB + 5, capacity - 1, capacity]
+    sizes = [32 * KiB - 8, 32 * KiB, 32 * KiB + 1, 48 * KiB + 5, part - 1, part, part + 1, 2 * part,
+             3 * part - 1, 3 * part + 3, 8 * part + 7, capacity - 1, capacity]
     sizes = sorted({n for n in sizes if n <= capacity})
     before = _counters()
     for offset in (0, 8, 4, 3):
@@ -254,6 +256,89 @@ def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, p
             assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"
         _step()
     outcome.agree("the low-latency group")
+
+
+def test_a_group_of_messages_of_several_parts_beyond_the_ring_both_ways(world, peer):
+    """With the cut at the capacity, seven messages each way in one group, of one part and of
+    several (each part on a block of its own: send_recv.cu), more on the channel than the ring
+    has slots, so that parts wait for their own credits inside the launch, and a message of
+    fewer parts reuses a slot whose other parts still hold an older message's lines. Byte-exact
+    and in order, every recv by the protocol, over three rounds."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    capacity, part = _C.LOW_LATENCY_CAPACITY_BYTES, _C.LOW_LATENCY_PART_BYTES
+    _send_recv.set_low_latency_max_bytes(capacity)
+    sizes = [3 * part + 3, 1, capacity, 2 * part, 0, part + 1, 5000]
+    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    for round_ in range(3):
+        with outcome.check(f"round {round_}"):
+            before = _counters()
+            _group_both_ways(rank, peer, sizes, got, 1300 + 20 * round_)
+            moved = _counters()["recv_low_latency"] - before["recv_low_latency"]
+            want = len(sizes) if _load_store() else 0
+            assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"
+        _step()
+    outcome.agree("the group of parts")
+
+
+def test_messages_of_several_parts_mixed_with_staged_ones_and_in_a_row(world, peer):
+    """With the cut at 4 parts: a group of messages of several parts, one of one part and a staged
+    one (over the cut) on one channel, both ways; then one way, 3 x SLOTS sends of several parts
+    issued back to back into recvs issued back to back. Byte-exact, in order."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    part = _C.LOW_LATENCY_PART_BYTES
+    cut = min(4 * part, _C.LOW_LATENCY_CAPACITY_BYTES)
+    _send_recv.set_low_latency_max_bytes(cut)
+    sizes = [cut - 5, cut + 1, 2 * part + 9, 17, cut]
+    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    for round_ in range(2):
+        with outcome.check(f"the mixed group, round {round_}"):
+            _group_both_ways(rank, peer, sizes, got, 1400 + 10 * round_)
+        _step()
+    count = 3 * SLOTS
+    lengths = [cut - 8 * m for m in range(count)]
+    buffers = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in lengths]
+    with outcome.check("the messages in a row"):
+        if rank == 0:
+            for m in range(count):
+                pydatacopy.send(_bytes(rank, 1500 + m, lengths[m]), peer)
+        else:
+            for m in range(count):
+                pydatacopy.recv(buffers[m], peer)
+        torch.cuda.synchronize()
+        pydatacopy.check_errors()
+        if rank == 1:
+            for m in range(count):
+                _assert_bytes(buffers[m], _bytes(peer, 1500 + m, lengths[m]), f"message {m}")
+    outcome.agree("parts mixed and in a row")
+
+
+# Messages of several parts that disagree: the receiver's part-0 block reads the sender's bytes
+# and refuses; the other parts' blocks (on either side) wait for it or write a part nobody reads.
+@pytest.mark.parametrize("send_parts, recv_parts, extra", [(3, 3, 8), (8, 1, 0), (1, 8, 0), (2, 5, 3)],
+                         ids=["3-parts-other-size", "8-into-1", "1-into-8", "2-into-5"])
+def test_a_mismatch_of_messages_of_several_parts_raises_on_both_pes(world, peer, send_parts, recv_parts, extra):
+    rank = world[0]
+    outcome = _Outcome(world)
+    part = _C.LOW_LATENCY_PART_BYTES
+    _send_recv.set_low_latency_max_bytes(_C.LOW_LATENCY_CAPACITY_BYTES)
+    send_bytes = send_parts * part - 16
+    recv_bytes = recv_parts * part - 16 + extra
+    if max(send_bytes, recv_bytes) > _C.LOW_LATENCY_CAPACITY_BYTES:
+        pytest.skip("the capacity holds fewer parts")
+    got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
+    outgoing = _bytes(rank, 1600, send_bytes)
+    _step()
+    begin = time.monotonic()
+    with outcome.check("the mismatched send/recv"):
+        if rank == 0:
+            pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+        else:
+            pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
+                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), 1700)
 
 
 def _size_error(send_bytes: int, recv_bytes: int) -> str:

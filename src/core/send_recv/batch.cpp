@@ -129,7 +129,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     if (a.low_latency) {
       a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
       a.ll_credit = ll_credits(peer);
-      a.ll_filled = ll_filled_ + static_cast<std::size_t>(peer) * kernels::kLowLatencySlots;
+      a.ll_filled = ll_filled_ + static_cast<std::size_t>(peer) * kernels::kLowLatencySlots * kernels::kLowLatencyMaxParts;
     }
   } else {
     a.dst = static_cast<uint8_t*>(buffer);
@@ -263,8 +263,9 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       // (zero_copy.cuh, fall_back_to_staged), and then every slice has pages to drain.
       if (a.zero_copy && !a.zc_fallback) a.active_blocks = a.page_slices = 1;
     }
-    // A low-latency message moves on one block (its slice 0) and takes no staging chunk.
-    if (a.low_latency) a.active_blocks = a.page_slices = 1;
+    // A low-latency message moves each part on a slice of its own (send_recv.cu; from its size
+    // alone, so both sides agree whatever raises the count) and takes no staging chunk.
+    if (a.low_latency) a.active_blocks = kernels::low_latency_parts(a.bytes), a.page_slices = 1;
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }
