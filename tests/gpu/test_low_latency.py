@@ -239,9 +239,9 @@ def test_a_group_mixes_the_protocol_with_staged_messages_on_one_channel(world, p
 
 
 def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, peer):
-    """Seven small messages each way to one peer in one group: one launch of the low-latency kernel
-    (every op within the cut), with more messages on each channel than the ring has slots, so that
-    sends wait for credits inside the launch. Byte-exact and in order, every recv counted
+    """Seven small messages each way to one peer in one group: one launch (every op within the
+    cut; the one-block kernel where each is of one part), with more messages on each channel than
+    the ring has slots, so that sends wait for credits inside the launch. Byte-exact and in order, every recv counted
     low-latency, over three rounds (the channel's counters move on at the launch's end)."""
     rank = world[0]
     outcome = _Outcome(world)
