@@ -124,8 +124,9 @@ def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
     """With the cut at the ring's capacity, messages long enough that each thread of a block
     keeps several line pairs in flight (from 32 KiB: 8 pairs of 512 threads), messages of several
     parts (a block each) with their last part whole, one byte long or one byte short, and their
-    tails, with source and destination at offsets 0, 8, 4 and 3 of an allocation: byte-exact,
-    every one by the protocol."""
+    tails, with source and destination at offsets (destination, source) of an allocation each
+    (0, 0), (8, 16), (4, 12), (3, 11), (0, 4), (8, 3), (3, 0): byte-exact, nothing written around
+    the destination, every one by the protocol."""
     rank = world[0]
     outcome = _Outcome(world)
     capacity, part = _C.LOW_LATENCY_CAPACITY_BYTES, _C.LOW_LATENCY_PART_BYTES
@@ -133,15 +134,16 @@ def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
     sizes = [32 * KiB - 8, 32 * KiB, 32 * KiB + 1, 48 * KiB + 5, part - 1, part, part + 1, 2 * part,
              3 * part - 1, 3 * part + 3, 8 * part + 7, capacity - 1, capacity]
     sizes = sorted({n for n in sizes if n <= capacity})
+    offsets = [(0, 0), (8, 16), (4, 12), (3, 11), (0, 4), (8, 3), (3, 0)]
     before = _counters()
-    for offset in (0, 8, 4, 3):
+    for offset, source_offset in offsets:
         for n, nbytes in enumerate(sizes):
-            tag = 1000 + 10 * offset + n
-            # The destination at the offset, the source one pair further (both aligned at 0).
-            source_offset = offset + (8 if offset else 0)
-            recv = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")[offset:offset + nbytes]
+            tag = 1000 + 100 * offset + 10 * source_offset + n
+            whole = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")
+            recv = whole[offset:offset + nbytes]
             send = torch.zeros(nbytes + 64, dtype=torch.uint8, device="cuda")[source_offset:source_offset + nbytes]
-            with outcome.check(f"{direction} of {nbytes} bytes at offset {offset}"):
+            what = f"{direction} of {nbytes} bytes at offsets {offset}/{source_offset}"
+            with outcome.check(what):
                 send.copy_(_bytes(rank, tag, nbytes))
                 if direction == "sendrecv":
                     pydatacopy.sendrecv(send, peer, recv, peer)
@@ -151,11 +153,13 @@ def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
                     pydatacopy.recv(recv, peer)
                 torch.cuda.synchronize()
                 if direction == "sendrecv" or rank == 1:
-                    _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{direction} of {nbytes} bytes at offset {offset}")
+                    _assert_bytes(recv, _bytes(peer, tag, nbytes), what)
+                    outside = torch.count_nonzero(whole[:offset]).item() + torch.count_nonzero(whole[offset + nbytes:]).item()
+                    assert outside == 0, f"{what}: {outside} bytes written around the destination"
         _step()
     after = _counters()
     with outcome.check("the paths taken"):
-        messages = 4 * len(sizes)
+        messages = len(offsets) * len(sizes)
         received = after["recv_low_latency"] - before["recv_low_latency"]
         sent = after["send_low_latency"] - before["send_low_latency"]
         if not _load_store():
@@ -294,11 +298,19 @@ def test_messages_of_several_parts_mixed_with_staged_ones_and_in_a_row(world, pe
     got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
     for round_ in range(2):
         with outcome.check(f"the mixed group, round {round_}"):
+            before = _counters()
             _group_both_ways(rank, peer, sizes, got, 1400 + 10 * round_)
+            after = _counters()
+            taken = after["recv_low_latency"] - before["recv_low_latency"]
+            staged = after["recv_staged"] - before["recv_staged"]
+            small = sum(1 for n in sizes if n <= cut)
+            if _load_store():
+                assert (taken, staged) == (small, len(sizes) - small), f"paths: {after} against {before}"
         _step()
     count = 3 * SLOTS
     lengths = [cut - 8 * m for m in range(count)]
     buffers = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in lengths]
+    before = _counters()
     with outcome.check("the messages in a row"):
         if rank == 0:
             for m in range(count):
@@ -311,7 +323,50 @@ def test_messages_of_several_parts_mixed_with_staged_ones_and_in_a_row(world, pe
         if rank == 1:
             for m in range(count):
                 _assert_bytes(buffers[m], _bytes(peer, 1500 + m, lengths[m]), f"message {m}")
+            taken = _counters()["recv_low_latency"] - before["recv_low_latency"]
+            assert taken == (count if _load_store() else 0), f"{taken} of {count} recvs by the protocol"
     outcome.agree("parts mixed and in a row")
+
+
+@pytest.mark.parametrize("blocks", [3, 1])
+def test_fewer_slices_than_parts_each_moving_several(world, peer, blocks):
+    """With PYDATACOPY_SEND_BLOCKS' setting at 3 (and 1), a message of 8 parts and one at the
+    capacity move on 3 (1) slices, each driving several parts in turn: a group both ways, twice,
+    then a sendrecv captured in a CUDA graph and replayed with fresh data. Byte-exact, by the
+    protocol."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    part, capacity = _C.LOW_LATENCY_PART_BYTES, _C.LOW_LATENCY_CAPACITY_BYTES
+    pydatacopy.setup_send_recv(blocks=blocks)
+    _send_recv.set_low_latency_max_bytes(capacity)
+    sizes = [8 * part - 3, capacity, 2 * part + 1]
+    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    for round_ in range(2):
+        with outcome.check(f"the group on {blocks} slices, round {round_}"):
+            before = _counters()
+            _group_both_ways(rank, peer, sizes, got, 1800 + 10 * round_)
+            taken = _counters()["recv_low_latency"] - before["recv_low_latency"]
+            assert taken == (len(sizes) if _load_store() else 0), f"{taken} recvs by the protocol"
+        _step()
+    nbytes = 5 * part + 7
+    send = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    with outcome.check("the capture"):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pydatacopy.sendrecv(send, peer, recv, peer)
+        torch.cuda.synchronize()
+    _step()
+    with outcome.check("the replays"):
+        for replay in range(20):
+            send.copy_(_bytes(rank, 1900 + replay, nbytes))
+            recv.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            _assert_bytes(recv, _bytes(peer, 1900 + replay, nbytes), f"replay {replay}")
+        pydatacopy.check_errors()
+    del graph
+    outcome.agree(f"{blocks} slices for several parts")
 
 
 # Messages of several parts that disagree: the receiver's part-0 block reads the sender's bytes
@@ -381,15 +436,21 @@ def _refused_on_both_pes(outcome, rank: int, peer: int, begin: float, got: torch
 # A mismatch across paths: one side's size within the cut, the other's over it (staged, or with the
 # zero-copy threshold at 1 MiB zero-copy). Before the receivers watched the other path, the side
 # waiting on its own path saw nothing and timed out; now both PEs raise the mismatch at once.
-@pytest.mark.parametrize("send_bytes, recv_bytes, zero_copy_threshold", [
-    (4 * KiB, 256 * KiB, 0), (256 * KiB, 4 * KiB, 0), (CUT, CUT + 1, 0), (CUT + 1, CUT, 0),
-    (4 * KiB, 2 * MiB, MiB), (2 * MiB, 4 * KiB, MiB), (0, 8 * MiB, 0)],
+# (`cut`: the low-latency cut of the case, 16 KiB (one part) or 96 KiB (a receiver or sender of
+# three parts facing a staged or zero-copy one); CUT: the default's.)
+@pytest.mark.parametrize("send_bytes, recv_bytes, zero_copy_threshold, cut", [
+    (4 * KiB, 256 * KiB, 0, 16 * KiB), (256 * KiB, 4 * KiB, 0, 16 * KiB), (CUT, CUT + 1, 0, CUT),
+    (CUT + 1, CUT, 0, CUT), (4 * KiB, 2 * MiB, MiB, 16 * KiB), (2 * MiB, 4 * KiB, MiB, 16 * KiB),
+    (0, 8 * MiB, 0, 16 * KiB), (96 * KiB - 5, 2 * MiB, 0, 96 * KiB), (2 * MiB, 96 * KiB - 5, 0, 96 * KiB),
+    (96 * KiB - 5, 2 * MiB, MiB, 96 * KiB), (2 * MiB, 96 * KiB - 5, MiB, 96 * KiB)],
     ids=["4K-into-256K", "256K-into-4K", "cut-into-cut+1", "cut+1-into-cut", "4K-into-2M-zero-copy",
-         "2M-zero-copy-into-4K", "0-into-8M"])
+         "2M-zero-copy-into-4K", "0-into-8M", "3-parts-into-2M", "2M-into-3-parts",
+         "3-parts-into-2M-zero-copy", "2M-zero-copy-into-3-parts"])
 def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, peer, send_bytes, recv_bytes,
-                                                                      zero_copy_threshold):
+                                                                      zero_copy_threshold, cut):
     rank = world[0]
     outcome = _Outcome(world)
+    _send_recv.set_low_latency_max_bytes(cut)
     if zero_copy_threshold:
         _send_recv.set_zero_copy_min_bytes(zero_copy_threshold)
     got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
@@ -416,6 +477,7 @@ def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_s
     rank = world[0]
     outcome = _Outcome(world)
     send_bytes, recv_bytes, other_bytes = 64 * MiB, 4 * KiB, MiB
+    _send_recv.set_low_latency_max_bytes(16 * KiB)  # the 1 MiB send staged, as the case needs
     if _load_store():
         # The case exists only with these cuts (the defaults): settings in the environment that
         # move them would let the test pass without it. Under forced RMA it checks the staged path.
@@ -441,9 +503,11 @@ def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
     """PE 0 sends 1 KiB then 1 MiB, PE 1 receives 1 MiB then 1 KiB. The 1 KiB message takes no
     staging chunk, so the 1 MiB one starts at the chunk PE 1's first recv expects: before staged
     headers carried the message's ordinal, that recv took the second message as its own and
-    returned it as received (wrong data, no error), and the second recv timed out."""
+    returned it as received (wrong data, no error), and the second recv timed out. (The cut at
+    16 KiB: the 1 MiB message staged.)"""
     rank = world[0]
     outcome = _Outcome(world)
+    _send_recv.set_low_latency_max_bytes(16 * KiB)
     first = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
     second = torch.zeros(KiB, dtype=torch.uint8, device="cuda")
     _step()

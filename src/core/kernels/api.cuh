@@ -170,7 +170,6 @@ constexpr int kLowLatencyMaxParts =
 constexpr int64_t kLowLatencyPartLines = 2 + settings::kLowLatencyPartBytes / 4;
 constexpr int64_t kLowLatencyPartStride = (kLowLatencyPartLines + 15) / 16 * 16;  // lines: 128-byte aligned parts
 constexpr int64_t kLowLatencySlotStride = kLowLatencyMaxParts * kLowLatencyPartStride;
-static_assert(kLowLatencyMaxParts >= 1 && kLowLatencyMaxParts <= 1024, "a part per slice of a launch");
 // The parts of a message of `bytes` (at most kLowLatencyMaxParts under the capacity; 1 when empty).
 __host__ __device__ constexpr int low_latency_parts(int64_t bytes) {
   return bytes <= settings::kLowLatencyPartBytes
@@ -280,6 +279,9 @@ constexpr int kMidBatchOps = 16;
 // A block of the send/recv kernel drives at most this many slices of each op: the host keeps
 // every op's slices <= this times the grid cap, so a grid never exceeds what is resident.
 constexpr int kMaxSlicesPerBlock = 32;
+// A low-latency message's slices (at most its parts) fit what one block drives: a grid of one
+// block can hold them.
+static_assert(kLowLatencyMaxParts >= 1 && kLowLatencyMaxParts <= kMaxSlicesPerBlock, "a low-latency message's parts");
 struct ChunkBatch {
   ChunkStreamArgs ops[kMaxBatchOps];
   bool is_send[kMaxBatchOps];

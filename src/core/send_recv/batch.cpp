@@ -263,9 +263,13 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       // (zero_copy.cuh, fall_back_to_staged), and then every slice has pages to drain.
       if (a.zero_copy && !a.zc_fallback) a.active_blocks = a.page_slices = 1;
     }
-    // A low-latency message moves each part on a slice of its own (send_recv.cu; from its size
-    // alone, so both sides agree whatever raises the count) and takes no staging chunk.
-    if (a.low_latency) a.active_blocks = kernels::low_latency_parts(a.bytes), a.page_slices = 1;
+    // A low-latency message moves its parts on as many slices, at most the send-block settings'
+    // (PYDATACOPY_SEND_BLOCKS, PYDATACOPY_NARROW_SEND_BLOCKS: a slice then moves several parts,
+    // send_recv.cu), and takes no staging chunk. The parts come from the size alone, so both
+    // sides agree on them whatever slice counts their launches have.
+    if (a.low_latency)
+      a.active_blocks = std::min(kernels::low_latency_parts(a.bytes), std::max(1, std::min(blocks_, narrow_blocks_))),
+      a.page_slices = 1;
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }

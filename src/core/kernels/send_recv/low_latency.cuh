@@ -115,12 +115,19 @@ __device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a,
   // a load's latency per 8 bytes (64 KiB: 16 rounds a thread).
   const int64_t pairs = (bytes + 7) / 8;
   const int64_t threads = blockDim.x;
-  const int64_t whole_pairs = (reinterpret_cast<uintptr_t>(src) & 7) == 0 ? bytes / 8 : 0;
+  const int64_t whole_pairs = bytes / 8;
+  const bool aligned = (reinterpret_cast<uintptr_t>(src) & 7) == 0;
   int64_t p = threadIdx.x;
   for (; p + (kUnroll - 1) * threads < whole_pairs; p += kUnroll * threads) {
     uint2 words[kUnroll];
+    if (aligned) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) words[u] = *reinterpret_cast<const uint2*>(src + 8 * (p + u * threads));
+      for (int u = 0; u < kUnroll; ++u) words[u] = *reinterpret_cast<const uint2*>(src + 8 * (p + u * threads));
+    } else {  // (a view at an odd offset: the same loads in flight, narrower)
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        words[u] = make_uint2(load_word(src, 8 * (p + u * threads), bytes), load_word(src, 8 * (p + u * threads) + 4, bytes));
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       store_pair(lines + 2 + 2 * (p + u * threads), line(flag, words[u].x), line(flag, words[u].y));
@@ -169,6 +176,10 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
       } else if (*reinterpret_cast<volatile unsigned int*>(a.failed) != 0 ||
                  *reinterpret_cast<volatile uint64_t*>(a.broken) != 0) {
         verdict = kLowLatencyGaveUp;  // part 0's block refuses (the other parts wait for it)
+      } else if (channel_stalled(a, since)) {  // (part 0's block ends in a refusal or the watchdog)
+        detail::record_timeout(a.status, detail::WaitOp::kChunkArrival, a.peer, a.my_pe, flag, header >> 32);
+        atomicExch(a.failed, 1u);
+        verdict = kLowLatencyGaveUp;
       }
     } else if (part == 0 && staged_instead(a, first, message)) {
       verdict = kLowLatencyGaveUp;

@@ -524,7 +524,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     awaited_since[i] = 0;
     held_since[i] = 0;
     fallback_intent[i] = false;
-    chunks[i] = chunk_count(a);
+    // A low-latency op: the parts each of its slices moves (slice s: parts s, s + S, ... of S =
+    // active_blocks slices, which may be fewer than the parts: SendRecvEngine caps them at the
+    // send-block settings), counted in next[][] as a staged slice counts chunks.
+    chunks[i] = a.low_latency ? (low_latency_parts(a.bytes) + a.active_blocks - 1) / a.active_blocks : chunk_count(a);
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
     // (A copy-engine send whose bytes are written says final whatever its channel says since.)
@@ -537,8 +540,9 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     const int slice = block + j * grid;
     header_ok[i][j] = 0;
     // A zero-copy recv waits in its slice 0 alone (for every sender slice); a low-latency op
-    // moves part j on its slice j (slices past its parts, when its channel's ops share more, are
-    // idle). A zero-copy recv that fits the staging keeps its other slices until its verdict
+    // moves part p on its slice p modulo its slices (slices past its parts, when its channel's
+    // ops share more, are idle; the ops of a channel share one slice count, so a part of every
+    // message of the channel has one block in the launch). A zero-copy recv that fits the staging keeps its other slices until its verdict
     // says zero-copy (zero_copy.cuh, fall_back_to_staged).
     const bool idle = (mode[i] == zero_copy_detail::kModeZeroCopy && !batch.ops[i].zc_fallback && slice != 0) ||
                       (mode[i] == low_latency_detail::kModeLowLatency && slice >= low_latency_parts(batch.ops[i].bytes));
@@ -552,10 +556,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // How long a recv's visit may spin on its words (low-latency lines, zero-copy done words): a
   // bounded spin while no other op's slice of this block is left to move, none otherwise (the
   // block's other ops must not wait on it: a sendrecv's send is what the peer's recv waits for).
-  const auto spin_ns = [&](int op) {
+  // (Another slice of the same op counts too: a block driving parts s and s + grid of a
+  // low-latency message must not spin on one while the other is there.)
+  const auto spin_ns = [&](int op, int slice_index) {
     for (int e = 0; e < batch.count; ++e)
       for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[e].active_blocks; ++j)
-        if (e != op && next[e][j] < chunks[e]) return uint64_t{0};
+        if ((e != op || j != slice_index) && next[e][j] < chunks[e]) return uint64_t{0};
     return kDescriptorSpinNs;
   };
   // Thread 0: recv op i's descriptor goes out; a zero-copy post that its sender may have given up
@@ -724,11 +730,14 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           __syncthreads();
           continue;
         }
-        if (mode[i] == low_latency_detail::kModeLowLatency) {  // part `slice`
+        if (mode[i] == low_latency_detail::kModeLowLatency) {
+          // This slice's next part, and what next[][] says once it moved (its last: done).
+          const int part = slice + static_cast<int>(chunk) * a.active_blocks;
+          const int64_t after = part + a.active_blocks < low_latency_parts(a.bytes) ? chunk + 1 : chunks[i];
           if (send) {
-            if (low_latency_send_visit(a, message[i], slice)) {
+            if (low_latency_send_visit(a, message[i], part)) {
               if (threadIdx.x == 0) {
-                next[i][j] = chunks[i];
+                next[i][j] = after;
                 moved(a, since[i]);
               }
               __syncthreads();
@@ -738,8 +747,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             if (receiver_refused(a, next[i][j], chunks[i], gave_up[i])) continue;
             if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
               detail::record_timeout(a.status, detail::WaitOp::kChunkCredit, a.peer, a.my_pe,
-                                     a.ll_filled[message[i] % kLowLatencySlots * kLowLatencyMaxParts + slice],
-                                     detail::load_acquire_sys(a.ll_credit + slice));
+                                     a.ll_filled[message[i] % kLowLatencySlots * kLowLatencyMaxParts + part],
+                                     detail::load_acquire_sys(a.ll_credit + part));
               atomicExch(a.failed, 1u);  // the next visit gives up (the host refuses this peer from now on)
               gave_up[i] = true;
             }
@@ -748,16 +757,16 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A bounded spin on the message while this block has nothing else to move (a spin
           // between the loop's barriers and checks saw a message later than its store).
-          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], spin_ns(i), slice);
+          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], spin_ns(i, j), part);
           if (threadIdx.x == 0 && seen != kLowLatencyWaiting) {
-            next[i][j] = chunks[i];
+            next[i][j] = seen == kLowLatencyDone ? after : chunks[i];
             if (seen == kLowLatencyGaveUp) gave_up[i] = true;
           }
           // No message yet after settings::kLatePostNs: a recv that posts late posts at the next
           // round (a review's finding: without this a low-latency recv in this kernel never
           // posted, and a sender of another size too large for the staging waited until the
           // timeout). late_due is read after the barrier below.
-          if (threadIdx.x == 0 && slice == 0 && seen == kLowLatencyWaiting && a.post_late && !posted[i] &&
+          if (threadIdx.x == 0 && part == 0 && seen == kLowLatencyWaiting && a.post_late && !posted[i] &&
               !late_due[i] && detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
             late_due[i] = true;
           __syncthreads();
@@ -825,7 +834,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A zero-copy recv: its slice 0 watches every sender slice's done word (the recv's
           // other slices are idle from the start), see zero_copy_recv_visit.
-          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i], spin_ns(i));
+          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i], spin_ns(i, j));
           if (threadIdx.x == 0 && seen != kZeroCopyWaiting) {
             next[i][j] = chunks[i];
             if (seen == kZeroCopyGaveUp) gave_up[i] = true;
