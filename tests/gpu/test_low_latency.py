@@ -242,14 +242,26 @@ def test_a_group_mixes_the_protocol_with_staged_messages_on_one_channel(world, p
     outcome.agree("the mixed group")
 
 
-def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, peer):
-    """Seven small messages each way to one peer in one group: one launch (every op within the
-    cut; the one-block kernel where each is of one part), with more messages on each channel than
-    the ring has slots, so that sends wait for credits inside the launch. Byte-exact and in order, every recv counted
-    low-latency, over three rounds (the channel's counters move on at the launch's end)."""
+@pytest.mark.parametrize("parts", ["one", "several"])
+def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, peer, parts):
+    """Seven messages each way to one peer in one group, all within the cut: one launch (the
+    one-block kernel where each is of one part), with more messages on each channel than the ring
+    has slots, so that sends wait for credits inside the launch. `several`: with the cut at the
+    capacity, messages of one part and of several (each part on a slice of its own:
+    send_recv.cu), so that parts wait for their own credits, and a message of fewer parts reuses
+    a slot whose other parts still hold an older message's lines. Byte-exact and in order, every
+    recv counted low-latency, over three rounds (the channel's counters move on at the launch's
+    end)."""
     rank = world[0]
     outcome = _Outcome(world)
-    sizes = [1, 4 * KiB, 3, CUT, 0, 1000, CUT - 1]  # 7 each way: 14 ops of a group's 16
+    if parts == "one":
+        sizes = [1, 4 * KiB, 3, 16 * KiB, 0, 1000, 16 * KiB - 1]  # 7 each way: 14 ops of a group's 16
+    else:
+        part = _C.LOW_LATENCY_PART_BYTES
+        _send_recv.set_low_latency_max_bytes(_C.LOW_LATENCY_CAPACITY_BYTES)
+        sizes = [3 * part + 3, 1, _C.LOW_LATENCY_CAPACITY_BYTES, 2 * part, 0, part + 1, 5000]
+    if max(sizes) > _send_recv.low_latency_max_bytes():
+        _send_recv.set_low_latency_max_bytes(max(sizes))
     got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
     for round_ in range(3):
         with outcome.check(f"round {round_}"):
@@ -259,30 +271,7 @@ def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, p
             want = len(sizes) if _load_store() else 0
             assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"
         _step()
-    outcome.agree("the low-latency group")
-
-
-def test_a_group_of_messages_of_several_parts_beyond_the_ring_both_ways(world, peer):
-    """With the cut at the capacity, seven messages each way in one group, of one part and of
-    several (each part on a block of its own: send_recv.cu), more on the channel than the ring
-    has slots, so that parts wait for their own credits inside the launch, and a message of
-    fewer parts reuses a slot whose other parts still hold an older message's lines. Byte-exact
-    and in order, every recv by the protocol, over three rounds."""
-    rank = world[0]
-    outcome = _Outcome(world)
-    capacity, part = _C.LOW_LATENCY_CAPACITY_BYTES, _C.LOW_LATENCY_PART_BYTES
-    _send_recv.set_low_latency_max_bytes(capacity)
-    sizes = [3 * part + 3, 1, capacity, 2 * part, 0, part + 1, 5000]
-    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    for round_ in range(3):
-        with outcome.check(f"round {round_}"):
-            before = _counters()
-            _group_both_ways(rank, peer, sizes, got, 1300 + 20 * round_)
-            moved = _counters()["recv_low_latency"] - before["recv_low_latency"]
-            want = len(sizes) if _load_store() else 0
-            assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"
-        _step()
-    outcome.agree("the group of parts")
+    outcome.agree(f"the low-latency group, {parts} part(s)")
 
 
 def test_messages_of_several_parts_mixed_with_staged_ones_and_in_a_row(world, peer):
@@ -382,18 +371,7 @@ def test_a_mismatch_of_messages_of_several_parts_raises_on_both_pes(world, peer,
     recv_bytes = recv_parts * part - 16 + extra
     if max(send_bytes, recv_bytes) > _C.LOW_LATENCY_CAPACITY_BYTES:
         pytest.skip("the capacity holds fewer parts")
-    got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
-    outgoing = _bytes(rank, 1600, send_bytes)
-    _step()
-    begin = time.monotonic()
-    with outcome.check("the mismatched send/recv"):
-        if rank == 0:
-            pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
-        else:
-            pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
-        torch.cuda.synchronize()
-    _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
-                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), 1700)
+    _mismatch_refused_on_both_pes(outcome, rank, peer, send_bytes, recv_bytes, 1600)
 
 
 def _size_error(send_bytes: int, recv_bytes: int) -> str:
@@ -433,6 +411,23 @@ def _refused_on_both_pes(outcome, rank: int, peer: int, begin: float, got: torch
     outcome.agree("the pair after setup_send_recv")
 
 
+def _mismatch_refused_on_both_pes(outcome, rank: int, peer: int, send_bytes: int, recv_bytes: int, tag: int) -> None:
+    """PE 0 sends send_bytes, PE 1 receives recv_bytes (another size): refused on both PEs
+    (_refused_on_both_pes), then sendrecvs of both sizes and 4 KiB exact after a setup."""
+    got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
+    outgoing = _bytes(rank, tag, send_bytes)
+    _step()
+    begin = time.monotonic()
+    with outcome.check("the mismatched send/recv"):
+        if rank == 0:
+            pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
+        else:
+            pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
+                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), tag + 100)
+
+
 # A mismatch across paths: one side's size within the cut, the other's over it (staged, or with the
 # zero-copy threshold at 1 MiB zero-copy). Before the receivers watched the other path, the side
 # waiting on its own path saw nothing and timed out; now both PEs raise the mismatch at once.
@@ -453,18 +448,7 @@ def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, pe
     _send_recv.set_low_latency_max_bytes(cut)
     if zero_copy_threshold:
         _send_recv.set_zero_copy_min_bytes(zero_copy_threshold)
-    got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
-    outgoing = _bytes(rank, 500, send_bytes)
-    _step()
-    begin = time.monotonic()
-    with outcome.check("the mismatched send/recv"):
-        if rank == 0:
-            pydatacopy.send(outgoing, peer, timeout=MISMATCH_TIMEOUT_S)
-        else:
-            pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
-        torch.cuda.synchronize()
-    _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
-                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), 600)
+    _mismatch_refused_on_both_pes(outcome, rank, peer, send_bytes, recv_bytes, 500)
 
 
 def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_staging(world, peer):
