@@ -87,20 +87,13 @@ def test_symmetric_layouts_are_the_cores_own():
     # 2 x 4 x 256 each; then incoming and outgoing slot headers, 32 bytes per page, and the
     # refusal words, 2 x 2 uint64 (256-byte aligned); then zero-copy's rendezvous rings, 64
     # descriptors of 64 bytes per PE, and its done words, one uint64 per PE and block; then the
-    # low-latency rings, 4 slots per PE of capacity / part parts, each 2 + part / 4 lines of 8
-    # bytes (rounded up to 16 lines), and their credit words, one uint64 per PE and part
-    # (256-byte aligned).
+    # low-latency rings, 4 slots per PE of 2 + capacity / 4 lines of 8 bytes (rounded up to 16
+    # lines), and their credit words, one uint64 per PE (256-byte aligned).
     headers = 2 * (2 * 4 * 256 * 32)
     rings = 2 * 64 * 64
-    parts = _C.LOW_LATENCY_CAPACITY_BYTES // _C.LOW_LATENCY_PART_BYTES
-    assert parts * _C.LOW_LATENCY_PART_BYTES == _C.LOW_LATENCY_CAPACITY_BYTES
-    part_lines = (2 + _C.LOW_LATENCY_PART_BYTES // 4 + 15) // 16 * 16
-
-    def aligned(n):
-        return (n + 255) // 256 * 256
-
-    low_latency = 2 * 4 * parts * part_lines * 8 + aligned(2 * parts * 8)
-    low_latency_one_pe = 4 * parts * part_lines * 8 + aligned(parts * 8)
+    slot_lines = (2 + _C.LOW_LATENCY_CAPACITY_BYTES // 4 + 15) // 16 * 16
+    low_latency = 2 * 4 * slot_lines * 8 + 256
+    low_latency_one_pe = 4 * slot_lines * 8 + 256
     assert _C.SendRecvEngine.symmetric_bytes_needed(2, 8 << 20, 4, 64) == (
         (64 << 20) + 2 * 16384 + headers + 256 + rings + 2 * 64 * 8 + low_latency)
     assert _C.SendRecvEngine.symmetric_bytes_needed(2, 8 << 20, 4, 1024) == (

@@ -65,21 +65,18 @@
 //
 // The low-latency protocol between load/store peers (not to itself, not under
 // PYDATACOPY_FORCE_RMA): a message of at most low_latency_max_bytes() (PYDATACOPY_LOW_LATENCY_MAX_BYTES,
-// default kLowLatencyCapacityBytes, 1 MiB, measured: docs/perf-notes.md v30; at most that, agreed by every PE at init; 0: off) that does not
+// default kLowLatencyCapacityBytes, 64 KiB, measured: docs/perf-notes.md v30; at most that, agreed by every PE at init; 0: off) that does not
 // move zero-copy travels in a slot of a ring of kLowLatencySlots at the receiver (slot: the
-// message's ordinal on the channel modulo the ring), in parts of settings::kLowLatencyPartBytes
-// (32 KiB; the last one shorter), as 8-byte lines {flag, 4 data bytes}, each
+// message's ordinal on the channel modulo the ring), as 8-byte lines {flag, 4 data bytes}, each
 // one store (single-copy atomic: a reader that sees the flag sees its data, so no fence separates
 // them); the flag is the ordinal + 1's low 31 bits with bit 31 set (never 0: a line never written
-// matches nothing), a part's line 0 holds the sender's byte count (the message's) and line 1 the
-// epoch ((ordinal + 1) >> 31; a part's first message of an epoch clears the whole part, fenced
-// before its header, and marks line 1 so that the receiver fences before its data loads: no line
-// of the epoch before passes for the current message's). The receiver polls each part's
-// lines, copies the data out, and releases the part's credit (the ordinal + 1) into the sender's
-// memory; the sender waits only when the slot's part still holds a message not consumed (the ring
-// is credited ahead), and takes no staging chunk (the channel's chunk sequence does not move). One
-// block per part on each side, sharing nothing with the other parts' blocks (a part's credit and
-// its last use per slot are its own); a message of one part runs in a kernel of one block. No
+// matches nothing), line 0 holds the sender's byte count and line 1 the epoch ((ordinal + 1) >> 31;
+// a slot's first message of an epoch clears the whole slot, fenced before its header, and marks
+// line 1 so that the receiver fences before its data loads: no line of the epoch before passes for
+// the current message's). The receiver polls the
+// lines, copies the data out, and releases a credit (the ordinal + 1) into the sender's memory; the
+// sender waits only when the slot still holds a message not consumed (the ring is credited
+// ahead), and takes no staging chunk (the channel's chunk sequence does not move). One block, no
 // page signals, no header handshake. Sizes that differ: the receiver reads the sender's byte count
 // in line 0 and refuses both ends; a receiver on another path (staged, zero-copy: the other
 // size over the cut) also watches line 0 of its message's slot, and a low-latency receiver watches
@@ -489,9 +486,9 @@ class SendRecvEngine {
   // and says whether it did. Never throws before a launch; what the graph's calls refuse turns the
   // copy engine off (said once, zero_copy.md).
   bool launch_copy_engine(const kernels::ChunkBatch& launch, cudaStream_t stream);
-  uint64_t* ll_filled_ = nullptr;  // device [n_pes][kLowLatencySlots][kLowLatencyMaxParts]: per send channel, ordinal + 1 that last used each part of each slot
+  uint64_t* ll_filled_ = nullptr;  // device [n_pes][kLowLatencySlots]: per send channel, ordinal + 1 that last used each slot
   uint64_t* ll_lines(int src_pe) const;    // at the receiver: the ring of src_pe's channel
-  uint64_t* ll_credits(int dst_pe) const;  // at the sender: the words [kLowLatencyMaxParts] dst_pe advances
+  uint64_t* ll_credits(int dst_pe) const;  // at the sender: the word dst_pe advances
   std::unique_ptr<ZeroCopyState> zero_copy_;
   bool zero_copy_progress_wanted_ = false;  // PYDATACOPY_ZERO_COPY_PROGRESS, as every PE voted at build()
   mutable std::mutex mutex_;  // the engine's lock (see the class comment); never swapped or moved

@@ -77,17 +77,11 @@ constexpr int64_t kZeroCopyFallbackLongWaitNs = 10'000'000;
 constexpr int64_t kLatePostNs = 20'000;
 // The low-latency protocol (send_recv.hpp): messages of at most the cut between load/store peers
 // travel with their flags in the same 8-byte stores. The capacity is what each slot of its ring
-// holds (the cut's most). A message moves in
-// parts of kLowLatencyPartBytes (the last one shorter), one block each: one block of 512 threads
-// wrote and read 64 KiB in about 6 us more than 4 KiB (2026-12-07, one H100, 2 PEs at 50%), where
-// the copy itself takes well under a microsecond. The rings take kLowLatencySlots x 2 x the
-// capacity (plus two lines a part) per peer of the symmetric heap: 8 MiB at 1 MiB.
-constexpr int64_t kLowLatencyCapacityBytes = int64_t{1} << 20;
-constexpr int64_t kLowLatencyPartBytes = int64_t{32} << 10;
-static_assert(kLowLatencyCapacityBytes % kLowLatencyPartBytes == 0 && kLowLatencyPartBytes % 8 == 0,
-              "whole parts of whole line pairs");
-// The default cut: every size the ring holds (docs/perf-notes.md v30: in parts, the protocol
-// against staged at 32 KiB-1 MiB).
+// holds (the cut's most). The default cut is the capacity: with 8 line pairs in flight per
+// thread, a 64 KiB message took 12.4 us one way and 17.1 both ways against staged's 13.8 and
+// 20.0 (2026-12-07, one H100, 2 PEs at 50%, the same run: docs/perf-notes.md v30). Messages of
+// several blocks' parts were tried up to 1 MiB and were no faster than staged (v30).
+constexpr int64_t kLowLatencyCapacityBytes = int64_t{64} << 10;
 constexpr int64_t kDefaultLowLatencyMaxBytes = kLowLatencyCapacityBytes;
 constexpr uint64_t kNvshmemDefaultSymmetricSize = uint64_t{1} << 30;
 // Sends and recvs of one group() (one kernel launch): kernels::kMaxBatchOps (api.cuh says why).

@@ -27,7 +27,6 @@ ZERO_COPY_FALLBACK_WAIT_NS: int  # a send that fits the staging waits this long 
 ZERO_COPY_FALLBACK_LONG_WAIT_NS: int  # ... and this long for any receiver, then moves staged
 LATE_POST_NS: int  # a recv below the zero-copy threshold posts its descriptor after this long without progress
 LOW_LATENCY_CAPACITY_BYTES: int
-LOW_LATENCY_PART_BYTES: int  # a low-latency message moves in parts of this many bytes, a block each
 DEFAULT_LOW_LATENCY_MAX_BYTES: int
 NVSHMEM_DEFAULT_SYMMETRIC_SIZE: int
 MAX_TOKEN_BUFFER_BYTES: int  # DoubleBufferManager::kMaxBufferBytes

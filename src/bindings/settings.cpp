@@ -40,7 +40,6 @@ void bind_settings(py::module_& m) {
   m.attr("ZERO_COPY_FALLBACK_LONG_WAIT_NS") = s::kZeroCopyFallbackLongWaitNs;
   m.attr("LATE_POST_NS") = s::kLatePostNs;
   m.attr("LOW_LATENCY_CAPACITY_BYTES") = s::kLowLatencyCapacityBytes;
-  m.attr("LOW_LATENCY_PART_BYTES") = s::kLowLatencyPartBytes;
   m.attr("DEFAULT_LOW_LATENCY_MAX_BYTES") = s::kDefaultLowLatencyMaxBytes;
   m.attr("NVSHMEM_DEFAULT_SYMMETRIC_SIZE") = s::kNvshmemDefaultSymmetricSize;
   m.attr("MAX_TOKEN_BUFFER_BYTES") = DoubleBufferManager::kMaxBufferBytes;

@@ -121,18 +121,16 @@ def test_sizes_around_the_cut_are_exact_and_take_the_protocol(world, peer, direc
 
 @pytest.mark.parametrize("direction", ["sendrecv", "one-way"])
 def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
-    """With the cut at the ring's capacity, messages long enough that each thread of a block
-    keeps several line pairs in flight (from 32 KiB: 8 pairs of 512 threads), messages of several
-    parts (a block each) with their last part whole, one byte long or one byte short, and their
-    tails, with source and destination at offsets (destination, source) of an allocation each
-    (0, 0), (8, 16), (4, 12), (3, 11), (0, 4), (8, 3), (3, 0): byte-exact, nothing written around
-    the destination, every one by the protocol."""
+    """With the cut at the ring's capacity, messages long enough that each thread of the block
+    keeps several line pairs in flight (from 32 KiB: 8 pairs of 512 threads) and their tails,
+    with source and destination at offsets (destination, source) of an allocation each (0, 0),
+    (8, 16), (4, 12), (3, 11), (0, 4), (8, 3), (3, 0): byte-exact, nothing written around the
+    destination, every one by the protocol."""
     rank = world[0]
     outcome = _Outcome(world)
-    capacity, part = _C.LOW_LATENCY_CAPACITY_BYTES, _C.LOW_LATENCY_PART_BYTES
+    capacity = _C.LOW_LATENCY_CAPACITY_BYTES
     _send_recv.set_low_latency_max_bytes(capacity)
-    sizes = [32 * KiB - 8, 32 * KiB, 32 * KiB + 1, 48 * KiB + 5, part - 1, part, part + 1, 2 * part,
-             3 * part - 1, 3 * part + 3, 8 * part + 7, capacity - 1, capacity]
+    sizes = [32 * KiB - 8, 32 * KiB, 32 * KiB + 1, 48 * KiB + 5, capacity - 1, capacity]
     sizes = sorted({n for n in sizes if n <= capacity})
     offsets = [(0, 0), (8, 16), (4, 12), (3, 11), (0, 4), (8, 3), (3, 0)]
     before = _counters()
@@ -242,26 +240,14 @@ def test_a_group_mixes_the_protocol_with_staged_messages_on_one_channel(world, p
     outcome.agree("the mixed group")
 
 
-@pytest.mark.parametrize("parts", ["one", "several"])
-def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, peer, parts):
-    """Seven messages each way to one peer in one group, all within the cut: one launch (the
-    one-block kernel where each is of one part), with more messages on each channel than the ring
-    has slots, so that sends wait for credits inside the launch. `several`: with the cut at the
-    capacity, messages of one part and of several (each part on a slice of its own:
-    send_recv.cu), so that parts wait for their own credits, and a message of fewer parts reuses
-    a slot whose other parts still hold an older message's lines. Byte-exact and in order, every
-    recv counted low-latency, over three rounds (the channel's counters move on at the launch's
-    end)."""
+def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, peer):
+    """Seven small messages each way to one peer in one group: one launch of the low-latency kernel
+    (every op within the cut), with more messages on each channel than the ring has slots, so that
+    sends wait for credits inside the launch. Byte-exact and in order, every recv counted
+    low-latency, over three rounds (the channel's counters move on at the launch's end)."""
     rank = world[0]
     outcome = _Outcome(world)
-    if parts == "one":
-        sizes = [1, 4 * KiB, 3, 16 * KiB, 0, 1000, 16 * KiB - 1]  # 7 each way: 14 ops of a group's 16
-    else:
-        part = _C.LOW_LATENCY_PART_BYTES
-        _send_recv.set_low_latency_max_bytes(_C.LOW_LATENCY_CAPACITY_BYTES)
-        sizes = [3 * part + 3, 1, _C.LOW_LATENCY_CAPACITY_BYTES, 2 * part, 0, part + 1, 5000]
-    if max(sizes) > _send_recv.low_latency_max_bytes():
-        _send_recv.set_low_latency_max_bytes(max(sizes))
+    sizes = [1, 4 * KiB, 3, CUT, 0, 1000, CUT - 1]  # 7 each way: 14 ops of a group's 16
     got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
     for round_ in range(3):
         with outcome.check(f"round {round_}"):
@@ -271,107 +257,7 @@ def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, p
             want = len(sizes) if _load_store() else 0
             assert moved == want, f"{moved} recvs took the low-latency protocol, not {want}"
         _step()
-    outcome.agree(f"the low-latency group, {parts} part(s)")
-
-
-def test_messages_of_several_parts_mixed_with_staged_ones_and_in_a_row(world, peer):
-    """With the cut at 4 parts: a group of messages of several parts, one of one part and a staged
-    one (over the cut) on one channel, both ways; then one way, 3 x SLOTS sends of several parts
-    issued back to back into recvs issued back to back. Byte-exact, in order."""
-    rank = world[0]
-    outcome = _Outcome(world)
-    part = _C.LOW_LATENCY_PART_BYTES
-    cut = min(4 * part, _C.LOW_LATENCY_CAPACITY_BYTES)
-    _send_recv.set_low_latency_max_bytes(cut)
-    sizes = [cut - 5, cut + 1, 2 * part + 9, 17, cut]
-    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    for round_ in range(2):
-        with outcome.check(f"the mixed group, round {round_}"):
-            before = _counters()
-            _group_both_ways(rank, peer, sizes, got, 1400 + 10 * round_)
-            after = _counters()
-            taken = after["recv_low_latency"] - before["recv_low_latency"]
-            staged = after["recv_staged"] - before["recv_staged"]
-            small = sum(1 for n in sizes if n <= cut)
-            if _load_store():
-                assert (taken, staged) == (small, len(sizes) - small), f"paths: {after} against {before}"
-        _step()
-    count = 3 * SLOTS
-    lengths = [cut - 8 * m for m in range(count)]
-    buffers = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in lengths]
-    before = _counters()
-    with outcome.check("the messages in a row"):
-        if rank == 0:
-            for m in range(count):
-                pydatacopy.send(_bytes(rank, 1500 + m, lengths[m]), peer)
-        else:
-            for m in range(count):
-                pydatacopy.recv(buffers[m], peer)
-        torch.cuda.synchronize()
-        pydatacopy.check_errors()
-        if rank == 1:
-            for m in range(count):
-                _assert_bytes(buffers[m], _bytes(peer, 1500 + m, lengths[m]), f"message {m}")
-            taken = _counters()["recv_low_latency"] - before["recv_low_latency"]
-            assert taken == (count if _load_store() else 0), f"{taken} of {count} recvs by the protocol"
-    outcome.agree("parts mixed and in a row")
-
-
-@pytest.mark.parametrize("blocks", [3, 1])
-def test_fewer_slices_than_parts_each_moving_several(world, peer, blocks):
-    """With PYDATACOPY_SEND_BLOCKS' setting at 3 (and 1), a message of 8 parts and one at the
-    capacity move on 3 (1) slices, each driving several parts in turn: a group both ways, twice,
-    then a sendrecv captured in a CUDA graph and replayed with fresh data. Byte-exact, by the
-    protocol."""
-    rank = world[0]
-    outcome = _Outcome(world)
-    part, capacity = _C.LOW_LATENCY_PART_BYTES, _C.LOW_LATENCY_CAPACITY_BYTES
-    pydatacopy.setup_send_recv(blocks=blocks)
-    _send_recv.set_low_latency_max_bytes(capacity)
-    sizes = [8 * part - 3, capacity, 2 * part + 1]
-    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes]
-    for round_ in range(2):
-        with outcome.check(f"the group on {blocks} slices, round {round_}"):
-            before = _counters()
-            _group_both_ways(rank, peer, sizes, got, 1800 + 10 * round_)
-            taken = _counters()["recv_low_latency"] - before["recv_low_latency"]
-            assert taken == (len(sizes) if _load_store() else 0), f"{taken} recvs by the protocol"
-        _step()
-    nbytes = 5 * part + 7
-    send = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-    recv = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
-    with outcome.check("the capture"):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            pydatacopy.sendrecv(send, peer, recv, peer)
-        torch.cuda.synchronize()
-    _step()
-    with outcome.check("the replays"):
-        for replay in range(20):
-            send.copy_(_bytes(rank, 1900 + replay, nbytes))
-            recv.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            _assert_bytes(recv, _bytes(peer, 1900 + replay, nbytes), f"replay {replay}")
-        pydatacopy.check_errors()
-    del graph
-    outcome.agree(f"{blocks} slices for several parts")
-
-
-# Messages of several parts that disagree: the receiver's part-0 block reads the sender's bytes
-# and refuses; the other parts' blocks (on either side) wait for it or write a part nobody reads.
-@pytest.mark.parametrize("send_parts, recv_parts, extra", [(3, 3, 8), (8, 1, 0), (1, 8, 0), (2, 5, 3)],
-                         ids=["3-parts-other-size", "8-into-1", "1-into-8", "2-into-5"])
-def test_a_mismatch_of_messages_of_several_parts_raises_on_both_pes(world, peer, send_parts, recv_parts, extra):
-    rank = world[0]
-    outcome = _Outcome(world)
-    part = _C.LOW_LATENCY_PART_BYTES
-    _send_recv.set_low_latency_max_bytes(_C.LOW_LATENCY_CAPACITY_BYTES)
-    send_bytes = send_parts * part - 16
-    recv_bytes = recv_parts * part - 16 + extra
-    if max(send_bytes, recv_bytes) > _C.LOW_LATENCY_CAPACITY_BYTES:
-        pytest.skip("the capacity holds fewer parts")
-    _mismatch_refused_on_both_pes(outcome, rank, peer, send_bytes, recv_bytes, 1600)
+    outcome.agree("the low-latency group")
 
 
 def _size_error(send_bytes: int, recv_bytes: int) -> str:
@@ -411,11 +297,22 @@ def _refused_on_both_pes(outcome, rank: int, peer: int, begin: float, got: torch
     outcome.agree("the pair after setup_send_recv")
 
 
-def _mismatch_refused_on_both_pes(outcome, rank: int, peer: int, send_bytes: int, recv_bytes: int, tag: int) -> None:
-    """PE 0 sends send_bytes, PE 1 receives recv_bytes (another size): refused on both PEs
-    (_refused_on_both_pes), then sendrecvs of both sizes and 4 KiB exact after a setup."""
+# A mismatch across paths: one side's size within the cut, the other's over it (staged, or with the
+# zero-copy threshold at 1 MiB zero-copy). Before the receivers watched the other path, the side
+# waiting on its own path saw nothing and timed out; now both PEs raise the mismatch at once.
+@pytest.mark.parametrize("send_bytes, recv_bytes, zero_copy_threshold", [
+    (4 * KiB, 256 * KiB, 0), (256 * KiB, 4 * KiB, 0), (CUT, CUT + 1, 0), (CUT + 1, CUT, 0),
+    (4 * KiB, 2 * MiB, MiB), (2 * MiB, 4 * KiB, MiB), (0, 8 * MiB, 0)],
+    ids=["4K-into-256K", "256K-into-4K", "cut-into-cut+1", "cut+1-into-cut", "4K-into-2M-zero-copy",
+         "2M-zero-copy-into-4K", "0-into-8M"])
+def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, peer, send_bytes, recv_bytes,
+                                                                      zero_copy_threshold):
+    rank = world[0]
+    outcome = _Outcome(world)
+    if zero_copy_threshold:
+        _send_recv.set_zero_copy_min_bytes(zero_copy_threshold)
     got = torch.zeros(recv_bytes, dtype=torch.uint8, device="cuda")
-    outgoing = _bytes(rank, tag, send_bytes)
+    outgoing = _bytes(rank, 500, send_bytes)
     _step()
     begin = time.monotonic()
     with outcome.check("the mismatched send/recv"):
@@ -425,30 +322,7 @@ def _mismatch_refused_on_both_pes(outcome, rank: int, peer: int, send_bytes: int
             pydatacopy.recv(got, peer, timeout=MISMATCH_TIMEOUT_S)
         torch.cuda.synchronize()
     _refused_on_both_pes(outcome, rank, peer, begin, got, _size_error(send_bytes, recv_bytes),
-                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), tag + 100)
-
-
-# A mismatch across paths: one side's size within the cut, the other's over it (staged, or with the
-# zero-copy threshold at 1 MiB zero-copy). Before the receivers watched the other path, the side
-# waiting on its own path saw nothing and timed out; now both PEs raise the mismatch at once.
-# (`cut`: the low-latency cut of the case, 16 KiB (one part) or 96 KiB (a receiver or sender of
-# three parts facing a staged or zero-copy one); CUT: the default's.)
-@pytest.mark.parametrize("send_bytes, recv_bytes, zero_copy_threshold, cut", [
-    (4 * KiB, 256 * KiB, 0, 16 * KiB), (256 * KiB, 4 * KiB, 0, 16 * KiB), (CUT, CUT + 1, 0, CUT),
-    (CUT + 1, CUT, 0, CUT), (4 * KiB, 2 * MiB, MiB, 16 * KiB), (2 * MiB, 4 * KiB, MiB, 16 * KiB),
-    (0, 8 * MiB, 0, 16 * KiB), (96 * KiB - 5, 2 * MiB, 0, 96 * KiB), (2 * MiB, 96 * KiB - 5, 0, 96 * KiB),
-    (96 * KiB - 5, 2 * MiB, MiB, 96 * KiB), (2 * MiB, 96 * KiB - 5, MiB, 96 * KiB)],
-    ids=["4K-into-256K", "256K-into-4K", "cut-into-cut+1", "cut+1-into-cut", "4K-into-2M-zero-copy",
-         "2M-zero-copy-into-4K", "0-into-8M", "3-parts-into-2M", "2M-into-3-parts",
-         "3-parts-into-2M-zero-copy", "2M-zero-copy-into-3-parts"])
-def test_a_mismatch_across_paths_raises_on_both_pes_before_the_timeout(world, peer, send_bytes, recv_bytes,
-                                                                      zero_copy_threshold, cut):
-    rank = world[0]
-    outcome = _Outcome(world)
-    _send_recv.set_low_latency_max_bytes(cut)
-    if zero_copy_threshold:
-        _send_recv.set_zero_copy_min_bytes(zero_copy_threshold)
-    _mismatch_refused_on_both_pes(outcome, rank, peer, send_bytes, recv_bytes, 500)
+                         rf"receiver expected {recv_bytes} bytes", (recv_bytes, send_bytes, 4 * KiB), 600)
 
 
 def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_staging(world, peer):
@@ -461,7 +335,6 @@ def test_a_low_latency_recv_in_a_group_posts_late_for_a_send_too_large_for_the_s
     rank = world[0]
     outcome = _Outcome(world)
     send_bytes, recv_bytes, other_bytes = 64 * MiB, 4 * KiB, MiB
-    _send_recv.set_low_latency_max_bytes(16 * KiB)  # the 1 MiB send staged, as the case needs
     if _load_store():
         # The case exists only with these cuts (the defaults): settings in the environment that
         # move them would let the test pass without it. Under forced RMA it checks the staged path.
@@ -487,11 +360,9 @@ def test_swapped_sizes_across_paths_are_refused_not_delivered(world, peer):
     """PE 0 sends 1 KiB then 1 MiB, PE 1 receives 1 MiB then 1 KiB. The 1 KiB message takes no
     staging chunk, so the 1 MiB one starts at the chunk PE 1's first recv expects: before staged
     headers carried the message's ordinal, that recv took the second message as its own and
-    returned it as received (wrong data, no error), and the second recv timed out. (The cut at
-    16 KiB: the 1 MiB message staged.)"""
+    returned it as received (wrong data, no error), and the second recv timed out."""
     rank = world[0]
     outcome = _Outcome(world)
-    _send_recv.set_low_latency_max_bytes(16 * KiB)
     first = torch.zeros(MiB, dtype=torch.uint8, device="cuda")
     second = torch.zeros(KiB, dtype=torch.uint8, device="cuda")
     _step()

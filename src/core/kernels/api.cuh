@@ -157,25 +157,14 @@ constexpr int kCopyEngineOrdinary = 3;  // the guess was wrong (or no zero-copy)
 constexpr unsigned kCopyEngineVerdictCopy = 1, kCopyEngineVerdictOrdinary = 2, kCopyEngineVerdictGaveUp = 3;
 
 // The low-latency protocol (send_recv.hpp): per channel, a ring of kLowLatencySlots slots at the
-// receiver, slot = the message's ordinal modulo the ring. A message moves in parts of
-// settings::kLowLatencyPartBytes (low_latency_parts), and a slot holds kLowLatencyMaxParts parts,
-// each lines of 8 bytes, each {flag: 32 bits, data: 32 bits} written by one store, the flag the
-// ordinal + 1 (its low 32 bits): a part's line 0 holds the sender's byte count (of the whole
-// message), line 1 the epoch (the data lines then start 16-byte aligned, two per vector store),
-// lines 2... the part's 4-byte words. Each part has its own credit word at the sender and its own
-// "filled" word per slot, so that the blocks moving a message's parts share nothing.
+// receiver, slot = the message's ordinal modulo the ring. A slot is lines of 8 bytes, each
+// {flag: 32 bits, data: 32 bits} written by one store, the flag the ordinal + 1 (its low 32
+// bits): line 0 holds the sender's byte count, line 1 is spare (the data lines then start
+// 16-byte aligned, two per vector store), lines 2... the message's 4-byte words.
 constexpr int kLowLatencySlots = 4;
-constexpr int kLowLatencyMaxParts =
-    static_cast<int>(settings::kLowLatencyCapacityBytes / settings::kLowLatencyPartBytes);
-constexpr int64_t kLowLatencyPartLines = 2 + settings::kLowLatencyPartBytes / 4;
-constexpr int64_t kLowLatencyPartStride = (kLowLatencyPartLines + 15) / 16 * 16;  // lines: 128-byte aligned parts
-constexpr int64_t kLowLatencySlotStride = kLowLatencyMaxParts * kLowLatencyPartStride;
-// The parts of a message of `bytes` (at most kLowLatencyMaxParts under the capacity; 1 when empty).
-__host__ __device__ constexpr int low_latency_parts(int64_t bytes) {
-  return bytes <= settings::kLowLatencyPartBytes
-             ? 1
-             : static_cast<int>((bytes + settings::kLowLatencyPartBytes - 1) / settings::kLowLatencyPartBytes);
-}
+constexpr int64_t kLowLatencySlotLines = 2 + settings::kLowLatencyCapacityBytes / 4;
+constexpr int64_t kLowLatencySlotStride = (kLowLatencySlotLines + 15) / 16 * 16;  // lines: 128-byte aligned slots
+static_assert(settings::kLowLatencyCapacityBytes % 8 == 0, "whole line pairs");
 
 struct ChunkStreamArgs {
   const uint8_t* src;        // send: the user's buffer
@@ -252,14 +241,12 @@ struct ChunkStreamArgs {
   // The low-latency protocol (send_recv.hpp). Both sides decide `low_latency` alike from the
   // channel (load/store reachable) and the size (<= the cut, and not zero-copy).
   bool low_latency;
-  uint64_t* peer_ll_lines;   // send: the receiver's ring for this PE [kLowLatencySlots][parts][lines] (nvshmem_ptr)
-  uint64_t* ll_credit;       // send: this PE's words [kLowLatencyMaxParts] the receiver advances (per part:
-                             // ordinal + 1 of the last message whose part it consumed)
-  uint64_t* ll_filled;       // send, device [kLowLatencySlots][kLowLatencyMaxParts]: ordinal + 1 of the
-                             // message that last used each part of each slot
+  uint64_t* peer_ll_lines;   // send: the receiver's ring for this PE [kLowLatencySlots][lines] (nvshmem_ptr)
+  uint64_t* ll_credit;       // send: this PE's word the receiver advances (ordinal + 1 of the last consumed)
+  uint64_t* ll_filled;       // send, device [kLowLatencySlots]: ordinal + 1 of the message that last used each slot
   const uint64_t* ll_lines;  // recv: this PE's ring from the sender; set on every recv of a low-latency
                              // channel (a staged or zero-copy recv watches it for a sender that sent low-latency)
-  uint64_t* peer_ll_credit;  // recv: the sender's credit words for this channel [kLowLatencyMaxParts] (nvshmem_ptr)
+  uint64_t* peer_ll_credit;  // recv: the sender's credit word for this channel (nvshmem_ptr)
   // The copy engine (kCopyEngine* above). ce_last_target is set on every send that awaits a
   // descriptor, the rest only in a copy-engine launch.
   int ce_phase;              // kCopyEngineOff, Probe, Copied or Ordinary (the same in every op of a launch)
@@ -279,9 +266,6 @@ constexpr int kMidBatchOps = 16;
 // A block of the send/recv kernel drives at most this many slices of each op: the host keeps
 // every op's slices <= this times the grid cap, so a grid never exceeds what is resident.
 constexpr int kMaxSlicesPerBlock = 32;
-// A low-latency message's slices (at most its parts) fit what one block drives: a grid of one
-// block can hold them.
-static_assert(kLowLatencyMaxParts >= 1 && kLowLatencyMaxParts <= kMaxSlicesPerBlock, "a low-latency message's parts");
 struct ChunkBatch {
   ChunkStreamArgs ops[kMaxBatchOps];
   bool is_send[kMaxBatchOps];

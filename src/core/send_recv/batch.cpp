@@ -129,7 +129,7 @@ kernels::ChunkStreamArgs SendRecvEngine::prepare(bool send, void* buffer, std::s
     if (a.low_latency) {
       a.peer_ll_lines = static_cast<uint64_t*>(peer_address(ll_lines(me), peer));
       a.ll_credit = ll_credits(peer);
-      a.ll_filled = ll_filled_ + static_cast<std::size_t>(peer) * kernels::kLowLatencySlots * kernels::kLowLatencyMaxParts;
+      a.ll_filled = ll_filled_ + static_cast<std::size_t>(peer) * kernels::kLowLatencySlots;
     }
   } else {
     a.dst = static_cast<uint8_t*>(buffer);
@@ -263,13 +263,8 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       // (zero_copy.cuh, fall_back_to_staged), and then every slice has pages to drain.
       if (a.zero_copy && !a.zc_fallback) a.active_blocks = a.page_slices = 1;
     }
-    // A low-latency message moves its parts on as many slices, at most the send-block settings'
-    // (PYDATACOPY_SEND_BLOCKS, PYDATACOPY_NARROW_SEND_BLOCKS: a slice then moves several parts,
-    // send_recv.cu), and takes no staging chunk. The parts come from the size alone, so both
-    // sides agree on them whatever slice counts their launches have.
-    if (a.low_latency)
-      a.active_blocks = std::min(kernels::low_latency_parts(a.bytes), std::max(1, std::min(blocks_, narrow_blocks_))),
-      a.page_slices = 1;
+    // A low-latency message moves on one block (its slice 0) and takes no staging chunk.
+    if (a.low_latency) a.active_blocks = a.page_slices = 1;
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }

@@ -109,15 +109,15 @@ std::size_t ring_array_bytes(int n_pes) {
 std::size_t done_array_bytes(int n_pes, int blocks) {
   return align_up(static_cast<std::size_t>(n_pes) * blocks * sizeof(uint64_t), kAlignment);
 }
-// The low-latency protocol: after the done words, the rings [n_pes][kLowLatencySlots][parts]
-// [stride lines] (at the receiver, one per sender), then the credit words [n_pes][parts] (at the
-// sender, one per part for each receiver).
+// The low-latency protocol: after the done words, the rings [n_pes][kLowLatencySlots][stride
+// lines] (at the receiver, one per sender), then the credit words [n_pes] (at the sender, one
+// per receiver).
 std::size_t ll_ring_array_bytes(int n_pes) {
   return align_up(static_cast<std::size_t>(n_pes) * kernels::kLowLatencySlots * kernels::kLowLatencySlotStride *
                       sizeof(uint64_t), kAlignment);
 }
 std::size_t ll_credit_array_bytes(int n_pes) {
-  return align_up(static_cast<std::size_t>(n_pes) * kernels::kLowLatencyMaxParts * sizeof(uint64_t), kAlignment);
+  return align_up(static_cast<std::size_t>(n_pes) * sizeof(uint64_t), kAlignment);
 }
 }  // namespace
 
@@ -273,8 +273,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
                                     pes * pages_per_peer * sizeof(uint64_t) + 2 * pes * sizeof(uint64_t) +
                                     (pes * 2 * kernels::kRendezvousRing + pes * kernels::kZeroCopyCounters) *
                                         sizeof(uint64_t) +
-                                    static_cast<std::size_t>(pes) * kernels::kLowLatencySlots *
-                                        kernels::kLowLatencyMaxParts * sizeof(uint64_t);
+                                    static_cast<std::size_t>(pes) * kernels::kLowLatencySlots * sizeof(uint64_t);
   void* counters = nullptr;
   PDC_CHECK_CUDA(cudaMalloc(&counters, counter_bytes));
   if (cudaError_t e = cudaMemset(counters, 0, counter_bytes); e != cudaSuccess) {
@@ -301,8 +300,7 @@ void SendRecvEngine::build(std::size_t chunk_bytes, int num_chunks, int blocks) 
   zc_resolved_ = messages_ + 2 * pes;
   zc_counts_ = zc_resolved_ + static_cast<std::size_t>(pes) * 2 * kernels::kRendezvousRing;
   ll_filled_ = zc_counts_ + static_cast<std::size_t>(pes) * kernels::kZeroCopyCounters;
-  done_ = reinterpret_cast<unsigned int*>(ll_filled_ + static_cast<std::size_t>(pes) * kernels::kLowLatencySlots *
-                                                          kernels::kLowLatencyMaxParts);
+  done_ = reinterpret_cast<unsigned int*>(ll_filled_ + static_cast<std::size_t>(pes) * kernels::kLowLatencySlots);
   failed_ = done_ + 2 * pes;
   resident_blocks_ = std::max(1, grid_cap);
   chunk_bytes_ = chunk_bytes;
@@ -734,8 +732,7 @@ uint64_t* SendRecvEngine::ll_lines(int src_pe) const {
 }
 
 uint64_t* SendRecvEngine::ll_credits(int dst_pe) const {
-  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(ll_lines(0)) + ll_ring_array_bytes(n_pes_)) +
-         static_cast<std::size_t>(dst_pe) * kernels::kLowLatencyMaxParts;
+  return reinterpret_cast<uint64_t*>(reinterpret_cast<uint8_t*>(ll_lines(0)) + ll_ring_array_bytes(n_pes_)) + dst_pe;
 }
 
 void SendRecvEngine::require_ready(const char* what, int pe) const {

@@ -12,8 +12,6 @@
 namespace low_latency_detail {
 constexpr int kModeLowLatency = 3;  // beside zero_copy_detail's kModeStaged / kModeZeroCopy
 constexpr int64_t kSlotStride = kLowLatencySlotStride;
-constexpr int64_t kPartStride = kLowLatencyPartStride;
-constexpr int64_t kPartBytes = settings::kLowLatencyPartBytes;
 // Line pairs in flight per thread, each way (a 64 KiB message is 16 pairs per thread of a block).
 constexpr int kUnroll = 8;
 
@@ -67,7 +65,7 @@ __device__ bool low_latency_instead(const ChunkStreamArgs& a, uint64_t message) 
   using namespace low_latency_detail;
   if (a.ll_lines == nullptr) return false;
   uint64_t header = 0, high = 0;
-  load_pair(a.ll_lines + (message % kLowLatencySlots) * kSlotStride, header, high);  // part 0's header
+  load_pair(a.ll_lines + (message % kLowLatencySlots) * kSlotStride, header, high);
   const uint64_t flag = flag_of(message);
   if ((header >> 32) != flag || (high & ~static_cast<uint64_t>(kRewritten)) != line(flag, epoch_word(message)))
     return false;
@@ -75,83 +73,72 @@ __device__ bool low_latency_instead(const ChunkStreamArgs& a, uint64_t message) 
   return true;
 }
 
-// The bytes of part `part` of a message of `bytes`, from its offset part * kPartBytes.
-__device__ __forceinline__ int64_t low_latency_part_bytes(int64_t bytes, int part) {
-  return min(low_latency_detail::kPartBytes, bytes - part * low_latency_detail::kPartBytes);
-}
-
-// All threads, send side: one visit to part `part` of the message (one block moves each part,
-// nothing shared with the other parts' blocks: low_latency_parts). Returns false while the
-// slot's part still holds a message the receiver has not consumed; else writes the part (its
-// header and data lines) and returns true.
-__device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a, uint64_t message, int part) {
+// All threads, send side: one visit. Returns false while the slot still holds a message the
+// receiver has not consumed; else writes the message (header and data lines) and returns true.
+__device__ __forceinline__ bool low_latency_send_visit(const ChunkStreamArgs& a, uint64_t message) {
   using namespace low_latency_detail;
   const int slot = static_cast<int>(message % kLowLatencySlots);
-  uint64_t* filled = a.ll_filled + slot * kLowLatencyMaxParts + part;
-  const bool free = __syncthreads_or(threadIdx.x == 0 && detail::load_acquire_sys(a.ll_credit + part) >= *filled);
+  const bool free = __syncthreads_or(threadIdx.x == 0 && detail::load_acquire_sys(a.ll_credit) >= a.ll_filled[slot]);
   if (!free) return false;
-  uint64_t* lines = a.peer_ll_lines + slot * kSlotStride + part * kPartStride;
+  uint64_t* lines = a.peer_ll_lines + slot * kSlotStride;
   const uint64_t flag = flag_of(message);
-  // The part's first message of an epoch clears every line of the part first (0 matches no
-  // flag), fenced before its header: no line keeps a flag of the epoch before, which this
-  // epoch's repeat.
-  const uint64_t last = *filled;  // ordinal + 1 of the part's last message, 0: none
+  // The slot's first message of an epoch clears every line of the slot first (0 matches no flag),
+  // fenced before the header: no line keeps a flag of the epoch before, which this epoch's repeat.
+  const uint64_t last = a.ll_filled[slot];  // ordinal + 1 of the slot's last message, 0: none
   const bool new_epoch = last != 0 && epoch_of(last) != epoch_of(message + 1);
   if (new_epoch) {
-    for (int64_t p = threadIdx.x; p < (kLowLatencyPartLines - 2) / 2; p += blockDim.x) store_pair(lines + 2 + 2 * p, 0, 0);
+    for (int64_t p = threadIdx.x; p < (kLowLatencySlotLines - 2) / 2; p += blockDim.x) store_pair(lines + 2 + 2 * p, 0, 0);
     __syncthreads();
     if (threadIdx.x == 0) __threadfence_system();  // cumulative: the block's clears, seen through the barrier
   }
-  // Line 1: the epoch (and the mark of a cleared part), so that a part's line 0 from 2^31
-  // messages earlier is no match. Line 0: the whole message's bytes (every part can tell a
-  // receiver of another size).
+  // Line 1: the epoch (and the mark of a cleared slot), so that a slot's line 0 from 2^31
+  // messages earlier is no match.
   if (threadIdx.x == 0)
     store_pair(lines, line(flag, static_cast<uint32_t>(a.bytes)),
                line(flag, epoch_word(message) | (new_epoch ? kRewritten : 0u)));
-  const uint8_t* src = a.src + part * kPartBytes;
-  const int64_t bytes = low_latency_part_bytes(a.bytes, part);
   // Each thread's source words are loaded kUnroll pairs at a time before their stores: a store's
   // "memory" clobber keeps every later load behind it, so one pair a round made each thread wait
   // a load's latency per 8 bytes (64 KiB: 16 rounds a thread).
-  const int64_t pairs = (bytes + 7) / 8;
+  const int64_t pairs = (a.bytes + 7) / 8;
   const int64_t threads = blockDim.x;
-  const int64_t whole_pairs = bytes / 8;
-  const bool aligned = (reinterpret_cast<uintptr_t>(src) & 7) == 0;
+  const int64_t whole_pairs = a.bytes / 8;
+  const bool aligned = (reinterpret_cast<uintptr_t>(a.src) & 7) == 0;
   int64_t p = threadIdx.x;
   for (; p + (kUnroll - 1) * threads < whole_pairs; p += kUnroll * threads) {
     uint2 words[kUnroll];
     if (aligned) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) words[u] = *reinterpret_cast<const uint2*>(src + 8 * (p + u * threads));
+      for (int u = 0; u < kUnroll; ++u) words[u] = *reinterpret_cast<const uint2*>(a.src + 8 * (p + u * threads));
     } else {  // (a view at an odd offset: the same loads in flight, narrower)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        words[u] = make_uint2(load_word(src, 8 * (p + u * threads), bytes), load_word(src, 8 * (p + u * threads) + 4, bytes));
+        words[u] = make_uint2(load_word(a.src, 8 * (p + u * threads), a.bytes),
+                              load_word(a.src, 8 * (p + u * threads) + 4, a.bytes));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       store_pair(lines + 2 + 2 * (p + u * threads), line(flag, words[u].x), line(flag, words[u].y));
   }
   for (; p < pairs; p += threads)
-    store_pair(lines + 2 + 2 * p, line(flag, load_word(src, 8 * p, bytes)), line(flag, load_word(src, 8 * p + 4, bytes)));
+    store_pair(lines + 2 + 2 * p, line(flag, load_word(a.src, 8 * p, a.bytes)),
+               line(flag, load_word(a.src, 8 * p + 4, a.bytes)));
   __syncthreads();
-  if (threadIdx.x == 0) *filled = message + 1;
+  if (threadIdx.x == 0) a.ll_filled[slot] = message + 1;
   return true;
 }
 
-// All threads, recv side: one visit to part `part` (a bounded spin, `spin_ns`, while this block
-// has nothing else to move). Returns kLowLatencyWaiting, kLowLatencyDone (the part copied out,
-// its credit posted) or kLowLatencyGaveUp (refused at both ends, or the watchdog). While the
-// header has not landed it also looks for the message sent another way: a staged first chunk
-// (staged_instead, part 0's block) or the refusal word (a zero-copy sender that read this recv's
-// descriptor and found another size; or part 0's block, which found a sender of another size).
+// All threads, recv side: one visit (a bounded spin, `spin_ns`, while this block has nothing
+// else to move). Returns kLowLatencyWaiting, kLowLatencyDone (copied out, credit posted) or
+// kLowLatencyGaveUp (refused at both ends, or the watchdog). While the header has not landed it
+// also looks for the message sent another way: a staged first chunk (staged_instead) or the
+// refusal word (a zero-copy sender that read this recv's descriptor and found another size).
 // `since` is the op's last progress, in shared memory, changed by thread 0 only.
 constexpr int kLowLatencyWaiting = 0, kLowLatencyDone = 1, kLowLatencyGaveUp = 2;
 __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, uint64_t message, uint64_t first,
-                                                      uint64_t& since, uint64_t spin_ns, int part) {
+                                                      uint64_t& since, uint64_t spin_ns) {
   using namespace low_latency_detail;
   const int slot = static_cast<int>(message % kLowLatencySlots);
-  const uint64_t* lines = a.ll_lines + slot * kSlotStride + part * kPartStride;
+  const uint64_t* lines = a.ll_lines + slot * kSlotStride;
   const uint64_t flag = flag_of(message);
   __shared__ int verdict;  // kLowLatencyWaiting: the header has not landed; else as returned
   __shared__ uint64_t deadline;
@@ -170,24 +157,15 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
       const uint64_t sender_bytes = header & 0xffffffffull;
       if (sender_bytes == static_cast<uint64_t>(a.bytes)) {
         verdict = kLowLatencyDone;  // the header is in: the data lines follow
-      } else if (part == 0) {
+      } else {
         refuse_from_recv(a, sender_bytes);
         verdict = kLowLatencyGaveUp;
-      } else if (*reinterpret_cast<volatile unsigned int*>(a.failed) != 0 ||
-                 *reinterpret_cast<volatile uint64_t*>(a.broken) != 0) {
-        verdict = kLowLatencyGaveUp;  // part 0's block refuses (the other parts wait for it)
-      } else if (channel_stalled(a, since)) {  // (part 0's block ends in a refusal or the watchdog)
-        detail::record_timeout(a.status, detail::WaitOp::kChunkArrival, a.peer, a.my_pe, flag, header >> 32);
-        atomicExch(a.failed, 1u);
-        verdict = kLowLatencyGaveUp;
       }
-    } else if (part == 0 && staged_instead(a, first, message)) {
+    } else if (staged_instead(a, first, message)) {
       verdict = kLowLatencyGaveUp;
     } else if (const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken); broken != 0) {
       refuse(a, detail::WaitOp::kChunkArrival, broken - 1);
       verdict = kLowLatencyGaveUp;
-    } else if (part != 0 && *reinterpret_cast<volatile unsigned int*>(a.failed) != 0) {
-      verdict = kLowLatencyGaveUp;  // another part's block gave the channel up in this launch
     } else if (channel_stalled(a, since)) {
       detail::record_timeout(a.status, detail::WaitOp::kChunkArrival, a.peer, a.my_pe, flag, header >> 32);
       atomicExch(a.failed, 1u);
@@ -202,11 +180,9 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
   }
   // The data: each thread its pairs of lines, kUnroll loads in flight (as the sender's), each
   // pair not yet in spun on until the deadline, copied out as they come.
-  uint8_t* dst = a.dst + part * kPartBytes;
-  const int64_t bytes = low_latency_part_bytes(a.bytes, part);
-  const int64_t pairs = (bytes + 7) / 8;
+  const int64_t pairs = (a.bytes + 7) / 8;
   const int64_t threads = blockDim.x;
-  const bool dst_aligned = (reinterpret_cast<uintptr_t>(dst) & 7) == 0;
+  const bool dst_aligned = (reinterpret_cast<uintptr_t>(a.dst) & 7) == 0;
   bool all_in = true;
   auto take = [&](int64_t p, uint64_t low, uint64_t high) {
     while (((low >> 32) != flag || (high >> 32) != flag) && detail::globaltimer_ns() < deadline)
@@ -215,12 +191,12 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
       all_in = false;
       return;
     }
-    if (dst_aligned && 8 * p + 8 <= bytes) {
-      *reinterpret_cast<uint2*>(dst + 8 * p) = make_uint2(static_cast<uint32_t>(low), static_cast<uint32_t>(high));
+    if (dst_aligned && 8 * p + 8 <= a.bytes) {
+      *reinterpret_cast<uint2*>(a.dst + 8 * p) = make_uint2(static_cast<uint32_t>(low), static_cast<uint32_t>(high));
       return;
     }
-    store_word(dst, 8 * p, bytes, static_cast<uint32_t>(low));
-    store_word(dst, 8 * p + 4, bytes, static_cast<uint32_t>(high));
+    store_word(a.dst, 8 * p, a.bytes, static_cast<uint32_t>(low));
+    store_word(a.dst, 8 * p + 4, a.bytes, static_cast<uint32_t>(high));
   };
   int64_t p = threadIdx.x;
   for (; p + (kUnroll - 1) * threads < pairs; p += kUnroll * threads) {
@@ -250,7 +226,7 @@ __device__ __forceinline__ int low_latency_recv_visit(const ChunkStreamArgs& a, 
   // Every line was read (the loads returned) before the credit frees the slot; the release also
   // covers the block's stores into dst, seen through the barrier.
   if (threadIdx.x == 0) {
-    store_release_sys(a.peer_ll_credit + part, message + 1);
+    store_release_sys(a.peer_ll_credit, message + 1);
     moved(a, since);
   }
   __syncthreads();

@@ -524,10 +524,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     awaited_since[i] = 0;
     held_since[i] = 0;
     fallback_intent[i] = false;
-    // A low-latency op: the parts each of its slices moves (slice s: parts s, s + S, ... of S =
-    // active_blocks slices, which may be fewer than the parts: SendRecvEngine caps them at the
-    // send-block settings), counted in next[][] as a staged slice counts chunks.
-    chunks[i] = a.low_latency ? (low_latency_parts(a.bytes) + a.active_blocks - 1) / a.active_blocks : chunk_count(a);
+    chunks[i] = chunk_count(a);
     // A refused channel moves nothing until setup_send_recv() rebuilds it.
     const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
     // (A copy-engine send whose bytes are written says final whatever its channel says since.)
@@ -540,12 +537,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     const int slice = block + j * grid;
     header_ok[i][j] = 0;
     // A zero-copy recv waits in its slice 0 alone (for every sender slice); a low-latency op
-    // moves part p on its slice p modulo its slices (slices past its parts, when its channel's
-    // ops share more, are idle; the ops of a channel share one slice count, so a part of every
-    // message of the channel has one block in the launch). A zero-copy recv that fits the staging keeps its other slices until its verdict
-    // says zero-copy (zero_copy.cuh, fall_back_to_staged).
-    const bool idle = (mode[i] == zero_copy_detail::kModeZeroCopy && !batch.ops[i].zc_fallback && slice != 0) ||
-                      (mode[i] == low_latency_detail::kModeLowLatency && slice >= low_latency_parts(batch.ops[i].bytes));
+    // moves on its slice 0 alone (the others, when its channel's ops share more, are idle). A
+    // zero-copy recv that fits the staging keeps its other slices until its verdict says
+    // zero-copy (zero_copy.cuh, fall_back_to_staged).
+    const bool idle = ((mode[i] == zero_copy_detail::kModeZeroCopy && !batch.ops[i].zc_fallback) ||
+                       mode[i] == low_latency_detail::kModeLowLatency) &&
+                      slice != 0;
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
@@ -556,12 +553,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   // How long a recv's visit may spin on its words (low-latency lines, zero-copy done words): a
   // bounded spin while no other op's slice of this block is left to move, none otherwise (the
   // block's other ops must not wait on it: a sendrecv's send is what the peer's recv waits for).
-  // (Another slice of the same op counts too: a block driving parts s and s + grid of a
-  // low-latency message must not spin on one while the other is there.)
-  const auto spin_ns = [&](int op, int slice_index) {
+  const auto spin_ns = [&](int op) {
     for (int e = 0; e < batch.count; ++e)
       for (int j = 0; j < kMaxSlicesPerBlock && block + j * grid < batch.ops[e].active_blocks; ++j)
-        if ((e != op || j != slice_index) && next[e][j] < chunks[e]) return uint64_t{0};
+        if (e != op && next[e][j] < chunks[e]) return uint64_t{0};
     return kDescriptorSpinNs;
   };
   // Thread 0: recv op i's descriptor goes out; a zero-copy post that its sender may have given up
@@ -731,13 +726,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           continue;
         }
         if (mode[i] == low_latency_detail::kModeLowLatency) {
-          // This slice's next part, and what next[][] says once it moved (its last: done).
-          const int part = slice + static_cast<int>(chunk) * a.active_blocks;
-          const int64_t after = part + a.active_blocks < low_latency_parts(a.bytes) ? chunk + 1 : chunks[i];
           if (send) {
-            if (low_latency_send_visit(a, message[i], part)) {
+            if (low_latency_send_visit(a, message[i])) {
               if (threadIdx.x == 0) {
-                next[i][j] = after;
+                next[i][j] = chunks[i];
                 moved(a, since[i]);
               }
               __syncthreads();
@@ -747,8 +739,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
             if (receiver_refused(a, next[i][j], chunks[i], gave_up[i])) continue;
             if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
               detail::record_timeout(a.status, detail::WaitOp::kChunkCredit, a.peer, a.my_pe,
-                                     a.ll_filled[message[i] % kLowLatencySlots * kLowLatencyMaxParts + part],
-                                     detail::load_acquire_sys(a.ll_credit + part));
+                                     a.ll_filled[message[i] % kLowLatencySlots], detail::load_acquire_sys(a.ll_credit));
               atomicExch(a.failed, 1u);  // the next visit gives up (the host refuses this peer from now on)
               gave_up[i] = true;
             }
@@ -757,17 +748,17 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A bounded spin on the message while this block has nothing else to move (a spin
           // between the loop's barriers and checks saw a message later than its store).
-          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], spin_ns(i, j), part);
+          const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], spin_ns(i));
           if (threadIdx.x == 0 && seen != kLowLatencyWaiting) {
-            next[i][j] = seen == kLowLatencyDone ? after : chunks[i];
+            next[i][j] = chunks[i];
             if (seen == kLowLatencyGaveUp) gave_up[i] = true;
           }
           // No message yet after settings::kLatePostNs: a recv that posts late posts at the next
           // round (a review's finding: without this a low-latency recv in this kernel never
           // posted, and a sender of another size too large for the staging waited until the
           // timeout). late_due is read after the barrier below.
-          if (threadIdx.x == 0 && part == 0 && seen == kLowLatencyWaiting && a.post_late && !posted[i] &&
-              !late_due[i] && detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
+          if (threadIdx.x == 0 && seen == kLowLatencyWaiting && a.post_late && !posted[i] && !late_due[i] &&
+              detail::globaltimer_ns() - since[i] >= static_cast<uint64_t>(settings::kLatePostNs))
             late_due[i] = true;
           __syncthreads();
           continue;
@@ -834,7 +825,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
           }
           // A zero-copy recv: its slice 0 watches every sender slice's done word (the recv's
           // other slices are idle from the start), see zero_copy_recv_visit.
-          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i], spin_ns(i, j));
+          const int seen = zero_copy_recv_visit(a, message[i], first[i], since[i], zc_landed[i], spin_ns(i));
           if (threadIdx.x == 0 && seen != kZeroCopyWaiting) {
             next[i][j] = chunks[i];
             if (seen == kZeroCopyGaveUp) gave_up[i] = true;
@@ -946,9 +937,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
 // between load/store peers, or a group of them): one block runs the ops in the channel's order,
 // as chunk_batch_kernel's block 0 does, without what only chunked and zero-copy messages need
 // there (the slices' state set up, a look at the channel's failure flag per visit, finish_slice's
-// fence and count across blocks): a low-latency op of one part (launch_sized) has one slice, so
-// only this block touches its channel in the launch, and the thread that read the channel's
-// counters moves them on.
+// fence and count across blocks): a low-latency op has one slice, so only this block touches
+// its channel in the launch, and the thread that read the channel's counters moves them on.
 // Measured 2026-12-03 (the phase stamps, 4 KiB one way, 2 PEs under MPS): the general kernel took
 // 7.8 us a message, a bare copy kernel 2.5 us; its prologue, flag looks, counters and
 // finish_slice were 4 us of it.
@@ -1023,7 +1013,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
         __syncthreads();
       }
       if (batch.is_send[i]) {
-        if (low_latency_send_visit(a, message[i], 0)) {  // one part (launch_sized)
+        if (low_latency_send_visit(a, message[i])) {
           if (threadIdx.x == 0) {
             over[i] = 1;
             moved(a, since[i]);
@@ -1035,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
         if (receiver_refused(a, over[i], 1, gave_up[i])) continue;
         if (threadIdx.x == 0 && channel_stalled(a, since[i])) {
           detail::record_timeout(a.status, detail::WaitOp::kChunkCredit, a.peer, a.my_pe,
-                                 a.ll_filled[message[i] % kLowLatencySlots * kLowLatencyMaxParts], detail::load_acquire_sys(a.ll_credit));
+                                 a.ll_filled[message[i] % kLowLatencySlots], detail::load_acquire_sys(a.ll_credit));
           atomicExch(a.failed, 1u);  // the host refuses this peer from now on
           over[i] = 1, gave_up[i] = true;
         }
@@ -1045,7 +1035,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
       // A bounded spin on the message while no other op of the block is left to move.
       bool alone = true;
       for (int e = 0; e < batch.count; ++e) alone = alone && (e == i || over[e] != 0);
-      const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], alone ? kDescriptorSpinNs : 0, 0);
+      const int seen = low_latency_recv_visit(a, message[i], first[i], since[i], alone ? kDescriptorSpinNs : 0);
       if (threadIdx.x == 0 && seen != kLowLatencyWaiting) {
         over[i] = 1;
         if (seen == kLowLatencyGaveUp) gave_up[i] = true;
@@ -1096,10 +1086,10 @@ cudaError_t launch_sized(const ChunkBatch& batch, int blocks, cudaStream_t strea
   for (int i = 0; i < batch.count; ++i) {
     sized.ops[i] = batch.ops[i];
     sized.is_send[i] = batch.is_send[i];
-    all_low_latency = all_low_latency && batch.ops[i].low_latency && low_latency_parts(batch.ops[i].bytes) == 1;
+    all_low_latency = all_low_latency && batch.ops[i].low_latency;
   }
   sized.count = batch.count;
-  if (all_low_latency)  // one part per op: one block (low_latency_batch_kernel); more parts, a slice each
+  if (all_low_latency)  // one slice per op: one block (low_latency_batch_kernel)
     return launch_kernel(low_latency_batch_kernel<kCapacity>, dim3(1), dim3(kThreads), 0, stream, programmatic, sized);
   return launch_kernel(chunk_batch_kernel<kCapacity>, dim3(blocks), dim3(kThreads), 0, stream, programmatic, sized);
 }
