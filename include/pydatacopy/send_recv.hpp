@@ -65,7 +65,7 @@
 //
 // The low-latency protocol between load/store peers (not to itself, not under
 // PYDATACOPY_FORCE_RMA): a message of at most low_latency_max_bytes() (PYDATACOPY_LOW_LATENCY_MAX_BYTES,
-// default kLowLatencyCapacityBytes, 64 KiB, measured: docs/perf-notes.md v30; at most that, agreed by every PE at init; 0: off) that does not
+// default 16 KiB, measured: docs/perf-notes.md v13 and v30; at most kLowLatencyCapacityBytes, agreed by every PE at init; 0: off) that does not
 // move zero-copy travels in a slot of a ring of kLowLatencySlots at the receiver (slot: the
 // message's ordinal on the channel modulo the ring), as 8-byte lines {flag, 4 data bytes}, each
 // one store (single-copy atomic: a reader that sees the flag sees its data, so no fence separates

@@ -77,12 +77,14 @@ constexpr int64_t kZeroCopyFallbackLongWaitNs = 10'000'000;
 constexpr int64_t kLatePostNs = 20'000;
 // The low-latency protocol (send_recv.hpp): messages of at most the cut between load/store peers
 // travel with their flags in the same 8-byte stores. The capacity is what each slot of its ring
-// holds (the cut's most). The default cut is the capacity: with 8 line pairs in flight per
-// thread, a 64 KiB message took 12.4 us one way and 17.1 both ways against staged's 13.8 and
-// 20.0 (2026-12-07, one H100, 2 PEs at 50%, the same run: docs/perf-notes.md v30). Messages of
-// several blocks' parts were tried up to 1 MiB and were no faster than staged (v30).
+// holds (the cut's most); the default cut is measured (docs/perf-notes.md v13). With 8 line pairs
+// in flight per thread, a single 64 KiB sendrecv took 12.4 us one way and 17.1 both ways against
+// staged's 13.8 and 20.0 (2026-12-07, one H100, 2 PEs at 50%: v30), but every low-latency op of a
+// launch moves on one block, where a group of many such messages (an all-to-all of 64 KiB pieces)
+// moves staged on many: the cut stays until a group's row measures it. Messages of several
+// blocks' parts were tried up to 1 MiB and were no faster than staged (v30).
 constexpr int64_t kLowLatencyCapacityBytes = int64_t{64} << 10;
-constexpr int64_t kDefaultLowLatencyMaxBytes = kLowLatencyCapacityBytes;
+constexpr int64_t kDefaultLowLatencyMaxBytes = int64_t{16} << 10;
 constexpr uint64_t kNvshmemDefaultSymmetricSize = uint64_t{1} << 30;
 // Sends and recvs of one group() (one kernel launch): kernels::kMaxBatchOps (api.cuh says why).
 constexpr int kMaxGroupOps = 64;
