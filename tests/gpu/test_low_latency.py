@@ -43,6 +43,17 @@ def _assert_bytes(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                              f"{int(differ.to(torch.uint8).argmax())}")
 
 
+def _move(direction: str, rank: int, peer: int, send: torch.Tensor, recv: torch.Tensor) -> None:
+    """`sendrecv` on both PEs, or `one-way`: PE 0 sends, PE 1 receives; then synchronised."""
+    if direction == "sendrecv":
+        pydatacopy.sendrecv(send, peer, recv, peer)
+    elif rank == 0:
+        pydatacopy.send(send, peer)
+    else:
+        pydatacopy.recv(recv, peer)
+    torch.cuda.synchronize()
+
+
 def _load_store() -> bool:
     """The protocol applies: not under PYDATACOPY_FORCE_RMA (every message then stays staged)."""
     return not _C.rma_forced()
@@ -91,13 +102,7 @@ def test_sizes_around_the_cut_are_exact_and_take_the_protocol(world, peer, direc
             with outcome.check(f"{direction} of {nbytes} bytes, round {round_}"):
                 send.copy_(_bytes(rank, tag, nbytes))
                 recv.zero_()
-                if direction == "sendrecv":
-                    pydatacopy.sendrecv(send, peer, recv, peer)
-                elif rank == 0:
-                    pydatacopy.send(send, peer)
-                else:
-                    pydatacopy.recv(recv, peer)
-                torch.cuda.synchronize()
+                _move(direction, rank, peer, send, recv)
                 if direction == "sendrecv" or rank == 1:
                     _assert_bytes(recv, _bytes(peer, tag, nbytes), f"{direction} of {nbytes} bytes")
             offset += nbytes + 61
@@ -143,13 +148,7 @@ def test_messages_up_to_the_capacity_at_every_alignment(world, peer, direction):
             what = f"{direction} of {nbytes} bytes at offsets {offset}/{source_offset}"
             with outcome.check(what):
                 send.copy_(_bytes(rank, tag, nbytes))
-                if direction == "sendrecv":
-                    pydatacopy.sendrecv(send, peer, recv, peer)
-                elif rank == 0:
-                    pydatacopy.send(send, peer)
-                else:
-                    pydatacopy.recv(recv, peer)
-                torch.cuda.synchronize()
+                _move(direction, rank, peer, send, recv)
                 if direction == "sendrecv" or rank == 1:
                     _assert_bytes(recv, _bytes(peer, tag, nbytes), what)
                     outside = torch.count_nonzero(whole[:offset]).item() + torch.count_nonzero(whole[offset + nbytes:]).item()
