@@ -355,7 +355,7 @@ if has "$STEPS" bench; then
   if [ "$ONE_GPU" = 1 ]; then
     # One GPU: no NCCL (it refuses two ranks on one GPU) and no torch symmetric memory (it does not
     # share a GPU) rows; the memory is local, so the figures are costs beside a bare copy, not links.
-    BENCH_OPS=memcpy,kernel_copy,ce_handoff,kernel_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv_distributed,sendrecv_distributed_python,sendrecv,sendrecv_ce,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many,graph,engagement
+    BENCH_OPS=memcpy,kernel_copy,ce_handoff,kernel_handoff,put_ce,put_sm,put_rma,sendrecv_default,sendrecv_distributed,sendrecv_distributed_python,sendrecv,sendrecv_ce,sendrecv_staged,sendrecv_ll,nixl,tokens,latency,host,put_many,graph,engagement,group
     DEFAULT_BENCH="$BENCH_SIZES --ops $BENCH_OPS"
   else
     BENCH_OPS=; DEFAULT_BENCH=$BENCH_SIZES  # every op but compile, NCCL and torch symm_mem too

@@ -131,3 +131,52 @@ def test_the_low_latency_row_runs_only_up_to_the_capacity(monkeypatch):
     monkeypatch.setattr(pydatacopy._C, "LOW_LATENCY_CAPACITY_BYTES", 64 << 10, raising=False)
     assert bench_send_recv.low_latency_fits(64 << 10)
     assert not bench_send_recv.low_latency_fits((64 << 10) + 1)
+
+
+def test_the_group_rows_send_and_receive_every_piece_under_each_paths_cuts(monkeypatch):
+    """bench_group without a GPU: per size, a local copy and one row per path (low-latency only
+    where the size fits it), each group moving every piece of the send buffer to the matching
+    piece of the receive buffer, under the path's cuts, which are put back after."""
+    engine = _FakeEngineSettings(monkeypatch, zero_copy_min=16 << 20, low_latency_max=16 << 10)
+    monkeypatch.setattr(pydatacopy._C, "LOW_LATENCY_CAPACITY_BYTES", 64 << 10, raising=False)
+    calls = []  # (what, offset into its buffer, bytes, the cuts at the call)
+
+    class FakeSweep:
+        def __init__(self, nbytes, both, args):
+            import torch
+
+            self.nbytes, self.both, self.peer = nbytes, both, 1
+            self.src = torch.zeros(nbytes, dtype=torch.uint8)
+            self.out = torch.zeros(nbytes, dtype=torch.uint8)
+
+        def measure(self, run, dst, local=False):
+            run()
+            return _harness.Timing(10e-6, 20e-6, 11e-6, 21e-6, 5e-6), True
+
+    def record(what, buffer):
+        def call(tensor, peer):
+            assert peer == 1
+            calls.append((what, tensor.data_ptr() - buffer().data_ptr(), tensor.numel(),
+                          (engine.zero_copy_min, engine.low_latency_max)))
+        return call
+
+    sweeps = []
+    monkeypatch.setattr(bench_send_recv, "Sweep", lambda *a: sweeps.append(FakeSweep(*a)) or sweeps[-1])
+    monkeypatch.setattr(bench_send_recv.baselines, "local_copy", lambda sweep: sweep.measure(lambda: None, sweep.out))
+    monkeypatch.setattr(pydatacopy, "group", lambda: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(pydatacopy, "send", record("send", lambda: sweeps[-1].src))
+    monkeypatch.setattr(pydatacopy, "recv", record("recv", lambda: sweeps[-1].out))
+    rows = bench_send_recv.bench_group(types.SimpleNamespace(), messages=4, sizes=(16 << 10, 128 << 10))
+    assert [r["path"] for r in rows] == [
+        "local copy", "group 4 x 16K, default", "group 4 x 16K, staged", "group 4 x 16K, low-latency",
+        "local copy", "group 4 x 128K, default", "group 4 x 128K, staged"]
+    assert all(r["direction"] == "both" for r in rows) and rows[1]["xbase"] == pytest.approx(1.0)
+    assert [r["bytes"] for r in rows] == [64 << 10] * 4 + [512 << 10] * 3
+    piece = 16 << 10
+    default, staged, low_latency = calls[:8], calls[8:16], calls[16:24]
+    assert [(c[0], c[1], c[2]) for c in default] == [
+        (what, m * piece, piece) for m in range(4) for what in ("send", "recv")]
+    assert {c[3] for c in default} == {(16 << 20, 16 << 10)}
+    assert {c[3] for c in staged} == {(0, 0)}
+    assert {c[3] for c in low_latency} == {(0, 64 << 10)}
+    assert len(calls) == 24 + 16 and (engine.zero_copy_min, engine.low_latency_max) == (16 << 20, 16 << 10)

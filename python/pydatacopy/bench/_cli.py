@@ -47,7 +47,7 @@ def _int_at_least(minimum: int, meaning: str):
 SWEEP_OPS = ("memcpy", "kernel_copy", "ce_handoff", "kernel_handoff", "put_ce", "put_sm", "put_rma", "torch_symm",
              "sendrecv_default", "sendrecv_distributed", "sendrecv_distributed_python", "sendrecv",
              "sendrecv_ce", "sendrecv_staged", "sendrecv_ll", "nccl")
-OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "engagement", "compile")
+OPS = SWEEP_OPS + ("nixl", "tokens", "latency", "host", "put_many", "graph", "engagement", "group", "compile")
 # compile is asked for by name: it compiles with inductor first (tens of seconds).
 DEFAULT_OPS = tuple(op for op in OPS if op != "compile")
 
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         fixed_rows.extend(graph.bench_graph_sendrecv(args))
     if "engagement" in ops:
         fixed_rows.extend(send_recv.bench_engagement(args))
+    if "group" in ops:
+        fixed_rows.extend(send_recv.bench_group(args))
     rows.extend(fixed_rows)
     if "tokens" in ops:
         for n_tokens, token_size in args.tokens:
