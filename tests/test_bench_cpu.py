@@ -168,8 +168,9 @@ def test_the_group_rows_send_and_receive_every_piece_under_each_paths_cuts(monke
     monkeypatch.setattr(pydatacopy, "recv", record("recv", lambda: sweeps[-1].out))
     rows = bench_send_recv.bench_group(types.SimpleNamespace(), messages=4, sizes=(16 << 10, 128 << 10))
     assert [r["path"] for r in rows] == [
-        "local copy", "group 4 x 16K, default", "group 4 x 16K, staged", "group 4 x 16K, low-latency",
-        "local copy", "group 4 x 128K, default", "group 4 x 128K, staged"]
+        "group 4 x 16K, local copy", "group 4 x 16K, default", "group 4 x 16K, staged",
+        "group 4 x 16K, low-latency", "group 4 x 128K, local copy", "group 4 x 128K, default",
+        "group 4 x 128K, staged"]
     assert all(r["direction"] == "both" for r in rows) and rows[1]["xbase"] == pytest.approx(1.0)
     assert [r["bytes"] for r in rows] == [64 << 10] * 4 + [512 << 10] * 3
     piece = 16 << 10

@@ -181,7 +181,9 @@ def bench_group(args, messages: int = GROUP_MESSAGES, sizes=GROUP_MESSAGE_BYTES)
     for size in sizes:
         nbytes = messages * size
         sweep = Sweep(nbytes, True, args)
-        base = make_row("baseline", "local copy", "both", nbytes, *baselines.local_copy(sweep))
+        # (Named apart from the sweep's local copy of the same bytes: a row is found by its path.)
+        base = make_row("baseline", f"group {messages} x {human(size)}, local copy", "both", nbytes,
+                        *baselines.local_copy(sweep))
         rows.append(base)
         paths = [("default", None), ("staged", (0, 0))]
         if low_latency_fits(size):
