@@ -10,6 +10,7 @@ import pytest
 import pydatacopy
 from pydatacopy import bench
 from pydatacopy.bench import _cli, _harness, report
+from pydatacopy.bench import group as bench_group
 from pydatacopy.bench import send_recv as bench_send_recv
 
 
@@ -161,12 +162,12 @@ def test_the_group_rows_send_and_receive_every_piece_under_each_paths_cuts(monke
         return call
 
     sweeps = []
-    monkeypatch.setattr(bench_send_recv, "Sweep", lambda *a: sweeps.append(FakeSweep(*a)) or sweeps[-1])
-    monkeypatch.setattr(bench_send_recv.baselines, "local_copy", lambda sweep: sweep.measure(lambda: None, sweep.out))
+    monkeypatch.setattr(bench_group, "Sweep", lambda *a: sweeps.append(FakeSweep(*a)) or sweeps[-1])
+    monkeypatch.setattr(bench_group.baselines, "local_copy", lambda sweep: sweep.measure(lambda: None, sweep.out))
     monkeypatch.setattr(pydatacopy, "group", lambda: __import__("contextlib").nullcontext())
     monkeypatch.setattr(pydatacopy, "send", record("send", lambda: sweeps[-1].src))
     monkeypatch.setattr(pydatacopy, "recv", record("recv", lambda: sweeps[-1].out))
-    rows = bench_send_recv.bench_group(types.SimpleNamespace(), messages=4, sizes=(16 << 10, 128 << 10))
+    rows = bench_group.bench_group(types.SimpleNamespace(), messages=4, sizes=(16 << 10, 128 << 10))
     assert [r["path"] for r in rows] == [
         "group 4 x 16K, local copy", "group 4 x 16K, default", "group 4 x 16K, staged",
         "group 4 x 16K, low-latency", "group 4 x 128K, local copy", "group 4 x 128K, default",

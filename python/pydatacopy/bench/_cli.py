@@ -13,7 +13,7 @@ import torch
 import pydatacopy
 from pydatacopy.runtime import settings as _settings
 
-from . import baselines, batched, compiled, graph, latency, put, send_recv, token_exchange
+from . import baselines, batched, compiled, graph, group, latency, put, send_recv, token_exchange
 from ._harness import Sweep, against, finish, human, make_row, start
 from ._report import report
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if "engagement" in ops:
         fixed_rows.extend(send_recv.bench_engagement(args))
     if "group" in ops:
-        fixed_rows.extend(send_recv.bench_group(args))
+        fixed_rows.extend(group.bench_group(args))
     rows.extend(fixed_rows)
     if "tokens" in ops:
         for n_tokens, token_size in args.tokens:
