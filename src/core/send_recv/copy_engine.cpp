@@ -2,7 +2,6 @@
 
 #include <utility>
 
-
 namespace pydatacopy::copy_engine {
 
 Graph::~Graph() {
