@@ -259,6 +259,51 @@ def test_a_group_of_only_low_latency_messages_beyond_the_ring_both_ways(world, p
     outcome.agree("the low-latency group")
 
 
+# A group's ops of one channel wait for the op before them and give up after it (send_recv.cu: each
+# op looks at the one before it on its channel, not at every earlier op).
+@pytest.mark.parametrize("sizes", [
+    [4 * KiB] * 16,
+    [4 * KiB, 17, 2 * MiB + 5, CUT, 0, 3 * MiB, 9, 4 * KiB, 100, 64 * KiB, 1, CUT - 1]],
+    ids=["16-low-latency", "mixed"])
+def test_a_mismatch_inside_a_long_group_refuses_the_rest_of_its_channel_only(world, peer, sizes):
+    """A group of many messages each way with the peer, both ways, where PE 1's recv of message
+    `bad` expects one byte more than PE 0 sends: PE 1 receives the messages before it exactly and
+    nothing from it on (its recv buffers stay clear); the other channel (PE 1 to PE 0) is healthy
+    and PE 0 receives every message exactly; both PEs raise the mismatch before the timeout."""
+    rank = world[0]
+    outcome = _Outcome(world)
+    bad = len(sizes) // 2
+    if sizes[bad] == 0:
+        bad += 1
+    wanted = [n + (1 if rank == 1 and m == bad else 0) for m, n in enumerate(sizes)]
+    got = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in wanted]
+    outgoing = [_bytes(rank, 700 + m, n) for m, n in enumerate(sizes)]
+    _step()
+    begin = time.monotonic()
+    with outcome.check("the group"):
+        with pydatacopy.group():
+            for m in range(len(sizes)):
+                pydatacopy.send(outgoing[m], peer, timeout=MISMATCH_TIMEOUT_S)
+                pydatacopy.recv(got[m], peer, timeout=MISMATCH_TIMEOUT_S)
+        torch.cuda.synchronize()
+    with outcome.check("the group's duration"):
+        assert time.monotonic() - begin < MISMATCH_TIMEOUT_S / 2, "the mismatch waited for the timeout"
+    for m in range(len(sizes)):
+        with outcome.check(f"message {m} of {wanted[m]} bytes"):
+            if rank == 0 or m < bad:
+                _assert_bytes(got[m], _bytes(peer, 700 + m, sizes[m]), f"message {m}")
+            else:
+                assert torch.count_nonzero(got[m]).item() == 0, f"message {m}, at or after the mismatch, delivered data"
+    with outcome.expect_error("check_errors", _size_error(sizes[bad], sizes[bad] + 1) if rank == 1
+                              else rf"receiver expected {sizes[bad] + 1} bytes"):
+        pydatacopy.check_errors()
+    outcome.agree("the mismatch in the group")
+    pydatacopy.setup_send_recv()
+    with outcome.check("a group after setup_send_recv"):
+        _group_both_ways(rank, peer, sizes, [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes], 760)
+    outcome.agree("the group after setup_send_recv")
+
+
 def _size_error(send_bytes: int, recv_bytes: int) -> str:
     """The receiver's error for a message of send_bytes into a recv of recv_bytes (either order)."""
     return rf"{send_bytes} bytes.*{recv_bytes}|{recv_bytes}.*{send_bytes} bytes"

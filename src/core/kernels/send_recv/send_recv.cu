@@ -300,6 +300,13 @@ __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t 
   }
 }
 
+// The index of the op before `i` on its channel in the batch (the same sequence counter), -1 if none.
+__device__ __forceinline__ int previous_on_channel(const ChunkStreamArgs* ops, int i) {
+  for (int e = i - 1; e >= 0; --e)
+    if (ops[e].sequence == ops[i].sequence) return e;
+  return -1;
+}
+
 // An op's place on its channel at the launch's start: the sequence number of its first chunk and
 // its message ordinal (the device counters, advanced by the channel's previous launch, plus the
 // earlier ops of this batch on it), and its progress clock's start.
@@ -436,6 +443,7 @@ __device__ __forceinline__ bool phase_stamps_on() { return *reinterpret_cast<vol
 // uses a small copy of it, since a 2 KiB parameter block lengthens every launch.
 template <int kCapacity>
 struct SizedBatch {
+  static_assert(kCapacity <= 127, "the kernels keep op indices in signed chars");
   ChunkStreamArgs ops[kCapacity];
   bool is_send[kCapacity];
   int count;
@@ -473,6 +481,12 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __shared__ uint64_t first[kCapacity];
   __shared__ uint64_t since[kCapacity];
   __shared__ int64_t next[kCapacity][kMaxSlicesPerBlock];
+  // Per op and slice: the op before it on its channel whose slice did not start done (-1: none).
+  // Ops of one channel move in its order slice by slice, so that op's slice being done says that
+  // every earlier one's is (it moved only then): a scan of every earlier op per visit made each
+  // round of a 32-op group quadratic.
+  __shared__ signed char waits_for[kCapacity][kMaxSlicesPerBlock];
+  __shared__ signed char before[kCapacity];  // the op before on the channel (-1: none)
   // recv: the header of the slice's next chunk was checked (its page landed before the rest).
   __shared__ unsigned char header_ok[kCapacity][kMaxSlicesPerBlock];
   __shared__ int verdict;  // check_header's, published by slice_ready's barrier
@@ -500,6 +514,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
     const ChunkStreamArgs& a = batch.ops[i];
+    before[i] = static_cast<signed char>(previous_on_channel(batch.ops, i));
     op_start(a, first[i], message[i], since[i]);
     const bool send = batch.is_send[i];
     mode[i] = a.low_latency ? low_latency_detail::kModeLowLatency
@@ -546,6 +561,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
+  for (int k = static_cast<int>(threadIdx.x); k < batch.count * kMaxSlicesPerBlock; k += static_cast<int>(blockDim.x)) {
+    const int i = k / kMaxSlicesPerBlock, j = k % kMaxSlicesPerBlock;
+    int e = before[i];
+    while (e >= 0 && next[e][j] >= chunks[e]) e = before[e];
+    waits_for[i][j] = static_cast<signed char>(e);
+  }
+  __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
   // In the loop, where a block may wait on a peer: counted for the peers' bounded descriptor
   // waits (zero_copy.cuh, fall_back_to_staged). A reduction: nothing waits for its result.
@@ -584,9 +606,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       // op's first slice done).
       const auto due = [&](int i) {
         if (posted[i] || next[i][0] >= chunks[i] || (batch.ops[i].post_late && !late_due[i])) return false;
-        for (int e = 0; e < i; ++e)
-          if (batch.ops[e].sequence == batch.ops[i].sequence && next[e][0] < chunks[e]) return false;
-        return true;
+        const int e = waits_for[i][0];
+        return e < 0 || next[e][0] >= chunks[e];
       };
       bool any_due = false;
       for (int i = 0; i < batch.count; ++i) any_due = any_due || due(i);
@@ -613,10 +634,8 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         all_done = false;
         // Ops of one channel move in the channel's order, slice by slice: a send's wait reads
         // `filled`, which only the slot's previous chunk (maybe an earlier op's) sets.
-        bool behind = false;
-        for (int e = 0; e < i; ++e)
-          behind = behind || (batch.ops[e].sequence == a.sequence && next[e][j] < chunks[e]);
-        if (behind) continue;
+        const int e = waits_for[i][j];
+        if (e >= 0 && next[e][j] < chunks[e]) continue;
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
         // Not a zero-copy part under way: a sender slice that started writing finishes, and a
         // receiver waits until it knows the sender writes nothing more (zero_copy_begin).
@@ -963,9 +982,14 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   __shared__ int64_t over[kCapacity];  // 0 or 1: receiver_refused's `next` against 1 chunk
   __shared__ bool gave_up[kCapacity], posted[kCapacity];
   __shared__ bool late_due[kCapacity];  // a recv that posts late (a.post_late): its time has come
+  // The op before each on its channel (-1: none). Ops of one channel finish in its order and give up
+  // together, so that one op says what a scan of all the earlier ones would: a scan per op and
+  // round made a group of 32 ops quadratic in every round of the loop.
+  __shared__ signed char before[kCapacity];
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
     const ChunkStreamArgs& a = batch.ops[i];
+    before[i] = static_cast<signed char>(previous_on_channel(batch.ops, i));
     op_start(a, first[i], message[i], since[i]);
     posted[i] = batch.is_send[i] || !a.post_descriptor;
     late_due[i] = false;
@@ -985,20 +1009,23 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
     if (stamping && stamp[kOpDone] == 0 && over[0] != 0) stamp[kOpDone] = detail::globaltimer_ns();
     for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
+      // An op's flags change only in its own visit, after the barrier below, which every thread
+      // reaches, and before the barrier that ends the visit: an op over, or behind the op before
+      // it, reads the same here in every thread and is passed without a barrier (a barrier per op
+      // and round made a 32-op group pay 32 a round for the two ops that move).
+      if (over[i] != 0) continue;
+      all_done = false;
+      // Ops of one channel move in its order: the op before is over only once every earlier one
+      // is (it moved only when they were), and it gave up if the channel failed in this launch (an
+      // op that finds its channel failed gives up too, below; a refused channel's ops all start
+      // given up). A later op of the channel has not moved while this one is not over.
+      const int e = before[i];
+      if (e >= 0 && over[e] == 0) continue;
+      const bool channel_failed = e >= 0 && gave_up[e];
       // Read by every thread before the barrier below, after which thread 0 may change them: all
       // threads take the same branches (each holds a barrier).
-      const bool op_over = over[i] != 0;
-      bool behind = false, channel_failed = false;
-      for (int e = 0; e < batch.count; ++e) {
-        if (e == i || batch.ops[e].sequence != a.sequence) continue;
-        behind = behind || (e < i && over[e] == 0);  // ops of one channel move in its order
-        channel_failed = channel_failed || gave_up[e];  // the channel failed in this launch
-      }
       const bool post_now = !posted[i] && (!a.post_late || late_due[i]);
       __syncthreads();
-      if (op_over) continue;
-      all_done = false;
-      if (behind) continue;
       if (channel_failed) {
         if (threadIdx.x == 0) over[i] = 1, gave_up[i] = true;
         __syncthreads();
@@ -1051,13 +1078,17 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   if (threadIdx.x == 0) atomicSub(batch.ops[0].activity, 1u);
   allow_next_grid();  // nothing waits on a peer any more (chunk_batch_kernel)
   if (threadIdx.x == 0) {
-    for (int i = 0; i < batch.count; ++i) {
+    // The test hook's counters: ops finished, unless their channel failed in the launch (the
+    // failure flag, which only this block sets for a low-latency channel). A failure reaches every
+    // later op of the channel (each gives up in turn), so the channel's last op says it: walked
+    // from the end, each op learns it from the op after it.
+    bool channel_failed[kCapacity], known[kCapacity];
+    for (int i = 0; i < batch.count; ++i) known[i] = false;
+    for (int i = batch.count - 1; i >= 0; --i) {
+      if (!known[i]) channel_failed[i] = gave_up[i], known[i] = true;
+      if (before[i] >= 0) channel_failed[before[i]] = channel_failed[i], known[before[i]] = true;
       const ChunkStreamArgs& a = batch.ops[i];
-      // The test hook's counters: ops finished, unless their channel failed in the launch (the
-      // failure flag, which only this block sets for a low-latency channel).
-      bool channel_failed = false;
-      for (int e = 0; e < batch.count; ++e) channel_failed = channel_failed || (batch.ops[e].sequence == a.sequence && gave_up[e]);
-      if (!channel_failed && a.zc_counters != nullptr)
+      if (!channel_failed[i] && a.zc_counters != nullptr)
         atomicAdd(a.zc_counters + (batch.is_send[i] ? kSendLowLatency : kRecvLowLatency), 1ull);
     }
     if (stamping) stamp[kCountersDone] = detail::globaltimer_ns();
