@@ -287,6 +287,33 @@ def test_inside_a_group_send_and_recv_join_the_batch_and_sendrecv_is_refused(cor
     assert core.calls == [("batch", [(True, a.data_ptr(), 16, 1), (False, b.data_ptr(), 16, 1)], 0x5EED, 60.0)]
 
 
+def test_inside_a_group_the_fast_and_checked_calls_queue_the_same(core, engine, monkeypatch):
+    """A send or recv inside group() whose arguments pass the fast path's checks is queued without
+    the checked path (a group of 32 paid it 32 times, about 200 us on the GPU machine), and hands
+    the batch what the checked path did, keeps the same tensors alive and refuses the same
+    second stream."""
+    checked_calls = []
+    submit = _send_recv._submit
+    monkeypatch.setattr(_send_recv, "_submit", lambda *args: (checked_calls.append(args[1]), submit(*args)))
+    a, b = _u8(100), _u8(7)
+    for timeout in (None, 60.0):  # fast, then checked
+        with pydatacopy.group():
+            pydatacopy.send(a, 1, timeout=timeout)
+            pydatacopy.recv(b, 0, stream=0x5EED, timeout=timeout)
+        with pytest.raises(pydatacopy.Error, match="this call resolves to stream 0x77 and an earlier one to 0x5eed"):
+            with pydatacopy.group():
+                pydatacopy.send(a, 1, timeout=timeout)
+                pydatacopy.recv(b, 0, stream=0x77, timeout=timeout)
+    assert checked_calls == [True, False] * 2, checked_calls  # the calls given a timeout only
+    half = len(core.calls) // 2
+    fast, checked = core.calls[:half], core.calls[half:]
+    assert fast == [
+        ("batch", [(True, a.data_ptr(), 100, 1), (False, b.data_ptr(), 7, 0)], 0x5EED, 60.0),
+        ("keep_alive", 0x5EED, 2),  # a stream given explicitly keeps the group's tensors
+    ], fast
+    assert checked == fast, checked
+
+
 _SEND_RECV_REFUSED = [
     (lambda t: pydatacopy.send(t, True), "dst_pe must be an int, got bool"),
     (lambda t: pydatacopy.send(t, 1.0), "dst_pe must be an int, got float"),

@@ -233,11 +233,18 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
         finally:  # also when it raised: the core may have launched before refusing (a batch's others)
             _keep_alive(stream, tensor)
         return
+    _queue(pending, is_send, tensor, _nbytes(tensor), peer, stream, _C.cuda_device() if _device is None else _device,
+           seconds)
+
+
+def _queue(pending: dict, is_send: bool, tensor: torch.Tensor, nbytes: int, peer: int, stream, device: int,
+           seconds: float) -> None:
+    """A send or recv inside group(), its arguments checked: queued for the group's launch."""
     # The stream is resolved here, where the call is made (torch.cuda.stream() inside the group
     # counts), not at the group's exit: that is where the caller ordered the tensor's producers.
     if stream is None:
         stream = pending["stream"]
-    handle = _stream(stream)
+    handle = stream_handle(stream, device)
     if pending["handle"] is None:
         pending["handle"] = handle
     elif pending["handle"] != handle:
@@ -247,7 +254,7 @@ def _submit(engine, is_send: bool, tensor: torch.Tensor, peer: int, stream, seco
                     "to group(), or make the calls under one torch.cuda.stream())")
     if stream is not None:
         pending["explicit"] = True  # _keep_alive's rule: tensors on a stream given explicitly
-    pending["ops"].append((is_send, tensor.data_ptr(), _nbytes(tensor), peer))
+    pending["ops"].append((is_send, tensor.data_ptr(), nbytes, peer))
     pending["tensors"].append(tensor)
     pending["timeout"] = max(pending["timeout"], seconds)
 
@@ -319,7 +326,11 @@ def _one_way(is_send: bool, tensor, peer, stream, timeout) -> None:
     engine, device, seconds = _engine, _device, _torch_utils.default_timeout  # (read together: finalize)
     if (engine is not None and timeout is None and seconds is not None and type(peer) is int
             and 0 <= peer < _n_pes and isinstance(tensor, Tensor) and tensor.get_device() == device
-            and tensor.is_contiguous() and _state.pending is None and _state.distributed_batch is None):
+            and tensor.is_contiguous() and _state.distributed_batch is None):
+        pending = _state.pending
+        if pending is not None:  # inside group(): queued as the checked path's _submit does, its checks passed here
+            _queue(pending, is_send, tensor, tensor.nbytes, peer, stream, device, seconds)
+            return
         handle = _raw_stream(device) if stream is None else stream_handle(stream, device)
         try:
             (_C.send_fast if is_send else _C.recv_fast)(engine, tensor.data_ptr(), tensor.nbytes, peer,
