@@ -561,12 +561,13 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
-  for (int k = static_cast<int>(threadIdx.x); k < batch.count * kMaxSlicesPerBlock; k += static_cast<int>(blockDim.x)) {
-    const int i = k / kMaxSlicesPerBlock, j = k % kMaxSlicesPerBlock;
-    int e = before[i];
-    while (e >= 0 && next[e][j] >= chunks[e]) e = before[e];
-    waits_for[i][j] = static_cast<signed char>(e);
-  }
+  // A thread per slice, down the batch: an op waits for the op before it on its channel if that
+  // one's slice has work, else for what that one waits for.
+  for (int j = static_cast<int>(threadIdx.x); j < kMaxSlicesPerBlock; j += static_cast<int>(blockDim.x))
+    for (int i = 0; i < batch.count; ++i) {
+      const int e = before[i];
+      waits_for[i][j] = static_cast<signed char>(e < 0 || next[e][j] < chunks[e] ? e : waits_for[e][j]);
+    }
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
   // In the loop, where a block may wait on a peer: counted for the peers' bounded descriptor
@@ -986,6 +987,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   // together, so that one op says what a scan of all the earlier ones would: a scan per op and
   // round made a group of 32 ops quadratic in every round of the loop.
   __shared__ signed char before[kCapacity];
+  __shared__ uint64_t channel_broken[kCapacity];  // a channel's refusal word, at its first op
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
     const ChunkStreamArgs& a = batch.ops[i];
@@ -993,11 +995,21 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
     op_start(a, first[i], message[i], since[i]);
     posted[i] = batch.is_send[i] || !a.post_descriptor;
     late_due[i] = false;
-    // A refused channel moves nothing until setup_send_recv() rebuilds it.
-    const uint64_t broken = *reinterpret_cast<volatile uint64_t*>(a.broken);
+    if (before[i] < 0) channel_broken[i] = *reinterpret_cast<volatile uint64_t*>(a.broken);
+  }
+  __syncthreads();
+  // A refused channel moves nothing until setup_send_recv() rebuilds it. Its word is read once, by
+  // the channel's first op, for all of its ops: each reading its own could see a refusal the peer
+  // stored meanwhile where an earlier op did not, and the earlier op would move behind ops
+  // already given up (a review's finding).
+  if (threadIdx.x < batch.count) {
+    const int i = static_cast<int>(threadIdx.x);
+    int head = i;
+    while (before[head] >= 0) head = before[head];
+    const uint64_t broken = channel_broken[head];
     gave_up[i] = broken != 0;
     over[i] = broken != 0 ? 1 : 0;
-    if (broken != 0) refuse(a, detail::WaitOp::kChannelRefused, broken - 1);
+    if (broken != 0) refuse(batch.ops[i], detail::WaitOp::kChannelRefused, broken - 1);
   }
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
