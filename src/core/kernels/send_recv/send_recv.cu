@@ -16,6 +16,7 @@
 #include "kernels/api.cuh"
 #include "kernels/copy.cuh"
 #include "kernels/launch.cuh"
+#include "kernels/send_recv/batch_order.hpp"
 #include "pydatacopy/error.hpp"
 
 namespace pydatacopy::kernels {
@@ -300,11 +301,9 @@ __device__ __forceinline__ void finish_slice(const ChunkStreamArgs& a, uint64_t 
   }
 }
 
-// The index of the op before `i` on its channel in the batch (the same sequence counter), -1 if none.
+// The op before `i` on its channel in the batch (the same sequence counter), -1 if none.
 __device__ __forceinline__ int previous_on_channel(const ChunkStreamArgs* ops, int i) {
-  for (int e = i - 1; e >= 0; --e)
-    if (ops[e].sequence == ops[i].sequence) return e;
-  return -1;
+  return batch_order::previous_on_channel(i, [ops](int e, int op) { return ops[e].sequence == ops[op].sequence; });
 }
 
 // An op's place on its channel at the launch's start: the sequence number of its first chunk and
@@ -561,13 +560,10 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
     next[i][j] = !gave_up[i] && slice < batch.ops[i].active_blocks && !idle ? 0 : chunks[i];
   }
   __syncthreads();
-  // A thread per slice, down the batch: an op waits for the op before it on its channel if that
-  // one's slice has work, else for what that one waits for.
+  // A thread per slice, down the batch (batch_order.hpp).
   for (int j = static_cast<int>(threadIdx.x); j < kMaxSlicesPerBlock; j += static_cast<int>(blockDim.x))
-    for (int i = 0; i < batch.count; ++i) {
-      const int e = before[i];
-      waits_for[i][j] = static_cast<signed char>(e < 0 || next[e][j] < chunks[e] ? e : waits_for[e][j]);
-    }
+    batch_order::slice_waits_for(before, batch.count, [&](int e) { return next[e][j] < chunks[e]; }, &waits_for[0][j],
+                                 kMaxSlicesPerBlock);
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
   // In the loop, where a block may wait on a peer: counted for the peers' bounded descriptor
@@ -1004,9 +1000,7 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   // already given up (a review's finding).
   if (threadIdx.x < batch.count) {
     const int i = static_cast<int>(threadIdx.x);
-    int head = i;
-    while (before[head] >= 0) head = before[head];
-    const uint64_t broken = channel_broken[head];
+    const uint64_t broken = channel_broken[batch_order::channel_head(before, i)];
     gave_up[i] = broken != 0;
     over[i] = broken != 0 ? 1 : 0;
     if (broken != 0) refuse(batch.ops[i], detail::WaitOp::kChannelRefused, broken - 1);
@@ -1091,14 +1085,10 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
   allow_next_grid();  // nothing waits on a peer any more (chunk_batch_kernel)
   if (threadIdx.x == 0) {
     // The test hook's counters: ops finished, unless their channel failed in the launch (the
-    // failure flag, which only this block sets for a low-latency channel). A failure reaches every
-    // later op of the channel (each gives up in turn), so the channel's last op says it: walked
-    // from the end, each op learns it from the op after it.
+    // failure flag, which only this block sets for a low-latency channel).
     bool channel_failed[kCapacity], known[kCapacity];
-    for (int i = 0; i < batch.count; ++i) known[i] = false;
-    for (int i = batch.count - 1; i >= 0; --i) {
-      if (!known[i]) channel_failed[i] = gave_up[i], known[i] = true;
-      if (before[i] >= 0) channel_failed[before[i]] = channel_failed[i], known[before[i]] = true;
+    batch_order::channel_failed(before, gave_up, batch.count, channel_failed, known);
+    for (int i = 0; i < batch.count; ++i) {
       const ChunkStreamArgs& a = batch.ops[i];
       if (!channel_failed[i] && a.zc_counters != nullptr)
         atomicAdd(a.zc_counters + (batch.is_send[i] ? kSendLowLatency : kRecvLowLatency), 1ull);
