@@ -51,7 +51,7 @@ class _FakeCore:
 class _NoOpEngine:
     """The send/recv engine's methods as no-ops, as cheap as the fast entries' stand-ins."""
 
-    send = recv = sendrecv = staticmethod(lambda *args: None)
+    send = recv = sendrecv = batch = staticmethod(lambda *args: None)
 
 
 def _ns(statement: str, names: dict, calls: int) -> float:
@@ -71,7 +71,13 @@ def main() -> None:
     _torch_utils.bind()  # what init() leaves: device -1, 2 PEs, the timeout read
     dst = torch.zeros(4096, dtype=torch.uint8)
     src = torch.zeros(4096, dtype=torch.uint8)
-    names = {"pydatacopy": pydatacopy, "_C": _C, "_transfer": _transfer, "dst": dst, "src": src,
+    def group(timeout):  # an all-to-all's shape: a send and a recv per message, 16 each way
+        with pydatacopy.group():
+            for _ in range(16):
+                pydatacopy.send(src, 1, timeout=timeout)
+                pydatacopy.recv(dst, 1, timeout=timeout)
+
+    names = {"group": group, "pydatacopy": pydatacopy, "_C": _C, "_transfer": _transfer, "dst": dst, "src": src,
              "torch": torch, "check_int": _torch_utils.check_int, "_torch_utils": _torch_utils}
     rows = [
         ("pydatacopy.put(dst, src, 1), the whole Python path", "pydatacopy.put(dst, src, 1)"),
@@ -111,6 +117,8 @@ def main() -> None:
         ("  pydatacopy.sendrecv(src, 1, dst, 1): the fast path", "pydatacopy.sendrecv(src, 1, dst, 1)"),
         ("  pydatacopy.sendrecv(src, 1, dst, 1, timeout=60.0): the checked path",
          "pydatacopy.sendrecv(src, 1, dst, 1, timeout=60.0)"),
+        ("  group() of 16 sends and 16 recvs: the fast path", "group(None)"),
+        ("  group() of 16 sends and 16 recvs, timeout=60.0: the checked path", "group(60.0)"),
     ]
     print(f"{'ns per call':>12}  what")
     for label, statement in rows:

@@ -462,3 +462,16 @@ def test_keep_alive_records_every_tensor_after_one_the_allocator_refuses(monkeyp
     foreign, mine, symmetric, also_mine = Tensor(0x10, True), Tensor(0x20), Tensor(0x30), Tensor(0x40)
     _torch_utils.keep_alive(stream, foreign, mine, symmetric, also_mine)
     assert (mine.recorded, symmetric.recorded, also_mine.recorded) == ([stream], [], [stream])
+
+
+def test_the_engines_host_phases_hook_names_each_phase_and_clears_on_read():
+    """SendRecvEngine's host-phase hook (the bench's host phase rows), without NVSHMEM: a name per
+    phase, the calls and every phase at 0 when nothing ran, and a read clears them."""
+    names = _C.SendRecvEngine.host_phase_names()
+    assert names == ["mailboxes", "stream", "prepare", "channels", "order", "launch", "record"]
+    engine = _C.SendRecvEngine()
+    engine.set_host_phases(True)
+    with pytest.raises(pydatacopy.Error, match="NVSHMEM"):  # refused before any phase: not counted
+        engine.send(0, 16, 1, 0, 60.0)
+    assert engine.host_phases() == {"calls": 0, **{name: 0 for name in names}}
+    engine.set_host_phases(False)

@@ -401,6 +401,13 @@ class SendRecvEngine {
   static std::vector<std::vector<uint64_t>> phase_stamps();
   // The names of a record's stamps, in order (kernels::kPhaseStampNames).
   static std::vector<std::string> phase_stamp_names();
+  // Benchmark hook (issue 35's host path): while on, the host time of this engine's calls is summed
+  // per phase of the call (host_phase_names(), in order) from steady_clock readings; off, each
+  // phase costs one branch. host_phases(): the calls counted, then ns per phase, since it was
+  // turned on or last read (which clears them). Local, under the engine's lock.
+  void set_host_phases(bool on);
+  std::vector<uint64_t> host_phases();
+  static std::vector<std::string> host_phase_names();
 
  private:
   // agree_zero_copy_min_bytes with this PE's reading of the variable: `unreadable` (the
@@ -498,6 +505,12 @@ class SendRecvEngine {
   // this object, not to its state: never swapped or moved (the thread calls this engine).
   std::unique_ptr<zero_copy::ProgressThread> zero_copy_progress_;  // under mutex_
   bool zero_copy_progress_on_ = false;                              // under mutex_
+  // set_host_phases: on, the calls counted and ns per phase (host_phase_names()). Under mutex_;
+  // this object's, never swapped.
+  static constexpr int kHostPhases = 7;
+  bool host_phases_on_ = false;
+  uint64_t host_phase_calls_ = 0;
+  uint64_t host_phase_ns_[kHostPhases] = {};
   double zero_copy_wait_seconds_ = kDefaultZeroCopyWaitSeconds;     // under mutex_
 };
 

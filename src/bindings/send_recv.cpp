@@ -1,6 +1,7 @@
 // Bindings of two-sided send/recv (send_recv.hpp), with the hot path's METH_FASTCALL entries.
 #include "bindings.hpp"
 
+#include <string>
 #include <tuple>
 #include <vector>
 #include "pydatacopy/send_recv.hpp"
@@ -153,6 +154,20 @@ void bind_send_recv(py::module_& m) {
                   "ZERO_COPY_FALLBACK_LONG_WAIT_NS by default); process-wide, between calls")
       .def_static("phase_stamp_names", &SendRecvEngine::phase_stamp_names,
                   "the names of a phase_stamps() record's stamps, in order")
+      .def("set_host_phases", &SendRecvEngine::set_host_phases, py::arg("on"), release_gil(),
+           "benchmark hook: while on, this engine's calls sum their host time per phase (host_phase_names())")
+      .def("host_phases", [](SendRecvEngine& self) {
+             const std::vector<uint64_t> v = [&self] {
+               py::gil_scoped_release release;  // the engine's lock
+               return self.host_phases();
+             }();
+             py::dict out;
+             out["calls"] = v[0];
+             const std::vector<std::string> names = SendRecvEngine::host_phase_names();
+             for (std::size_t i = 0; i < names.size(); ++i) out[py::str(names[i])] = v[i + 1];
+             return out;
+           }, "the calls counted and ns per phase since set_host_phases(True) or the last read, which clears them")
+      .def_static("host_phase_names", &SendRecvEngine::host_phase_names, "the host phases of a call, in order")
       .def("service_zero_copy", &SendRecvEngine::service_zero_copy, release_gil(), "serve the peers' zero-copy mapping requests (never blocks)")
       .def("set_zero_copy_wait_seconds", &SendRecvEngine::set_zero_copy_wait_seconds, py::arg("seconds"),
            "test hook: how long an eager recv waits once for its mapping (PYDATACOPY_ZERO_COPY_PROGRESS)")

@@ -13,7 +13,7 @@ import torch
 import pydatacopy
 from pydatacopy.runtime import settings as _settings
 
-from . import baselines, batched, compiled, graph, group, latency, put, send_recv, token_exchange
+from . import baselines, batched, compiled, graph, group, host_phases, latency, put, send_recv, token_exchange
 from ._harness import Sweep, against, finish, human, make_row, start
 from ._report import report
 
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if "host" in ops:
         fixed_rows.extend(put.bench_host_overhead(args))
         fixed_rows.extend(send_recv.bench_host_queued(args))
+        fixed_rows.extend(host_phases.bench_host_phases(args))
     if "put_many" in ops:
         fixed_rows.extend(batched.bench_batched(args))
     if "compile" in ops:

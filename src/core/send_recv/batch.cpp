@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <iterator>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -21,6 +23,37 @@
 #include "send_recv/zero_copy_state.hpp"
 
 namespace pydatacopy {
+
+namespace {
+// The host phases of a call (SendRecvEngine::set_host_phases), in batch_locked's order: the peers'
+// zero-copy mailboxes; the stream's capture state and id; each op's checks and kernel arguments
+// (prepare, decide_recv_mode); the batch's channel totals; the waits on the channels' last
+// launches; the launch; the channels' records.
+constexpr const char* kHostPhaseNames[] = {"mailboxes", "stream", "prepare", "channels", "order", "launch", "record"};
+
+// A steady_clock reading per phase boundary, only while the hook is on.
+class HostPhaseClock {
+ public:
+  HostPhaseClock(bool on, uint64_t* ns) : ns_(on ? ns : nullptr) {
+    if (ns_ != nullptr) last_ = std::chrono::steady_clock::now();
+  }
+  void ended(int phase) {
+    if (ns_ == nullptr) return;
+    const auto now = std::chrono::steady_clock::now();
+    ns_[phase] += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count());
+    last_ = now;
+  }
+
+ private:
+  uint64_t* ns_;
+  std::chrono::steady_clock::time_point last_;
+};
+}  // namespace
+
+std::vector<std::string> SendRecvEngine::host_phase_names() {
+  static_assert(std::size(kHostPhaseNames) == kHostPhases, "a name per host phase");
+  return {std::begin(kHostPhaseNames), std::end(kHostPhaseNames)};
+}
 
 bool SendRecvEngine::fits_staging(std::size_t bytes) const {
   return bytes <= chunk_bytes_ * static_cast<std::size_t>(num_chunks_);
@@ -209,6 +242,7 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
   PDC_REQUIRE(ops.size() <= static_cast<std::size_t>(kernels::kMaxBatchOps),
               "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
                                                << ops.size() << "; split it into several groups");
+  HostPhaseClock clock(host_phases_on_, host_phase_ns_);
   // Check the arguments before any sequence number moves.
   timeout_nanoseconds(timeout_seconds);
   for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
@@ -231,10 +265,12 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
     zero_copy_->exporters[ops[i].peer]->poll();
     zero_copy_->exporters[ops[i].peer]->begin_call();
   }
+  clock.ended(0);
   const unsigned long long capturing = capture_id(stream);
   // Asked before the ops are prepared (a failure leaves no op half done): the launch skips the
   // channel order's wait where the channel's last launch was on this very stream.
   const StreamId stream_id = ChannelOrder::eager_stream_id(stream, capturing);
+  clock.ended(1);
   for (const Operation& op : ops) {
     try {  // a timed-out peer: its ops are left out
       check_peer_timeouts(op.peer, op.send ? "send" : "recv");
@@ -268,6 +304,7 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
     // NVSHMEM RMA reads the user's buffer of a send (a recv drains the staging with loads).
     prepare_rma_chunk_stream(a, op.send);
   }
+  clock.ended(2);
   // Several ops of the batch on one channel (direction and peer) follow each other in the
   // channel's sequence: each learns its offset, and all learn the channel's totals. They share
   // one block count and one page count (the largest of each), so that a page of the channel has
@@ -294,6 +331,7 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
       op.channel_blocks += other.active_blocks;
     }
   }
+  clock.ended(3);
   // Launches on one channel must not overlap: this one waits for the channel's last launch,
   // on whatever other stream that was (see ChannelOrder for the same stream and for captures).
   if (launch.count > 0) {
@@ -301,14 +339,18 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
     for (int i = 0; i < launch.count; ++i)
       order_.order_after_last(static_cast<int>(launch.ops[i].sequence - sequences_), stream, capture,
                               stream_id);
+    clock.ended(4);
     // A capture keeps the ordinary kernel (its graph would freeze the guess).
     if (capture != 0 || !launch_copy_engine(launch, stream))
       kernels::launch_chunk_batch(launch, stream, capture == 0 && kernels::programmatic_launch_enabled());
+    clock.ended(5);
     for (int i = 0; i < launch.count; ++i) sends_launched_ = sends_launched_ || launch.is_send[i];
     int channels[kernels::kMaxBatchOps];
     for (int i = 0; i < launch.count; ++i) channels[i] = static_cast<int>(launch.ops[i].sequence - sequences_);
     order_.record_launch(channels, launch.count, stream, capture, stream_id);
+    clock.ended(6);
   }
+  if (host_phases_on_) ++host_phase_calls_;
   if (refused) std::rethrow_exception(refused);
 }
 

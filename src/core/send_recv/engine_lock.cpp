@@ -5,8 +5,10 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -141,6 +143,22 @@ void SendRecvEngine::sendrecv(const void* src, std::size_t send_bytes, int dst_p
 void SendRecvEngine::batch(const std::vector<Operation>& ops, cudaStream_t stream, double timeout_seconds) {
   Lock lock(mutex_);
   batch_locked(ops, stream, timeout_seconds);
+}
+
+void SendRecvEngine::set_host_phases(bool on) {
+  Lock lock(mutex_);
+  host_phases_on_ = on;
+  host_phase_calls_ = 0;
+  std::fill(std::begin(host_phase_ns_), std::end(host_phase_ns_), 0);
+}
+
+std::vector<uint64_t> SendRecvEngine::host_phases() {
+  Lock lock(mutex_);
+  std::vector<uint64_t> out{host_phase_calls_};
+  out.insert(out.end(), std::begin(host_phase_ns_), std::end(host_phase_ns_));
+  host_phase_calls_ = 0;
+  std::fill(std::begin(host_phase_ns_), std::end(host_phase_ns_), 0);
+  return out;
 }
 
 void SendRecvEngine::check_refusals() {
