@@ -42,10 +42,10 @@ void chunk_kernel_run(std::mt19937& random, int& disagreements) {
   std::vector<std::vector<bool>> done(static_cast<std::size_t>(count), std::vector<bool>(kSlices));
   for (auto& op : done)
     for (int j = 0; j < kSlices; ++j) op[j] = done_at_start(random);
-  std::vector<signed char> waits_for(static_cast<std::size_t>(count * kSlices));
+  signed char waits_for[64][kSlices];
   for (int j = 0; j < kSlices; ++j)
     order::slice_waits_for(b.before.data(), count, [&](int e) { return !done[static_cast<std::size_t>(e)][j]; },
-                           waits_for.data() + j, kSlices);
+                           waits_for, j);
   for (;;) {
     std::vector<std::pair<int, int>> movable;
     for (int i = 0; i < count; ++i)
@@ -55,8 +55,7 @@ void chunk_kernel_run(std::mt19937& random, int& disagreements) {
         for (int e = 0; e < i; ++e)
           waits_old = waits_old || (b.channel[static_cast<std::size_t>(e)] == b.channel[static_cast<std::size_t>(i)] &&
                                     !done[static_cast<std::size_t>(e)][j]);
-        const int w = waits_for[static_cast<std::size_t>(i * kSlices + j)];
-        const bool waits_new = w >= 0 && !done[static_cast<std::size_t>(w)][j];
+        const bool waits_new = order::waits(waits_for[i][j], [&](int e) { return bool(done[static_cast<std::size_t>(e)][j]); });
         if (waits_old != waits_new) ++disagreements;
         if (!waits_old) movable.emplace_back(i, j);
       }
@@ -73,7 +72,7 @@ void low_latency_kernel_run(std::mt19937& random, int& disagreements) {
   const Batch b = random_batch(random);
   const int count = static_cast<int>(b.channel.size());
   const auto same = [&](int e, int i) { return b.channel[static_cast<std::size_t>(e)] == b.channel[static_cast<std::size_t>(i)]; };
-  std::vector<char> over(static_cast<std::size_t>(count)), gave_up(static_cast<std::size_t>(count));
+  bool over[64] = {}, gave_up[64] = {};
   std::bernoulli_distribution refused(0.15), fails(0.15);
   std::vector<bool> channel_refused(4);
   for (std::size_t c = 0; c < channel_refused.size(); ++c) channel_refused[c] = refused(random);
@@ -83,38 +82,35 @@ void low_latency_kernel_run(std::mt19937& random, int& disagreements) {
     while (!same(first, i)) ++first;
     if (head != first) ++disagreements;
     const bool broken = channel_refused[static_cast<std::size_t>(b.channel[static_cast<std::size_t>(head)])];
-    over[static_cast<std::size_t>(i)] = gave_up[static_cast<std::size_t>(i)] = broken;
+    over[i] = gave_up[i] = broken;
   }
   for (;;) {
-    std::vector<int> movable;
+    std::vector<std::pair<int, bool>> movable;  // an op that may move, and whether its channel failed
     for (int i = 0; i < count; ++i) {
-      if (over[static_cast<std::size_t>(i)]) continue;
+      if (over[i]) continue;
       bool waits_old = false, failed_old = false;
       for (int e = 0; e < count; ++e) {
         if (e == i || !same(e, i)) continue;
-        waits_old = waits_old || (e < i && !over[static_cast<std::size_t>(e)]);
-        failed_old = failed_old || gave_up[static_cast<std::size_t>(e)];
+        waits_old = waits_old || (e < i && !over[e]);
+        failed_old = failed_old || gave_up[e];
       }
-      const int e = b.before[static_cast<std::size_t>(i)];
-      const bool waits_new = e >= 0 && !over[static_cast<std::size_t>(e)];
-      const bool failed_new = e >= 0 && gave_up[static_cast<std::size_t>(e)];
+      const int before = b.before[static_cast<std::size_t>(i)];
+      const bool waits_new = order::waits(before, [&](int e) { return over[e]; });
+      const bool failed_new = order::failed_before(before, gave_up);
       if (waits_old != waits_new || (!waits_old && failed_old != failed_new)) ++disagreements;
-      if (!waits_old) movable.push_back(i);
+      if (!waits_old) movable.emplace_back(i, failed_old);
     }
     if (movable.empty()) break;
-    const int i = movable[std::uniform_int_distribution<std::size_t>(0, movable.size() - 1)(random)];
-    const int e = b.before[static_cast<std::size_t>(i)];
-    over[static_cast<std::size_t>(i)] = true;
-    gave_up[static_cast<std::size_t>(i)] = (e >= 0 && gave_up[static_cast<std::size_t>(e)]) || fails(random);
+    const auto [i, failed] = movable[std::uniform_int_distribution<std::size_t>(0, movable.size() - 1)(random)];
+    over[i] = true;
+    gave_up[i] = failed || fails(random);
   }
   // The counters: an op counts unless some op of its channel gave up.
-  std::vector<bool> gave_up_bool(gave_up.begin(), gave_up.end());
-  bool failed[64], known[64], gave[64];
-  for (int i = 0; i < count; ++i) gave[i] = gave_up_bool[static_cast<std::size_t>(i)];
-  order::channel_failed(b.before.data(), gave, count, failed, known);
+  bool failed[64], known[64];
+  order::channel_failed(b.before.data(), gave_up, count, failed, known);
   for (int i = 0; i < count; ++i) {
     bool any = false;
-    for (int e = 0; e < count; ++e) any = any || (same(e, i) && gave[e]);
+    for (int e = 0; e < count; ++e) any = any || (same(e, i) && gave_up[e]);
     if (failed[i] != any) ++disagreements;
   }
 }
@@ -124,7 +120,7 @@ void low_latency_kernel_run(std::mt19937& random, int& disagreements) {
 int main() {
   std::mt19937 random(20261207);
   int chunk_disagreements = 0, low_latency_disagreements = 0;
-  for (int run = 0; run < 3000; ++run) {
+  for (int run = 0; run < 1500; ++run) {
     chunk_kernel_run(random, chunk_disagreements);
     low_latency_kernel_run(random, low_latency_disagreements);
   }

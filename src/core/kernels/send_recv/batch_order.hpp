@@ -22,6 +22,19 @@ PDC_BATCH_ORDER_HOST_DEVICE inline int previous_on_channel(int op, SameChannel s
   return -1;
 }
 
+// Whether an op waits for the op it looks at (`before`: the op before it on its channel, or its
+// waits_for on a slice; -1: none), done(e) saying whether op e is done (over, or its slice done).
+template <class Done>
+PDC_BATCH_ORDER_HOST_DEVICE inline bool waits(int before, Done done) {
+  return before >= 0 && !done(before);
+}
+
+// low_latency_batch_kernel: whether an op's channel failed before it (the op before it gave up: a
+// failure reaches every later op of the channel, each giving up in turn).
+PDC_BATCH_ORDER_HOST_DEVICE inline bool failed_before(int before, const bool* gave_up) {
+  return before >= 0 && gave_up[before];
+}
+
 // The first op of op's channel in the batch.
 PDC_BATCH_ORDER_HOST_DEVICE inline int channel_head(const signed char* before, int op) {
   while (before[op] >= 0) op = before[op];
@@ -33,13 +46,13 @@ PDC_BATCH_ORDER_HOST_DEVICE inline int channel_head(const signed char* before, i
 // (-1: none), working(e) saying whether op e's does. An op's slice then moves once that op's slice
 // is done: an op's slice finishes only in its own visit, made only once the one it waits for was
 // done, so that one being done says every earlier op's is (a slice done at the start, an idle
-// one, is passed over here). waits_for[op * stride] for op in [0, count).
-template <class Working>
+// one, is passed over here). waits_for[op][slice] for op in [0, count).
+template <int kSlices, class Working>
 PDC_BATCH_ORDER_HOST_DEVICE inline void slice_waits_for(const signed char* before, int count, Working working,
-                                                        signed char* waits_for, int stride) {
+                                                        signed char (*waits_for)[kSlices], int slice) {
   for (int i = 0; i < count; ++i) {
     const int e = before[i];
-    waits_for[i * stride] = static_cast<signed char>(e < 0 || working(e) ? e : waits_for[e * stride]);
+    waits_for[i][slice] = static_cast<signed char>(e < 0 || working(e) ? e : waits_for[e][slice]);
   }
 }
 

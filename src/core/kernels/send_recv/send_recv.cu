@@ -562,8 +562,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
   __syncthreads();
   // A thread per slice, down the batch (batch_order.hpp).
   for (int j = static_cast<int>(threadIdx.x); j < kMaxSlicesPerBlock; j += static_cast<int>(blockDim.x))
-    batch_order::slice_waits_for(before, batch.count, [&](int e) { return next[e][j] < chunks[e]; }, &waits_for[0][j],
-                                 kMaxSlicesPerBlock);
+    batch_order::slice_waits_for(before, batch.count, [&](int e) { return next[e][j] < chunks[e]; }, waits_for, j);
   __syncthreads();
   if (stamping) stamp[kPrologueDone] = detail::globaltimer_ns();
   // In the loop, where a block may wait on a peer: counted for the peers' bounded descriptor
@@ -603,8 +602,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
       // op's first slice done).
       const auto due = [&](int i) {
         if (posted[i] || next[i][0] >= chunks[i] || (batch.ops[i].post_late && !late_due[i])) return false;
-        const int e = waits_for[i][0];
-        return e < 0 || next[e][0] >= chunks[e];
+        return !batch_order::waits(waits_for[i][0], [&](int e) { return next[e][0] >= chunks[e]; });
       };
       bool any_due = false;
       for (int i = 0; i < batch.count; ++i) any_due = any_due || due(i);
@@ -631,8 +629,7 @@ __global__ void __launch_bounds__(kThreads) chunk_batch_kernel(const SizedBatch<
         all_done = false;
         // Ops of one channel move in the channel's order, slice by slice: a send's wait reads
         // `filled`, which only the slot's previous chunk (maybe an earlier op's) sets.
-        const int e = waits_for[i][j];
-        if (e >= 0 && next[e][j] < chunks[e]) continue;
+        if (batch_order::waits(waits_for[i][j], [&](int e) { return next[e][j] >= chunks[e]; })) continue;
         // The channel failed elsewhere in the launch (a timeout or a mismatch): give up on it.
         // Not a zero-copy part under way: a sender slice that started writing finishes, and a
         // receiver waits until it knows the sender writes nothing more (zero_copy_begin).
@@ -1025,9 +1022,8 @@ __global__ void __launch_bounds__(kThreads) low_latency_batch_kernel(const Sized
       // is (it moved only when they were), and it gave up if the channel failed in this launch (an
       // op that finds its channel failed gives up too, below; a refused channel's ops all start
       // given up). A later op of the channel has not moved while this one is not over.
-      const int e = before[i];
-      if (e >= 0 && over[e] == 0) continue;
-      const bool channel_failed = e >= 0 && gave_up[e];
+      if (batch_order::waits(before[i], [&](int e) { return over[e] != 0; })) continue;
+      const bool channel_failed = batch_order::failed_before(before[i], gave_up);
       // Read by every thread before the barrier below, after which thread 0 may change them: all
       // threads take the same branches (each holds a barrier).
       const bool post_now = !posted[i] && (!a.post_late || late_due[i]);
