@@ -403,8 +403,9 @@ class SendRecvEngine {
   static std::vector<std::string> phase_stamp_names();
   // Benchmark hook (issue 35's host path): while on, the host time of this engine's calls is summed
   // per phase of the call (host_phase_names(), in order) from steady_clock readings; off, each
-  // phase costs one branch. host_phases(): the calls counted, then ns per phase, since it was
-  // turned on or last read (which clears them). Local, under the engine's lock.
+  // phase costs one branch. host_phases(): the calls counted (those that came to their end: one
+  // that threw counts nowhere), then ns per phase, since it was turned on or last read (which
+  // clears them). Local, under the engine's lock.
   void set_host_phases(bool on);
   std::vector<uint64_t> host_phases();
   static std::vector<std::string> host_phase_names();

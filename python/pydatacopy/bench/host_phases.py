@@ -30,7 +30,9 @@ def bench_host_phases(args, nbytes: int = 4096, calls: int = 64, rounds: int = 9
     me, peer = pydatacopy.my_pe(), 1 - pydatacopy.my_pe()
     engine = _send_recv._require_engine("the host phases' rows")
     names = list(engine.host_phase_names())
-    sleep_cycles = 4_000_000  # about 2 ms: longer than any queue of `calls` takes to issue
+    # About 2 ms a call's queue of one op takes less than to issue; a group's 32 ops issued in about
+    # 195 us each on the GPU machine (2026-12-07): its queue sleeps 16 times as long.
+    sleep_cycles = 4_000_000
     src = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(GROUP_MESSAGES)]
     dst = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda") for _ in range(GROUP_MESSAGES)]
 
@@ -52,7 +54,7 @@ def bench_host_phases(args, nbytes: int = 4096, calls: int = 64, rounds: int = 9
             for _ in range(rounds):
                 torch.cuda.synchronize()
                 dist.barrier()
-                torch.cuda._sleep(sleep_cycles)
+                torch.cuda._sleep(sleep_cycles * (16 if name.startswith("group") else 1))
                 engine.set_host_phases(True)
                 for _ in range(calls):
                     call()
@@ -75,6 +77,7 @@ def bench_host_phases(args, nbytes: int = 4096, calls: int = 64, rounds: int = 9
         call()
         torch.cuda.synchronize()
         dist.barrier()
+        pydatacopy.check_errors()
         moved = range(GROUP_MESSAGES) if name.startswith("group") else range(1)
         if name == "send | recv" and me == 0:
             ok = True  # rank 0 only sent: rank 1 checks what arrived
@@ -91,11 +94,13 @@ def bench_host_phases(args, nbytes: int = 4096, calls: int = 64, rounds: int = 9
             for index, phase in enumerate(names):
                 us = both[rank * len(names) + index].item() / 1e3
                 total += us
-                rows.append({"op": "host_phase", "path": f"{label} {nbytes // 1024}K: {phase}", "direction": "one",
+                rows.append({"op": "host_phase", "path": f"{label} {nbytes // 1024}K: {phase}",
+                             "direction": "one" if " | " in name else "both",
                              "bytes": nbytes, "size": f"{nbytes // 1024}K", "us": us, "issue_us": us, "gbps": 0.0,
                              "ok": ok})
             if me == 0:
-                print(f"  host phases, {label} {nbytes // 1024}K: {total:.2f} us in the core a call (" +
+                print(f"  host phases, {label} {nbytes // 1024}K: {total:.2f} us in the core a call (the phases'"
+                      " medians summed: " +
                       ", ".join(f"{phase} {both[rank * len(names) + i].item() / 1e3:.2f}"
                                 for i, phase in enumerate(names)) + ")", file=sys.stderr, flush=True)
     return rows

@@ -31,21 +31,29 @@ namespace {
 // launches; the launch; the channels' records.
 constexpr const char* kHostPhaseNames[] = {"mailboxes", "stream", "prepare", "channels", "order", "launch", "record"};
 
-// A steady_clock reading per phase boundary, only while the hook is on.
+// A steady_clock reading per phase boundary, only while the hook is on; a call's phases count
+// only once it has come to its end (committed with the call: one that threw counts nowhere).
+template <int kPhases>
 class HostPhaseClock {
  public:
-  HostPhaseClock(bool on, uint64_t* ns) : ns_(on ? ns : nullptr) {
-    if (ns_ != nullptr) last_ = std::chrono::steady_clock::now();
+  explicit HostPhaseClock(bool on) : on_(on) {
+    if (on_) last_ = std::chrono::steady_clock::now();
   }
   void ended(int phase) {
-    if (ns_ == nullptr) return;
+    if (!on_) return;
     const auto now = std::chrono::steady_clock::now();
     ns_[phase] += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now - last_).count());
     last_ = now;
   }
+  void commit(uint64_t* totals, uint64_t& calls) const {
+    if (!on_) return;
+    for (int p = 0; p < kPhases; ++p) totals[p] += ns_[p];
+    ++calls;
+  }
 
  private:
-  uint64_t* ns_;
+  bool on_;
+  uint64_t ns_[kPhases] = {};
   std::chrono::steady_clock::time_point last_;
 };
 }  // namespace
@@ -242,10 +250,10 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
   PDC_REQUIRE(ops.size() <= static_cast<std::size_t>(kernels::kMaxBatchOps),
               "a batch (group) holds at most " << kernels::kMaxBatchOps << " sends and recvs, got "
                                                << ops.size() << "; split it into several groups");
-  HostPhaseClock clock(host_phases_on_, host_phase_ns_);
   // Check the arguments before any sequence number moves.
   timeout_nanoseconds(timeout_seconds);
   for (const Operation& op : ops) require_ready(op.send ? "send" : "recv", op.peer);
+  HostPhaseClock<kHostPhases> clock(host_phases_on_);
   // A peer that timed out has its ops left out; a peer with a size-mismatch record has them
   // launched (the kernel refuses the broken channel, the healthy direction runs). Every other op
   // launches (its peer waits for it), and the first refusal is raised after the launch: the
@@ -350,7 +358,7 @@ void SendRecvEngine::batch_locked(const std::vector<Operation>& ops, cudaStream_
     order_.record_launch(channels, launch.count, stream, capture, stream_id);
     clock.ended(6);
   }
-  if (host_phases_on_) ++host_phase_calls_;
+  clock.commit(host_phase_ns_, host_phase_calls_);
   if (refused) std::rethrow_exception(refused);
 }
 
