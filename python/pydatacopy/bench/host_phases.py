@@ -17,9 +17,7 @@ import pydatacopy
 from pydatacopy.send_recv import send_recv as _send_recv
 
 from ._harness import agree, fill, reduce_device
-
-#: A group's messages each way (an all-to-all's shape: a send and a recv per message).
-GROUP_MESSAGES = 16
+from .group import GROUP_MESSAGES  # the group rows' shape: a send and a recv per message
 
 
 def bench_host_phases(args, nbytes: int = 4096, calls: int = 64, rounds: int = 9) -> list[dict]:
