@@ -42,6 +42,7 @@ class Loopback:
 
     def __init__(self, capacity, pad=0):
         self.capacity, self.n_pes, self.recv_rows, self.calls, self.pad = capacity, 1, capacity, 0, pad
+        self._core = type("Core", (), {"calls": 0})()
 
     def _exchange_eager(self, sends, send_counts, send_index, stream, timeout):
         self.calls += 1
@@ -53,6 +54,19 @@ class Loopback:
             recv[:count] = send.index_select(0, rows)
             recvs.append(recv)
         return recvs, send_counts.to(torch.int64).clone(), torch.zeros(1, dtype=torch.int64)
+
+    def _exchange_compact(self, sends, send_counts, send_index, timeout):
+        """A compact call's stand-in: the same rows, in one buffer per field kept across calls
+        (the region: what is past the count stays from before), counted in _core.calls."""
+        self.calls += 1
+        self._core.calls += 1
+        count = int(send_counts[0])
+        rows = send_index[:count] if send_index is not None else torch.arange(count)
+        if not hasattr(self, "region"):
+            self.region = [torch.full((self.recv_rows, *s.shape[1:]), self.pad, dtype=s.dtype) for s in sends]
+        for view, send in zip(self.region, sends):
+            view[:count] = send.index_select(0, rows)
+        return list(self.region), send_counts.to(torch.int64).clone(), torch.zeros(1, dtype=torch.int64)
 
 
 def stub_buffer(number: int, n_pes: int = 1) -> pydatacopy.AllToAll:
@@ -69,10 +83,11 @@ class RefusingBuffer:
     raises it, as AllToAll._refuse does."""
 
     def __init__(self, number: int) -> None:
-        self.number, self.refused = number, []
+        self.number, self.refused, self.compact = number, [], []
 
-    def _refuse(self, error, stream, timeout):
+    def _refuse(self, error, stream, timeout, compact=False):
         self.refused.append(str(error))
+        self.compact.append(compact)
         raise error
 
 

@@ -347,3 +347,52 @@ def test_dispatch_weights_checks_run_the_round():
 def test_expand_must_be_a_bool():
     with pytest.raises(pydatacopy.Error, match="expand must be True"):
         pydatacopy.MoeDispatcher(8, 16, 2, 4, expand="no")
+
+
+def test_recv_in_region_needs_expand_false_and_a_bool():
+    with pytest.raises(pydatacopy.Error, match="recv_in_region.*needs expand=False"):
+        pydatacopy.MoeDispatcher(8, 16, 2, 4, recv_in_region=True)
+    with pytest.raises(pydatacopy.Error, match="recv_in_region.*must be a bool"):
+        pydatacopy.MoeDispatcher(8, 16, 2, 4, expand=False, recv_in_region=1)
+
+
+def test_an_in_region_dispatch_refusal_takes_part_in_a_compact_round():
+    """A refused dispatch of a recv_in_region dispatcher runs its round as a compact call (its
+    peers wait for this PE to place their rows); combine's refusals stay plain."""
+    d = _bare_dispatcher(False)
+    d.recv_in_region = True
+    with pytest.raises(pydatacopy.Error, match="max_tokens"):
+        d.dispatch(torch.zeros(5, 8, dtype=torch.bfloat16), torch.zeros(5, 2, dtype=torch.int64))
+    with pytest.raises(pydatacopy.Error, match="takes no topk_weights"):
+        d.combine(torch.zeros(d.recv_rows, 8, dtype=torch.bfloat16), _token_handle(), torch.zeros(3, 2))
+    assert d._dispatch.compact == [True] and d._combine.compact == [False]
+    plain = _bare_dispatcher(False)
+    with pytest.raises(pydatacopy.Error, match="max_tokens"):
+        plain.dispatch(torch.zeros(5, 8, dtype=torch.bfloat16), torch.zeros(5, 2, dtype=torch.int64))
+    assert plain._dispatch.compact == [False]
+
+
+def test_an_in_region_dispatch_returns_the_compact_call_s_rows():
+    """One PE, a compact call's stand-in whose buffers are kept across calls (rows past the count
+    left from the call before): recv_x is its field 0, the ids and weights local, -1 and 0 past
+    num_rows whatever the region held there, and the handle tagged with the call."""
+    d = _bare_dispatcher(False, n_pes=1, max_tokens=6, topk=2, hidden=5)
+    d.recv_in_region = True
+    d._dispatch = _Loopback(6, pad=9)
+    d._dispatch.number = 7
+    rng = torch.Generator().manual_seed(5)
+    for call, tokens in enumerate((6, 2)):
+        x = torch.randn(tokens, 5, generator=rng).to(torch.bfloat16)
+        ids = torch.randint(-1, 2, (tokens, 2), generator=rng)
+        weights = torch.rand(tokens, 2, generator=rng)
+        recv_x, idx, w, handle = d.dispatch(x, ids, topk_weights=weights)
+        assert recv_x is d._dispatch.region[0]
+        used = int(handle.num_rows)
+        routed = [t for t in range(tokens) if bool((ids[t] >= 0).any())]
+        assert used == len(routed)
+        assert torch.equal(recv_x[:used].view(torch.int16), x[routed].view(torch.int16))
+        for row, t in enumerate(routed):
+            assert idx[row].tolist() == [int(e) if int(e) >= 0 else -1 for e in ids[t]]
+            assert w[row].tolist() == [float(weights[t, k]) if int(ids[t, k]) >= 0 else 0.0 for k in range(2)]
+        assert bool((idx[used:] == -1).all()) and bool((w[used:] == 0).all())
+        assert handle.recv_counts._pydatacopy_dispatch == d._tag(call)

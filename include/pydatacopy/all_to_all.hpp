@@ -96,8 +96,31 @@ struct AllToAllLayout {
   // both, so the tag is there when the meta's signal is).
   int64_t metas(int set) const { return words(3, 0) + set * words_bytes(); }
   int64_t outgoing(int set) const { return words(3, 0) + (2 + set) * words_bytes(); }
-  int64_t total() const { return words(3, 0) + 4 * words_bytes(); }
+  // [n_pes] place words (compact calls, below): at index d, where PE d puts this PE's rows.
+  int64_t places(int set) const { return words(3, 0) + 4 * words_bytes() + set * (words_bytes() / 2); }
+  int64_t total() const { return words(3, 0) + 5 * words_bytes(); }
   static constexpr int64_t kMetaBytes = 16;
+
+  // Compact calls (AllToAll::exchange's `compact`): every field's rows land packed by source,
+  // source 0's first, field f's at regions(set) + n_pes x field_start(f), one row after another
+  // (the field's rows of all sources fit where n_pes regions hold them). Each receiver places
+  // its sources in its send kernel, from their meta words: source s's rows start at the sum of
+  // placed_rows() over the sources before it, which the receiver tells s in a place word
+  // (round << 32 | first row); s waits for it before it stores a row there.
+  static constexpr int64_t kMaxCompactRows = (int64_t{1} << 32) - 1;  // n_pes x capacity, 32 bits
+  // A compact sender's meta says so (its field count with this bit): a receiver of the other
+  // kind refuses it as a layout mismatch.
+  static constexpr int kCompactFields = 0x40;
+  PDC_ALL_TO_ALL_HOST_DEVICE static int64_t placed_rows(uint64_t meta, int64_t capacity) {
+    const int64_t count = meta_count(meta);
+    return !meta_refused(meta) && count <= capacity ? count : 0;
+  }
+  PDC_ALL_TO_ALL_HOST_DEVICE static uint64_t pack_place(uint64_t round, int64_t first_row) {
+    return (round << 32) | (static_cast<uint64_t>(first_row) & 0xffffffffull);
+  }
+  PDC_ALL_TO_ALL_HOST_DEVICE static int64_t place_row(uint64_t place) {
+    return static_cast<int64_t>(place & 0xffffffffull);
+  }
 
   // A sender that refuses the whole call (its own arguments or state: AllToAll::exchange) sends
   // every destination this meta: refused, fields kCallRefusedFields (never a real field count),
@@ -163,6 +186,8 @@ struct AllToAllField {
 // Where a call's fields left in the region are (AllToAll::exchange fills it under the buffer's
 // lock, so it is this call's, whatever other threads exchange on the buffer after it): source
 // s's rows of field f at field[f] + s x stride (field[f] null for f past the call's fields).
+// A compact call's (stride 0): every source's rows of field f packed at field[f], source s's
+// from row recv_offsets[s], one row of the field's width after another.
 struct AllToAllRegion {
   const uint8_t* field[AllToAllLayout::kMaxFields] = {};
   int64_t stride = 0;
@@ -211,15 +236,25 @@ class AllToAll {
   // a source whose tag differs is refused like a layout mismatch (its rows dropped, an Error at
   // check_errors() on the receiver). MoE combine passes its handle's dispatch, so that PEs that
   // combine different dispatches are refused on the device instead of summing wrong rows.
+  //
+  // compact (every PE passes the same; every field's recv null): the rows land packed by source
+  // (AllToAllLayout, "Compact calls"; `region` says where), with no compaction copy: each
+  // sender stores its rows straight at their final place, which each receiver tells it in the
+  // round (one crossing of the bytes, not two). They stay valid until this PE's call two later
+  // on this buffer, whose send kernel hands the set back to the sources after everything on
+  // its stream before it: no release() (none is owed, and a CUDA graph of such calls replays
+  // balanced). Refused on the host on every PE alike: n_pes x capacity past kMaxCompactRows.
   int64_t exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                    const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                    int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                   AllToAllRegion* region = nullptr, uint64_t tag = 0);
+                   AllToAllRegion* region = nullptr, uint64_t tag = 0, bool compact = false);
 
   // A round in refuse mode (see exchange) for a refusal the caller found itself (MoE dispatch's
   // max_tokens, a tensor of the wrong shape on this PE): its peers make the call, so this PE
   // takes part, sending nothing; then throws Error(why) here. Returns only by throwing.
-  [[noreturn]] void refuse(const std::string& why, cudaStream_t stream, double timeout_seconds);
+  // compact: the peers' call is compact (this PE still places its sources, who wait for it).
+  [[noreturn]] void refuse(const std::string& why, cudaStream_t stream, double timeout_seconds,
+                           bool compact = false);
 
   // After a call with a field left in the region (recv null): where field f's rows from source
   // 0 are (device address, this PE), and the bytes from one source's rows to the next. Valid
@@ -243,12 +278,15 @@ class AllToAll {
   int64_t launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                        const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                        int64_t* recv_offsets, cudaStream_t stream, unsigned long long capture,
-                       double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal);
+                       double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal,
+                       bool compact);
   // This PE's refusal (`reason`, `why`), under the lock: while capturing nothing is recorded; else
   // the credits owed are handed back (the sources wait for them before they send), the round runs
   // in refuse mode; then Error(why) is thrown either way.
   [[noreturn]] void refused_round(int reason, const std::string& why, cudaStream_t stream,
-                                  unsigned long long capture, double timeout_seconds);
+                                  unsigned long long capture, double timeout_seconds, bool compact);
+  // Throws Error when a compact call cannot be placed in 32-bit rows (the same on every PE).
+  void check_compact(bool compact) const;
   // Whether set `set` is owed a release that a call in capture state `capture` must see.
   bool owed(int set, unsigned long long capture) const;
   // Set `set`'s owed credits released on `stream` (release(), and a refusal's hand-back).

@@ -106,9 +106,15 @@ class AllToAll:
         """fields: (send, recv, row_bytes, send_rows, recv_rows); send_index 0 for none; recv 0:
         the rows stay in the receive region (in_region, release); tag: the call's identity, compared
         on the device with every source's (a mismatch is refused there)."""
-    def refuse(self, why: str, stream: int, timeout: float) -> NoReturn:
+    def exchange_compact(self, fields: list[tuple[int, int, int]], send_counts: int, send_index: int,
+                         index_rows: int, recv_counts: int, recv_offsets: int, stream: int, timeout: float,
+                         tag: int = 0) -> tuple[int, list[int]]:
+        """A compact call (all_to_all.hpp): fields (send, row_bytes, send_rows); the rows land packed
+        by source in the receive region (one crossing), valid until this PE's call two later on the
+        buffer, which hands them back. Returns (call, each field's packed rows' address)."""
+    def refuse(self, why: str, stream: int, timeout: float, compact: bool = False) -> NoReturn:
         """A round in refuse mode (this PE sends nothing; the peers' calls complete and record
-        the refusal for check_errors()), then raise Error(why)."""
+        the refusal for check_errors()), then raise Error(why); compact: the peers' call is."""
     def in_region(self, field: int) -> int: ...
     region_stride: int  # read-only
     def release(self, call: int, stream: int) -> None: ...

@@ -44,13 +44,37 @@ void bind_moe(py::module_& m) {
            "fields: (send, recv, row_bytes, send_rows, recv_rows) tuples (addresses as ints); "
            "send_index 0 for none; recv 0: the rows stay in the receive region (in_region, release); "
            "tag: the call's identity, compared on the device with every source's. Returns the call's number")
-      .def("refuse",
-           [](AllToAll& self, const std::string& why, std::uintptr_t stream, double timeout) {
-             self.refuse(why, as_stream(stream), timeout);
+      .def("exchange_compact",
+           [](AllToAll& self,
+              const std::vector<std::tuple<std::uintptr_t, int64_t, int64_t>>& fields,
+              std::uintptr_t send_counts, std::uintptr_t send_index, int64_t index_rows,
+              std::uintptr_t recv_counts, std::uintptr_t recv_offsets, std::uintptr_t stream,
+              double timeout, uint64_t tag) {
+             std::vector<AllToAllField> list;
+             for (const auto& [send, row_bytes, send_rows] : fields)
+               list.push_back({as_pointer<const void>(send), nullptr, row_bytes, send_rows, 0});
+             AllToAllRegion region;
+             const int64_t call = self.exchange(list, as_pointer<const int64_t>(send_counts),
+                                                as_pointer<const int64_t>(send_index), index_rows,
+                                                as_pointer<int64_t>(recv_counts), as_pointer<int64_t>(recv_offsets),
+                                                as_stream(stream), timeout, &region, tag, /*compact=*/true);
+             std::vector<std::uintptr_t> at;
+             for (std::size_t f = 0; f < list.size(); ++f) at.push_back(reinterpret_cast<std::uintptr_t>(region.field[f]));
+             return std::make_tuple(call, at);
            },
-           py::arg("why"), py::arg("stream"), py::arg("timeout"), release_gil(),
+           py::arg("fields"), py::arg("send_counts"), py::arg("send_index"), py::arg("index_rows"),
+           py::arg("recv_counts"), py::arg("recv_offsets"), py::arg("stream"), py::arg("timeout"),
+           py::arg("tag") = 0, release_gil(),
+           "A compact call (all_to_all.hpp): fields as (send, row_bytes, send_rows) tuples; the rows land "
+           "packed by source in the receive region, valid until this PE's call two later on the buffer. "
+           "Returns (the call's number, each field's packed rows' device address)")
+      .def("refuse",
+           [](AllToAll& self, const std::string& why, std::uintptr_t stream, double timeout, bool compact) {
+             self.refuse(why, as_stream(stream), timeout, compact);
+           },
+           py::arg("why"), py::arg("stream"), py::arg("timeout"), py::arg("compact") = false, release_gil(),
            "A round in refuse mode (this PE sends nothing; its peers' calls complete and record the "
-           "refusal), then raise Error(why)")
+           "refusal), then raise Error(why); compact: the peers' call is compact")
       .def("in_region",
            [](const AllToAll& self, int field) { return reinterpret_cast<std::uintptr_t>(self.in_region(field)); },
            py::arg("field"), "Device address of field's rows from source 0 in the last call's region")

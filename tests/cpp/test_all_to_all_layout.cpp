@@ -33,7 +33,7 @@ void layout_of(int64_t capacity, int64_t row_bytes, int pes) {
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int set = 0; set < 2; ++set) {
     ranges.push_back({layout.regions(set), layout.regions(set) + pes * layout.region_bytes()});
-    for (int64_t start : {layout.meta_signals(set), layout.arrivals(set), layout.credits(set)}) {
+    for (int64_t start : {layout.meta_signals(set), layout.arrivals(set), layout.credits(set), layout.places(set)}) {
       ranges.push_back({start, start + words});
       check(start % 8 == 0, "every word array is 8-byte aligned");
     }
@@ -61,6 +61,50 @@ void layout_of(int64_t capacity, int64_t row_bytes, int pes) {
     check(last + capacity * split[fields - 1] <= layout.region_bytes(), "every field fits the region");
     for (int f = 0; f < fields; ++f)
       check(AllToAllLayout::field_start(capacity, split, f) % 16 == 0, "fields start 16-byte aligned");
+    // A compact call: field f's packed rows of all sources (n_pes x capacity of them) at
+    // n_pes x field_start(f) in the set, apart from each other and inside the set's regions.
+    std::vector<std::pair<int64_t, int64_t>> packed;
+    for (int f = 0; f < fields; ++f) {
+      const int64_t start = pes * AllToAllLayout::field_start(capacity, split, f);
+      packed.push_back({start, start + pes * capacity * split[f]});
+      check(start % 16 == 0, "compact: packed fields start 16-byte aligned");
+    }
+    check(disjoint(packed), "compact: the packed fields do not overlap");
+    check(packed.back().second <= pes * layout.region_bytes(), "compact: every packed field fits the set");
+  }
+}
+
+// Compact calls' placing rules (the send kernel's place_sources and the receive kernel's
+// offsets read the same meta words with placed_rows; the place word carries the round).
+void compact_words() {
+  const int64_t capacity = 100;
+  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(37, 64, 2 | AllToAllLayout::kCompactFields, false),
+                                    capacity) == 37, "placed: a count is placed");
+  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(0, 64, 2, false), capacity) == 0, "placed: 0 rows");
+  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(capacity, 64, 2, false), capacity) == capacity,
+        "placed: a full region");
+  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(37, 64, 2, true), capacity) == 0,
+        "placed: a refused pair takes no room");
+  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_call_refused(pydatacopy::kRefusedByCaller), capacity) == 0,
+        "placed: a refused call takes no room");
+  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(capacity + 1, 64, 2, false), capacity) == 0,
+        "placed: a count past the capacity takes no room");
+  const int fields = 3 | AllToAllLayout::kCompactFields;
+  check(fields != AllToAllLayout::kCallRefusedFields && (fields & 0x7f) == fields,
+        "compact: the flagged field count fits the meta word and is no refused call");
+  check(AllToAllLayout::meta_fields(AllToAllLayout::pack_meta(1, 1, fields, false)) == fields,
+        "compact: the flag travels in the meta word");
+  for (uint64_t round : {uint64_t{1}, uint64_t{2}, uint64_t{77777}, uint64_t{0xfffffffe}}) {
+    for (int64_t row : {int64_t{0}, int64_t{1}, int64_t{123456}, AllToAllLayout::kMaxCompactRows}) {
+      const uint64_t place = AllToAllLayout::pack_place(round, row);
+      check(AllToAllLayout::place_row(place) == row, "place: the row round-trips");
+      // The sender waits for place >= pack_place(round, 0): met by this round's place whatever
+      // its row, never by the previous round's on the set (two rounds back: round - 1 here).
+      check(place >= AllToAllLayout::pack_place(round, 0), "place: this round's meets the wait");
+      check(AllToAllLayout::pack_place(round - 1, AllToAllLayout::kMaxCompactRows) <
+                AllToAllLayout::pack_place(round, 0),
+            "place: an earlier round's never meets it");
+    }
   }
 }
 
@@ -71,6 +115,7 @@ int main() {
   layout_of(1, 1, 1);
   layout_of(4096, 7168 * 2 + 36, 8);
   layout_of(333, 17, 1024);
+  compact_words();
 
   const uint64_t meta = AllToAllLayout::pack_meta(12345, 14372, 2, false);
   check(AllToAllLayout::meta_count(meta) == 12345, "meta: count");

@@ -1187,16 +1187,20 @@ def _check_host_path(world, d, monkeypatch, which):
 # ascending PE order in float32, rounded once. References from every PE's gathered inputs (and,
 # for combine, every PE's gathered y: the check does not depend on the expert's arithmetic).
 
-TOKEN_HIDDENS = [(torch.bfloat16, 65), (torch.bfloat16, 64), (torch.float32, 72)]
+TOKEN_HIDDENS = [(torch.bfloat16, 65, False), (torch.bfloat16, 64, False), (torch.float32, 72, False),
+                 (torch.bfloat16, 65, True), (torch.float32, 72, True)]
 
 
-@pytest.fixture(scope="module", params=TOKEN_HIDDENS, ids=["bf16x65", "bf16x64", "f32x72"])
+@pytest.fixture(scope="module", params=TOKEN_HIDDENS,
+                ids=["bf16x65", "bf16x64", "f32x72", "bf16x65-in-region", "f32x72-in-region"])
 def token_dispatcher(world, request):
     """expand=False; 65 bf16 (130-byte rows: the scalar reduction), 64 bf16 and 72 fp32 (16-byte
-    multiples: the vector reduction)."""
+    multiples: the vector reduction); -in-region: recv_in_region=True (compact calls: every
+    sender stores its rows at their place in the receiver's region, recv_x a view of it)."""
     n = world[1]
-    dtype, hidden = request.param
-    dispatcher = pydatacopy.MoeDispatcher(EXPERTS_PER_PE * n, hidden, TOPK, MAX_TOKENS, dtype=dtype, expand=False)
+    dtype, hidden, in_region = request.param
+    dispatcher = pydatacopy.MoeDispatcher(EXPERTS_PER_PE * n, hidden, TOPK, MAX_TOKENS, dtype=dtype, expand=False,
+                                          recv_in_region=in_region)
     yield dispatcher
     torch.cuda.synchronize()
     dispatcher.close()
@@ -1357,6 +1361,30 @@ def test_expand_false_rows_past_num_rows(world, token_dispatcher):
         _FAILURES.append("expand=False dispatch: recv_x rows past num_rows are not zero")
     if not bool((idx[used:] == -1).all()) or int(w[used:].ne(0).sum()) != 0:
         _FAILURES.append("expand=False dispatch: recv_topk_idx / weights past num_rows are not -1 / 0")
+
+
+def test_expand_false_too_many_tokens_on_one_pe_is_refused_on_every_pe(world, token_dispatcher):
+    """PE n-1 alone dispatches max_tokens + 1 tokens: it raises (max_tokens), the others' dispatch
+    completes and check_errors() reports its refusal (in region: the refusing PE still places its
+    sources, who wait for their places). Then two layers on every PE are exact (both sets)."""
+    rank, n, _ = world
+    d = token_dispatcher
+    refuser = n - 1
+    tokens = MAX_TOKENS + 1 if rank == refuser else 3
+    x = torch.zeros(tokens, d.hidden, dtype=d.dtype, device="cuda")
+    ids = torch.zeros(tokens, TOPK, dtype=torch.int64, device="cuda")
+    error = None
+    try:
+        d.dispatch(x, ids, topk_weights=torch.ones(tokens, TOPK, device="cuda"), timeout=TIMEOUT_S)
+    except Exception as raised:  # noqa: BLE001 - judged below
+        error = raised
+    _refused_round_outcome(rank, refuser, error, "expand=False: too many tokens", "max_tokens")
+    dist.barrier()
+    for layer in range(2):
+        x, ids, weights = _token_inputs("random", rank, n, 5400 + 10 * rank + layer, d)
+        got = _run_tokens(d, x.cuda(), ids.cuda(), weights.cuda())
+        every_x, every_ids, every_weights = zip(*_gather((x, ids, weights)))
+        _check_tokens(rank, n, d, every_x, every_ids, every_weights, got, f"layer {layer} after the refusal")
 
 
 def test_expand_false_combine_refuses_an_expanded_handle_on_one_pe(world, token_dispatcher):

@@ -23,7 +23,9 @@ The same four rows for ``MoeDispatcher(expand=False)`` (DeepEP's normal-mode lay
 once per receiving PE, combine one row per (token, PE)), path ``expand=False ...``, each beside a
 bare copy of the bytes that mode moves (dispatch: rows, ids, index and the float32 weights;
 combine: one row per token and PE), same run; ``--no-expand-false`` leaves them out. Their check:
-an identity expert (y = recv_x), out[t] = x[t] summed over the PEs t went to, in PE order.
+an identity expert (y = recv_x), out[t] = x[t] summed over the PEs t went to, in PE order. Then
+the same rows with ``recv_in_region=True`` (path ``expand=False/region``: recv_x read where the
+senders stored it, one crossing of the bytes), beside the same copies.
 
 And ``deep_ep`` rows: pydatacopy.compat.deep_ep as DeepEP's users call it (bench/moe_deep_ep.py);
 ``--no-deep-ep`` leaves them out.
@@ -178,12 +180,27 @@ def _shape_of(name: str):
 
 
 def bench_shape_tokens(name: str, args) -> list[dict]:
-    """The expand=False rows of one shape (see the module docstring)."""
+    """The expand=False rows of one shape (see the module docstring): recv_x copied out of the
+    receive region (path ``expand=False``) and read there (``expand=False/region``:
+    recv_in_region=True, one crossing), beside the same copies."""
+    rows: list[dict] = []
+    bases = None
+    for in_region in (False, True):
+        more, bases = _token_rows(name, args, in_region, bases)
+        rows.extend(more)
+    return rows
+
+
+def _token_rows(name: str, args, in_region: bool, bases):
+    """(rows, the copies' baseline rows): one dispatcher's expand=False rows; the copies measured
+    when `bases` is None."""
     shape = _shape_of(name)
     if shape is None:
-        return []
+        return [], bases
     me, n, tokens, hidden, topk, experts, size = shape
-    moe = pydatacopy.MoeDispatcher(experts, hidden, topk, tokens, torch.bfloat16, expand=False)
+    moe = pydatacopy.MoeDispatcher(experts, hidden, topk, tokens, torch.bfloat16, expand=False,
+                                   recv_in_region=in_region)
+    path = "expand=False/region" if in_region else "expand=False"
     try:
         x = _tokens(tokens, hidden, 11 + me)
         ids, weights = _routing(tokens, experts, topk, 100 + me)
@@ -196,23 +213,25 @@ def bench_shape_tokens(name: str, args) -> list[dict]:
         combine_bytes = _max_over_pes(sent_tokens * hidden * 2)
         rows = []
 
-        add = _adder(rows, size, 20)
+        add = _adder(rows, size, 26)
 
-        base_d, base_c, base_dc = _copy_baselines(add, "expand=False copy", dispatch_bytes, combine_bytes, args)
+        if bases is None:
+            bases = _copy_baselines(add, "expand=False copy", dispatch_bytes, combine_bytes, args)
+        base_d, base_c, base_dc = bases
         checked = _check_tokens(moe, tokens, hidden, experts, topk, 7500 + me)
-        add("moe dispatch", "expand=False eager", dispatch_bytes,
+        add("moe dispatch", f"{path} eager", dispatch_bytes,
             time_op(lambda: moe.dispatch(x, ids, topk_weights=weights), args.iters, args.warmup, args.repeats),
             checked, base_d)
-        add("moe combine", "expand=False eager", combine_bytes,
+        add("moe combine", f"{path} eager", combine_bytes,
             time_op(lambda: moe.combine(y, handle), args.iters, args.warmup, args.repeats), checked, base_c)
 
         def both():
             got, _, _, h = moe.dispatch(x, ids, topk_weights=weights)
             moe.combine(got, h)
 
-        _layer_rows(add, "expand=False", both, dispatch_bytes + combine_bytes, checked,
+        _layer_rows(add, path, both, dispatch_bytes + combine_bytes, checked,
                     lambda: _check_tokens(moe, tokens, hidden, experts, topk, 8500 + me), base_dc, args)
-        return rows
+        return rows, bases
     finally:
         torch.cuda.synchronize()
         moe.close()
@@ -324,11 +343,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.extend(bench_shape_deep_ep(shape, args, _shape_of, (_tokens, _routing, _copy_baselines,
                                                                      _max_over_pes, _adder, _capture)))
     if pydatacopy.my_pe() == 0:
-        print(f"\n{'op':<18} {'path':<20} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
+        print(f"\n{'op':<18} {'path':<26} {'shape':<14} {'MB moved':>9} {'us':>10} {'GB/s':>8} "
               f"{'xbase':>6}  ok")
         for r in rows:
             xbase = f"{r['xbase']:6.2f}" if r.get("xbase") else "     -"
-            print(f"{r['op']:<18} {r['path']:<20} {r['size']:<14} {r['bytes'] / 1e6:9.2f} "
+            print(f"{r['op']:<18} {r['path']:<26} {r['size']:<14} {r['bytes'] / 1e6:9.2f} "
                   f"{r['us']:10.1f} {r['gbps']:8.1f} {xbase}  {'yes' if r['ok'] else 'NO'}")
         print("MB moved: the bytes the busiest PE sends (dispatch: token rows and their expert ids; "
               "combine: one output row per (token, expert); expand=False rows: one per (token, PE) both ways, "

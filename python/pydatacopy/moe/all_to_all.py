@@ -68,6 +68,7 @@ class AllToAll:
         # Keeps this buffer's calls in program order when compiled (every op writes it).
         self._order = _mark_static(torch.zeros(1, dtype=torch.uint8, device=f"cuda:{self._device}"))
         self.number = next(_numbers)
+        self._views: dict = {}  # compact calls' region views (_region_view)
         _buffers[self.number] = self
 
     @property
@@ -103,6 +104,7 @@ class AllToAll:
         """Free the regions on every PE (collective, blocking); harmless twice."""
         _refuse_tracing("AllToAll.close")
         _refuse_capture("AllToAll.close")
+        self._views.clear()
         self._core.cleanup()
 
     def __enter__(self) -> "AllToAll":
@@ -167,7 +169,7 @@ class AllToAll:
                 raise Error("pydatacopy.all_to_all_v: send_index must be a 1-D int64 tensor")
         return send_counts
 
-    def _refuse(self, error: Exception, stream, timeout):
+    def _refuse(self, error: Exception, stream, timeout, compact: bool = False):
         """This PE refuses a call its peers make (its own arguments): a round in refuse mode, so
         that their calls complete and record the refusal, then ``error`` raised here. Not
         possible on a closed buffer or from a traced call: raised at once there."""
@@ -177,7 +179,7 @@ class AllToAll:
             handle, seconds = stream_handle(stream, self._device), timeout_seconds(timeout)
         except Exception:
             raise error from None  # no round can be run with these: the first error
-        self._core.refuse(str(error), handle, seconds)
+        self._core.refuse(str(error), handle, seconds, compact)
 
     def _checked(self, sends, send_counts, send_index, stream, timeout) -> torch.Tensor:
         try:
@@ -241,6 +243,46 @@ class AllToAll:
         call = self._core.exchange(fields, send_counts.data_ptr(), index, index_rows, counts.data_ptr(),
                                    offsets.data_ptr(), handle, seconds, tag)
         return recvs, counts, offsets, call
+
+
+    def _exchange_compact(self, sends, send_counts, send_index, timeout, tag: int = 0):
+        """_exchange_in_region with every field left in the region, packed by source (a compact
+        call, all_to_all.hpp): each sender stores its rows straight at their final place, so the
+        bytes cross once. Returns (views, recv_counts, recv_offsets): views are tensors of
+        ``recv_rows`` rows over the region (rows past ``recv_counts.sum()`` are not data), valid
+        until this PE's call two later on this buffer, which hands the region back to the
+        sources (no release call). Eager only."""
+        try:
+            send_counts = self._check(sends, send_counts, send_index)
+        except Error as error:
+            self._refuse(error, None, timeout, compact=True)
+            raise
+        seconds = timeout_seconds(timeout)
+        handle = stream_handle(None, self._device)
+        if send_counts.dtype != torch.int64:
+            send_counts = send_counts.to(torch.int64)
+        both = torch.empty(2 * self._n_pes, dtype=torch.int64, device=send_counts.device)
+        counts, offsets = both[:self._n_pes], both[self._n_pes:]
+        fields = [(s.data_ptr(), _row_bytes(s), s.shape[0]) for s in sends]
+        index = 0 if send_index is None else send_index.data_ptr()
+        index_rows = 0 if send_index is None else send_index.shape[0]
+        call, addresses = self._core.exchange_compact(fields, send_counts.data_ptr(), index, index_rows,
+                                                      counts.data_ptr(), offsets.data_ptr(), handle, seconds, tag)
+        return [self._region_view(call % 2, f, address, s) for f, (address, s) in enumerate(zip(addresses, sends))], \
+            counts, offsets
+
+    def _region_view(self, set_: int, field: int, address: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor of recv_rows rows shaped like `like`'s over the packed rows at `address` (one
+        per set, field, shape and dtype: the same memory every other call, made once)."""
+        key = (set_, field, address, tuple(like.shape[1:]), like.dtype)
+        view = self._views.get(key)
+        if view is None:
+            from .._torch_utils import tensor_from_address
+            view = tensor_from_address(address, (self.recv_rows, *like.shape[1:]), like.dtype, self._device)
+            if len(self._views) >= 64:  # a handful of shapes in practice
+                self._views.clear()
+            self._views[key] = view
+        return view
 
 
 def _zero_past(rows: torch.Tensor, used: torch.Tensor) -> torch.Tensor:

@@ -55,23 +55,23 @@ class MoeDispatcher:
     token (the caller has summed its local experts' outputs, weighted) and returns ``out[t]`` =
     the rows of the PEs ``t`` went to, summed in ascending PE order in float32, rounded once to
     y's dtype. The combine buffer then holds ``max_tokens`` rows per source, not ``max_tokens x
-    topk`` (docs/moe.md, "expand=False").
+    topk`` (docs/moe.md, "expand=False"). ``recv_in_region=True`` (expand=False only): recv_x and
+    recv_topk_weights are views of the receive region, where each sender stored its rows (the
+    bytes cross once, not twice), valid until this dispatcher's dispatch after next.
 
     Every call is stream-ordered on torch's current stream, reads nothing on the host, and can
     be captured in a CUDA graph (replays take the routing written into the captured inputs).
     """
 
-    # The default (object.__new__ instances, e.g. tests' stand-ins, see it too).
-    expand = True
+    # The defaults (object.__new__ instances, e.g. tests' stand-ins, see them too).
+    expand, recv_in_region = True, False
 
     def __init__(self, num_experts: int, hidden: int, topk: int, max_tokens: int,
                  dtype: torch.dtype = torch.bfloat16, *, combine_dtype: torch.dtype | None = None,
-                 expand: bool = True) -> None:
+                 expand: bool = True, recv_in_region: bool = False) -> None:
         call = "pydatacopy.MoeDispatcher"
         _refuse_tracing("MoeDispatcher")
-        if not isinstance(expand, bool):
-            raise Error(f"{call}: expand must be True (rows grouped by local expert) or False (one row per "
-                        f"received token, DeepEP's normal mode), got {expand!r}")
+        _tokens.check_setup(call, expand, recv_in_region)
         if not _C.is_initialized():
             raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or pydatacopy.init_nvshmem()) first")
         n = _C.n_pes()
@@ -89,7 +89,7 @@ class MoeDispatcher:
             raise Error(f"{call}: combine_dtype (the expert outputs') must be float32, bfloat16 or "
                         f"float16, got {combine_dtype}")
         self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
-        self.dtype, self.combine_dtype, self.expand = dtype, combine_dtype, expand
+        self.dtype, self.combine_dtype, self.expand, self.recv_in_region = dtype, combine_dtype, expand, recv_in_region
         self.n_pes, self.experts_per_pe = n, num_experts // n
         self.my_pe = _C.my_pe()
         self._workspaces: dict = {}  # _workspace's answers by (tokens, row bytes)
@@ -152,7 +152,7 @@ class MoeDispatcher:
         try:
             check()
         except Error as error:
-            buffer._refuse(error, None, timeout)
+            buffer._refuse(error, None, timeout, compact=buffer is self._dispatch and self.recv_in_region)
             raise
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int | None = None,

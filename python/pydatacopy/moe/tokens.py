@@ -11,10 +11,20 @@ import torch
 
 from .. import _C
 from .._torch_utils import stream_handle, timeout_seconds
-from .common import _REDUCE_DTYPES, Error, _traced
+from .common import _REDUCE_DTYPES, Error, _row_bytes, _traced
 from .layout import (MoeHandle, MoeTokenHandle, _layout_kernels_fit, combine_slots, dispatch_plan, local_topk,
                      token_destinations)
 from .rows import combine_reduce
+
+
+def check_setup(call: str, expand, recv_in_region) -> None:
+    """MoeDispatcher's expand and recv_in_region arguments."""
+    if not isinstance(expand, bool):
+        raise Error(f"{call}: expand must be True (rows grouped by local expert) or False (one row per "
+                    f"received token, DeepEP's normal mode), got {expand!r}")
+    if not isinstance(recv_in_region, bool) or (recv_in_region and expand):
+        raise Error(f"{call}: recv_in_region (recv_x read where the senders stored it) must be a bool and "
+                    f"needs expand=False; got recv_in_region={recv_in_region!r} with expand={expand}")
 
 
 def check_dispatch_weights(moe, x, topk_weights) -> None:
@@ -45,6 +55,15 @@ def dispatch_tokens(moe, x, topk_idx, topk_weights, timeout, zero_unused_rows, e
     if _traced():
         recvs, recv_counts, recv_offsets = moe._dispatch.exchange(
             sends, plan.send_counts, plan.send_index, timeout=timeout)
+    elif moe.recv_in_region and not extras:
+        # Every field left where its sender stored it, packed by source (one crossing, no copy):
+        # valid until the dispatch after next (AllToAll._exchange_compact).
+        recvs, recv_counts, recv_offsets = moe._dispatch._exchange_compact(
+            sends, plan.send_counts, plan.send_index, timeout)
+        call = moe._dispatch._core.calls - 1
+        if zero_unused_rows:
+            _C.zero_rows_past(recvs[0].data_ptr(), recvs[0].shape[0], _row_bytes(recvs[0]), recv_counts.data_ptr(),
+                              moe.n_pes, stream_handle(None, recvs[0].device.index))
     else:
         recvs, recv_counts, recv_offsets = moe._dispatch._exchange_eager(
             sends, plan.send_counts, plan.send_index, None, timeout, zero_unused_rows=zero_unused_rows)

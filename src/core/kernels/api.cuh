@@ -404,6 +404,12 @@ struct AllToAllArgs {
   int64_t region_bytes;
   int64_t regions;             // offsets of this call's set
   int64_t meta_signals, metas, arrivals, credits, outgoing;
+  // Compact call (AllToAllLayout, "Compact calls"): rows packed by source at regions + n_pes x
+  // field_start[f], placed by each receiver's send kernel through the place words (`places`);
+  // no field is copied out (recv all null) and the credits are owed until the set's next round,
+  // whose send kernel signals them first (no release() call: graph replays stay balanced).
+  bool compact;
+  int64_t places;
   uint64_t* uses;              // device: rounds of this set so far (the send kernel moves it on)
   uint64_t* consumed;          // device [n_pes]: row-field units taken from each source, this set
   uint64_t* pending;           // device [n_pes]: credit owed to each source (release), this set

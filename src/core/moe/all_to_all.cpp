@@ -202,12 +202,13 @@ bool AllToAll::owed(int set, unsigned long long capture) const {
 int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                            const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                            int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                           AllToAllRegion* region, uint64_t tag) {
+                           AllToAllRegion* region, uint64_t tag, bool compact) {
   const std::lock_guard<std::mutex> lock(mutex_);
   // Host-only refusals: no round can run without the buffer, nor with a peer presumed dead
   // (check_timeouts refuses every collective; the peers' own calls refuse or time out alike).
   require_initialized("all_to_all");
   check_timeouts();
+  check_compact(compact);
   // Everything below is this PE's own arguments or state, which its peers cannot see: a refusal
   // still runs the round (refuse mode), so that the peers' calls complete and learn of it.
   Refusal refusal;
@@ -231,6 +232,9 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
     PDC_REFUSE_UNLESS(refusal, field.send_rows == send_rows, kRefusedArguments,
                       "all_to_all: every field must have the same number of send rows (field 0: "
                           << send_rows << ", field " << f << ": " << field.send_rows << ")");
+    PDC_REFUSE_UNLESS(refusal, !compact || field.recv == nullptr, kRefusedArguments,
+                      "all_to_all: a compact call leaves every field in the receive region; field " << f
+                          << " has a receive tensor");
     PDC_REFUSE_UNLESS(refusal, field.recv == nullptr || field.recv_rows >= n_pes_ * capacity_, kRefusedArguments,
                       "all_to_all: field " << f << "'s receive tensor has " << field.recv_rows
                           << " rows; it needs n_pes x capacity = " << n_pes_ << " x " << capacity_ << " = "
@@ -267,20 +271,29 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
       }
     }
   }
-  if (refusal.reason != 0) refused_round(refusal.reason, refusal.text, stream, capture, timeout_seconds);
+  if (refusal.reason != 0) refused_round(refusal.reason, refusal.text, stream, capture, timeout_seconds, compact);
   return launch_round(fields, send_counts, send_index, index_rows, recv_counts, recv_offsets, stream, capture,
-                      timeout_seconds, region, tag, 0);
+                      timeout_seconds, region, tag, 0, compact);
 }
 
-void AllToAll::refuse(const std::string& why, cudaStream_t stream, double timeout_seconds) {
+void AllToAll::refuse(const std::string& why, cudaStream_t stream, double timeout_seconds, bool compact) {
   const std::lock_guard<std::mutex> lock(mutex_);
   require_initialized("all_to_all");
   check_timeouts();
-  refused_round(kRefusedByCaller, why, stream, capture_id(stream), timeout_seconds);
+  check_compact(compact);
+  refused_round(kRefusedByCaller, why, stream, capture_id(stream), timeout_seconds, compact);
+}
+
+void AllToAll::check_compact(bool compact) const {
+  // The same on every PE (one buffer's setup): every PE refuses alike, on its host.
+  PDC_REQUIRE(!compact || n_pes_ * capacity_ <= AllToAllLayout::kMaxCompactRows,
+              "all_to_all: a compact call packs n_pes x capacity = " << n_pes_ << " x " << capacity_
+                  << " rows, more than " << AllToAllLayout::kMaxCompactRows
+                  << " (32-bit places); set the buffer up with a smaller capacity");
 }
 
 void AllToAll::refused_round(int reason, const std::string& why, cudaStream_t stream, unsigned long long capture,
-                             double timeout_seconds) {
+                             double timeout_seconds, bool compact) {
   // A refused round recorded into this PE's graph would reach the peers only if every PE
   // completed and replayed its capture, and this PE's capture ends here with the error; an
   // eager release owed must not be recorded into it either (it would be lost with the graph).
@@ -290,14 +303,16 @@ void AllToAll::refused_round(int reason, const std::string& why, cudaStream_t st
                       "this capture on every PE, since the peers' graphs would wait for this PE's rows)");
   const int set = static_cast<int>(calls_ % 2);
   if (owed(set, capture)) release_set(set, stream, capture);  // whatever the refusal's reason
-  launch_round({}, nullptr, nullptr, 0, nullptr, nullptr, stream, capture, timeout_seconds, nullptr, 0, reason);
+  launch_round({}, nullptr, nullptr, 0, nullptr, nullptr, stream, capture, timeout_seconds, nullptr, 0, reason,
+               compact);
   throw Error(why);
 }
 
 int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                                const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                                int64_t* recv_offsets, cudaStream_t stream, unsigned long long capture,
-                               double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal) {
+                               double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal,
+                               bool compact) {
   const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
   kernels::AllToAllArgs args{};
   // Refuse mode moves no field and reads none of the call's tensors (they may be the reason).
@@ -336,10 +351,13 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
   args.arrivals = layout.arrivals(set);
   args.credits = layout.credits(set);
   args.outgoing = layout.outgoing(set);
+  args.places = layout.places(set);
+  args.compact = compact;
   args.uses = counters_ + set;
   args.consumed = counters_ + 2 + set * n_pes_;
   args.pending = counters_ + 2 + 2 * n_pes_ + set * n_pes_;
-  args.defer_credits = defer;
+  // A compact call's credits wait for the set's next round (its send kernel signals them).
+  args.defer_credits = defer || compact;
   args.send_done = done_ + set;
   args.recv_done = done_ + 2 + set;
   args.my_pe = my_pe();
@@ -357,6 +375,7 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
     check_rma_remote(base_ + args.metas, pairs, "all_to_all: the meta words");
     check_rma_remote(base_ + args.meta_signals, words, "all_to_all: the meta signals");
     check_rma_remote(base_ + args.arrivals, words, "all_to_all: the arrival counters");
+    if (compact) check_rma_remote(base_ + args.places, words, "all_to_all: the place words");
   }
   check_rma_remote(base_ + args.credits, static_cast<std::size_t>(n_pes_) * sizeof(uint64_t),
                    "all_to_all: the credits");
@@ -365,13 +384,14 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
   kernels::launch_all_to_all(args, std::max(1, kernels::all_to_all_blocks(pes_sharing_my_gpu())), stream);
   order_.record(0, stream, capture);
   for (int f = 0; f < AllToAllLayout::kMaxFields; ++f) last_field_start_[f] = f < count ? args.field_start[f] : 0;
-  release_owed_[set] = defer;
+  release_owed_[set] = defer && !compact;  // (a compact call's: released by the set's next round)
   owed_capture_[set] = capture;
   last_call_ = calls_;
   if (region != nullptr) {  // this call's, read under the lock (in_region() reads the last call's)
     *region = AllToAllRegion{};
-    for (int f = 0; f < count; ++f) region->field[f] = base_ + args.regions + args.field_start[f];
-    region->stride = args.region_bytes;
+    for (int f = 0; f < count; ++f)
+      region->field[f] = base_ + args.regions + (compact ? n_pes_ : 1) * args.field_start[f];
+    region->stride = compact ? 0 : args.region_bytes;
   }
   return calls_++;
 }

@@ -153,6 +153,57 @@ __device__ __forceinline__ void after_every_block(unsigned int* done, Last last)
   }
 }
 
+// Where row `row` of field f goes in the destination's set: this PE's region there, or in a
+// compact call the field's packed rows, from the first row the destination placed this PE at.
+__device__ __forceinline__ int64_t row_at(const AllToAllArgs& a, int64_t my_region, int f, int64_t placed_at,
+                                          int64_t row) {
+  return a.compact ? a.regions + a.n_pes * a.field_start[f] + (placed_at + row) * a.row_bytes[f]
+                   : my_region + a.field_start[f] + row * a.row_bytes[f];
+}
+
+// A compact call's placing (AllToAllLayout, "Compact calls"), block 0 of the send kernel, every
+// thread: each source's rows after those of the sources before it (placed_rows of their meta
+// words, as the receive kernel counts them for recv_offsets), told to each source in its place
+// word at index my_pe. After this PE's own metas went out: the sources wait for their places
+// only after sending theirs, so no PE waits on one that waits on it. A meta that never comes
+// (a dead or late peer: its wait recorded the timeout) places nobody, since every later source's
+// row would move: the sources then time out on their places, as on any dead peer.
+__device__ void place_sources(const AllToAllArgs& a, uint64_t round, uint64_t deadline, int* failed) {
+  __shared__ int missing;
+  const int n = a.n_pes;
+  if (threadIdx.x == 0) missing = 0;
+  __syncthreads();
+  int64_t first[2] = {0, 0};  // this thread's sources' first rows (n <= 2 x kThreads: two passes)
+  int64_t before = 0;
+  for (int pass = 0, base = 0; base < n; ++pass, base += blockDim.x) {
+    const int s = base + threadIdx.x;
+    int64_t rows = 0;
+    if (s < n) {
+      if (detail::wait_until_at_least(word(a, a.meta_signals, s), round, deadline, a.status,
+                                      detail::WaitOp::kAllToAllArrival, s, a.my_pe))
+        rows = AllToAllLayout::placed_rows(meta_pair(a.base, a.metas, s)[0], a.capacity);
+      else
+        missing = 1;
+    }
+    int64_t pass_rows;  // rows <= capacity < 2^31 each, n <= 2^10: no overflow
+    first[pass] = before + block_exclusive_scan(rows, int64_t{0}, AddInt64{}, &pass_rows);
+    before += pass_rows;
+  }
+  __syncthreads();  // every thread's `missing` is in
+  if (missing) {
+    if (threadIdx.x == 0) *failed = 1;
+    return;
+  }
+  for (int pass = 0, base = 0; base < n; ++pass, base += blockDim.x) {
+    const int s = base + threadIdx.x;
+    if (s >= n) continue;
+    const uint64_t place = AllToAllLayout::pack_place(round, first[pass]);
+    uint8_t* peer = a.direct ? a.peer_bases[s] : nullptr;
+    if (peer != nullptr) store_release_sys(peer_word(peer, a.places, a.my_pe), place);
+    else nvshmemx_signal_op(word(a, a.places, a.my_pe), place, NVSHMEM_SIGNAL_SET, s);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAllArgs a) {
   __shared__ int64_t asked_of[kMaxPes];    // send_counts, read once
   __shared__ int64_t first_row[kMaxPes];   // send row (or index entry) of each destination's first
@@ -237,8 +288,17 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
   const uint64_t deadline = detail::globaltimer_ns() + a.timeout_ns;
   const int64_t my_region = a.regions + static_cast<int64_t>(a.my_pe) * a.region_bytes;
 
-  // Block 0: every destination's meta word, once that destination has freed this set.
+  // Block 0: first the credits this PE still owes its sources for the set's previous round (a
+  // compact call's, stream-ordered after its readers as the next round of the set is: the host
+  // refuses a call whose set owes a release() instead, so that none is pending then); then every
+  // destination's meta word, once that destination has freed this set.
   if (blockIdx.x == 0) {
+    for (int s = threadIdx.x; s < n; s += blockDim.x) {
+      const uint64_t owed = a.pending[s];
+      if (owed == 0) continue;  // nothing owed (or that round failed for the source: no credit)
+      a.pending[s] = 0;
+      nvshmemx_signal_op(word(a, a.credits, a.my_pe), owed, NVSHMEM_SIGNAL_SET, s);
+    }
     for (int d = threadIdx.x; d < n; d += blockDim.x) {
       if (!detail::wait_until_at_least(word(a, a.credits, d), round - 1, deadline, a.status,
                                        detail::WaitOp::kAllToAllCredit, d, a.my_pe)) {
@@ -247,8 +307,9 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
       }
       const int64_t asked = asked_of[d];
       const bool refused = rows_to[d] != asked;
+      const int fields = a.fields | (a.compact ? AllToAllLayout::kCompactFields : 0);
       const uint64_t meta = a.refusal != 0 ? AllToAllLayout::pack_call_refused(a.refusal)
-                                           : AllToAllLayout::pack_meta(asked, a.row_bytes_total, a.fields, refused);
+                                           : AllToAllLayout::pack_meta(asked, a.row_bytes_total, fields, refused);
       // The meta and the tag side by side (one put moves both), published by the signal.
       uint8_t* peer = a.direct ? a.peer_bases[d] : nullptr;
       if (peer != nullptr) {
@@ -266,6 +327,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
                               NVSHMEM_SIGNAL_SET, d);
       }
     }
+    if (a.compact) place_sources(a, round, deadline, &failed);
   }
 
   __syncwarp();  // block 0's lanes took their own paths above; the warp calls below need all
@@ -273,21 +335,30 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
   // Rows, piece by piece: each warp takes whole pieces of one destination.
   const int64_t total = pieces[n];
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  int credited = -1;  // the destination whose credit this warp has seen
+  int credited = -1;  // the destination whose credit (compact: place) this warp has seen
+  int64_t placed_at = 0;  // compact: d's first row for this PE's rows
   for (int64_t piece = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; piece < total;
        piece += warps) {
     const int i = find_slot(pieces, n, piece);
     const int d = (a.my_pe + i) % n;
     if (d != credited) {
       int ok = 1;
-      if (lane == 0)
-        ok = detail::wait_until_at_least(word(a, a.credits, d), round - 1, deadline, a.status,
-                                         detail::WaitOp::kAllToAllCredit, d, a.my_pe);
+      unsigned long long place = 0;
+      if (lane == 0) {
+        // A compact call's place comes after d freed the set (d placed this PE after it saw this
+        // PE's meta, sent only once d's credit was in): the place is the credit too.
+        ok = a.compact ? detail::wait_until_at_least(word(a, a.places, d), AllToAllLayout::pack_place(round, 0),
+                                                     deadline, a.status, detail::WaitOp::kAllToAllCredit, d, a.my_pe)
+                       : detail::wait_until_at_least(word(a, a.credits, d), round - 1, deadline, a.status,
+                                                     detail::WaitOp::kAllToAllCredit, d, a.my_pe);
+        if (ok && a.compact) place = *reinterpret_cast<volatile unsigned long long*>(word(a, a.places, d));
+      }
       ok = __shfl_sync(0xffffffffu, ok, 0);
       if (!ok) {
         failed = 1;
         break;
       }
+      placed_at = AllToAllLayout::place_row(__shfl_sync(0xffffffffu, place, 0));
       credited = d;
     }
     // Another warp may set `failed` at any time: one lane reads it, so that the warp stays whole.
@@ -301,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
     if (a.send_index == nullptr) {
       for (int f = 0; f < a.fields; ++f) {
         const int64_t width = a.row_bytes[f];
-        const int64_t at = my_region + a.field_start[f] + first * width;
+        const int64_t at = row_at(a, my_region, f, placed_at, first);
         const uint8_t* src = a.send[f] + (first_row[d] + first) * width;
         if (peer != nullptr) {
           row_copy(peer + at, src, rows * width, lane);
@@ -324,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
           if (!valid && lane == 0) refuse(a, detail::WaitOp::kAllToAllIndex, d, index, a.send_rows);
           for (int f = 0; f < a.fields; ++f) {
             const int64_t width = a.row_bytes[f];
-            const int64_t at = my_region + a.field_start[f] + (first + r) * width;
+            const int64_t at = row_at(a, my_region, f, placed_at, first + r);
             const uint8_t* src = a.send[f] + index * width;
             if (peer != nullptr) {
               if (valid) row_copy(peer + at, src, width, lane);
@@ -356,6 +427,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
 
 __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAllArgs a) {
   __shared__ int64_t rows_from[kMaxPes];    // rows taken from each source (0 when refused)
+  __shared__ int64_t placed[kMaxPes];       // compact: the rows each source's meta was placed for
   __shared__ int64_t offset_of[kMaxPes];    // first row of each source in the outputs
   __shared__ uint64_t expected[kMaxPes];    // each source's arrival counter once its rows are in
   __shared__ int64_t pieces[kMaxPes + 1];   // prefix over sources
@@ -375,12 +447,13 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
                                                   a.status, detail::WaitOp::kAllToAllArrival, s,
                                                   a.my_pe);
     meta_seen[s] = seen;
-    int64_t rows = 0;
+    int64_t rows = 0, placed_rows = 0;
     uint64_t units = 0;
     if (seen) {
       volatile uint64_t* pair = meta_pair(a.base, a.metas, s);
       const uint64_t meta = pair[0];
       const uint64_t tag = pair[1];
+      placed_rows = AllToAllLayout::placed_rows(meta, a.capacity);
       const int64_t count = AllToAllLayout::meta_count(meta);
       const bool refused = AllToAllLayout::meta_refused(meta);
       // What the sender added to our counter for this round, whether we take its rows or not.
@@ -395,7 +468,7 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
           refuse(a, detail::WaitOp::kAllToAllCapacityFrom, s, count, a.capacity);
       } else if (count < 0 || count > a.capacity) {  // never past this PE's region (init votes alike)
         if (blockIdx.x == 0) refuse(a, detail::WaitOp::kAllToAllCapacityFrom, s, count, a.capacity);
-      } else if (AllToAllLayout::meta_fields(meta) != a.fields ||
+      } else if (AllToAllLayout::meta_fields(meta) != (a.fields | (a.compact ? AllToAllLayout::kCompactFields : 0)) ||
                  AllToAllLayout::meta_row_bytes(meta) != a.row_bytes_total) {
         if (blockIdx.x == 0)
           refuse(a, detail::WaitOp::kAllToAllLayout, s, AllToAllLayout::meta_row_bytes(meta),
@@ -407,18 +480,23 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
       }
     }
     rows_from[s] = rows;
+    placed[s] = placed_rows;
     expected[s] = a.consumed[s] + units;
   }
   // Offsets and pieces by block-wide scans, one thread per source (n <= 2 x kThreads: at most
-  // two passes; rows <= capacity < 2^31, n <= 2^10: no overflow).
+  // two passes; rows <= capacity < 2^31, n <= 2^10: no overflow). A compact call's offsets are
+  // where its sources were placed (place_sources: the same meta words, the same rule), and it
+  // copies nothing (no pieces): its rows are read where they landed.
   __syncthreads();
   int64_t offset_before = 0, pieces_before = 0;
   for (int base = 0; base < n; base += blockDim.x) {
     const int s = base + threadIdx.x;
     const int64_t rows = s < n ? rows_from[s] : 0;
+    const int64_t at_rows = s < n ? (a.compact ? placed[s] : rows) : 0;
     int64_t pass_rows, pass_pieces;
-    const int64_t offset = block_exclusive_scan(rows, int64_t{0}, AddInt64{}, &pass_rows);
-    const int64_t before = block_exclusive_scan(pieces_of(rows, per_piece), int64_t{0}, AddInt64{}, &pass_pieces);
+    const int64_t offset = block_exclusive_scan(at_rows, int64_t{0}, AddInt64{}, &pass_rows);
+    const int64_t before =
+        block_exclusive_scan(a.compact ? 0 : pieces_of(rows, per_piece), int64_t{0}, AddInt64{}, &pass_pieces);
     if (s < n) {
       offset_of[s] = offset_before + offset;
       pieces[s] = pieces_before + before;
