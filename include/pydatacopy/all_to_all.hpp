@@ -106,14 +106,33 @@ struct AllToAllLayout {
   // (the field's rows of all sources fit where n_pes regions hold them). Each receiver places
   // its sources in its send kernel, from their meta words: source s's rows start at the sum of
   // placed_rows() over the sources before it, which the receiver tells s in a place word
-  // (round << 32 | first row); s waits for it before it stores a row there.
-  static constexpr int64_t kMaxCompactRows = (int64_t{1} << 32) - 1;  // n_pes x capacity, 32 bits
+  // (round << 32 | first row); s waits for it before it stores a row there. A source the
+  // receiver does not take (placed_rows 0: another layout, tag or kind of call; refused) is
+  // told kDroppedRow and sends nothing, and the receiver expects nothing from it (no gap, no
+  // stray rows). A receiver of a plain call that meets a compact meta tells its source the
+  // same (from its receive kernel), so that a compact source never waits for a place in vain.
+  static constexpr int64_t kDroppedRow = 0xffffffffll;
+  static constexpr int64_t kMaxCompactRows = kDroppedRow - 1;  // n_pes x capacity: 32-bit places
   // A compact sender's meta says so (its field count with this bit): a receiver of the other
   // kind refuses it as a layout mismatch.
   static constexpr int kCompactFields = 0x40;
-  PDC_ALL_TO_ALL_HOST_DEVICE static int64_t placed_rows(uint64_t meta, int64_t capacity) {
+  PDC_ALL_TO_ALL_HOST_DEVICE static bool meta_compact(uint64_t meta) {
+    return !meta_call_refused(meta) && (meta_fields(meta) & kCompactFields) != 0;
+  }
+  // The fields a (not refused) meta's rows carry, whatever the kind of call.
+  PDC_ALL_TO_ALL_HOST_DEVICE static int meta_field_count(uint64_t meta) {
+    return meta_fields(meta) & (kCompactFields - 1);
+  }
+  // What a compact receiver (a call of `fields` fields, `row_bytes` bytes per row, tag
+  // `call_tag`, `capacity` rows per source) places for a source's meta word and tag: its count
+  // when the source sent a compact meta of the same layout and tag within capacity, else 0.
+  // In refuse mode (fields 0) nothing is placed. Both kernels decide with this one rule.
+  PDC_ALL_TO_ALL_HOST_DEVICE static int64_t placed_rows(uint64_t meta, uint64_t tag, int64_t capacity, int fields,
+                                                        int64_t row_bytes, uint64_t call_tag) {
     const int64_t count = meta_count(meta);
-    return !meta_refused(meta) && count <= capacity ? count : 0;
+    const bool taken = !meta_refused(meta) && meta_compact(meta) && meta_field_count(meta) == fields &&
+                       fields > 0 && meta_row_bytes(meta) == row_bytes && tag == call_tag && count <= capacity;
+    return taken ? count : 0;
   }
   PDC_ALL_TO_ALL_HOST_DEVICE static uint64_t pack_place(uint64_t round, int64_t first_row) {
     return (round << 32) | (static_cast<uint64_t>(first_row) & 0xffffffffull);

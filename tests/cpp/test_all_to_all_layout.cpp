@@ -75,27 +75,41 @@ void layout_of(int64_t capacity, int64_t row_bytes, int pes) {
 }
 
 // Compact calls' placing rules (the send kernel's place_sources and the receive kernel's
-// offsets read the same meta words with placed_rows; the place word carries the round).
+// counts, offsets and awaited units read the same meta words with placed_rows; the place word
+// carries the round).
 void compact_words() {
-  const int64_t capacity = 100;
-  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(37, 64, 2 | AllToAllLayout::kCompactFields, false),
-                                    capacity) == 37, "placed: a count is placed");
-  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(0, 64, 2, false), capacity) == 0, "placed: 0 rows");
-  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(capacity, 64, 2, false), capacity) == capacity,
-        "placed: a full region");
-  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(37, 64, 2, true), capacity) == 0,
-        "placed: a refused pair takes no room");
-  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_call_refused(pydatacopy::kRefusedByCaller), capacity) == 0,
-        "placed: a refused call takes no room");
-  check(AllToAllLayout::placed_rows(AllToAllLayout::pack_meta(capacity + 1, 64, 2, false), capacity) == 0,
-        "placed: a count past the capacity takes no room");
-  const int fields = 3 | AllToAllLayout::kCompactFields;
-  check(fields != AllToAllLayout::kCallRefusedFields && (fields & 0x7f) == fields,
-        "compact: the flagged field count fits the meta word and is no refused call");
-  check(AllToAllLayout::meta_fields(AllToAllLayout::pack_meta(1, 1, fields, false)) == fields,
-        "compact: the flag travels in the meta word");
+  using L = AllToAllLayout;
+  const int64_t capacity = 100, width = 64;
+  const uint64_t tag = 77;
+  const int compact = 2 | L::kCompactFields;
+  const auto placed_as = [&](uint64_t meta, uint64_t source_tag, int fields) {
+    return L::placed_rows(meta, source_tag, capacity, fields, width, tag);
+  };
+  const auto placed = [&](uint64_t meta) { return placed_as(meta, tag, 2); };
+  check(placed(L::pack_meta(37, width, compact, false)) == 37, "placed: a compact meta of this call is placed");
+  check(placed(L::pack_meta(0, width, compact, false)) == 0, "placed: 0 rows");
+  check(placed(L::pack_meta(capacity, width, compact, false)) == capacity, "placed: a full region");
+  check(placed(L::pack_meta(37, width, compact, true)) == 0, "placed: a refused pair takes no room");
+  check(placed(L::pack_call_refused(pydatacopy::kRefusedByCaller)) == 0, "placed: a refused call takes no room");
+  check(placed(L::pack_meta(capacity + 1, width, compact, false)) == 0, "placed: past the capacity, no room");
+  check(placed(L::pack_meta(37, width, 2, false)) == 0, "placed: a plain call's meta takes no room");
+  check(placed(L::pack_meta(37, width + 1, compact, false)) == 0, "placed: another row width, no room");
+  check(placed(L::pack_meta(37, width, 3 | L::kCompactFields, false)) == 0, "placed: other fields, no room");
+  check(placed_as(L::pack_meta(37, width, compact, false), tag + 1, 2) == 0, "placed: another call's tag, no room");
+  check(placed_as(L::pack_meta(37, width, compact, false), tag, 0) == 0, "placed: refuse mode places nobody");
+  // What a sender's rows add to the receiver's counter: rows x fields, whatever the kind.
+  check(L::meta_field_count(L::pack_meta(5, width, compact, false)) == 2, "units: a compact meta's fields");
+  check(L::meta_field_count(L::pack_meta(5, width, 2, false)) == 2, "units: a plain meta's fields");
+  check(L::meta_compact(L::pack_meta(5, width, compact, false)), "compact: the flag travels in the meta word");
+  check(!L::meta_compact(L::pack_meta(5, width, 2, false)), "compact: a plain meta is not");
+  check(!L::meta_compact(L::pack_call_refused(pydatacopy::kRefusedArguments)), "compact: a refused call is not");
+  for (int fields = 1; fields <= L::kMaxFields; ++fields)
+    check((fields | L::kCompactFields) != L::kCallRefusedFields && ((fields | L::kCompactFields) & 0x7f) ==
+                                                                       (fields | L::kCompactFields),
+          "compact: the flagged field count fits the meta word and is no refused call");
+  check(L::kMaxCompactRows < L::kDroppedRow, "place: no first row reads as dropped");
   for (uint64_t round : {uint64_t{1}, uint64_t{2}, uint64_t{77777}, uint64_t{0xfffffffe}}) {
-    for (int64_t row : {int64_t{0}, int64_t{1}, int64_t{123456}, AllToAllLayout::kMaxCompactRows}) {
+    for (int64_t row : {int64_t{0}, int64_t{1}, int64_t{123456}, L::kMaxCompactRows, L::kDroppedRow}) {
       const uint64_t place = AllToAllLayout::pack_place(round, row);
       check(AllToAllLayout::place_row(place) == row, "place: the row round-trips");
       // The sender waits for place >= pack_place(round, 0): met by this round's place whatever

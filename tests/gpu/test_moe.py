@@ -1363,7 +1363,7 @@ def test_expand_false_rows_past_num_rows(world, token_dispatcher):
         _FAILURES.append("expand=False dispatch: recv_topk_idx / weights past num_rows are not -1 / 0")
 
 
-def test_expand_false_too_many_tokens_on_one_pe_is_refused_on_every_pe(world, token_dispatcher):
+def test_expand_false_too_many_tokens_on_one_pe_is_refused_on_every_pe(world, token_dispatcher, path):
     """PE n-1 alone dispatches max_tokens + 1 tokens: it raises (max_tokens), the others' dispatch
     completes and check_errors() reports its refusal (in region: the refusing PE still places its
     sources, who wait for their places). Then two layers on every PE are exact (both sets)."""

@@ -251,7 +251,9 @@ class AllToAll:
         bytes cross once. Returns (views, recv_counts, recv_offsets): views are tensors of
         ``recv_rows`` rows over the region (rows past ``recv_counts.sum()`` are not data), valid
         until this PE's call two later on this buffer, which hands the region back to the
-        sources (no release call). Eager only."""
+        sources (no release call) after what its stream holds before it (readers on other streams
+        are the caller's to order; a captured call's replays reuse one region: each replay's rows
+        replace the last's). Eager only."""
         try:
             send_counts = self._check(sends, send_counts, send_index)
         except Error as error:
@@ -261,7 +263,11 @@ class AllToAll:
         handle = stream_handle(None, self._device)
         if send_counts.dtype != torch.int64:
             send_counts = send_counts.to(torch.int64)
-        both = torch.empty(2 * self._n_pes, dtype=torch.int64, device=send_counts.device)
+        try:
+            both = torch.empty(2 * self._n_pes, dtype=torch.int64, device=send_counts.device)
+        except torch.OutOfMemoryError as error:  # this PE alone, maybe: its peers wait for its places
+            self._refuse(Error(f"pydatacopy.all_to_all_v: the counts could not be allocated on this PE: {error}"),
+                         None, timeout, compact=True)
         counts, offsets = both[:self._n_pes], both[self._n_pes:]
         fields = [(s.data_ptr(), _row_bytes(s), s.shape[0]) for s in sends]
         index = 0 if send_index is None else send_index.data_ptr()

@@ -161,30 +161,42 @@ __device__ __forceinline__ int64_t row_at(const AllToAllArgs& a, int64_t my_regi
                    : my_region + a.field_start[f] + row * a.row_bytes[f];
 }
 
+// A source's place word at this PE (index my_pe of the source's place words): direct, or a put.
+__device__ __forceinline__ void send_place(const AllToAllArgs& a, int s, uint64_t place) {
+  uint8_t* peer = a.direct ? a.peer_bases[s] : nullptr;
+  if (peer != nullptr) store_release_sys(peer_word(peer, a.places, a.my_pe), place);
+  else nvshmemx_signal_op(word(a, a.places, a.my_pe), place, NVSHMEM_SIGNAL_SET, s);
+}
+
 // A compact call's placing (AllToAllLayout, "Compact calls"), block 0 of the send kernel, every
 // thread: each source's rows after those of the sources before it (placed_rows of their meta
-// words, as the receive kernel counts them for recv_offsets), told to each source in its place
-// word at index my_pe. After this PE's own metas went out: the sources wait for their places
-// only after sending theirs, so no PE waits on one that waits on it. A meta that never comes
-// (a dead or late peer: its wait recorded the timeout) places nobody, since every later source's
-// row would move: the sources then time out on their places, as on any dead peer.
+// words, as the receive kernel counts them for recv_counts and recv_offsets), told to each source
+// in its place word at index my_pe; a source placed for no rows is told kDroppedRow (it sends
+// nothing). After this PE's own metas went out: the sources wait for their places only after
+// sending theirs, so no PE waits on one that waits on it. A meta that never comes (a dead or
+// late peer: its wait recorded the timeout) places nobody, since every later source's row would
+// move: the sources then time out on their places, as on any dead peer.
 __device__ void place_sources(const AllToAllArgs& a, uint64_t round, uint64_t deadline, int* failed) {
   __shared__ int missing;
   const int n = a.n_pes;
   if (threadIdx.x == 0) missing = 0;
   __syncthreads();
   int64_t first[2] = {0, 0};  // this thread's sources' first rows (n <= 2 x kThreads: two passes)
+  bool placed_any[2] = {false, false};
   int64_t before = 0;
   for (int pass = 0, base = 0; base < n; ++pass, base += blockDim.x) {
     const int s = base + threadIdx.x;
     int64_t rows = 0;
     if (s < n) {
       if (detail::wait_until_at_least(word(a, a.meta_signals, s), round, deadline, a.status,
-                                      detail::WaitOp::kAllToAllArrival, s, a.my_pe))
-        rows = AllToAllLayout::placed_rows(meta_pair(a.base, a.metas, s)[0], a.capacity);
-      else
+                                      detail::WaitOp::kAllToAllArrival, s, a.my_pe)) {
+        volatile uint64_t* pair = meta_pair(a.base, a.metas, s);
+        rows = AllToAllLayout::placed_rows(pair[0], pair[1], a.capacity, a.fields, a.row_bytes_total, a.tag);
+      } else {
         missing = 1;
+      }
     }
+    placed_any[pass] = rows > 0;
     int64_t pass_rows;  // rows <= capacity < 2^31 each, n <= 2^10: no overflow
     first[pass] = before + block_exclusive_scan(rows, int64_t{0}, AddInt64{}, &pass_rows);
     before += pass_rows;
@@ -197,10 +209,7 @@ __device__ void place_sources(const AllToAllArgs& a, uint64_t round, uint64_t de
   for (int pass = 0, base = 0; base < n; ++pass, base += blockDim.x) {
     const int s = base + threadIdx.x;
     if (s >= n) continue;
-    const uint64_t place = AllToAllLayout::pack_place(round, first[pass]);
-    uint8_t* peer = a.direct ? a.peer_bases[s] : nullptr;
-    if (peer != nullptr) store_release_sys(peer_word(peer, a.places, a.my_pe), place);
-    else nvshmemx_signal_op(word(a, a.places, a.my_pe), place, NVSHMEM_SIGNAL_SET, s);
+    send_place(a, s, AllToAllLayout::pack_place(round, placed_any[pass] ? first[pass] : AllToAllLayout::kDroppedRow));
   }
 }
 
@@ -361,6 +370,9 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
       placed_at = AllToAllLayout::place_row(__shfl_sync(0xffffffffu, place, 0));
       credited = d;
     }
+    // Not taken by d (another layout, tag or kind of call: d records why): nothing to send,
+    // and d expects nothing from this PE.
+    if (a.compact && placed_at == AllToAllLayout::kDroppedRow) continue;
     // Another warp may set `failed` at any time: one lane reads it, so that the warp stays whole.
     int stop = 0;
     if (lane == 0) stop = *reinterpret_cast<volatile int*>(&failed);
@@ -427,7 +439,6 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
 
 __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAllArgs a) {
   __shared__ int64_t rows_from[kMaxPes];    // rows taken from each source (0 when refused)
-  __shared__ int64_t placed[kMaxPes];       // compact: the rows each source's meta was placed for
   __shared__ int64_t offset_of[kMaxPes];    // first row of each source in the outputs
   __shared__ uint64_t expected[kMaxPes];    // each source's arrival counter once its rows are in
   __shared__ int64_t pieces[kMaxPes + 1];   // prefix over sources
@@ -447,17 +458,25 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
                                                   a.status, detail::WaitOp::kAllToAllArrival, s,
                                                   a.my_pe);
     meta_seen[s] = seen;
-    int64_t rows = 0, placed_rows = 0;
+    int64_t rows = 0;
     uint64_t units = 0;
     if (seen) {
       volatile uint64_t* pair = meta_pair(a.base, a.metas, s);
       const uint64_t meta = pair[0];
       const uint64_t tag = pair[1];
-      placed_rows = AllToAllLayout::placed_rows(meta, a.capacity);
       const int64_t count = AllToAllLayout::meta_count(meta);
       const bool refused = AllToAllLayout::meta_refused(meta);
-      // What the sender added to our counter for this round, whether we take its rows or not.
-      units = refused ? 0 : static_cast<uint64_t>(count) * AllToAllLayout::meta_fields(meta);
+      const bool sender_compact = AllToAllLayout::meta_compact(meta);
+      const int64_t placed =
+          AllToAllLayout::placed_rows(meta, tag, a.capacity, a.fields, a.row_bytes_total, a.tag);
+      // What the sender adds to our counter for this round, whether we take its rows or not: a
+      // plain sender sends its rows whatever; a compact one those this PE placed (none when it
+      // told it kDroppedRow: a compact receiver that did not take it, or this plain receiver,
+      // which tells it so here, once).
+      const int64_t sent = refused ? 0 : !sender_compact ? count : a.compact ? placed : 0;
+      units = static_cast<uint64_t>(sent) * AllToAllLayout::meta_field_count(meta);
+      if (!a.compact && sender_compact && !refused && blockIdx.x == 0)
+        send_place(a, s, AllToAllLayout::pack_place(round, AllToAllLayout::kDroppedRow));
       if (a.refusal != 0) {
         // This PE refuses the call: it takes no rows (its outputs may be the reason) and records
         // nothing (its host throws); the units are still awaited and credited below.
@@ -478,9 +497,11 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
       } else {
         rows = count;
       }
+      // A compact call's rows are where place_sources put them, by the same rule (placed_rows
+      // takes exactly the metas the checks above accept; none in refuse mode).
+      if (a.compact) rows = placed;
     }
     rows_from[s] = rows;
-    placed[s] = placed_rows;
     expected[s] = a.consumed[s] + units;
   }
   // Offsets and pieces by block-wide scans, one thread per source (n <= 2 x kThreads: at most
@@ -492,9 +513,8 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
   for (int base = 0; base < n; base += blockDim.x) {
     const int s = base + threadIdx.x;
     const int64_t rows = s < n ? rows_from[s] : 0;
-    const int64_t at_rows = s < n ? (a.compact ? placed[s] : rows) : 0;
     int64_t pass_rows, pass_pieces;
-    const int64_t offset = block_exclusive_scan(at_rows, int64_t{0}, AddInt64{}, &pass_rows);
+    const int64_t offset = block_exclusive_scan(rows, int64_t{0}, AddInt64{}, &pass_rows);
     const int64_t before =
         block_exclusive_scan(a.compact ? 0 : pieces_of(rows, per_piece), int64_t{0}, AddInt64{}, &pass_pieces);
     if (s < n) {
