@@ -108,9 +108,13 @@ struct AllToAllLayout {
   // placed_rows() over the sources before it, which the receiver tells s in a place word
   // (round << 32 | first row); s waits for it before it stores a row there. A source the
   // receiver does not take (placed_rows 0: another layout, tag or kind of call; refused) is
-  // told kDroppedRow and sends nothing, and the receiver expects nothing from it (no gap, no
-  // stray rows). A receiver of a plain call that meets a compact meta tells its source the
-  // same (from its receive kernel), so that a compact source never waits for a place in vain.
+  // told kDroppedRow and sends nothing, and the receiver expects nothing from it (no gap). A
+  // receiver of a plain call that meets a compact meta tells its source the same (from its
+  // receive kernel), so that a compact source never waits for a place in vain. PEs that mix
+  // plain and compact calls in one round (a plain source writes its own region's range, over
+  // packed rows) or fields of other widths with the same sum (not told apart by the meta) get
+  // rows that are not valid: the first is refused as a layout mismatch, the second is the
+  // caller's (every PE passes the same fields, as for any collective).
   static constexpr int64_t kDroppedRow = 0xffffffffll;
   static constexpr int64_t kMaxCompactRows = kDroppedRow - 1;  // n_pes x capacity: 32-bit places
   // A compact sender's meta says so (its field count with this bit): a receiver of the other
@@ -136,6 +140,12 @@ struct AllToAllLayout {
   }
   PDC_ALL_TO_ALL_HOST_DEVICE static uint64_t pack_place(uint64_t round, int64_t first_row) {
     return (round << 32) | (static_cast<uint64_t>(first_row) & 0xffffffffull);
+  }
+  // Whether a place word is this round's: its round bits equal the round's low 32 (compared
+  // for equality, not order: the word the set's previous round left differs there by one,
+  // across the wrap at 2^32 rounds too).
+  PDC_ALL_TO_ALL_HOST_DEVICE static bool place_is_round(uint64_t place, uint64_t round) {
+    return (place >> 32) == (round & 0xffffffffull);
   }
   PDC_ALL_TO_ALL_HOST_DEVICE static int64_t place_row(uint64_t place) {
     return static_cast<int64_t>(place & 0xffffffffull);

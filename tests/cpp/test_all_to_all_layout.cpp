@@ -108,16 +108,16 @@ void compact_words() {
                                                                        (fields | L::kCompactFields),
           "compact: the flagged field count fits the meta word and is no refused call");
   check(L::kMaxCompactRows < L::kDroppedRow, "place: no first row reads as dropped");
-  for (uint64_t round : {uint64_t{1}, uint64_t{2}, uint64_t{77777}, uint64_t{0xfffffffe}}) {
+  for (uint64_t round : {uint64_t{1}, uint64_t{2}, uint64_t{77777}, uint64_t{0xfffffffe}, uint64_t{0xffffffff},
+                         uint64_t{1} << 32, (uint64_t{1} << 32) + 1, (uint64_t{3} << 32) + 5}) {
     for (int64_t row : {int64_t{0}, int64_t{1}, int64_t{123456}, L::kMaxCompactRows, L::kDroppedRow}) {
-      const uint64_t place = AllToAllLayout::pack_place(round, row);
-      check(AllToAllLayout::place_row(place) == row, "place: the row round-trips");
-      // The sender waits for place >= pack_place(round, 0): met by this round's place whatever
-      // its row, never by the previous round's on the set (two rounds back: round - 1 here).
-      check(place >= AllToAllLayout::pack_place(round, 0), "place: this round's meets the wait");
-      check(AllToAllLayout::pack_place(round - 1, AllToAllLayout::kMaxCompactRows) <
-                AllToAllLayout::pack_place(round, 0),
-            "place: an earlier round's never meets it");
+      const uint64_t place = L::pack_place(round, row);
+      check(L::place_row(place) == row, "place: the row round-trips");
+      // The sender waits for a place word of its round: met by this round's, whatever its row,
+      // never by the one the set's previous round left (round - 1), across the 2^32 wrap too.
+      check(L::place_is_round(place, round), "place: this round's is this round's");
+      check(!L::place_is_round(L::pack_place(round - 1, row), round), "place: the previous round's is not");
+      check(!L::place_is_round(L::pack_place(round + 1, row), round), "place: the next round's is not");
     }
   }
 }

@@ -261,9 +261,9 @@ class AllToAll:
             raise
         seconds = timeout_seconds(timeout)
         handle = stream_handle(None, self._device)
-        if send_counts.dtype != torch.int64:
-            send_counts = send_counts.to(torch.int64)
         try:
+            if send_counts.dtype != torch.int64:
+                send_counts = send_counts.to(torch.int64)
             both = torch.empty(2 * self._n_pes, dtype=torch.int64, device=send_counts.device)
         except torch.OutOfMemoryError as error:  # this PE alone, maybe: its peers wait for its places
             self._refuse(Error(f"pydatacopy.all_to_all_v: the counts could not be allocated on this PE: {error}"),

@@ -161,6 +161,22 @@ __device__ __forceinline__ int64_t row_at(const AllToAllArgs& a, int64_t my_regi
                    : my_region + a.field_start[f] + row * a.row_bytes[f];
 }
 
+// Destination d's place for this PE's rows in this round (the word's round equal to this one's,
+// AllToAllLayout::place_is_round): its first row, or -1 after the deadline (the timeout recorded).
+__device__ int64_t wait_for_place(const AllToAllArgs& a, int d, uint64_t round, uint64_t deadline) {
+  const uint64_t* at = word(a, a.places, d);
+  uint64_t seen = detail::load_acquire_sys(at);
+  for (uint32_t spins = 0; !AllToAllLayout::place_is_round(seen, round); ++spins) {
+    if ((spins & 1023u) == 1023u && detail::globaltimer_ns() > deadline) {
+      detail::record_timeout(a.status, detail::WaitOp::kAllToAllCredit, d, a.my_pe,
+                             AllToAllLayout::pack_place(round, 0), seen);
+      return -1;
+    }
+    seen = detail::load_acquire_sys(at);
+  }
+  return AllToAllLayout::place_row(seen);
+}
+
 // A source's place word at this PE (index my_pe of the source's place words): direct, or a put.
 __device__ __forceinline__ void send_place(const AllToAllArgs& a, int s, uint64_t place) {
   uint8_t* peer = a.direct ? a.peer_bases[s] : nullptr;
@@ -352,22 +368,24 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
     const int d = (a.my_pe + i) % n;
     if (d != credited) {
       int ok = 1;
-      unsigned long long place = 0;
+      long long place = 0;
       if (lane == 0) {
         // A compact call's place comes after d freed the set (d placed this PE after it saw this
         // PE's meta, sent only once d's credit was in): the place is the credit too.
-        ok = a.compact ? detail::wait_until_at_least(word(a, a.places, d), AllToAllLayout::pack_place(round, 0),
-                                                     deadline, a.status, detail::WaitOp::kAllToAllCredit, d, a.my_pe)
-                       : detail::wait_until_at_least(word(a, a.credits, d), round - 1, deadline, a.status,
-                                                     detail::WaitOp::kAllToAllCredit, d, a.my_pe);
-        if (ok && a.compact) place = *reinterpret_cast<volatile unsigned long long*>(word(a, a.places, d));
+        if (a.compact) {
+          place = wait_for_place(a, d, round, deadline);
+          ok = place >= 0;
+        } else {
+          ok = detail::wait_until_at_least(word(a, a.credits, d), round - 1, deadline, a.status,
+                                           detail::WaitOp::kAllToAllCredit, d, a.my_pe);
+        }
       }
       ok = __shfl_sync(0xffffffffu, ok, 0);
       if (!ok) {
         failed = 1;
         break;
       }
-      placed_at = AllToAllLayout::place_row(__shfl_sync(0xffffffffu, place, 0));
+      placed_at = __shfl_sync(0xffffffffu, place, 0);
       credited = d;
     }
     // Not taken by d (another layout, tag or kind of call: d records why): nothing to send,
