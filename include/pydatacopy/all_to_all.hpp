@@ -138,6 +138,20 @@ struct AllToAllLayout {
                        fields > 0 && meta_row_bytes(meta) == row_bytes && tag == call_tag && count <= capacity;
     return taken ? count : 0;
   }
+  // The arrival units a receiver (of a compact call or not; the call's fields, row bytes, tag
+  // and capacity) awaits from a source for its meta word and tag: a plain source sends its rows
+  // whatever the receiver makes of them; a compact one only those placed for it (none when it
+  // was told kDroppedRow: by a compact receiver that did not take it, or by a plain receiver,
+  // which tells every compact source so). Rows x the fields they carry.
+  PDC_ALL_TO_ALL_HOST_DEVICE static uint64_t units_from(uint64_t meta, uint64_t tag, bool compact_call,
+                                                        int64_t capacity, int fields, int64_t row_bytes,
+                                                        uint64_t call_tag) {
+    if (meta_refused(meta)) return 0;
+    const int64_t rows = !meta_compact(meta) ? meta_count(meta)
+                         : compact_call     ? placed_rows(meta, tag, capacity, fields, row_bytes, call_tag)
+                                            : 0;
+    return static_cast<uint64_t>(rows) * static_cast<uint64_t>(meta_field_count(meta));
+  }
   PDC_ALL_TO_ALL_HOST_DEVICE static uint64_t pack_place(uint64_t round, int64_t first_row) {
     return (round << 32) | (static_cast<uint64_t>(first_row) & 0xffffffffull);
   }

@@ -122,6 +122,61 @@ void compact_words() {
   }
 }
 
+// Every pairing of a source and a receiver in one round: the arrival units the receiver awaits
+// (units_from, what its receive kernel computes) equal what the source's send kernel adds, as
+// the kernels behave (written here apart from units_from): a plain source sends its rows unless
+// its pair or call was refused; a compact one waits for its place and sends its rows only when
+// the receiver placed it (a compact receiver's place_sources gives a row when placed_rows > 0,
+// kDroppedRow otherwise; a plain receiver sends kDroppedRow). A mismatch would be a timeout
+// (too many awaited) or a round whose counters drift (too few).
+void compact_units() {
+  using L = AllToAllLayout;
+  const int64_t capacity = 50;
+  int pairings = 0;
+  for (bool source_compact : {false, true})
+    for (bool receiver_compact : {false, true})
+      for (bool source_refuses_call : {false, true})
+        for (bool receiver_refuses_call : {false, true})
+          for (int64_t count : {int64_t{0}, int64_t{7}, capacity, capacity + 1})
+            for (int source_fields : {2, 3})
+              for (int64_t source_bytes : {int64_t{96}, int64_t{100}})
+                for (uint64_t source_tag : {uint64_t{5}, uint64_t{6}}) {
+                  const int receiver_fields = receiver_refuses_call ? 0 : 2;  // refuse mode: no fields
+                  const int64_t receiver_bytes = receiver_refuses_call ? 0 : 96;
+                  const uint64_t receiver_tag = receiver_refuses_call ? 0 : 5;
+                  const bool pair_refused = count > capacity;
+                  const uint64_t meta =
+                      source_refuses_call ? L::pack_call_refused(pydatacopy::kRefusedArguments)
+                                          : L::pack_meta(count, source_bytes,
+                                                         source_fields | (source_compact ? L::kCompactFields : 0),
+                                                         pair_refused);
+                  int64_t rows_sent = 0;
+                  if (!source_refuses_call && !pair_refused) {
+                    if (!source_compact) {
+                      rows_sent = count;
+                    } else if (receiver_compact) {
+                      const bool placed = L::placed_rows(meta, source_tag, capacity, receiver_fields, receiver_bytes,
+                                                         receiver_tag) > 0;
+                      rows_sent = placed ? count : 0;
+                    }  // (a plain receiver drops a compact source)
+                  }
+                  const uint64_t sent = static_cast<uint64_t>(rows_sent) * static_cast<uint64_t>(source_fields);
+                  const uint64_t awaited = L::units_from(meta, source_tag, receiver_compact, capacity, receiver_fields,
+                                                         receiver_bytes, receiver_tag);
+                  if (sent != awaited)
+                    std::printf("  source %s%s, receiver %s%s, count %lld, fields %d, bytes %lld, tag %llu: "
+                                "sent %llu units, awaited %llu\n",
+                                source_compact ? "compact" : "plain", source_refuses_call ? " refusing" : "",
+                                receiver_compact ? "compact" : "plain", receiver_refuses_call ? " refusing" : "",
+                                (long long)count, source_fields, (long long)source_bytes,
+                                (unsigned long long)source_tag, (unsigned long long)sent,
+                                (unsigned long long)awaited);
+                  check(sent == awaited, "units: what a source sends is what its receiver awaits");
+                  ++pairings;
+                }
+  check(pairings == 2 * 2 * 2 * 2 * 4 * 2 * 2 * 2, "units: every pairing checked");
+}
+
 }  // namespace
 
 int main() {
@@ -130,6 +185,7 @@ int main() {
   layout_of(4096, 7168 * 2 + 36, 8);
   layout_of(333, 17, 1024);
   compact_words();
+  compact_units();
 
   const uint64_t meta = AllToAllLayout::pack_meta(12345, 14372, 2, false);
   check(AllToAllLayout::meta_count(meta) == 12345, "meta: count");

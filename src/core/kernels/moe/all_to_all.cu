@@ -487,12 +487,9 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
       const bool sender_compact = AllToAllLayout::meta_compact(meta);
       const int64_t placed =
           AllToAllLayout::placed_rows(meta, tag, a.capacity, a.fields, a.row_bytes_total, a.tag);
-      // What the sender adds to our counter for this round, whether we take its rows or not: a
-      // plain sender sends its rows whatever; a compact one those this PE placed (none when it
-      // told it kDroppedRow: a compact receiver that did not take it, or this plain receiver,
-      // which tells it so here, once).
-      const int64_t sent = refused ? 0 : !sender_compact ? count : a.compact ? placed : 0;
-      units = static_cast<uint64_t>(sent) * AllToAllLayout::meta_field_count(meta);
+      // What the sender adds to our counter for this round, whether we take its rows or not; a
+      // plain receiver tells a compact source it is dropped (here, once), so it sends nothing.
+      units = AllToAllLayout::units_from(meta, tag, a.compact, a.capacity, a.fields, a.row_bytes_total, a.tag);
       if (!a.compact && sender_compact && !refused && blockIdx.x == 0)
         send_place(a, s, AllToAllLayout::pack_place(round, AllToAllLayout::kDroppedRow));
       if (a.refusal != 0) {
