@@ -244,7 +244,6 @@ class AllToAll:
                                    offsets.data_ptr(), handle, seconds, tag)
         return recvs, counts, offsets, call
 
-
     def _exchange_compact(self, sends, send_counts, send_index, timeout, tag: int = 0):
         """_exchange_in_region with every field left in the region, packed by source (a compact
         call, all_to_all.hpp): each sender stores its rows straight at their final place, so the
@@ -274,13 +273,13 @@ class AllToAll:
         index_rows = 0 if send_index is None else send_index.shape[0]
         call, addresses = self._core.exchange_compact(fields, send_counts.data_ptr(), index, index_rows,
                                                       counts.data_ptr(), offsets.data_ptr(), handle, seconds, tag)
-        return [self._region_view(call % 2, f, address, s) for f, (address, s) in enumerate(zip(addresses, sends))], \
-            counts, offsets
+        return [self._region_view(address, s) for address, s in zip(addresses, sends)], counts, offsets
 
-    def _region_view(self, set_: int, field: int, address: int, like: torch.Tensor) -> torch.Tensor:
+    def _region_view(self, address: int, like: torch.Tensor) -> torch.Tensor:
         """A tensor of recv_rows rows shaped like `like`'s over the packed rows at `address` (one
-        per set, field, shape and dtype: the same memory every other call, made once)."""
-        key = (set_, field, address, tuple(like.shape[1:]), like.dtype)
+        per address, shape and dtype: a set's field is at the same address every other call,
+        so made once)."""
+        key = (address, tuple(like.shape[1:]), like.dtype)
         view = self._views.get(key)
         if view is None:
             from .._torch_utils import tensor_from_address

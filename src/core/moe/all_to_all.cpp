@@ -375,11 +375,9 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
     check_rma_remote(base_ + args.metas, pairs, "all_to_all: the meta words");
     check_rma_remote(base_ + args.meta_signals, words, "all_to_all: the meta signals");
     check_rma_remote(base_ + args.arrivals, words, "all_to_all: the arrival counters");
+    // (Plain receivers signal places too: a dropped place to a compact source.)
+    check_rma_remote(base_ + args.places, words, "all_to_all: the place words");
   }
-  // (Plain receivers signal places too: a dropped place to a compact source.)
-  if (!args.direct || !every_peer_direct_)
-    check_rma_remote(base_ + args.places, static_cast<std::size_t>(n_pes_) * sizeof(uint64_t),
-                     "all_to_all: the place words");
   check_rma_remote(base_ + args.credits, static_cast<std::size_t>(n_pes_) * sizeof(uint64_t),
                    "all_to_all: the credits");
   // One call at a time per buffer (its device counters), whatever streams they come on.
