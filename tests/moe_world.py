@@ -145,7 +145,7 @@ class ThreadedAllToAll:
         self._core.calls += 1
         return entries
 
-    def _refuse(self, error, stream, timeout):
+    def _refuse(self, error, stream, timeout, compact=False):
         self._round(("refused", str(error)))
         raise error
 

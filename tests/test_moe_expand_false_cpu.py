@@ -331,7 +331,7 @@ def test_dispatch_weights_checks_run_the_round():
     x = torch.zeros(3, 8, dtype=torch.bfloat16)
     ids = torch.zeros(3, 2, dtype=torch.int64)
     e = _bare_dispatcher(True)
-    with pytest.raises(pydatacopy.Error, match="only by an expand=False dispatcher"):
+    with pytest.raises(pydatacopy.Error, match="only by an expand=False or pre_reduce=True dispatcher"):
         e.dispatch(x, ids, topk_weights=torch.zeros(3, 2))
     d = _bare_dispatcher(False)
     with pytest.raises(pydatacopy.Error, match=r"topk_weights must be \[tokens, topk\]"):

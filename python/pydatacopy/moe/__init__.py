@@ -23,7 +23,7 @@ import torch
 
 from .all_to_all import AllToAll, all_to_all_v
 from .dispatcher import MoeDispatcher, MoeHandle
-from .layout import (DispatchPlan, MoeTokenHandle, ReceiveLayout, dispatch_plan, local_topk, receive_layout,
+from .layout import (DispatchPlan, MoeReducedHandle, MoeTokenHandle, ReceiveLayout, dispatch_plan, local_topk, receive_layout,
                      token_destinations)
 from .rows import combine_reduce, gather_rows
 
@@ -38,6 +38,7 @@ __all__ = [
     "DispatchPlan",
     "MoeDispatcher",
     "MoeHandle",
+    "MoeReducedHandle",
     "MoeTokenHandle",
     "OPS",
     "ReceiveLayout",

@@ -10,9 +10,10 @@ from .. import _C
 from .._torch_utils import check_int, stream_handle, timeout_seconds
 from .all_to_all import AllToAll
 from .common import MAX_CAPACITY, _REDUCE_DTYPES, Error, _refuse_tracing, _row_bytes, _traced
-from . import tokens as _tokens
-from .layout import MoeHandle, MoeTokenHandle, combine_slots, dispatch_plan, receive_layout
-from .rows import combine_reduce, gather_rows
+from . import reduced as _reduced, tokens as _tokens
+from .grouped import grouped_steps
+from .layout import MoeHandle, MoeReducedHandle, MoeTokenHandle, combine_slots, dispatch_plan
+from .rows import combine_reduce
 
 # Eager calls and captures read the received rows in the receive regions (no compaction copy);
 # False: the compacting path traced calls take (a switch for comparing the two, a way back).
@@ -21,12 +22,12 @@ IN_REGION = True
 
 def _tagged_counts(handle):
     """The handle's tensor that carries its dispatch's tag: the counts its combine sends by."""
-    return handle.recv_counts if isinstance(handle, MoeTokenHandle) else handle.combine_counts
+    return handle.recv_counts if isinstance(handle, (MoeTokenHandle, MoeReducedHandle)) else handle.combine_counts
 
 
 def _handle_tag(handle) -> int:
     """The dispatch an eager handle carries (0: none, a traced or hand-made handle, or no handle)."""
-    is_handle = isinstance(handle, (MoeHandle, MoeTokenHandle))
+    is_handle = isinstance(handle, (MoeHandle, MoeTokenHandle, MoeReducedHandle))
     return getattr(_tagged_counts(handle), "_pydatacopy_dispatch", 0) if is_handle else 0
 
 
@@ -59,19 +60,27 @@ class MoeDispatcher:
     recv_topk_weights are views of the receive region, where each sender stored its rows (the
     bytes cross once, not twice), valid until this dispatcher's dispatch after next.
 
+    ``pre_reduce=True`` (expand=True only): ``dispatch(x, topk_idx, topk_weights=...)`` returns
+    ``(recv_x, handle)`` as expand=True (a MoeReducedHandle), and ``combine(y, handle)`` weighs
+    and sums each token's local experts here (float32, k order, rounded to y's dtype) and sends
+    one row per (token, PE) back, summed at the source in ascending PE order (float32, rounded
+    once): DeepEP's expert-side reduction. Fewer bytes back (one row per PE, not per expert)
+    and a combine buffer of ``max_tokens`` rows per source; two roundings, not one.
+
     Every call is stream-ordered on torch's current stream, reads nothing on the host, and can
     be captured in a CUDA graph (replays take the routing written into the captured inputs).
     """
 
     # The defaults (object.__new__ instances, e.g. tests' stand-ins, see them too).
-    expand, recv_in_region = True, False
+    expand, recv_in_region, pre_reduce = True, False, False
 
     def __init__(self, num_experts: int, hidden: int, topk: int, max_tokens: int,
                  dtype: torch.dtype = torch.bfloat16, *, combine_dtype: torch.dtype | None = None,
-                 expand: bool = True, recv_in_region: bool = False) -> None:
+                 expand: bool = True, recv_in_region: bool = False, pre_reduce: bool = False) -> None:
         call = "pydatacopy.MoeDispatcher"
         _refuse_tracing("MoeDispatcher")
         _tokens.check_setup(call, expand, recv_in_region)
+        _reduced.check_setup(call, expand, pre_reduce)
         if not _C.is_initialized():
             raise Error(f"{call} needs NVSHMEM: call pydatacopy.init() (or pydatacopy.init_nvshmem()) first")
         n = _C.n_pes()
@@ -90,6 +99,7 @@ class MoeDispatcher:
                         f"float16, got {combine_dtype}")
         self.num_experts, self.hidden, self.topk, self.max_tokens = num_experts, hidden, topk, max_tokens
         self.dtype, self.combine_dtype, self.expand, self.recv_in_region = dtype, combine_dtype, expand, recv_in_region
+        self.pre_reduce = pre_reduce
         self.n_pes, self.experts_per_pe = n, num_experts // n
         self.my_pe = _C.my_pe()
         self._workspaces: dict = {}  # _workspace's answers by (tokens, row bytes)
@@ -97,16 +107,16 @@ class MoeDispatcher:
         combine_element = torch.empty((), dtype=combine_dtype).element_size()
         # Dispatch moves each token with its top-k expert ids and its index (int32), so that the
         # receiver can group by expert and tell where a row came from; combine moves one output row per (token, expert) pair.
-        # expand=False: the top-k weights (float32) travel too, and combine moves one row per
-        # (token, PE): max_tokens rows per source at most.
-        weight_bytes = 0 if expand else topk * 4
-        self._dispatch = AllToAll(max_tokens, hidden * element + (topk + 1) * 4 + weight_bytes)
+        # expand=False and pre_reduce: the top-k weights (float32) travel too, and combine moves one
+        # row per (token, PE): max_tokens rows per source at most.
+        per_token = not expand or pre_reduce
+        self._dispatch = AllToAll(max_tokens, hidden * element + (topk + 1) * 4 + (topk * 4 if per_token else 0))
         try:
-            self._combine = AllToAll(max_tokens * topk if expand else max_tokens, hidden * combine_element)
+            self._combine = AllToAll(max_tokens if per_token else max_tokens * topk, hidden * combine_element)
         except BaseException:
             self._dispatch.close()
             raise
-        if not expand:
+        if per_token:
             # combine's sum: the reduction kernel with weights 1 (exact), written before any combine
             # (on whatever stream) reads them.
             self._unit_weights = torch.ones((max_tokens, min(topk, n)), dtype=torch.float32,
@@ -192,11 +202,16 @@ class MoeDispatcher:
                 raise Error(f"pydatacopy.MoeDispatcher.dispatch: num_experts={num_experts}, but the "
                             f"dispatcher was set up for {self.num_experts}")
             self._check_tokens(x, topk_idx, "dispatch")
-            if topk_weights is not None:
+            if self.pre_reduce:
+                _reduced.check_dispatch(self, x, topk_weights)
+            elif topk_weights is not None:
                 _tokens.check_dispatch_weights(self, x, topk_weights)
         self._refused(self._dispatch, check, timeout)
         if not self.expand:
             return _tokens.dispatch_tokens(self, x, topk_idx, topk_weights, timeout, zero_unused_rows)
+        if self.pre_reduce:
+            recv_x, handle, call = _reduced.dispatch(self, x, topk_idx, topk_weights, timeout, IN_REGION)
+            return self._finish_dispatch(recv_x, handle, call, zero_unused_rows)
         if not _traced() and IN_REGION:
             native = self._dispatch_native(x, topk_idx, timeout)
             if native is not None:
@@ -204,37 +219,14 @@ class MoeDispatcher:
                     self._zero_unused(*native)
                 return native
         plan = dispatch_plan(topk_idx, self.num_experts, self.n_pes)
-        call = None
-        if _traced() or not IN_REGION:
-            if _traced():
-                (recv_tokens, recv_meta), recv_counts, _ = self._dispatch.exchange(
-                    [x, plan.meta], plan.send_counts, plan.send_index, timeout=timeout)
-            else:
-                (recv_tokens, recv_meta), recv_counts, _ = self._dispatch._exchange_eager(
-                    [x, plan.meta], plan.send_counts, plan.send_index, None, timeout)
-                call = self._dispatch._core.calls - 1
-            layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
-            recv_x = gather_rows(recv_tokens, layout.row_of, layout.num_rows)
-        else:
-            # Past the layout kernels' limits (else _dispatch_native): the torch layouts, the token
-            # rows read in the receive region (the meta rows compacted for the layout).
-            buffer = self._dispatch
-            (_, recv_meta), recv_counts, recv_offsets, call = buffer._exchange_in_region(
-                [x, plan.meta], [True, False], plan.send_counts, plan.send_index, timeout)
-            try:
-                stream = stream_handle(None, buffer._device)
-                layout = receive_layout(recv_meta, recv_counts, self.my_pe, self.experts_per_pe, self.topk)
-                rows = layout.row_of.shape[0]
-                recv_x = torch.empty((rows, self.hidden), dtype=x.dtype, device=x.device)
-                _C.gather_region_rows(recv_x.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
-                                      recv_offsets.data_ptr(), recv_counts.data_ptr(), self.n_pes,
-                                      layout.row_of.data_ptr(), layout.num_rows.data_ptr(), rows,
-                                      _row_bytes(x), stream)
-            finally:
-                buffer._core.release(call, stream_handle(None, buffer._device))
+        recv_x, layout, recv_counts, _, _, _, call = grouped_steps(self, x, plan, None, timeout, IN_REGION)
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
                            layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
                            layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)
+        return self._finish_dispatch(recv_x, handle, call, zero_unused_rows)
+
+    def _finish_dispatch(self, recv_x, handle, call, zero_unused_rows):
+        """The handle tagged with its dispatch (eager calls), recv_x's unused rows zeroed if asked."""
         if call is not None:
             self._mark(handle, call)
         if zero_unused_rows:
@@ -355,6 +347,8 @@ class MoeDispatcher:
         def check():
             if not self.expand:
                 _tokens.check_token_combine(self, y, handle, topk_weights)
+            elif self.pre_reduce:
+                _reduced.check_combine(self, handle, topk_weights)
             elif not isinstance(handle, MoeHandle):
                 raise Error(f"pydatacopy.MoeDispatcher.combine: handle must be the MoeHandle dispatch() "
                             f"returned, got {type(handle).__name__}"
@@ -370,7 +364,7 @@ class MoeDispatcher:
             if y.dtype != self.combine_dtype:
                 raise Error(f"pydatacopy.MoeDispatcher.combine: y must be {self.combine_dtype} (combine_dtype), "
                             f"got {y.dtype}")
-            if not self.expand:
+            if not self.expand or self.pre_reduce:
                 return
             if not isinstance(topk_weights, torch.Tensor) or \
                     tuple(topk_weights.shape) != tuple(handle.pair_pe.shape):
@@ -379,6 +373,8 @@ class MoeDispatcher:
         self._refused(self._combine, check, timeout)
         if not self.expand:
             return _tokens.combine_tokens(self, y, handle, timeout, tag, IN_REGION)
+        if self.pre_reduce:
+            return _reduced.combine(self, y, handle, timeout, tag, IN_REGION)
         if _traced() or not IN_REGION or not topk_weights.is_cuda:
             if _traced():
                 (back,), back_counts, back_offsets = self._combine.exchange(

@@ -29,9 +29,9 @@ def check_setup(call: str, expand, recv_in_region) -> None:
 
 def check_dispatch_weights(moe, x, topk_weights) -> None:
     call = "pydatacopy.MoeDispatcher.dispatch"
-    if moe.expand:
-        raise Error(f"{call}: topk_weights are taken at dispatch only by an expand=False dispatcher; "
-                    "this one (expand=True) takes them at combine(y, handle, topk_weights)")
+    if moe.expand and not moe.pre_reduce:
+        raise Error(f"{call}: topk_weights are taken at dispatch only by an expand=False or pre_reduce=True "
+                    "dispatcher; this one (expand=True) takes them at combine(y, handle, topk_weights)")
     if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (x.shape[0], moe.topk):
         raise Error(f"{call}: topk_weights must be [tokens, topk] = [{x.shape[0]}, {moe.topk}], got "
                     f"{tuple(getattr(topk_weights, 'shape', ()))}")

@@ -1,0 +1,51 @@
+"""expand=True's dispatch in steps from Python: the exchange, the receive layout and the grouping
+by local expert. Traced calls (the compacting exchange and the ops), sizes past the native call's
+layout kernels (the token rows read in the receive region), and pre_reduce's dispatch, whose
+top-k weights travel as one more field, take them."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from .._torch_utils import stream_handle
+from .common import _row_bytes, _traced
+from .layout import receive_layout
+from .rows import gather_rows
+
+
+def grouped_steps(moe, x, plan, weights, timeout, in_region: bool):
+    """Sends x's rows with ``plan`` (and ``weights``, float32 [tokens, topk], when not None);
+    returns (recv_x grouped by local expert, the ReceiveLayout, recv_counts, recv_offsets,
+    recv_meta and recv_weights compacted by source (None without weights), call): call the
+    dispatch buffer's call number, None for a traced call. in_region False (or CPU tensors):
+    the compacting exchange."""
+    sends = [x, plan.meta] + ([] if weights is None else [weights])
+    buffer, call = moe._dispatch, None
+    if _traced() or not in_region or not x.is_cuda:
+        if _traced():
+            recvs, recv_counts, recv_offsets = buffer.exchange(sends, plan.send_counts, plan.send_index,
+                                                               timeout=timeout)
+        else:
+            recvs, recv_counts, recv_offsets = buffer._exchange_eager(sends, plan.send_counts, plan.send_index,
+                                                                      None, timeout)
+            call = buffer._core.calls - 1
+        layout = receive_layout(recvs[1], recv_counts, moe.my_pe, moe.experts_per_pe, moe.topk)
+        recv_x = gather_rows(recvs[0], layout.row_of, layout.num_rows)
+    else:
+        # The token rows read where their senders stored them (meta and weights compacted for the layout).
+        recvs, recv_counts, recv_offsets, call = buffer._exchange_in_region(
+            sends, [True] + [False] * (len(sends) - 1), plan.send_counts, plan.send_index, timeout)
+        try:
+            stream = stream_handle(None, buffer._device)
+            layout = receive_layout(recvs[1], recv_counts, moe.my_pe, moe.experts_per_pe, moe.topk)
+            rows = layout.row_of.shape[0]
+            recv_x = torch.empty((rows, moe.hidden), dtype=x.dtype, device=x.device)
+            _C.gather_region_rows(recv_x.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
+                                  recv_offsets.data_ptr(), recv_counts.data_ptr(), moe.n_pes,
+                                  layout.row_of.data_ptr(), layout.num_rows.data_ptr(), rows, _row_bytes(x),
+                                  stream)
+        finally:
+            buffer._core.release(call, stream_handle(None, buffer._device))
+    recv_weights = recvs[2] if weights is not None else None
+    return recv_x, layout, recv_counts, recv_offsets, recvs[1], recv_weights, call
