@@ -329,7 +329,7 @@ if has "$STEPS" sanitizers && [ "${SANITIZE:-1}" = 1 ]; then
   # A representative subset under compute-sanitizer (slow: device puts drop to a few GB/s).
   # --report-api-errors no: NCCL's and NVSHMEM's init probe kernel images and get
   # cudaErrorNoKernelImageForDevice back by design; those return codes are not our errors.
-  SUBSET="byte_exact_both_ways and 3-7 or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or barrier_with_deadline or graph_sendrecv and 4K or any_block_count and 7 or bad_block_index or one_stream_wait or two_sizes or more_messages_in_a_row or mixes_the_protocol or inside_a_long_group and 16-low-latency or only_low_latency_messages_beyond_the_ring or moves_once_chunk_by_chunk or torch_expandable_segments_move_once or expand_false_too_many_tokens and bf16x65-in-region and direct"
+  SUBSET="byte_exact_both_ways and 3-7 or sendrecv_both_ways_byte_exact and 4096 or put_blocks_kv_cache_style and 300-auto or barrier_with_deadline or graph_sendrecv and 4K or any_block_count and 7 or bad_block_index or one_stream_wait or two_sizes or more_messages_in_a_row or mixes_the_protocol or inside_a_long_group and 16-low-latency or only_low_latency_messages_beyond_the_ring or moves_once_chunk_by_chunk or torch_expandable_segments_move_once or expand_false_too_many_tokens and bf16x65-in-region and direct or dispatch_and_combine_are_byte_exact and random and bf16-pre_reduce and direct"
   for tool in memcheck racecheck; do
     step sanitizer-$tool timeout 300 torchrun --nproc_per_node=2 --no-python compute-sanitizer \
       --tool $tool --report-api-errors no --error-exitcode 9 --print-limit 40 $PY $SUITE -k "$SUBSET"

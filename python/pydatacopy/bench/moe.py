@@ -27,6 +27,13 @@ an identity expert (y = recv_x), out[t] = x[t] summed over the PEs t went to, in
 the same rows with ``recv_in_region=True`` (path ``expand=False/region``: recv_x read where the
 senders stored it, one crossing of the bytes), beside the same copies.
 
+The same four rows for ``MoeDispatcher(pre_reduce=True)`` (path ``pre_reduce ...``: the weights go
+with dispatch, combine sums each token's local experts on the expert side and sends one row per
+(token, PE) back), beside the default layout's copies (issue 37's reference for the expanded
+layout; its MB column is its own bytes); ``--no-pre-reduce`` leaves them out. Their check: an
+identity expert, out[t] = each PE's partial sum_k w[t, k] * x[t] over its experts in k order
+(float32, rounded to bf16), the partials summed in PE order in float32, rounded once.
+
 And ``deep_ep`` rows: pydatacopy.compat.deep_ep as DeepEP's users call it (bench/moe_deep_ep.py);
 ``--no-deep-ep`` leaves them out.
 """
@@ -133,7 +140,40 @@ def bench_shape(name: str, args) -> list[dict]:
 
         _layer_rows(add, "", both, dispatch_bytes + combine_bytes, checked,
                     lambda: _check(moe, tokens, hidden, experts, topk, 8000 + me), base_dc, args)
-        return rows
+    finally:
+        torch.cuda.synchronize()
+        moe.close()
+    if not args.no_pre_reduce:
+        _pre_reduce_rows(add, name, args, x, ids, weights, (base_d, base_c, base_dc))
+    return rows
+
+
+def _pre_reduce_rows(add, name: str, args, x, ids, weights, bases) -> None:
+    """pre_reduce=True's four rows (see the module docstring), against the default's copies."""
+    me, n, tokens, hidden, topk, experts, _ = _shape_of(name)
+    moe = pydatacopy.MoeDispatcher(experts, hidden, topk, tokens, torch.bfloat16, pre_reduce=True)
+    try:
+        recv_x, handle = moe.dispatch(x, ids, topk_weights=weights)
+        y = recv_x.clone()
+        torch.cuda.synchronize()
+        sent_tokens = int(pydatacopy.moe.dispatch_plan(ids, experts, n).send_counts.sum())
+        # Each token once per PE: dispatch its row, ids, index and float32 weights; combine one row back.
+        dispatch_bytes = _max_over_pes(sent_tokens * (hidden * 2 + (topk + 1) * 4 + topk * 4))
+        combine_bytes = _max_over_pes(sent_tokens * hidden * 2)
+        base_d, base_c, base_dc = bases
+        checked = _check(moe, tokens, hidden, experts, topk, 7700 + me)
+        add("moe dispatch", "pre_reduce eager", dispatch_bytes,
+            time_op(lambda: moe.dispatch(x, ids, topk_weights=weights), args.iters, args.warmup, args.repeats),
+            checked, base_d)
+        add("moe combine", "pre_reduce eager", combine_bytes,
+            time_op(lambda: moe.combine(y, handle), args.iters, args.warmup, args.repeats), checked, base_c)
+
+        def both():
+            got, h = moe.dispatch(x, ids, topk_weights=weights)
+            moe.combine(got, h)
+
+        _layer_rows(add, "pre_reduce", both, dispatch_bytes + combine_bytes, checked,
+                    lambda: _check(moe, tokens, hidden, experts, topk, 8700 + me), base_dc, args)
     finally:
         torch.cuda.synchronize()
         moe.close()
@@ -286,14 +326,26 @@ def _nccl_all_to_all(x, ids, experts, n, hidden, topk, args) -> tuple:
 
 
 def _check(moe, tokens, hidden, experts, topk, seed) -> bool:
-    """One dispatch + combine with fresh data and an identity expert; see the module docstring."""
+    """One dispatch + combine with fresh data and an identity expert; see the module docstring
+    (pre_reduce=True: each PE's partial rounded to bf16, the partials summed in PE order)."""
     x = _tokens(tokens, hidden, seed)
     ids, weights = _routing(tokens, experts, topk, seed + 1)
-    recv_x, handle = moe.dispatch(x, ids)
-    out = moe.combine(recv_x.clone(), handle, weights)
+    if moe.pre_reduce:
+        recv_x, handle = moe.dispatch(x, ids, topk_weights=weights)
+        out = moe.combine(recv_x.clone(), handle)
+    else:
+        recv_x, handle = moe.dispatch(x, ids)
+        out = moe.combine(recv_x.clone(), handle, weights)
     want = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
-    for k in range(topk):  # separate multiply and add, each rounded to float32, k in order
-        want = want + weights[:, k:k + 1] * x.float()
+    per_pe = experts // pydatacopy.n_pes()
+    for pe in range(pydatacopy.n_pes()) if moe.pre_reduce else [None]:
+        partial = torch.zeros(tokens, hidden, dtype=torch.float32, device="cuda")
+        here = (ids >= 0) & (ids < experts) & (ids // per_pe == pe) if moe.pre_reduce else ids >= 0
+        for k in range(topk):  # separate multiply and add, each rounded to float32, k in order
+            partial = torch.where(here[:, k:k + 1], partial + weights[:, k:k + 1] * x.float(), partial)
+        if moe.pre_reduce:
+            partial = partial.to(torch.bfloat16).float()
+        want = torch.where(here.any(1, keepdim=True), want + partial, want)
     ok = torch.equal(out.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))
     pairs = torch.tensor([int((ids >= 0).sum()), int(handle.num_rows)], dtype=torch.int64,
                          device=reduce_device())
@@ -313,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the rows to this JSON file (rank 0)")
     parser.add_argument("--no-expand-false", action="store_true",
                         help="leave out the expand=False rows (DeepEP's normal-mode layout)")
+    parser.add_argument("--no-pre-reduce", action="store_true",
+                        help="leave out the pre_reduce=True rows (the expert-side reduction)")
     parser.add_argument("--no-deep-ep", action="store_true",
                         help="leave out the deep_ep rows (pydatacopy.compat.deep_ep, bench/moe_deep_ep.py)")
     parser.add_argument("--compact", action="store_true",
