@@ -226,6 +226,23 @@ struct AllToAllField {
   int64_t recv_rows = 0;
 };
 
+// Field 0's send rows as sums, computed as each row is stored at its destination (MoE combine's
+// expert-side reduction, moe_combine_region_summed in moe.hpp): send row r = the sum over k < topk
+// of weights[r x topk + k] x rows[slots[r x topk + k]] (a slot outside [0, row_count) skipped),
+// in float32 in k order, each product and sum rounded (no fused multiply-add), rounded once to
+// dtype (ReduceDtype): moe_combine_reduce's arithmetic, bit for bit, without the summed rows
+// being written and read back first. rows: [row_count] rows of field 0's width, of dtype; slots
+// and weights [field 0's send_rows, topk]. Only for a call of one field, no send index, not
+// compact, on a buffer whose every peer takes direct stores (AllToAll::sums_in_send()).
+struct AllToAllSummedRows {
+  const void* rows = nullptr;
+  int64_t row_count = 0;
+  const int64_t* slots = nullptr;
+  const float* weights = nullptr;
+  int64_t topk = 0;
+  int dtype = 0;
+};
+
 // Where a call's fields left in the region are (AllToAll::exchange fills it under the buffer's
 // lock, so it is this call's, whatever other threads exchange on the buffer after it): source
 // s's rows of field f at field[f] + s x stride (field[f] null for f past the call's fields).
@@ -287,10 +304,20 @@ class AllToAll {
   // on this buffer, whose send kernel hands the set back to the sources after everything on
   // its stream before it: no release() (none is owed, and a CUDA graph of such calls replays
   // balanced). Refused on the host on every PE alike: n_pes x capacity past kMaxCompactRows.
+  //
+  // summed (optional): field 0's rows are sums computed as they are sent (AllToAllSummedRows;
+  // field 0's `send` unused); a call that cannot take them (more fields, an index, compact, a
+  // peer reached through RMA: sums_in_send() false) is refused like any bad argument.
   int64_t exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                    const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                    int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                   AllToAllRegion* region = nullptr, uint64_t tag = 0, bool compact = false);
+                   AllToAllRegion* region = nullptr, uint64_t tag = 0, bool compact = false,
+                   const AllToAllSummedRows* summed = nullptr);
+
+  // Whether a call may send summed rows (exchange's `summed`): every peer takes direct stores
+  // (nvshmem_ptr) and PYDATACOPY_FORCE_RMA is off. Through RMA a row must exist before it is
+  // put, so the caller sums first (moe_combine_reduce) and sends the rows as they are.
+  bool sums_in_send() const;
 
   // A round in refuse mode (see exchange) for a refusal the caller found itself (MoE dispatch's
   // max_tokens, a tensor of the wrong shape on this PE): its peers make the call, so this PE
@@ -322,7 +349,7 @@ class AllToAll {
                        const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                        int64_t* recv_offsets, cudaStream_t stream, unsigned long long capture,
                        double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal,
-                       bool compact);
+                       bool compact, const AllToAllSummedRows* summed = nullptr);
   // This PE's refusal (`reason`, `why`), under the lock: while capturing nothing is recorded; else
   // the credits owed are handed back (the sources wait for them before they send), the round runs
   // in refuse mode; then Error(why) is thrown either way.

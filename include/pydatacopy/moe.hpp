@@ -100,4 +100,20 @@ void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t
                         int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
                         double timeout_seconds, uint64_t tag = 0);
 
+// MoE combine's pre_reduce path in one call (MoeDispatcher(pre_reduce=True)): the row sent back
+// for received token r (recv_rows of them, in source order: recv_counts[d] to PE d, no index) is
+// the sum over its slots k of pair_weight[r, k] x y[pair_row[r, k]] (y: [y_rows, hidden] of
+// dtype; pair_row -1 where expert k is elsewhere), computed as it is stored at its destination
+// (AllToAllSummedRows: moe_combine_reduce's arithmetic, never written here first). Then, at the
+// source, the rows of each token's PEs summed in ascending PE order (token_pe / token_rank
+// [tokens, width], unit_weights [tokens, width] of ones) into out ([tokens, hidden], dtype),
+// and the region's release, as moe_combine_region. Needs engine.sums_in_send() (else refused on
+// every PE: the caller sums with moe_combine_reduce and sends the rows instead).
+void moe_combine_region_summed(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
+                               const int64_t* pair_row, const float* pair_weight, int64_t recv_rows, int64_t topk,
+                               const int64_t* recv_counts, const int64_t* token_pe, const int64_t* token_rank,
+                               const float* unit_weights, int64_t tokens, int64_t width, void* out,
+                               int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
+                               double timeout_seconds, uint64_t tag = 0);
+
 }  // namespace pydatacopy

@@ -98,6 +98,7 @@ class AllToAll:
     max_row_bytes: int  # read-only
     calls: int  # read-only
     symmetric_bytes: int  # read-only
+    sums_in_send: bool  # read-only: every peer takes direct stores (moe_combine_region_summed may run)
     @staticmethod
     def symmetric_bytes_needed(capacity: int, max_row_bytes: int, n_pes: int) -> int: ...
     def exchange(self, fields: list[tuple[int, int, int, int, int]], send_counts: int,
@@ -215,6 +216,15 @@ def moe_combine_region(engine: AllToAll, y: int, y_rows: int, hidden: int, dtype
                        tokens: int, topk: int, out: int, back_counts: int, back_offsets: int, stream: int,
                        timeout: float, tag: int = 0) -> None:
     """MoE combine's region path in one call: the exchange back, the reduction, the release."""
+
+def moe_combine_region_summed(engine: AllToAll, y: int, y_rows: int, hidden: int, dtype: int, pair_row: int,
+                              pair_weight: int, recv_rows: int, topk: int, recv_counts: int, token_pe: int,
+                              token_rank: int, unit_weights: int, tokens: int, width: int, out: int,
+                              back_counts: int, back_offsets: int, stream: int, timeout: float,
+                              tag: int = 0) -> None:
+    """MoE combine's pre_reduce path in one call: each received token's local experts summed as its
+    row is sent back (never written first), the sum across PEs at the source, the release; needs
+    engine.sums_in_send."""
 
 def check_all_to_all_refusal() -> None: ...
 

@@ -23,6 +23,7 @@ void bind_moe(py::module_& m) {
       .def_property_readonly("max_row_bytes", &AllToAll::max_row_bytes)
       .def_property_readonly("calls", &AllToAll::calls)
       .def_property_readonly("symmetric_bytes", &AllToAll::symmetric_bytes)
+      .def_property_readonly("sums_in_send", &AllToAll::sums_in_send)
       .def_static("symmetric_bytes_needed", &AllToAll::symmetric_bytes_needed, py::arg("capacity"),
                   py::arg("max_row_bytes"), py::arg("n_pes"))
       .def("exchange",
@@ -284,6 +285,27 @@ void bind_moe(py::module_& m) {
         py::arg("pair_rank"), py::arg("weights"), py::arg("tokens"), py::arg("topk"), py::arg("out"),
         py::arg("back_counts"), py::arg("back_offsets"), py::arg("stream"), py::arg("timeout"), py::arg("tag") = 0,
         release_gil(), "MoE combine's region path in one call (moe.hpp): the exchange back, the reduction, the release");
+  m.def("moe_combine_region_summed",
+        [](AllToAll& engine, std::uintptr_t y, int64_t y_rows, int64_t hidden, int dtype, std::uintptr_t pair_row,
+           std::uintptr_t pair_weight, int64_t recv_rows, int64_t topk, std::uintptr_t recv_counts,
+           std::uintptr_t token_pe, std::uintptr_t token_rank, std::uintptr_t unit_weights, int64_t tokens,
+           int64_t width, std::uintptr_t out, std::uintptr_t back_counts, std::uintptr_t back_offsets,
+           std::uintptr_t stream, double timeout, uint64_t tag) {
+          moe_combine_region_summed(engine, as_pointer<const void>(y), y_rows, hidden, dtype,
+                                    as_pointer<const int64_t>(pair_row), as_pointer<const float>(pair_weight),
+                                    recv_rows, topk, as_pointer<const int64_t>(recv_counts),
+                                    as_pointer<const int64_t>(token_pe), as_pointer<const int64_t>(token_rank),
+                                    as_pointer<const float>(unit_weights), tokens, width, as_pointer<void>(out),
+                                    as_pointer<int64_t>(back_counts), as_pointer<int64_t>(back_offsets),
+                                    as_stream(stream), timeout, tag);
+        },
+        py::arg("engine"), py::arg("y"), py::arg("y_rows"), py::arg("hidden"), py::arg("dtype"), py::arg("pair_row"),
+        py::arg("pair_weight"), py::arg("recv_rows"), py::arg("topk"), py::arg("recv_counts"), py::arg("token_pe"),
+        py::arg("token_rank"), py::arg("unit_weights"), py::arg("tokens"), py::arg("width"), py::arg("out"),
+        py::arg("back_counts"), py::arg("back_offsets"), py::arg("stream"), py::arg("timeout"), py::arg("tag") = 0,
+        release_gil(),
+        "MoE combine's pre_reduce path in one call (moe.hpp): each received token's local experts summed as "
+        "its row is sent back, the sum across PEs at the source, the release");
   m.attr("MOE_REGION_ROW_ALIGNMENT") = kMoeRegionRowAlignment;
   m.attr("MOE_DISPATCH_WORKSPACE_ALIGNMENT") = MoeDispatchWorkspace::kAlignment;
   m.attr("ALL_TO_ALL_MAX_FIELDS") = AllToAllLayout::kMaxFields;

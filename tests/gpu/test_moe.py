@@ -1440,23 +1440,33 @@ def test_expand_false_combine_refuses_an_expanded_handle_on_one_pe(world, token_
                   "the combine after the refusal")
 
 
-def test_in_region_dispatch_and_combine_equal_the_compacting_steps(world, dispatcher, monkeypatch):
+def test_in_region_dispatch_and_combine_equal_the_compacting_steps(world, dispatcher, path, monkeypatch):
     """Each mode's eager path (rows read in the receive regions; pre_reduce: its weights field
-    compacted beside the meta) against the compacting steps traced calls take, byte for byte:
-    recv_x's rows in use, every handle field, the combined output."""
+    compacted beside the meta, and on the direct path each token's partial summed as it is sent)
+    against the compacting steps traced calls take, byte for byte: recv_x's rows in use, every
+    handle field, the combined output; pre_reduce also against the reduction kernel then the
+    rows sent (SUM_IN_SEND False), and the summing send engaged exactly on the direct path."""
     from pydatacopy.moe import dispatcher as _moe_dispatcher
+    from pydatacopy.moe import reduced as _reduced
     rank, n, _ = world
     x, topk, weights = _moe_inputs("one_pe", rank, n, 5300 + rank, dispatcher.dtype)
     x, topk, weights = x.cuda(), topk.cuda(), weights.cuda()
     got = _run_moe(dispatcher, x, topk, weights)
-    monkeypatch.setattr(_moe_dispatcher, "IN_REGION", False)
-    want = _run_moe(dispatcher, x, topk, weights)
-    monkeypatch.undo()
-    used = int(want[1].num_rows)
-    _same_bytes(got[0][:used].cpu(), want[0][:used].cpu(), "recv_x")
-    for field in want[1]._fields:
-        _same_bytes(getattr(got[1], field).cpu(), getattr(want[1], field).cpu(), f"handle.{field}")
-    _same_bytes(got[2].cpu(), want[2].cpu(), "combined output")
+    runs = {"the compacting steps": [(_moe_dispatcher, "IN_REGION", False)]}
+    if dispatcher.pre_reduce:
+        runs["the reduction, then the rows sent"] = [(_reduced, "SUM_IN_SEND", False)]
+        if dispatcher._combine._core.sums_in_send != (path == "direct"):
+            _FAILURES.append(f"sums_in_send is {dispatcher._combine._core.sums_in_send} on the {path} path")
+    for what, switches in runs.items():
+        for module, name, value in switches:
+            monkeypatch.setattr(module, name, value)
+        want = _run_moe(dispatcher, x, topk, weights)
+        monkeypatch.undo()
+        used = int(want[1].num_rows)
+        _same_bytes(got[0][:used].cpu(), want[0][:used].cpu(), f"recv_x against {what}")
+        for field in want[1]._fields:
+            _same_bytes(getattr(got[1], field).cpu(), getattr(want[1], field).cpu(), f"handle.{field} against {what}")
+        _same_bytes(got[2].cpu(), want[2].cpu(), f"combined output against {what}")
 
 
 def test_expanded_combine_refuses_a_token_handle_on_one_pe(world, dispatcher):

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from .common import Error, _traced
+from .. import _C
+from .._torch_utils import stream_handle, timeout_seconds
+from .common import _REDUCE_DTYPES, Error, _traced
 from .grouped import grouped_steps
 from .layout import (MoeHandle, MoeReducedHandle, MoeTokenHandle, dispatch_plan, local_expert_ids,
                      token_destinations)
 from .rows import combine_reduce
 from . import tokens as _tokens
+
+# Eager combines sum each token's local experts as its row is sent (moe_combine_region_summed:
+# the partial rows never written and read back) where every peer takes direct stores; False: the
+# reduction kernel first, then the rows sent as they are (what RMA peers and traced calls take).
+SUM_IN_SEND = True
 
 
 def check_setup(call: str, expand, pre_reduce) -> None:
@@ -94,8 +101,37 @@ def received_pairs(recv_meta: torch.Tensor, recv_weights: torch.Tensor, recv_cou
 
 def combine(moe, y, handle: MoeReducedHandle, timeout, tag: int, in_region: bool):
     """Each received token's local experts' rows of y (recv_x's layout), weighted and summed in
-    float32 in k order and rounded to y's dtype (the reduction kernel), then expand=False's
-    combine: one row per received token back to its source, summed there in ascending PE
-    order in float32 and rounded once."""
+    float32 in k order and rounded to y's dtype, then expand=False's combine: one row per
+    received token back to its source, summed there in ascending PE order in float32 and
+    rounded once. Eagerly with every peer direct: one native call that sums as it sends
+    (moe_combine_region_summed); else the reduction kernel, then the rows sent."""
+    if not _traced() and in_region and SUM_IN_SEND and _summed_fits(moe, y, handle):
+        buffer = moe._combine
+        y = y.contiguous()
+        # Held in locals until the call has queued its kernels (as combine_tokens' inputs).
+        pair_row, pair_weight = handle.pair_row.contiguous(), handle.pair_weight.contiguous()
+        token_pe, token_rank = handle.token_pe.contiguous(), handle.token_rank.contiguous()
+        tokens, width = token_pe.shape
+        out = torch.empty((tokens, y.shape[1]), dtype=y.dtype, device=y.device)
+        back = torch.empty(2 * moe.n_pes, dtype=torch.int64, device=y.device)  # (scratch, as in combine)
+        _C.moe_combine_region_summed(buffer._core, y.data_ptr(), y.shape[0], y.shape[1], _REDUCE_DTYPES[y.dtype],
+                                     pair_row.data_ptr(), pair_weight.data_ptr(), pair_row.shape[0], moe.topk,
+                                     handle.recv_counts.data_ptr(), token_pe.data_ptr(), token_rank.data_ptr(),
+                                     moe._unit_weights.data_ptr(), tokens, width, out.data_ptr(), back.data_ptr(),
+                                     back[moe.n_pes:].data_ptr(), stream_handle(None, buffer._device),
+                                     timeout_seconds(timeout), tag)
+        return out
     partial = combine_reduce(y, handle.pair_row, handle.pair_weight)
     return _tokens.combine_tokens(moe, partial, handle, timeout, tag, in_region)
+
+
+def _summed_fits(moe, y, handle) -> bool:
+    """Whether moe_combine_region_summed takes these tensors and this buffer (every peer direct);
+    else the two steps (their checks)."""
+    device = moe._combine._device
+    on_device = all(t.get_device() == device for t in (y, *handle))
+    return (on_device and handle.recv_counts.dtype == torch.int64 and handle.recv_counts.is_contiguous()
+            and handle.pair_row.dtype == torch.int64 and handle.pair_weight.dtype == torch.float32
+            and handle.token_pe.dtype == torch.int64 and handle.token_rank.dtype == torch.int64
+            and handle.token_pe.shape[0] <= moe.max_tokens and moe._combine._core.initialized
+            and moe._combine._core.sums_in_send)

@@ -419,6 +419,16 @@ struct AllToAllArgs {
   // output and records nothing (its host throws); send_counts and the outputs may be null.
   int refusal;
   uint64_t tag;                // the call's identity: a source whose tag differs is refused
+  // Field 0's rows as sums (AllToAllSummedRows, all_to_all.hpp; sum_slots null: rows copied
+  // from send[0]): send row r is sum_k sum_weights[r x sum_topk + k] x sum_rows[sum_slots[...]]
+  // (sum_row_count rows of field 0's width), moe_combine_reduce's arithmetic, computed as the row
+  // is stored at its destination. One field, no index, every peer direct (the host checks).
+  const uint8_t* sum_rows;
+  int64_t sum_row_count;
+  const int64_t* sum_slots;
+  const float* sum_weights;
+  int64_t sum_topk;
+  int sum_dtype;
   unsigned int* send_done;     // device: send blocks finished in this launch
   unsigned int* recv_done;     // device: receive blocks finished in this launch
   int my_pe, n_pes;

@@ -202,7 +202,8 @@ bool AllToAll::owed(int set, unsigned long long capture) const {
 int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64_t* send_counts,
                            const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                            int64_t* recv_offsets, cudaStream_t stream, double timeout_seconds,
-                           AllToAllRegion* region, uint64_t tag, bool compact) {
+                           AllToAllRegion* region, uint64_t tag, bool compact,
+                           const AllToAllSummedRows* summed) {
   const std::lock_guard<std::mutex> lock(mutex_);
   // Host-only refusals: no round can run without the buffer, nor with a peer presumed dead
   // (check_timeouts refuses every collective; the peers' own calls refuse or time out alike).
@@ -239,10 +240,26 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
                       "all_to_all: field " << f << "'s receive tensor has " << field.recv_rows
                           << " rows; it needs n_pes x capacity = " << n_pes_ << " x " << capacity_ << " = "
                           << n_pes_ * capacity_);
-    PDC_REFUSE_UNLESS(refusal, field.send != nullptr || send_rows == 0, kRefusedArguments,
-                      "all_to_all: field " << f << " has no send tensor");
+    PDC_REFUSE_UNLESS(refusal, field.send != nullptr || send_rows == 0 || (summed != nullptr && f == 0),
+                      kRefusedArguments, "all_to_all: field " << f << " has no send tensor");
     // (Each width clamped: four of them cannot overflow the sum, and any clamped one is refused.)
     total_width += std::min(std::max<int64_t>(field.row_bytes, 0), AllToAllLayout::kMaxRowBytes + 1);
+  }
+  if (summed != nullptr) {
+    const int64_t element = summed->dtype == kReduceFloat32 ? 4 : 2;
+    PDC_REFUSE_UNLESS(refusal, count == 1 && send_index == nullptr && !compact && sums_in_send(), kRefusedArguments,
+                      "all_to_all: summed rows need a call of one field, no send index, not compact, and every "
+                      "peer reached by direct stores (sums_in_send())");
+    PDC_REFUSE_UNLESS(refusal, summed->dtype == kReduceFloat32 || summed->dtype == kReduceBfloat16 ||
+                                   summed->dtype == kReduceFloat16, kRefusedArguments,
+                      "all_to_all: summed rows' dtype code " << summed->dtype
+                          << " is not float32 (0), bfloat16 (1) or float16 (2)");
+    PDC_REFUSE_UNLESS(refusal, summed->topk >= 1 && summed->row_count >= 0 && count >= 1 &&
+                                   fields[0].row_bytes % element == 0 &&
+                                   (send_rows == 0 || (summed->slots != nullptr && summed->weights != nullptr)) &&
+                                   (summed->row_count == 0 || summed->rows != nullptr), kRefusedArguments,
+                      "all_to_all: summed rows need topk >= 1, slots, weights and rows of whole elements ("
+                          << element << " bytes), got topk " << summed->topk);
   }
   PDC_REFUSE_UNLESS(refusal, total_width <= max_row_bytes_, kRefusedArguments,
                     "all_to_all: rows of " << total_width << " bytes (all fields) do not fit the "
@@ -273,8 +290,10 @@ int64_t AllToAll::exchange(const std::vector<AllToAllField>& fields, const int64
   }
   if (refusal.reason != 0) refused_round(refusal.reason, refusal.text, stream, capture, timeout_seconds, compact);
   return launch_round(fields, send_counts, send_index, index_rows, recv_counts, recv_offsets, stream, capture,
-                      timeout_seconds, region, tag, 0, compact);
+                      timeout_seconds, region, tag, 0, compact, summed);
 }
+
+bool AllToAll::sums_in_send() const { return every_peer_direct_ && !rma_forced(); }
 
 void AllToAll::refuse(const std::string& why, cudaStream_t stream, double timeout_seconds, bool compact) {
   const std::lock_guard<std::mutex> lock(mutex_);
@@ -312,7 +331,7 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
                                const int64_t* send_index, int64_t index_rows, int64_t* recv_counts,
                                int64_t* recv_offsets, cudaStream_t stream, unsigned long long capture,
                                double timeout_seconds, AllToAllRegion* region, uint64_t tag, int refusal,
-                               bool compact) {
+                               bool compact, const AllToAllSummedRows* summed) {
   const AllToAllLayout layout(capacity_, max_row_bytes_, n_pes_);
   kernels::AllToAllArgs args{};
   // Refuse mode moves no field and reads none of the call's tensors (they may be the reason).
@@ -340,6 +359,14 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
   args.recv_offsets = refusal != 0 ? nullptr : recv_offsets;
   args.refusal = refusal;
   args.tag = tag;
+  if (summed != nullptr && count > 0) {  // (refuse mode reads none of the call's tensors)
+    args.sum_rows = static_cast<const uint8_t*>(summed->rows);
+    args.sum_row_count = summed->row_count;
+    args.sum_slots = summed->slots;
+    args.sum_weights = summed->weights;
+    args.sum_topk = summed->topk;
+    args.sum_dtype = summed->dtype;
+  }
   args.base = base_;
   args.peer_bases = peer_bases_;
   args.direct = !rma_forced();

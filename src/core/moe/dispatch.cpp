@@ -179,26 +179,30 @@ int64_t moe_dispatch_region(AllToAll& engine, const void* x, int64_t row_bytes, 
   return call;
 }
 
-void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
-                        const int64_t* combine_counts, const int64_t* combine_index, int64_t index_rows,
-                        const int64_t* pair_pe, const int64_t* pair_rank, const float* weights, int64_t tokens,
-                        int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
-                        double timeout_seconds, uint64_t tag) {
-  // This PE's own checks: a refusal still runs the round (AllToAll::refuse), as in dispatch.
+namespace {
+// moe_combine_region and moe_combine_region_summed: this PE's checks (a refusal still runs the
+// round), the exchange of field 0 (y's rows by index, or the sums `summed` describes), the
+// reduction from the region with pairs (pair_pe, pair_rank) and weights [tokens, topk], the
+// release (after a failure too).
+void combine_through_region(AllToAll& engine, const void* y, int64_t send_rows, int64_t hidden, int dtype,
+                            const int64_t* send_counts, const int64_t* send_index, int64_t index_rows,
+                            const AllToAllSummedRows* summed, const int64_t* pair_pe, const int64_t* pair_rank,
+                            const float* weights, int64_t tokens, int64_t topk, void* out, int64_t* back_counts,
+                            int64_t* back_offsets, cudaStream_t stream, double timeout_seconds, uint64_t tag) {
   try {
     PDC_REQUIRE(dtype == kReduceFloat32 || dtype == kReduceBfloat16 || dtype == kReduceFloat16,
                 "moe_combine_region: dtype code " << dtype << " is not float32 (0), bfloat16 (1) or float16 (2)");
-    PDC_REQUIRE(hidden >= 1 && y_rows >= 0, "moe_combine_region: hidden " << hidden << ", rows " << y_rows);
+    PDC_REQUIRE(hidden >= 1 && send_rows >= 0, "moe_combine_region: hidden " << hidden << ", rows " << send_rows);
   } catch (const Error& error) {
     engine.refuse(error.what(), stream, timeout_seconds);
   }
   const int64_t row_bytes = hidden * (dtype == kReduceFloat32 ? 4 : 2);
-  const std::vector<AllToAllField> fields = {{y, nullptr, row_bytes, y_rows, 0}};
-  // The expert outputs stay in the receive region: the reduction reads each (token, k)'s row
-  // there (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
+  const std::vector<AllToAllField> fields = {{y, nullptr, row_bytes, send_rows, 0}};
+  // The rows stay in the receive region: the reduction reads each (token, k)'s row there
+  // (source pair_pe, row pair_rank), with no compaction copy and no slot tensor.
   AllToAllRegion in_region;  // this call's region, taken under the buffer's lock by exchange()
-  const int64_t call = engine.exchange(fields, combine_counts, combine_index, index_rows, back_counts, back_offsets,
-                                       stream, timeout_seconds, &in_region, tag);
+  const int64_t call = engine.exchange(fields, send_counts, send_index, index_rows, back_counts, back_offsets,
+                                       stream, timeout_seconds, &in_region, tag, false, summed);
   try {
     moe_combine_reduce_region(out, in_region.field[0], in_region.stride, pair_pe, pair_rank, back_counts,
                               n_pes(), weights, tokens, topk, hidden, dtype, stream);
@@ -207,6 +211,30 @@ void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t
     throw;  // the first error
   }
   engine.release(call, stream);
+}
+}  // namespace
+
+void moe_combine_region(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
+                        const int64_t* combine_counts, const int64_t* combine_index, int64_t index_rows,
+                        const int64_t* pair_pe, const int64_t* pair_rank, const float* weights, int64_t tokens,
+                        int64_t topk, void* out, int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
+                        double timeout_seconds, uint64_t tag) {
+  combine_through_region(engine, y, y_rows, hidden, dtype, combine_counts, combine_index, index_rows, nullptr,
+                         pair_pe, pair_rank, weights, tokens, topk, out, back_counts, back_offsets, stream,
+                         timeout_seconds, tag);
+}
+
+void moe_combine_region_summed(AllToAll& engine, const void* y, int64_t y_rows, int64_t hidden, int dtype,
+                               const int64_t* pair_row, const float* pair_weight, int64_t recv_rows, int64_t topk,
+                               const int64_t* recv_counts, const int64_t* token_pe, const int64_t* token_rank,
+                               const float* unit_weights, int64_t tokens, int64_t width, void* out,
+                               int64_t* back_counts, int64_t* back_offsets, cudaStream_t stream,
+                               double timeout_seconds, uint64_t tag) {
+  // The received tokens are in source order already: recv_counts[d] sums go to PE d, no index.
+  const AllToAllSummedRows summed{y, y_rows, pair_row, pair_weight, topk, dtype};
+  combine_through_region(engine, nullptr, recv_rows, hidden, dtype, recv_counts, nullptr, 0, &summed, token_pe,
+                         token_rank, unit_weights, tokens, width, out, back_counts, back_offsets, stream,
+                         timeout_seconds, tag);
 }
 
 }  // namespace pydatacopy

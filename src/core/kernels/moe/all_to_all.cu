@@ -229,6 +229,107 @@ __device__ void place_sources(const AllToAllArgs& a, uint64_t round, uint64_t de
   }
 }
 
+// The reduction's element types to and from float32 (round to nearest even).
+template <typename T>
+struct FloatCast;
+template <>
+struct FloatCast<float> {
+  static __device__ __forceinline__ float to(float value) { return value; }
+  static __device__ __forceinline__ float from(float value) { return value; }
+};
+template <>
+struct FloatCast<__nv_bfloat16> {
+  static __device__ __forceinline__ float to(__nv_bfloat16 value) { return __bfloat162float(value); }
+  static __device__ __forceinline__ __nv_bfloat16 from(float value) { return __float2bfloat16_rn(value); }
+};
+template <>
+struct FloatCast<__half> {
+  static __device__ __forceinline__ float to(__half value) { return __half2float(value); }
+  static __device__ __forceinline__ __half from(float value) { return __float2half_rn(value); }
+};
+template <typename T>
+__device__ __forceinline__ float to_float(T value) { return FloatCast<T>::to(value); }
+template <typename T>
+__device__ __forceinline__ T from_float(float value) { return FloatCast<T>::from(value); }
+
+// A summed field's rows (AllToAllArgs::sum_rows): rows [first, first + rows) of the sums,
+// stored at dst one after another (`width` bytes each), by one warp. Per element the arithmetic
+// of combine_reduce_rows_kernel and its vector form (0.0f, then each valid slot in k order:
+// product rounded, sum rounded, no fused multiply-add; rounded once to T), so that a sum sent
+// equals one computed by moe_combine_reduce and then copied, bit for bit.
+// Not inlined: in the send kernel (128 registers a thread at 512 threads) the loops spilled
+// (352 bytes of spill loads, -Xptxas=-v); a call of its own keeps its loops in registers, at a
+// few saved registers per call (a call per piece, a row of several KiB).
+constexpr int kSumBatch = 4;  // rows of a sum whose vectors a lane loads together
+
+template <typename T>
+__device__ __noinline__ void sum_rows_as(uint8_t* dst, const AllToAllArgs& a, int64_t first, int64_t rows,
+                                            int64_t width, int lane) {
+  constexpr int kPer = 16 / sizeof(T);
+  const int64_t topk = a.sum_topk;
+  const auto row_of = [&](int64_t slot) -> const uint8_t* {
+    return slot >= 0 && slot < a.sum_row_count ? a.sum_rows + slot * width : nullptr;
+  };
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t* slots = a.sum_slots + (first + j) * topk;
+    const float* weights = a.sum_weights + (first + j) * topk;
+    uint8_t* out = dst + j * width;
+    const bool vector =
+        width % 16 == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(a.sum_rows)) & 15) == 0;
+    if (vector) {
+      for (int64_t v = lane; v < width / 16; v += 32) {
+        float sum[kPer];
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) sum[e] = 0.0f;
+        for (int64_t k0 = 0; k0 < topk; k0 += kSumBatch) {
+          const uint8_t* row[kSumBatch];
+          int4 packed[kSumBatch];
+#pragma unroll
+          for (int u = 0; u < kSumBatch; ++u) {
+            row[u] = k0 + u < topk ? row_of(slots[k0 + u]) : nullptr;
+            if (row[u] != nullptr) packed[u] = reinterpret_cast<const int4*>(row[u])[v];
+          }
+#pragma unroll
+          for (int u = 0; u < kSumBatch; ++u) {
+            if (row[u] == nullptr) continue;
+            const float w = weights[k0 + u];
+            const T* values = reinterpret_cast<const T*>(&packed[u]);
+#pragma unroll
+            for (int e = 0; e < kPer; ++e) sum[e] = __fadd_rn(sum[e], __fmul_rn(w, to_float(values[e])));
+          }
+        }
+        int4 packed;
+        T* values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) values[e] = from_float<T>(sum[e]);
+        reinterpret_cast<int4*>(out)[v] = packed;
+      }
+    } else {
+      for (int64_t h = lane; h < width / static_cast<int64_t>(sizeof(T)); h += 32) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < topk; ++k) {
+          const uint8_t* row = row_of(slots[k]);
+          if (row == nullptr) continue;
+          sum = __fadd_rn(sum, __fmul_rn(weights[k], to_float(reinterpret_cast<const T*>(row)[h])));
+        }
+        reinterpret_cast<T*>(out)[h] = from_float<T>(sum);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void sum_rows_to(uint8_t* dst, const AllToAllArgs& a, int64_t first, int64_t rows,
+                                            int64_t width, int lane) {
+  switch (a.sum_dtype) {
+    case kReduceFloat32: sum_rows_as<float>(dst, a, first, rows, width, lane); break;
+    case kReduceBfloat16: sum_rows_as<__nv_bfloat16>(dst, a, first, rows, width, lane); break;
+    default: sum_rows_as<__half>(dst, a, first, rows, width, lane); break;  // kReduceFloat16 (checked on the host)
+  }
+}
+
+// kSum: field 0's rows are sums (AllToAllArgs::sum_rows), computed as they are stored; the
+// plain instantiation is the copy kernel as it was.
+template <bool kSum>
 __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAllArgs a) {
   __shared__ int64_t asked_of[kMaxPes];    // send_counts, read once
   __shared__ int64_t first_row[kMaxPes];   // send row (or index entry) of each destination's first
@@ -405,7 +506,11 @@ __global__ void __launch_bounds__(kThreads) all_to_all_send_kernel(const AllToAl
         const int64_t at = row_at(a, my_region, f, placed_at, first);
         const uint8_t* src = a.send[f] + (first_row[d] + first) * width;
         if (peer != nullptr) {
-          row_copy(peer + at, src, rows * width, lane);
+          if constexpr (kSum) {
+            sum_rows_to(peer + at, a, first_row[d] + first, rows, width, lane);
+          } else {
+            row_copy(peer + at, src, rows * width, lane);
+          }
         } else {
           nvshmemx_putmem_signal_warp(a.base + at, src, static_cast<size_t>(rows * width), arrivals,
                                       static_cast<uint64_t>(rows), NVSHMEM_SIGNAL_ADD, d);
@@ -588,29 +693,6 @@ __global__ void __launch_bounds__(kThreads) all_to_all_recv_kernel(const AllToAl
     }
   });
 }
-
-// The reduction's element types to and from float32 (round to nearest even).
-template <typename T>
-struct FloatCast;
-template <>
-struct FloatCast<float> {
-  static __device__ __forceinline__ float to(float value) { return value; }
-  static __device__ __forceinline__ float from(float value) { return value; }
-};
-template <>
-struct FloatCast<__nv_bfloat16> {
-  static __device__ __forceinline__ float to(__nv_bfloat16 value) { return __bfloat162float(value); }
-  static __device__ __forceinline__ __nv_bfloat16 from(float value) { return __float2bfloat16_rn(value); }
-};
-template <>
-struct FloatCast<__half> {
-  static __device__ __forceinline__ float to(__half value) { return __half2float(value); }
-  static __device__ __forceinline__ __half from(float value) { return __float2half_rn(value); }
-};
-template <typename T>
-__device__ __forceinline__ float to_float(T value) { return FloatCast<T>::to(value); }
-template <typename T>
-__device__ __forceinline__ T from_float(float value) { return FloatCast<T>::from(value); }
 
 // out[i] = the row locate(index[i]) points at, for i < min(*count, rows), one warp per row; a
 // row whose locate() is nullptr, and rows past the count, are left as they are (the count is
@@ -1384,7 +1466,12 @@ void launch_zero_rows_past(void* out, int64_t rows, int64_t row_bytes, const int
 }
 
 void launch_all_to_all(const AllToAllArgs& args, int blocks, cudaStream_t stream) {
-  all_to_all_send_kernel<<<blocks, kThreads, 0, stream>>>(args);
+  // (Summed rows always come with their slots; sum_rows alone may be null: no rows to sum.)
+  if (args.sum_slots != nullptr) {
+    all_to_all_send_kernel<true><<<blocks, kThreads, 0, stream>>>(args);
+  } else {
+    all_to_all_send_kernel<false><<<blocks, kThreads, 0, stream>>>(args);
+  }
   PDC_CHECK_CUDA(cudaGetLastError());
   all_to_all_recv_kernel<<<blocks, kThreads, 0, stream>>>(args);
   PDC_CHECK_CUDA(cudaGetLastError());
@@ -1477,7 +1564,8 @@ void launch_gather_region_rows(void* out, const void* region, int64_t stride, co
 
 void preload_all_to_all_kernels() {
   cudaFuncAttributes attributes;
-  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_send_kernel));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_send_kernel<false>));
+  PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_send_kernel<true>));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, all_to_all_recv_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, gather_rows_kernel));
   PDC_CHECK_CUDA(cudaFuncGetAttributes(&attributes, combine_reduce_rows_kernel<__nv_bfloat16, SlotRows>));
