@@ -30,7 +30,8 @@ senders stored it, one crossing of the bytes), beside the same copies.
 The same four rows for ``MoeDispatcher(pre_reduce=True)`` (path ``pre_reduce ...``: the weights go
 with dispatch, combine sums each token's local experts on the expert side and sends one row per
 (token, PE) back), beside the default layout's copies (issue 37's reference for the expanded
-layout; its MB column is its own bytes); ``--no-pre-reduce`` leaves them out. Their check: an
+layout; its MB column is its own bytes), and its combine summing first and then sending the
+rows (path ``pre_reduce 2-step``, what RMA peers take); ``--no-pre-reduce`` leaves them out. Their check: an
 identity expert, out[t] = each PE's partial sum_k w[t, k] * x[t] over its experts in k order
 (float32, rounded to bf16), the partials summed in PE order in float32, rounded once.
 
@@ -167,6 +168,17 @@ def _pre_reduce_rows(add, name: str, args, x, ids, weights, bases) -> None:
             checked, base_d)
         add("moe combine", "pre_reduce eager", combine_bytes,
             time_op(lambda: moe.combine(y, handle), args.iters, args.warmup, args.repeats), checked, base_c)
+        # The same combine summing first, then sending the rows (what RMA peers take): the
+        # summing send's gain, in this run.
+        from ..moe import reduced as _reduced
+        _reduced.SUM_IN_SEND = False
+        try:
+            two_steps_checked = _check(moe, tokens, hidden, experts, topk, 7800 + me)
+            add("moe combine", "pre_reduce 2-step", combine_bytes,
+                time_op(lambda: moe.combine(y, handle), args.iters, args.warmup, args.repeats), two_steps_checked,
+                base_c)
+        finally:
+            _reduced.SUM_IN_SEND = True
 
         def both():
             got, h = moe.dispatch(x, ids, topk_weights=weights)
