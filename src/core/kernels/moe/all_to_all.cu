@@ -252,11 +252,59 @@ __device__ __forceinline__ float to_float(T value) { return FloatCast<T>::to(val
 template <typename T>
 __device__ __forceinline__ T from_float(float value) { return FloatCast<T>::from(value); }
 
+// The reductions' arithmetic, in one place (combine_reduce_rows_kernel and its vector form, and
+// the summing send, sum_rows_as): element h of sum over k < topk of weight(k) x row(k) (row(k)
+// nullptr: skipped), 0.0f, then k in order, each product and each sum rounded (no fused
+// multiply-add), rounded once to T.
+template <typename T, typename Row, typename Weight>
+__device__ __forceinline__ T weighted_sum_element(int64_t h, int64_t topk, const Row& row, const Weight& weight) {
+  float sum = 0.0f;
+  for (int64_t k = 0; k < topk; ++k) {
+    const uint8_t* from = row(k);
+    if (from == nullptr) continue;
+    sum = __fadd_rn(sum, __fmul_rn(weight(k), to_float(reinterpret_cast<const T*>(from)[h])));
+  }
+  return from_float<T>(sum);
+}
+
+// The same for the 16-byte vector v of each row (16-byte aligned rows): kBatch rows' vectors
+// loaded together, then summed in k order (the same sum, bit for bit): a loop that loaded one
+// row's vector and added it waited out one memory latency per k, topk of them per vector (22-27
+// us for 128 tokens x 8 rows of 14 KiB, measured).
+template <typename T, int kBatch, typename Row, typename Weight>
+__device__ __forceinline__ int4 weighted_sum_vector(int64_t v, int64_t topk, const Row& row, const Weight& weight) {
+  constexpr int kPer = 16 / sizeof(T);
+  float sum[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) sum[e] = 0.0f;
+  for (int64_t k0 = 0; k0 < topk; k0 += kBatch) {
+    const uint8_t* from[kBatch];
+    int4 packed[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      from[u] = k0 + u < topk ? row(k0 + u) : nullptr;
+      if (from[u] != nullptr) packed[u] = reinterpret_cast<const int4*>(from[u])[v];
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (from[u] == nullptr) continue;
+      const float w = weight(k0 + u);
+      const T* values = reinterpret_cast<const T*>(&packed[u]);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) sum[e] = __fadd_rn(sum[e], __fmul_rn(w, to_float(values[e])));
+    }
+  }
+  int4 packed;
+  T* values = reinterpret_cast<T*>(&packed);
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) values[e] = from_float<T>(sum[e]);
+  return packed;
+}
+
 // A summed field's rows (AllToAllArgs::sum_rows): rows [first, first + rows) of the sums,
-// stored at dst one after another (`width` bytes each), by one warp. Per element the arithmetic
-// of combine_reduce_rows_kernel and its vector form (0.0f, then each valid slot in k order:
-// product rounded, sum rounded, no fused multiply-add; rounded once to T), so that a sum sent
-// equals one computed by moe_combine_reduce and then copied, bit for bit.
+// stored at dst one after another (`width` bytes each), by one warp, with the reduction
+// kernels' own arithmetic (weighted_sum_element / _vector): a sum sent equals one computed by
+// moe_combine_reduce and then copied, bit for bit.
 // Not inlined: in the send kernel (128 registers a thread at 512 threads) the loops spilled
 // (352 bytes of spill loads, -Xptxas=-v); a call of its own keeps its loops in registers, at a
 // few saved registers per call (a call per piece, a row of several KiB).
@@ -264,56 +312,23 @@ constexpr int kSumBatch = 4;  // rows of a sum whose vectors a lane loads togeth
 
 template <typename T>
 __device__ __noinline__ void sum_rows_as(uint8_t* dst, const AllToAllArgs& a, int64_t first, int64_t rows,
-                                            int64_t width, int lane) {
-  constexpr int kPer = 16 / sizeof(T);
+                                         int64_t width, int lane) {
   const int64_t topk = a.sum_topk;
-  const auto row_of = [&](int64_t slot) -> const uint8_t* {
-    return slot >= 0 && slot < a.sum_row_count ? a.sum_rows + slot * width : nullptr;
-  };
   for (int64_t j = 0; j < rows; ++j) {
     const int64_t* slots = a.sum_slots + (first + j) * topk;
     const float* weights = a.sum_weights + (first + j) * topk;
+    const auto row = [&](int64_t k) -> const uint8_t* {
+      const int64_t slot = slots[k];
+      return slot >= 0 && slot < a.sum_row_count ? a.sum_rows + slot * width : nullptr;
+    };
+    const auto weight = [&](int64_t k) { return weights[k]; };
     uint8_t* out = dst + j * width;
-    const bool vector =
-        width % 16 == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(a.sum_rows)) & 15) == 0;
-    if (vector) {
-      for (int64_t v = lane; v < width / 16; v += 32) {
-        float sum[kPer];
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) sum[e] = 0.0f;
-        for (int64_t k0 = 0; k0 < topk; k0 += kSumBatch) {
-          const uint8_t* row[kSumBatch];
-          int4 packed[kSumBatch];
-#pragma unroll
-          for (int u = 0; u < kSumBatch; ++u) {
-            row[u] = k0 + u < topk ? row_of(slots[k0 + u]) : nullptr;
-            if (row[u] != nullptr) packed[u] = reinterpret_cast<const int4*>(row[u])[v];
-          }
-#pragma unroll
-          for (int u = 0; u < kSumBatch; ++u) {
-            if (row[u] == nullptr) continue;
-            const float w = weights[k0 + u];
-            const T* values = reinterpret_cast<const T*>(&packed[u]);
-#pragma unroll
-            for (int e = 0; e < kPer; ++e) sum[e] = __fadd_rn(sum[e], __fmul_rn(w, to_float(values[e])));
-          }
-        }
-        int4 packed;
-        T* values = reinterpret_cast<T*>(&packed);
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) values[e] = from_float<T>(sum[e]);
-        reinterpret_cast<int4*>(out)[v] = packed;
-      }
+    if (width % 16 == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(a.sum_rows)) & 15) == 0) {
+      for (int64_t v = lane; v < width / 16; v += 32)
+        reinterpret_cast<int4*>(out)[v] = weighted_sum_vector<T, kSumBatch>(v, topk, row, weight);
     } else {
-      for (int64_t h = lane; h < width / static_cast<int64_t>(sizeof(T)); h += 32) {
-        float sum = 0.0f;
-        for (int64_t k = 0; k < topk; ++k) {
-          const uint8_t* row = row_of(slots[k]);
-          if (row == nullptr) continue;
-          sum = __fadd_rn(sum, __fmul_rn(weights[k], to_float(reinterpret_cast<const T*>(row)[h])));
-        }
-        reinterpret_cast<T*>(out)[h] = from_float<T>(sum);
-      }
+      for (int64_t h = lane; h < width / static_cast<int64_t>(sizeof(T)); h += 32)
+        reinterpret_cast<T*>(out)[h] = weighted_sum_element<T>(h, topk, row, weight);
     }
   }
 }
@@ -1331,15 +1346,10 @@ __global__ void __launch_bounds__(256)
     combine_reduce_rows_kernel(T* out, Rows rows_of, const float* weights, int64_t tokens,
                                int64_t topk, int64_t hidden) {
   for (int64_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < topk; ++k) {
-        const T* row = reinterpret_cast<const T*>(rows_of(t * topk + k));
-        if (row == nullptr) continue;
-        sum = __fadd_rn(sum, __fmul_rn(weights[t * topk + k], to_float(row[h])));
-      }
-      out[t * hidden + h] = from_float<T>(sum);
-    }
+    const auto row = [&](int64_t k) -> const uint8_t* { return rows_of(t * topk + k); };
+    const auto weight = [&](int64_t k) { return weights[t * topk + k]; };
+    for (int64_t h = threadIdx.x; h < hidden; h += blockDim.x)
+      out[t * hidden + h] = weighted_sum_element<T>(h, topk, row, weight);
   }
 }
 
@@ -1363,35 +1373,10 @@ __global__ void __launch_bounds__(256)
       token_weights[k] = weights[t * topk + k];
     }
     __syncthreads();
-    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x) {
-      float sum[kPer];
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) sum[e] = 0.0f;
-      // kReduceBatch rows' vectors loaded together, then summed in k order (the same sum, bit
-      // for bit): a loop that loaded one row's vector and added it waited out one memory latency
-      // per k, topk of them per vector (22-27 us for 128 tokens x 8 rows of 14 KiB, measured).
-      for (int64_t k0 = 0; k0 < topk; k0 += kReduceBatch) {
-        int4 packed[kReduceBatch];
-#pragma unroll
-        for (int u = 0; u < kReduceBatch; ++u) {
-          const uint8_t* row = k0 + u < topk ? token_rows[k0 + u] : nullptr;
-          if (row != nullptr) packed[u] = reinterpret_cast<const int4*>(row)[v];
-        }
-#pragma unroll
-        for (int u = 0; u < kReduceBatch; ++u) {
-          if (k0 + u >= topk || token_rows[k0 + u] == nullptr) continue;
-          const float w = token_weights[k0 + u];
-          const T* values = reinterpret_cast<const T*>(&packed[u]);
-#pragma unroll
-          for (int e = 0; e < kPer; ++e) sum[e] = __fadd_rn(sum[e], __fmul_rn(w, to_float(values[e])));
-        }
-      }
-      int4 packed;
-      T* values = reinterpret_cast<T*>(&packed);
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) values[e] = from_float<T>(sum[e]);
-      reinterpret_cast<int4*>(out + t * hidden)[v] = packed;
-    }
+    const auto row = [&](int64_t k) -> const uint8_t* { return token_rows[k]; };
+    const auto weight = [&](int64_t k) { return token_weights[k]; };
+    for (int64_t v = threadIdx.x; v < vectors; v += blockDim.x)
+      reinterpret_cast<int4*>(out + t * hidden)[v] = weighted_sum_vector<T, kReduceBatch>(v, topk, row, weight);
   }
 }
 
