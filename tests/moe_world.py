@@ -4,6 +4,8 @@ stand-ins for the argument checks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import pydatacopy
@@ -76,6 +78,35 @@ def stub_buffer(number: int, n_pes: int = 1) -> pydatacopy.AllToAll:
     stub.number, stub._n_pes, stub._device = number, n_pes, -1
     stub._order = torch.zeros(1, dtype=torch.uint8)
     return stub
+
+
+@contextlib.contextmanager
+def traced_dispatcher(tokens: int, hidden: int, topk: int, experts: int, capacities, **attributes):
+    """A one-PE float32 MoeDispatcher for the traced path (torch.compile): its two buffers stubs
+    whose ops reach Loopbacks (capacities: dispatch's, combine's; rows past the count filled
+    with 3, never data) registered under fresh numbers while the block runs (the registry holds
+    them weakly: kept alive here). ``attributes``: the mode's (expand, pre_reduce, ...).
+    Yields (moe, loopbacks)."""
+    import random
+
+    from pydatacopy.moe import all_to_all as moe_all_to_all
+
+    numbers = tuple(random.randrange(10**6, 10**9) for _ in range(2))
+    loopbacks = tuple(Loopback(capacity, pad=3) for capacity in capacities)
+    for number, loopback in zip(numbers, loopbacks):
+        moe_all_to_all._buffers[number] = loopback
+    try:
+        moe = object.__new__(pydatacopy.MoeDispatcher)
+        moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = experts, hidden, topk, tokens
+        moe.dtype = moe.combine_dtype = torch.float32
+        moe.n_pes, moe.experts_per_pe, moe.my_pe = 1, experts, 0
+        moe._dispatch, moe._combine = stub_buffer(numbers[0]), stub_buffer(numbers[1])
+        for name, value in attributes.items():
+            setattr(moe, name, value)
+        yield moe, loopbacks
+    finally:
+        for number in numbers:
+            moe_all_to_all._buffers.pop(number, None)
 
 
 class RefusingBuffer:

@@ -26,7 +26,7 @@ from pydatacopy.moe import layout as _moe_layout
 from moe_world import Loopback as _Loopback
 from moe_world import RefusingBuffer as _RefusingBuffer
 from moe_world import exchange as _exchange
-from moe_world import stub_buffer as _stub_buffer
+from moe_world import traced_dispatcher
 
 
 # ---- a simulated world ----------------------------------------------------------------------
@@ -312,16 +312,7 @@ def test_torch_compile_traces_dispatch_and_combine_whole():
     """dispatch, an expert and combine under torch.compile(fullgraph=True): no graph break, the
     two exchanges and the reduction as ops, the result as the arithmetic says (one PE, loopback)."""
     tokens, hidden, topk, experts = 5, 8, 2, 4
-    numbers = (2 * 10**6 + random.randrange(10**6), 3 * 10**6 + random.randrange(10**6))
-    loopbacks = (_Loopback(capacity=tokens), _Loopback(capacity=tokens * topk))  # kept alive:
-    for number, loopback in zip(numbers, loopbacks):  # the registry holds them weakly
-        _moe_a2a._buffers[number] = loopback
-    try:
-        moe = object.__new__(pydatacopy.MoeDispatcher)
-        moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = experts, hidden, topk, tokens
-        moe.dtype = moe.combine_dtype = torch.float32
-        moe.n_pes, moe.experts_per_pe, moe.my_pe = 1, experts, 0
-        moe._dispatch, moe._combine = _stub_buffer(numbers[0]), _stub_buffer(numbers[1])
+    with traced_dispatcher(tokens, hidden, topk, experts, (tokens, tokens * topk)) as (moe, loopbacks):
 
         def layer(x, ids, weights):
             recv_x, handle = moe.dispatch(x, ids)
@@ -339,9 +330,6 @@ def test_torch_compile_traces_dispatch_and_combine_whole():
             want = want + torch.where(ids[:, k:k + 1] >= 0, weights[:, k:k + 1] * (x * 2), 0.0)
         assert torch.equal(out, want)
         assert [lb.calls for lb in loopbacks] == [1, 1]  # each exchange ran once
-    finally:
-        for number in numbers:
-            _moe_a2a._buffers.pop(number, None)
 
 
 # ---- the one-call dispatch's workspace (include/pydatacopy/moe.hpp), through _C -------------

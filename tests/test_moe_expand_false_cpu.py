@@ -13,20 +13,18 @@
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 import pydatacopy
 from pydatacopy import moe as _moe
-from pydatacopy.moe import all_to_all as _moe_a2a
 from pydatacopy.moe import layout as _moe_layout
 
 from moe_world import Loopback as _Loopback
 from moe_world import RefusingBuffer as _RefusingBuffer
 from moe_world import exchange as _exchange
-from moe_world import stub_buffer as _stub_buffer
+from moe_world import traced_dispatcher
 
 PES = [1, 2, 4, 8]
 KINDS = ["random", "missing", "nowhere", "one_pe", "past"]
@@ -227,16 +225,7 @@ def test_torch_compile_traces_expand_false_dispatch_and_combine_whole():
     """dispatch (with weights), the caller's expert sum and combine under torch.compile(fullgraph):
     no graph break, two exchanges through the op, the output as the arithmetic says (one PE)."""
     tokens, hidden, topk, experts = 5, 8, 3, 4
-    numbers = (4 * 10**6 + random.randrange(10**6), 5 * 10**6 + random.randrange(10**6))
-    loopbacks = (_Loopback(tokens, pad=3), _Loopback(tokens, pad=3))  # kept alive: held weakly
-    for number, loopback in zip(numbers, loopbacks):
-        _moe_a2a._buffers[number] = loopback
-    try:
-        moe = object.__new__(pydatacopy.MoeDispatcher)
-        moe.num_experts, moe.hidden, moe.topk, moe.max_tokens = experts, hidden, topk, tokens
-        moe.dtype = moe.combine_dtype = torch.float32
-        moe.n_pes, moe.experts_per_pe, moe.my_pe, moe.expand = 1, experts, 0, False
-        moe._dispatch, moe._combine = _stub_buffer(numbers[0]), _stub_buffer(numbers[1])
+    with traced_dispatcher(tokens, hidden, topk, experts, (tokens, tokens), expand=False) as (moe, loopbacks):
 
         def layer(x, ids, weights):
             recv_x, idx, w, handle = moe.dispatch(x, ids, topk_weights=weights)
@@ -260,9 +249,6 @@ def test_torch_compile_traces_expand_false_dispatch_and_combine_whole():
         want[sent] = 0.0 + x[sent] * scale[sent]
         assert torch.equal(out, want)
         assert [lb.calls for lb in loopbacks] == [1, 1]
-    finally:
-        for number in numbers:
-            _moe_a2a._buffers.pop(number, None)
 
 
 # ---- argument checks without NVSHMEM ---------------------------------------------------------------

@@ -115,10 +115,13 @@ class MoeHandle(NamedTuple):
     pair_rank: torch.Tensor       # [tokens, topk]: its position among this PE's pairs with that PE
 
 
-class MoeReducedHandle(NamedTuple):
-    """What a ``pre_reduce=True`` dispatch leaves (recv_x grouped by local expert, as MoeHandle's;
-    combine sums each received token's local experts here and sends one row per (token, PE)
-    back); tensors on the GPU. The first six fields are MoeHandle's, for the expert computation.
+# MoeHandle's first six fields (for the expert computation), then its own.
+MoeReducedHandle = NamedTuple("MoeReducedHandle", [(name, torch.Tensor) for name in MoeHandle._fields[:6]] + [
+    (name, torch.Tensor) for name in ("recv_counts", "recv_offsets", "pair_row", "pair_weight", "token_pe",
+                                      "token_rank")])
+MoeReducedHandle.__doc__ = """What a ``pre_reduce=True`` dispatch leaves (recv_x grouped by local
+    expert, as MoeHandle's; combine sums each received token's local experts here and sends one
+    row per (token, PE) back); tensors on the GPU. The first six fields are MoeHandle's, for the expert computation.
     ``recv_counts`` / ``recv_offsets`` (int64 ``[n_pes]``): tokens received from each PE and
     where each source's start among the received tokens (source order, then the source's token
     order). ``pair_row`` (int64 ``[n_pes x max_tokens, topk]``): for received token ``j`` and
@@ -126,18 +129,6 @@ class MoeReducedHandle(NamedTuple):
     (or ``j`` was not received); ``pair_weight`` (float32, same shape): its top-k weight as
     dispatched, 0 where ``pair_row`` is -1. ``token_pe`` / ``token_rank``: MoeTokenHandle's,
     the sender's side of combine."""
-    expert_counts: torch.Tensor
-    expert_offsets: torch.Tensor
-    num_rows: torch.Tensor
-    expert_of_row: torch.Tensor
-    source_pe: torch.Tensor
-    source_token: torch.Tensor
-    recv_counts: torch.Tensor
-    recv_offsets: torch.Tensor
-    pair_row: torch.Tensor
-    pair_weight: torch.Tensor
-    token_pe: torch.Tensor
-    token_rank: torch.Tensor
 
 
 # The receiver's layout: the received row behind each recv_x row, then the handle's grouping and
