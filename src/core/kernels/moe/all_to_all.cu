@@ -310,20 +310,22 @@ __device__ __forceinline__ int4 weighted_sum_vector(int64_t v, int64_t topk, con
 // few saved registers per call (a call per piece, a row of several KiB).
 constexpr int kSumBatch = 4;  // rows of a sum whose vectors a lane loads together
 
+// (The arguments by value: a reference to the kernel's parameters would make the kernel copy
+// them all to local memory to take their address.)
 template <typename T>
-__device__ __noinline__ void sum_rows_as(uint8_t* dst, const AllToAllArgs& a, int64_t first, int64_t rows,
-                                         int64_t width, int lane) {
-  const int64_t topk = a.sum_topk;
+__device__ __noinline__ void sum_rows_as(uint8_t* dst, const uint8_t* sum_rows, int64_t sum_row_count,
+                                         const int64_t* sum_slots, const float* sum_weights, int64_t topk,
+                                         int64_t first, int64_t rows, int64_t width, int lane) {
   for (int64_t j = 0; j < rows; ++j) {
-    const int64_t* slots = a.sum_slots + (first + j) * topk;
-    const float* weights = a.sum_weights + (first + j) * topk;
+    const int64_t* slots = sum_slots + (first + j) * topk;
+    const float* weights = sum_weights + (first + j) * topk;
     const auto row = [&](int64_t k) -> const uint8_t* {
       const int64_t slot = slots[k];
-      return slot >= 0 && slot < a.sum_row_count ? a.sum_rows + slot * width : nullptr;
+      return slot >= 0 && slot < sum_row_count ? sum_rows + slot * width : nullptr;
     };
     const auto weight = [&](int64_t k) { return weights[k]; };
     uint8_t* out = dst + j * width;
-    if (width % 16 == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(a.sum_rows)) & 15) == 0) {
+    if (width % 16 == 0 && ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(sum_rows)) & 15) == 0) {
       for (int64_t v = lane; v < width / 16; v += 32)
         reinterpret_cast<int4*>(out)[v] = weighted_sum_vector<T, kSumBatch>(v, topk, row, weight);
     } else {
@@ -335,11 +337,14 @@ __device__ __noinline__ void sum_rows_as(uint8_t* dst, const AllToAllArgs& a, in
 
 __device__ __forceinline__ void sum_rows_to(uint8_t* dst, const AllToAllArgs& a, int64_t first, int64_t rows,
                                             int64_t width, int lane) {
+#define PDC_SUM_ROWS_AS(T) \
+  sum_rows_as<T>(dst, a.sum_rows, a.sum_row_count, a.sum_slots, a.sum_weights, a.sum_topk, first, rows, width, lane)
   switch (a.sum_dtype) {
-    case kReduceFloat32: sum_rows_as<float>(dst, a, first, rows, width, lane); break;
-    case kReduceBfloat16: sum_rows_as<__nv_bfloat16>(dst, a, first, rows, width, lane); break;
-    default: sum_rows_as<__half>(dst, a, first, rows, width, lane); break;  // kReduceFloat16 (checked on the host)
+    case kReduceFloat32: PDC_SUM_ROWS_AS(float); break;
+    case kReduceBfloat16: PDC_SUM_ROWS_AS(__nv_bfloat16); break;
+    default: PDC_SUM_ROWS_AS(__half); break;  // kReduceFloat16 (checked on the host)
   }
+#undef PDC_SUM_ROWS_AS
 }
 
 // kSum: field 0's rows are sums (AllToAllArgs::sum_rows), computed as they are stored; the
