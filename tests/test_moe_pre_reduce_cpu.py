@@ -133,13 +133,32 @@ def test_simulated_pre_reduce_dispatch_and_combine_match_loops(n, dtype, kind):
         assert torch.equal(got.view(torch.uint8), want.to(dtype).view(torch.uint8)), s
 
 
-def test_the_partial_sum_is_in_k_order_within_a_pe_and_rounded_before_the_pes():
-    """One PE, three slots on it whose float32 sum depends on the order ((1e8 + 1) - 1e8 = 0 in k
-    order, 1 in another), and a bfloat16 partial that rounds before it is summed."""
-    rows = torch.tensor([[1e8], [1.0], [-1e8]])
-    pair_row, pair_weight = torch.tensor([[0, 1, 2]]), torch.ones(1, 3)
-    assert float(_moe.combine_reduce(rows, pair_row, pair_weight)[0, 0]) == 0.0
-    assert float(_moe.combine_reduce(rows, torch.tensor([[0, 2, 1]]), pair_weight)[0, 0]) == 1.0
+@pytest.mark.parametrize("pre_reduce", [True, False])
+def test_each_pe_s_partial_is_rounded_before_the_sum_across_pes(pre_reduce):
+    """Two simulated PEs, bfloat16, one token of ones with experts 0 and 1 on PE 0 and 2 on PE 1,
+    outputs 1, 2^-8 and 2^-8 (weights 1). pre_reduce: PE 0's partial 1 + 2^-8 rounds (to even)
+    to 1, then 1 + 2^-8 rounds to 1 again; the default sums once: 1 + 2^-7, exact in bf16."""
+    world = ThreadWorld(2)
+    scale = {0: 1.0, 1: 2.0 ** -8, 2: 2.0 ** -8}
+
+    def body(rank):
+        moe = _dispatcher(world, rank, 2, 4, 2, 3, 1, torch.bfloat16)
+        moe.pre_reduce = pre_reduce
+        if not pre_reduce:  # the default's combine buffer: a row per (token, expert)
+            moe._combine = ThreadedAllToAll(world, rank, 3, 3001)
+        x = torch.ones(1 if rank == 0 else 0, 2, dtype=torch.bfloat16)
+        ids = torch.tensor([[0, 1, 2]]) if rank == 0 else torch.zeros(0, 3, dtype=torch.int64)
+        weights = torch.ones(ids.shape)
+        if pre_reduce:
+            recv_x, handle = moe.dispatch(x, ids, topk_weights=weights)
+        else:
+            recv_x, handle = moe.dispatch(x, ids)
+        per_row = [scale.get(int(e) + 2 * rank, 0.0) for e in handle.expert_of_row]
+        y = (recv_x.float() * torch.tensor(per_row)[:, None]).to(torch.bfloat16)
+        return moe.combine(y, handle) if pre_reduce else moe.combine(y, handle, weights)
+
+    out = world.run(body)[0]
+    assert out.tolist() == ([[1.0, 1.0]] if pre_reduce else [[1.0078125, 1.0078125]])
 
 
 def test_torch_compile_traces_pre_reduce_dispatch_and_combine_whole():

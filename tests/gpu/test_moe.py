@@ -1135,7 +1135,7 @@ def test_eager_dispatch_and_combine_cross_into_cpp_at_most_3_times(world, dispat
     """Rows of 65 bf16 / fp8 elements: the grouping gathers (rows not of 16-byte multiples)."""
     if dispatcher.pre_reduce:
         pytest.skip("pre_reduce takes the Python steps (no one native call yet): "
-                    "test_pre_reduce_in_region_equals_the_compacting_steps checks its two paths")
+                    "test_in_region_dispatch_and_combine_equal_the_compacting_steps checks its paths")
     _check_host_path(world, dispatcher, monkeypatch, f"{dispatcher.dtype}")
 
 
@@ -1451,12 +1451,19 @@ def test_in_region_dispatch_and_combine_equal_the_compacting_steps(world, dispat
     rank, n, _ = world
     x, topk, weights = _moe_inputs("one_pe", rank, n, 5300 + rank, dispatcher.dtype)
     x, topk, weights = x.cuda(), topk.cuda(), weights.cuda()
+    calls: list[str] = []
+    monkeypatch.setattr(_reduced, "_C", _Counting(pydatacopy._C, calls))
     got = _run_moe(dispatcher, x, topk, weights)
+    monkeypatch.undo()
     runs = {"the compacting steps": [(_moe_dispatcher, "IN_REGION", False)]}
     if dispatcher.pre_reduce:
         runs["the reduction, then the rows sent"] = [(_reduced, "SUM_IN_SEND", False)]
-        if dispatcher._combine._core.sums_in_send != (path == "direct"):
-            _FAILURES.append(f"sums_in_send is {dispatcher._combine._core.sums_in_send} on the {path} path")
+        summed = dispatcher._combine._core.sums_in_send
+        if path == "rma" and summed:
+            _FAILURES.append("sums_in_send is True with PYDATACOPY_FORCE_RMA on")
+        if calls.count("moe_combine_region_summed") != (1 if summed else 0):
+            _FAILURES.append(f"the summing send ran {calls.count('moe_combine_region_summed')} times with "
+                             f"sums_in_send {summed} on the {path} path")
     for what, switches in runs.items():
         for module, name, value in switches:
             monkeypatch.setattr(module, name, value)
@@ -1467,6 +1474,50 @@ def test_in_region_dispatch_and_combine_equal_the_compacting_steps(world, dispat
         for field in want[1]._fields:
             _same_bytes(getattr(got[1], field).cpu(), getattr(want[1], field).cpu(), f"handle.{field} against {what}")
         _same_bytes(got[2].cpu(), want[2].cpu(), f"combined output against {what}")
+
+
+@pytest.mark.parametrize("hidden,dtype", [(64, torch.bfloat16), (65, torch.float32), (72, torch.float32),
+                                          (64, torch.float16), (33, torch.float16)])
+def test_the_summing_send_equals_the_two_steps_for_every_row_width_and_dtype(world, hidden, dtype, monkeypatch):
+    """pre_reduce's combine summing as it sends (rows of 16-byte multiples: the vector sums; else
+    the element sums; bf16, fp32, fp16 outputs) against the reduction kernel then the rows sent,
+    bit for bit, and both against the reference (each PE's partial in k order in float32
+    rounded to the dtype, the partials summed in PE order, rounded once)."""
+    from pydatacopy.moe import reduced as _reduced
+    rank, n, _ = world
+    experts_per_pe, topk, max_tokens = 3, 4, 10
+    d = pydatacopy.MoeDispatcher(experts_per_pe * n, hidden, topk, max_tokens, dtype=torch.bfloat16,
+                                 combine_dtype=dtype, pre_reduce=True)
+    try:
+        generator = torch.Generator().manual_seed(5400 + 10 * rank + hidden)
+        tokens = int(torch.randint(1, max_tokens + 1, (1,), generator=generator))
+        x = _rows(tokens, hidden, torch.bfloat16, generator)
+        ids = torch.randint(-1, experts_per_pe * n, (tokens, topk), generator=generator)
+        weights = torch.rand(tokens, topk, generator=generator)
+        outs = {}
+        for summing in (True, False):
+            monkeypatch.setattr(_reduced, "SUM_IN_SEND", summing)
+            recv_x, handle = d.dispatch(x.cuda(), ids.cuda(), topk_weights=weights.cuda(), timeout=TIMEOUT_S)
+            global_expert = (handle.expert_of_row + rank * experts_per_pe + 1).to(torch.float32)
+            y = (recv_x.to(torch.float32) * global_expert[:, None]).to(dtype)
+            outs[summing] = d.combine(y, handle, timeout=TIMEOUT_S).cpu()
+            monkeypatch.undo()
+        _same_bytes(outs[True], outs[False], f"hidden {hidden} {dtype}: summing send against the two steps")
+        want = torch.zeros(tokens, hidden, dtype=torch.float32)  # this PE's tokens: its own inputs
+        for t in range(tokens):
+            for pe in range(n):
+                partial, hit = torch.zeros(hidden, dtype=torch.float32), False
+                for k in range(topk):
+                    e = int(ids[t, k])
+                    if 0 <= e < experts_per_pe * n and e // experts_per_pe == pe:
+                        y_row = (x[t].to(torch.float32) * float(e + 1)).to(dtype)
+                        partial, hit = partial + weights[t, k] * y_row.to(torch.float32), True
+                if hit:
+                    want[t] = want[t] + partial.to(dtype).to(torch.float32)
+        _same_bytes(outs[True], want.to(dtype), f"hidden {hidden} {dtype}: against the reference")
+    finally:
+        torch.cuda.synchronize()
+        d.close()
 
 
 def test_expanded_combine_refuses_a_token_handle_on_one_pe(world, dispatcher):

@@ -121,7 +121,14 @@ def combine(moe, y, handle: MoeReducedHandle, timeout, tag: int, in_region: bool
                                      back[moe.n_pes:].data_ptr(), stream_handle(None, buffer._device),
                                      timeout_seconds(timeout), tag)
         return out
-    partial = combine_reduce(y, handle.pair_row, handle.pair_weight)
+    try:
+        partial = combine_reduce(y, handle.pair_row, handle.pair_weight)
+    except (torch.OutOfMemoryError, Error) as error:
+        # This PE alone, maybe (its memory, its tensors): its peers still get the round.
+        moe._combine._refuse(error if isinstance(error, Error) else Error(
+            f"pydatacopy.MoeDispatcher.combine: the expert-side sums ({handle.pair_row.shape[0]} rows) could not "
+            f"be allocated on this PE: {error}"), None, timeout)
+        raise
     return _tokens.combine_tokens(moe, partial, handle, timeout, tag, in_region)
 
 

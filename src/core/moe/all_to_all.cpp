@@ -369,7 +369,9 @@ int64_t AllToAll::launch_round(const std::vector<AllToAllField>& fields, const i
   }
   args.base = base_;
   args.peer_bases = peer_bases_;
-  args.direct = !rma_forced();
+  // A summed call was admitted with every peer direct (sums_in_send(), under this lock): it stays
+  // direct should the RMA switch flip since (its send kernel has no RMA path).
+  args.direct = summed != nullptr || !rma_forced();
   args.capacity = capacity_;
   args.region_bytes = layout.region_bytes();
   args.regions = layout.regions(set);
