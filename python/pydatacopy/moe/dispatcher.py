@@ -219,7 +219,7 @@ class MoeDispatcher:
                     self._zero_unused(*native)
                 return native
         plan = dispatch_plan(topk_idx, self.num_experts, self.n_pes)
-        recv_x, layout, recv_counts, _, _, _, call = grouped_steps(self, x, plan, None, timeout, IN_REGION)
+        recv_x, layout, recv_counts, _, _, _, call, _ = grouped_steps(self, x, plan, None, timeout, IN_REGION)
         handle = MoeHandle(layout.expert_counts, layout.expert_offsets, layout.num_rows,
                            layout.expert_of_row, layout.source_pe, layout.source_token, recv_counts,
                            layout.combine_index, layout.combine_counts, plan.pair_pe, plan.pair_rank)

@@ -68,10 +68,14 @@ def dispatch(moe, x, topk_idx, topk_weights, timeout, in_region: bool):
     """expand=True's dispatch with the weights as a third field; returns (recv_x, handle, call):
     call the dispatch buffer's call number (None for a traced call), for the handle's tag."""
     plan = dispatch_plan(topk_idx, moe.num_experts, moe.n_pes)
-    recv_x, layout, recv_counts, recv_offsets, recv_meta, recv_weights, call = grouped_steps(
-        moe, x, plan, topk_weights.to(torch.float32).contiguous(), timeout, in_region)
-    pair_row, pair_weight = received_pairs(recv_meta, recv_weights, recv_counts, layout.combine_index,
-                                           moe.my_pe, moe.experts_per_pe, moe.topk)
+    recv_x, layout, recv_counts, recv_offsets, recv_meta, recv_weights, call, positions = grouped_steps(
+        moe, x, plan, topk_weights.to(torch.float32).contiguous(), timeout, in_region, want_positions=True)
+    if positions is not None:  # the receive layout kernel's own (the same values, no torch ops)
+        pair_row = positions.view(recv_meta.shape[0], moe.topk)
+        pair_weight = torch.where(pair_row >= 0, recv_weights, torch.zeros((), device=recv_weights.device))
+    else:
+        pair_row, pair_weight = received_pairs(recv_meta, recv_weights, recv_counts, layout.combine_index,
+                                               moe.my_pe, moe.experts_per_pe, moe.topk)
     if not _traced() and _tokens._native_layouts_fit(moe, x.shape[0], recv_meta):
         token_pe, token_rank = _tokens._token_destinations_native(moe, plan, x.shape[0])
     else:
