@@ -54,10 +54,17 @@ def grouped_steps(moe, x, plan, weights, timeout, in_region: bool, want_position
             layout = layout_of(recvs[1], recv_counts)
             rows = layout.row_of.shape[0]
             recv_x = torch.empty((rows, moe.hidden), dtype=x.dtype, device=x.device)
-            _C.gather_region_rows(recv_x.data_ptr(), buffer._core.in_region(0), buffer._core.region_stride,
-                                  recv_offsets.data_ptr(), recv_counts.data_ptr(), moe.n_pes,
-                                  layout.row_of.data_ptr(), layout.num_rows.data_ptr(), rows, _row_bytes(x),
-                                  stream)
+            region, stride = buffer._core.in_region(0), buffer._core.region_stride
+            if positions is not None and _row_bytes(x) % _C.MOE_REGION_ROW_ALIGNMENT == 0:
+                # Each received row read once and stored to each of its expert rows (as the
+                # native dispatch groups them), where gathering reads a row once per expert.
+                _C.scatter_region_rows(recv_x.data_ptr(), rows, region, stride, recv_offsets.data_ptr(),
+                                       recv_counts.data_ptr(), moe.n_pes, positions.data_ptr(), moe.topk,
+                                       recvs[1].shape[0], _row_bytes(x), stream)
+            else:
+                _C.gather_region_rows(recv_x.data_ptr(), region, stride, recv_offsets.data_ptr(),
+                                      recv_counts.data_ptr(), moe.n_pes, layout.row_of.data_ptr(),
+                                      layout.num_rows.data_ptr(), rows, _row_bytes(x), stream)
         finally:
             buffer._core.release(call, stream_handle(None, buffer._device))
     recv_weights = recvs[2] if weights is not None else None
