@@ -2,7 +2,8 @@
 dispatch/combine.
 
 Owns ``AllToAll``/``all_to_all_v`` (all_to_all.py), ``MoeDispatcher``/``MoeHandle``
-(dispatcher.py), the layouts (layout.py), the row kernels (rows.py) and their custom ops
+(dispatcher.py; its modes: expand=False in tokens.py, pre_reduce in reduced.py, the expanded
+dispatch's Python steps in grouped.py), the layouts (layout.py), the row kernels (rows.py) and their custom ops
 ``torch.ops.pydatacopy.all_to_all_v`` and ``moe_*``. May import torch, ``_C`` and the shared
 ``_torch_utils``; no other feature, and not ``ops`` (its ops are its own).
 
