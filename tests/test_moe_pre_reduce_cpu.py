@@ -246,3 +246,35 @@ def test_pre_reduce_combine_refusals_run_the_round():
         d.combine(y[:-1], _reduced_handle())
     assert len(d._combine.refused) == 4 and d._combine.compact == [False] * 4
     assert d._dispatch.refused == []
+
+
+def test_sums_this_pe_cannot_allocate_are_refused_through_the_round(monkeypatch):
+    """The two-step combine's sums come before its round: one PE out of memory there still takes
+    part (refused), so the other's combine completes and its check_errors reports it."""
+    import threading
+
+    world, failing = ThreadWorld(2), set()
+    real = _reduced.combine_reduce
+
+    def combine_reduce(*args):
+        if threading.get_ident() in failing:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args)
+
+    monkeypatch.setattr(_reduced, "combine_reduce", combine_reduce)
+
+    def body(rank):
+        moe = _dispatcher(world, rank, 2, 4, 3, 2, 2, torch.float32)
+        x, ids = torch.ones(2, 3), torch.tensor([[0, 2], [1, 3]])
+        recv_x, handle = moe.dispatch(x, ids, topk_weights=torch.ones(2, 2))
+        if rank == 1:
+            failing.add(threading.get_ident())
+        try:
+            moe.combine(recv_x, handle)
+            world.raise_errors(rank)
+        except pydatacopy.Error as error:
+            return str(error)
+        return None
+
+    messages = world.run(body)
+    assert all(m is not None and "could not be allocated" in m for m in messages), messages

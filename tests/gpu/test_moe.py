@@ -1459,8 +1459,8 @@ def test_in_region_dispatch_and_combine_equal_the_compacting_steps(world, dispat
     if dispatcher.pre_reduce:
         runs["the reduction, then the rows sent"] = [(_reduced, "SUM_IN_SEND", False)]
         summed = dispatcher._combine._core.sums_in_send
-        if path == "rma" and summed:
-            _FAILURES.append("sums_in_send is True with PYDATACOPY_FORCE_RMA on")
+        if _summing_expected(n) not in (None, summed):
+            _FAILURES.append(f"sums_in_send is {summed} on the {path} path (expected {_summing_expected(n)})")
         if calls.count("moe_combine_region_summed") != (1 if summed else 0):
             _FAILURES.append(f"the summing send ran {calls.count('moe_combine_region_summed')} times with "
                              f"sums_in_send {summed} on the {path} path")
@@ -1476,6 +1476,15 @@ def test_in_region_dispatch_and_combine_equal_the_compacting_steps(world, dispat
         _same_bytes(got[2].cpu(), want[2].cpu(), f"combined output against {what}")
 
 
+def _summing_expected(n: int):
+    """Whether pre_reduce's combine must sum as it sends here: RMA not forced and every PE on this
+    PE's GPU (direct stores certain); None elsewhere (peers on other GPUs may be direct or not)."""
+    from conftest import ranks_per_gpu
+    if pydatacopy._C.rma_forced():
+        return False
+    return True if ranks_per_gpu() >= n else None
+
+
 @pytest.mark.parametrize("hidden,dtype", [(64, torch.bfloat16), (65, torch.float32), (72, torch.float32),
                                           (64, torch.float16), (33, torch.float16)])
 def test_the_summing_send_equals_the_two_steps_for_every_row_width_and_dtype(world, hidden, dtype, monkeypatch):
@@ -1483,6 +1492,7 @@ def test_the_summing_send_equals_the_two_steps_for_every_row_width_and_dtype(wor
     the element sums; bf16, fp32, fp16 outputs) against the reduction kernel then the rows sent,
     bit for bit, and both against the reference (each PE's partial in k order in float32
     rounded to the dtype, the partials summed in PE order, rounded once)."""
+    from pydatacopy.moe import dispatcher as _moe_dispatcher
     from pydatacopy.moe import reduced as _reduced
     rank, n, _ = world
     experts_per_pe, topk, max_tokens = 3, 4, 10
@@ -1494,15 +1504,31 @@ def test_the_summing_send_equals_the_two_steps_for_every_row_width_and_dtype(wor
         x = _rows(tokens, hidden, torch.bfloat16, generator)
         ids = torch.randint(-1, experts_per_pe * n, (tokens, topk), generator=generator)
         weights = torch.rand(tokens, topk, generator=generator)
-        outs = {}
-        for summing in (True, False):
+        outs, dispatched = {}, {}
+        calls: list[str] = []
+        # The summing send, the two steps, and the compacting steps (its dispatch gathers where
+        # the in-region one scatters rows of 16-byte multiples).
+        for run, summing, in_region in (("summing", True, True), ("two steps", False, True),
+                                         ("compacting", False, False)):
             monkeypatch.setattr(_reduced, "SUM_IN_SEND", summing)
+            monkeypatch.setattr(_moe_dispatcher, "IN_REGION", in_region)
+            monkeypatch.setattr(_reduced, "_C", _Counting(pydatacopy._C, calls))
             recv_x, handle = d.dispatch(x.cuda(), ids.cuda(), topk_weights=weights.cuda(), timeout=TIMEOUT_S)
             global_expert = (handle.expert_of_row + rank * experts_per_pe + 1).to(torch.float32)
             y = (recv_x.to(torch.float32) * global_expert[:, None]).to(dtype)
-            outs[summing] = d.combine(y, handle, timeout=TIMEOUT_S).cpu()
+            outs[run] = d.combine(y, handle, timeout=TIMEOUT_S).cpu()
             monkeypatch.undo()
-        _same_bytes(outs[True], outs[False], f"hidden {hidden} {dtype}: summing send against the two steps")
+            used = int(handle.num_rows)
+            dispatched[run] = (recv_x[:used].cpu(), [getattr(handle, f).cpu() for f in handle._fields])
+        for run in ("two steps", "compacting"):
+            _same_bytes(outs["summing"], outs[run], f"hidden {hidden} {dtype}: summing send against {run}")
+            _same_bytes(dispatched["summing"][0], dispatched[run][0], f"hidden {hidden}: recv_x against {run}")
+            for field, got, want in zip(handle._fields, dispatched["summing"][1], dispatched[run][1]):
+                _same_bytes(got, want, f"hidden {hidden}: handle.{field} against {run}")
+        summed = d._combine._core.sums_in_send
+        if _summing_expected(n) not in (None, summed) or calls.count("moe_combine_region_summed") != int(summed):
+            _FAILURES.append(f"hidden {hidden} {dtype}: sums_in_send {summed} (expected {_summing_expected(n)}), "
+                             f"the summing call ran {calls.count('moe_combine_region_summed')} times")
         want = torch.zeros(tokens, hidden, dtype=torch.float32)  # this PE's tokens: its own inputs
         for t in range(tokens):
             for pe in range(n):
@@ -1514,7 +1540,7 @@ def test_the_summing_send_equals_the_two_steps_for_every_row_width_and_dtype(wor
                         partial, hit = partial + weights[t, k] * y_row.to(torch.float32), True
                 if hit:
                     want[t] = want[t] + partial.to(dtype).to(torch.float32)
-        _same_bytes(outs[True], want.to(dtype), f"hidden {hidden} {dtype}: against the reference")
+        _same_bytes(outs["summing"], want.to(dtype), f"hidden {hidden} {dtype}: against the reference")
     finally:
         torch.cuda.synchronize()
         d.close()

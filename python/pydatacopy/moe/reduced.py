@@ -9,6 +9,8 @@ after their argument checks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import _C
@@ -111,13 +113,14 @@ def combine(moe, y, handle: MoeReducedHandle, timeout, tag: int, in_region: bool
     (moe_combine_region_summed); else the reduction kernel, then the rows sent."""
     if not _traced() and in_region and SUM_IN_SEND and _summed_fits(moe, y, handle):
         buffer = moe._combine
-        y = y.contiguous()
-        # Held in locals until the call has queued its kernels (as combine_tokens' inputs).
-        pair_row, pair_weight = handle.pair_row.contiguous(), handle.pair_weight.contiguous()
-        token_pe, token_rank = handle.token_pe.contiguous(), handle.token_rank.contiguous()
-        tokens, width = token_pe.shape
-        out = torch.empty((tokens, y.shape[1]), dtype=y.dtype, device=y.device)
-        back = torch.empty(2 * moe.n_pes, dtype=torch.int64, device=y.device)  # (scratch, as in combine)
+        tokens, width = handle.token_pe.shape
+        with _refused_if_out_of_memory(moe, timeout, "the combine's output"):
+            y = y.contiguous()
+            # Held in locals until the call has queued its kernels (as combine_tokens' inputs).
+            pair_row, pair_weight = handle.pair_row.contiguous(), handle.pair_weight.contiguous()
+            token_pe, token_rank = handle.token_pe.contiguous(), handle.token_rank.contiguous()
+            out = torch.empty((tokens, y.shape[1]), dtype=y.dtype, device=y.device)
+            back = torch.empty(2 * moe.n_pes, dtype=torch.int64, device=y.device)  # (scratch, as in combine)
         _C.moe_combine_region_summed(buffer._core, y.data_ptr(), y.shape[0], y.shape[1], _REDUCE_DTYPES[y.dtype],
                                      pair_row.data_ptr(), pair_weight.data_ptr(), pair_row.shape[0], moe.topk,
                                      handle.recv_counts.data_ptr(), token_pe.data_ptr(), token_rank.data_ptr(),
@@ -125,15 +128,21 @@ def combine(moe, y, handle: MoeReducedHandle, timeout, tag: int, in_region: bool
                                      back[moe.n_pes:].data_ptr(), stream_handle(None, buffer._device),
                                      timeout_seconds(timeout), tag)
         return out
-    try:
+    with _refused_if_out_of_memory(moe, timeout, f"the expert-side sums ({handle.pair_row.shape[0]} rows)"):
         partial = combine_reduce(y, handle.pair_row, handle.pair_weight)
-    except (torch.OutOfMemoryError, Error) as error:
-        # This PE alone, maybe (its memory, its tensors): its peers still get the round.
-        moe._combine._refuse(error if isinstance(error, Error) else Error(
-            f"pydatacopy.MoeDispatcher.combine: the expert-side sums ({handle.pair_row.shape[0]} rows) could not "
-            f"be allocated on this PE: {error}"), None, timeout)
-        raise
     return _tokens.combine_tokens(moe, partial, handle, timeout, tag, in_region)
+
+
+@contextlib.contextmanager
+def _refused_if_out_of_memory(moe, timeout, what: str):
+    """Work before the combine's round: an allocation this PE alone may fail (its memory) still
+    takes part in the round, refused, so that the peers' calls end with Error, not a timeout."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        moe._combine._refuse(Error(f"pydatacopy.MoeDispatcher.combine: {what} could not be allocated on "
+                                   f"this PE: {error}"), None, timeout)
+        raise
 
 
 def _summed_fits(moe, y, handle) -> bool:
