@@ -2,10 +2,11 @@
 expanded layout): dispatch as expand=True (recv_x grouped by local expert) with the top-k
 weights sent along; combine sums each received token's local experts' outputs, weighted, on the
 expert side and sends one row per (token, PE) back, which the source sums across PEs as an
-expand=False combine does. Built from the existing pieces: the exchange with one more field,
-the receive layout, the reduction kernel (weighted, then with weight 1) and expand=False's
-combine. Functions of the dispatcher (``moe``), called by MoeDispatcher.dispatch / combine
-after their argument checks."""
+expand=False combine does. Dispatch: the exchange with one more field, the receive layout and
+the grouping (grouped.py). Combine: eagerly with every peer direct, one native call whose send
+kernel sums each row as it stores it (moe_combine_region_summed); else the reduction kernel,
+then expand=False's combine. Functions of the dispatcher (``moe``), called by
+MoeDispatcher.dispatch / combine after their argument checks."""
 
 from __future__ import annotations
 
