@@ -150,7 +150,8 @@ def _summed_fits(moe, y, handle) -> bool:
     """Whether moe_combine_region_summed takes these tensors and this buffer (every peer direct);
     else the two steps (their checks)."""
     device = moe._combine._device
-    on_device = all(t.get_device() == device for t in (y, *handle))
+    used = (y, handle.pair_row, handle.pair_weight, handle.recv_counts, handle.token_pe, handle.token_rank)
+    on_device = all(t.get_device() == device for t in used)  # the tensors the native call reads
     return (on_device and handle.recv_counts.dtype == torch.int64 and handle.recv_counts.is_contiguous()
             and handle.pair_row.dtype == torch.int64 and handle.pair_weight.dtype == torch.float32
             and handle.token_pe.dtype == torch.int64 and handle.token_rank.dtype == torch.int64
